@@ -1,0 +1,27 @@
+"""Pure attention functions on q, k, v [B, H, T, d]; every fast path has a `*_reference` twin."""
+
+from routeformer.ops.block_attention import block_attention, block_attention_reference
+from routeformer.ops.full import full_attention, full_attention_flops, full_attention_reference
+from routeformer.ops.linear import (
+    linear_attention,
+    linear_attention_flops,
+    linear_attention_reference,
+)
+from routeformer.ops.local import local_attention, local_attention_flops, local_attention_reference
+from routeformer.ops.rotary import apply_rotary, rotary_angles
+
+__all__ = [
+    "apply_rotary",
+    "block_attention",
+    "block_attention_reference",
+    "full_attention",
+    "full_attention_flops",
+    "full_attention_reference",
+    "linear_attention",
+    "linear_attention_flops",
+    "linear_attention_reference",
+    "local_attention",
+    "local_attention_flops",
+    "local_attention_reference",
+    "rotary_angles",
+]

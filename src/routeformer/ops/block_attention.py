@@ -1,0 +1,105 @@
+"""Softmax attention inside many small blocks, with a flash-style backward.
+
+Axes: B batch, H heads, N blocks, Lq queries per block, Lk keys per block, d head dim.
+
+`block_attention(q, k, v, allowed)` computes, for every block independently,
+    softmax(q kᵀ · scale, masked by `allowed`) v
+for q [B, H, N, Lq, d], k, v [B, H, N, Lk, d] and a bool `allowed` broadcastable to
+[B, H, N, Lq, Lk]. It is the engine of the blockwise ops (sliding window, ...): time and memory
+are O(N·Lq·Lk), never O(T²).
+
+Why a custom autograd function: eager PyTorch would keep every block's probability matrix for the
+backward pass and allocate a fresh O(N·Lq·Lk) buffer per elementwise step; on these CPUs fresh
+allocations cost 2-3x in page faults. Here blocks are processed a group at a time (temporaries of a
+few MB that the allocator reuses), only the output and the per-row log-sum-exp are saved, and the
+backward recomputes the probabilities group by group — the FlashAttention recipe.
+
+Rows with no allowed key return zeros and pass zero gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from routeformer.ops.full import masked_attention_reference
+
+# Elements of one group's score matrix; ~16 MB in fp32 keeps temporaries cache- and reuse-friendly.
+_GROUP_SCORE_ELEMENTS = 1 << 22
+
+
+def _group_size(q: Tensor, k: Tensor) -> int:
+    batch, heads, blocks, lq, _ = q.shape
+    per_block = batch * heads * lq * k.shape[3]
+    return max(1, min(blocks, _GROUP_SCORE_ELEMENTS // max(per_block, 1)))
+
+
+def _masked_scores(q: Tensor, k: Tensor, allowed: Tensor, scale: float) -> Tensor:
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    return scores.masked_fill_(~allowed, float("-inf"))
+
+
+class _BlockAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, allowed, scale):  # noqa: D401 - autograd signature
+        out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+        # Log-sum-exp per row; +inf marks rows with no allowed key so exp(s - lse) = 0 there.
+        stats_dtype = torch.promote_types(q.dtype, torch.float32)
+        lse = torch.empty(q.shape[:-1], dtype=stats_dtype, device=q.device)
+        group = _group_size(q, k)
+        for start in range(0, q.shape[2], group):
+            sl = slice(start, start + group)
+            scores = _masked_scores(q[:, :, sl], k[:, :, sl], allowed[:, :, sl], scale)
+            row_max = scores.amax(dim=-1, keepdim=True)
+            row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+            probs = scores.sub_(row_max).exp_()
+            row_sum = probs.sum(dim=-1, keepdim=True)
+            empty = row_sum == 0
+            probs.div_(row_sum.masked_fill(empty, 1.0))
+            out[:, :, sl] = torch.matmul(probs, v[:, :, sl])
+            group_lse = (row_max + row_sum.log()).to(stats_dtype).masked_fill(empty, float("inf"))
+            lse[:, :, sl] = group_lse.squeeze(-1)
+        ctx.save_for_backward(q, k, v, allowed, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, allowed, out, lse = ctx.saved_tensors
+        scale = ctx.scale
+        grad_out = grad_out.contiguous()
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        # D_i = sum_c dO_ic O_ic: the softmax-Jacobian term of FlashAttention's backward.
+        stats_dtype = torch.promote_types(q.dtype, torch.float32)
+        row_dot = (grad_out.to(stats_dtype) * out.to(stats_dtype)).sum(dim=-1, keepdim=True)
+        group = _group_size(q, k)
+        for start in range(0, q.shape[2], group):
+            sl = slice(start, start + group)
+            qg, kg, vg, dog = q[:, :, sl], k[:, :, sl], v[:, :, sl], grad_out[:, :, sl]
+            scores = _masked_scores(qg, kg, allowed[:, :, sl], scale)
+            probs = scores.sub_(lse[:, :, sl, :, None].to(scores.dtype)).exp_()
+            grad_v[:, :, sl] = torch.matmul(probs.transpose(-1, -2), dog)
+            grad_probs = torch.matmul(dog, vg.transpose(-1, -2))
+            grad_scores = grad_probs.sub_(row_dot[:, :, sl].to(grad_probs.dtype)).mul_(probs)
+            grad_scores.mul_(scale)
+            grad_q[:, :, sl] = torch.matmul(grad_scores, kg)
+            grad_k[:, :, sl] = torch.matmul(grad_scores.transpose(-1, -2), qg)
+        return grad_q, grad_k, grad_v, None, None
+
+
+def block_attention(
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float | None = None
+) -> Tensor:
+    """Blockwise masked softmax attention; see the module docstring for shapes."""
+    if q.dim() != 5 or k.dim() != 5 or v.dim() != 5:
+        raise ValueError("block_attention expects q, k, v of shape [B, H, N, L, d]")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    allowed = allowed.expand(q.shape[:3] + (q.shape[3], k.shape[3]))
+    return _BlockAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), allowed, scale)
+
+
+def block_attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float | None = None
+) -> Tensor:
+    """Plain autograd twin of `block_attention`."""
+    return masked_attention_reference(q, k, v, allowed, scale)

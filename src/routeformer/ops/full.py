@@ -1,0 +1,94 @@
+"""Full softmax attention (the `full` expert).
+
+Axes: B batch, H heads, T length (Tq queries, Tk keys), d head dim.
+Fast path: `scaled_dot_product_attention`. Reference: explicit masked softmax.
+A query row whose keys are all masked returns zeros (never NaN), in both.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from routeformer.ops._checks import check_qkv
+from routeformer.ops.flops import dense_attention_flops
+
+
+def allowed_keys(
+    batch: int, num_queries: int, key_mask: Tensor | None, causal: bool, device: torch.device
+) -> Tensor | None:
+    """Bool [B, 1, Tq, Tk] of the keys each query may read, or None when every key is allowed."""
+    if key_mask is None and not causal:
+        return None
+    num_keys = num_queries if key_mask is None else key_mask.shape[1]
+    allowed = torch.ones(1, 1, num_queries, num_keys, dtype=torch.bool, device=device)
+    if causal:
+        allowed = allowed.tril()
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, None, :]
+    return allowed.expand(batch, 1, num_queries, num_keys)
+
+
+def full_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None, causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """softmax(q kᵀ · scale + mask) v over [B, H, T, d] tensors.
+
+    `mask` is a bool key-padding mask [B, Tk] (True = real token); `causal` lets query i read keys
+    j <= i. Rows left with no key return zeros.
+    """
+    check_qkv(q, k, v, mask, causal=causal)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    allowed = allowed_keys(q.shape[0], q.shape[2], mask, causal, q.device)
+    has_key = allowed.any(dim=-1, keepdim=True)  # [B, 1, Tq, 1]
+    # Empty rows get every key (so no kernel ever sees an all -inf row), then are zeroed.
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | ~has_key, scale=scale)
+    return out * has_key.to(out.dtype)
+
+
+def masked_attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale: float | None = None
+) -> Tensor:
+    """softmax(q kᵀ · scale) v with a bool `allowed` mask, written the obvious way.
+
+    Works for any leading axes; rows with no allowed key return zeros. This is the reference that
+    every masked-softmax fast path in routeformer is compared with.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if allowed is None:
+        return scores.softmax(dim=-1) @ v
+    allowed = allowed.expand(scores.shape)
+    has_key = allowed.any(dim=-1, keepdim=True)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.where(has_key, scores, torch.zeros_like(scores)).softmax(dim=-1)
+    return (weights * has_key) @ v
+
+
+def full_attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None, causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """The specification of `full_attention`: dense scores, explicit mask, softmax."""
+    check_qkv(q, k, v, mask, causal=causal)
+    allowed = allowed_keys(q.shape[0], q.shape[2], mask, causal, q.device)
+    return masked_attention_reference(q, k, v, allowed, scale)
+
+
+def full_attention_flops(
+    batch: int, heads: int, num_queries: int, num_keys: int, head_dim: int, causal: bool,
+    masked: bool = False,
+) -> int:
+    """Executed FLOPs of `full_attention`.
+
+    Without a padding mask the fused causal kernel skips the upper triangle (T(T+1)/2 pairs);
+    with one (`masked`), the kernel scores every pair and masks afterwards.
+    """
+    if causal and not masked:
+        pairs = num_queries * (num_queries + 1) // 2
+    else:
+        pairs = num_queries * num_keys
+    return batch * heads * dense_attention_flops(pairs, head_dim)
