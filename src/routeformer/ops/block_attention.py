@@ -34,8 +34,22 @@ def _group_size(q: Tensor, k: Tensor) -> int:
     return max(1, min(blocks, _GROUP_SCORE_ELEMENTS // max(per_block, 1)))
 
 
-def _masked_scores(q: Tensor, k: Tensor, allowed: Tensor, scale: float) -> Tensor:
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+class _Scratch:
+    """One reusable buffer per role, so each group writes into memory that is already mapped."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, Tensor] = {}
+
+    def matmul(self, role: str, a: Tensor, b: Tensor) -> Tensor:
+        shape = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+        buffer = self.buffers.get(role)
+        if buffer is None or buffer.shape != shape:
+            buffer = self.buffers[role] = torch.empty(shape, dtype=a.dtype, device=a.device)
+        return torch.matmul(a, b, out=buffer)
+
+
+def _masked_scores(scratch: _Scratch, scaled_q: Tensor, k: Tensor, allowed: Tensor) -> Tensor:
+    scores = scratch.matmul("scores", scaled_q, k.transpose(-1, -2))
     return scores.masked_fill_(~allowed, float("-inf"))
 
 
@@ -46,17 +60,19 @@ class _BlockAttention(torch.autograd.Function):
         # Log-sum-exp per row; +inf marks rows with no allowed key so exp(s - lse) = 0 there.
         stats_dtype = torch.promote_types(q.dtype, torch.float32)
         lse = torch.empty(q.shape[:-1], dtype=stats_dtype, device=q.device)
-        group = _group_size(q, k)
+        # Scaling q (small) instead of the scores (large) saves a pass over every score.
+        scaled_q = q * scale
+        group, scratch = _group_size(q, k), _Scratch()
         for start in range(0, q.shape[2], group):
             sl = slice(start, start + group)
-            scores = _masked_scores(q[:, :, sl], k[:, :, sl], allowed[:, :, sl], scale)
+            scores = _masked_scores(scratch, scaled_q[:, :, sl], k[:, :, sl], allowed[:, :, sl])
             row_max = scores.amax(dim=-1, keepdim=True)
             row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
             probs = scores.sub_(row_max).exp_()
             row_sum = probs.sum(dim=-1, keepdim=True)
             empty = row_sum == 0
-            probs.div_(row_sum.masked_fill(empty, 1.0))
-            out[:, :, sl] = torch.matmul(probs, v[:, :, sl])
+            # Normalise the [.., L, e] output rather than the [.., L, Lk] probabilities.
+            out[:, :, sl] = torch.matmul(probs, v[:, :, sl]) / row_sum.masked_fill(empty, 1.0)
             group_lse = (row_max + row_sum.log()).to(stats_dtype).masked_fill(empty, float("inf"))
             lse[:, :, sl] = group_lse.squeeze(-1)
         ctx.save_for_backward(q, k, v, allowed, out, lse)
@@ -72,17 +88,18 @@ class _BlockAttention(torch.autograd.Function):
         # D_i = sum_c dO_ic O_ic: the softmax-Jacobian term of FlashAttention's backward.
         stats_dtype = torch.promote_types(q.dtype, torch.float32)
         row_dot = (grad_out.to(stats_dtype) * out.to(stats_dtype)).sum(dim=-1, keepdim=True)
-        group = _group_size(q, k)
+        scaled_q = q * scale
+        group, scratch = _group_size(q, k), _Scratch()
         for start in range(0, q.shape[2], group):
             sl = slice(start, start + group)
-            qg, kg, vg, dog = q[:, :, sl], k[:, :, sl], v[:, :, sl], grad_out[:, :, sl]
-            scores = _masked_scores(qg, kg, allowed[:, :, sl], scale)
+            qg, kg, vg, dog = scaled_q[:, :, sl], k[:, :, sl], v[:, :, sl], grad_out[:, :, sl]
+            scores = _masked_scores(scratch, qg, kg, allowed[:, :, sl])
             probs = scores.sub_(lse[:, :, sl, :, None].to(scores.dtype)).exp_()
             grad_v[:, :, sl] = torch.matmul(probs.transpose(-1, -2), dog)
-            grad_probs = torch.matmul(dog, vg.transpose(-1, -2))
+            grad_probs = scratch.matmul("grad_probs", dog, vg.transpose(-1, -2))
             grad_scores = grad_probs.sub_(row_dot[:, :, sl].to(grad_probs.dtype)).mul_(probs)
-            grad_scores.mul_(scale)
-            grad_q[:, :, sl] = torch.matmul(grad_scores, kg)
+            # scores = (scale·q) kᵀ: dq = scale · dS k, and dk = dSᵀ (scale·q) needs no rescale.
+            grad_q[:, :, sl] = torch.matmul(grad_scores, kg).mul_(scale)
             grad_k[:, :, sl] = torch.matmul(grad_scores.transpose(-1, -2), qg)
         return grad_q, grad_k, grad_v, None, None
 

@@ -1,11 +1,12 @@
 """Sliding-window attention (the `local` expert), blockwise.
 
-Axes: B batch, H heads, T length, d head dim, N blocks, w window (= block size).
+Axes: B batch, H heads, T length, d head dim, N blocks, b block length.
 
 Causal: token i reads keys [i - window + 1, i]. Non-causal: keys [i - window, i + window].
-Fast path: cut the (internally padded) sequence into N blocks of `window` tokens; every query block
-attends to its own block and the previous one (causal) or both neighbours (non-causal), with a
-band mask, through `block_attention`. Time and memory O(T·window·d).
+Fast path: cut the (internally padded) sequence into N query blocks of b tokens; every query block
+attends to its own block and the ceil(window / b) blocks before it (and, non-causal, after it),
+with a band mask, through `block_attention`. With b = window that is the block and its
+neighbour(s). Time and memory O(T·(window + b)·d).
 Reference: the dense T×T score matrix with the band mask.
 """
 
@@ -28,59 +29,77 @@ def _in_window(offset: Tensor, window: int, causal: bool) -> Tensor:
     return offset.abs() <= window
 
 
-def _neighbour_blocks(x: Tensor, window: int, blocks: int, causal: bool) -> Tensor:
-    """[B, H, N·w, d] (already padded to N·w) -> [B, H, N, (2 or 3)·w, d]: prev (, next) + own."""
-    batch, heads, _, dim = x.shape
-    padded = F.pad(x, (0, 0, window, 0 if causal else window))
-    parts = [padded[:, :, : blocks * window], padded[:, :, window : window + blocks * window]]
-    if not causal:
-        parts.append(padded[:, :, 2 * window :])
-    return torch.cat([p.reshape(batch, heads, blocks, window, dim) for p in parts], dim=3)
+def _block_span(window: int, block: int) -> int:
+    """How many neighbour blocks on each side a query block needs to cover its window."""
+    return -(-window // block)
 
 
-def _neighbour_key_mask(valid: Tensor, window: int, blocks: int, causal: bool) -> Tensor:
-    """Bool [B, T'] of real keys -> [B, N, (2 or 3)·w] in the layout of `_neighbour_blocks`."""
-    padded = F.pad(valid, (window, 0 if causal else window), value=False)
-    parts = [padded[:, : blocks * window], padded[:, window : window + blocks * window]]
-    if not causal:
-        parts.append(padded[:, 2 * window :])
-    return torch.cat([p.reshape(valid.shape[0], blocks, window) for p in parts], dim=2)
+def _neighbour_blocks(x: Tensor, block: int, span: int, causal: bool, fill=0.0) -> Tensor:
+    """[B, H?, N·b, ...] -> [B, H?, N, (span + 1 or 2·span + 1)·b, ...]: each block's key set.
 
-
-def _band(window: int, causal: bool, device: torch.device) -> Tensor:
-    """Bool [w, (2 or 3)·w]: query a of a block may read key b of the neighbour layout.
-
-    Key b sits at offset b - w from the block start, so its distance to query a is b - w - a.
+    The key set of block n is the blocks n - span .. n (causal) or n - span .. n + span, in
+    order, so key slot s of block n holds position (n - span)·b + s. Works for keys, values
+    (with a trailing feature axis) and the key-padding mask (without one).
     """
-    query = torch.arange(window, device=device)[:, None]
-    key = torch.arange((2 if causal else 3) * window, device=device)[None, :]
-    return _in_window(key - window - query, window, causal)
+    time_axis = 2 if x.dim() == 4 else 1
+    length = x.shape[time_axis]
+    blocks = length // block
+    after = 0 if causal else span
+    pad = [0, 0] * (x.dim() - time_axis - 1) + [span * block, after * block]
+    padded = F.pad(x, pad, value=fill)
+    parts = [
+        padded.narrow(time_axis, shift * block, length).unflatten(time_axis, (blocks, block))
+        for shift in range(span + 1 + after)
+    ]
+    return torch.cat(parts, dim=time_axis + 1)
+
+
+def _band(window: int, block: int, span: int, causal: bool, device: torch.device) -> Tensor:
+    """Bool [b, key slots]: query a of a block may read key slot s of its neighbour layout.
+
+    Key slot s sits at offset s - span·b from the block start, so its distance is s - span·b - a.
+    """
+    query = torch.arange(block, device=device)[:, None]
+    slots = (span + 1 + (0 if causal else span)) * block
+    key = torch.arange(slots, device=device)[None, :]
+    return _in_window(key - span * block - query, window, causal)
 
 
 def local_attention(
     q: Tensor, k: Tensor, v: Tensor, *, window: int, mask: Tensor | None = None,
-    causal: bool = False, scale: float | None = None,
+    causal: bool = False, scale: float | None = None, block: int | None = None,
 ) -> Tensor:
-    """Blockwise sliding-window softmax attention; see the module docstring."""
+    """Blockwise sliding-window softmax attention; see the module docstring.
+
+    `block` is the query block length (default: `window`, capped at 128 — smaller blocks score
+    fewer keys outside the window, larger ones make bigger, more efficient matrix products).
+    """
     check_qkv(q, k, v, mask, causal=True)  # a window needs queries and keys on one axis
     check_positive("window", window)
+    block = default_block(window) if block is None else block
+    check_positive("block", block)
     batch, heads, length, _ = q.shape
-    blocks = -(-length // window)
-    pad = blocks * window - length
+    blocks = -(-length // block)
+    span = _block_span(window, block)
+    pad = blocks * block - length
     valid = torch.ones(batch, length, dtype=torch.bool, device=q.device) if mask is None else mask
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
         valid = F.pad(valid, (0, pad), value=False)
-    key_valid = _neighbour_key_mask(valid, window, blocks, causal)  # [B, N, Lk]
-    allowed = _band(window, causal, q.device)[None, None] & key_valid[:, None, :, None, :]
+    key_valid = _neighbour_blocks(valid, block, span, causal, fill=False)  # [B, N, slots]
+    band = _band(window, block, span, causal, q.device)
     out = block_attention(
-        q.reshape(batch, heads, blocks, window, -1),
-        _neighbour_blocks(k, window, blocks, causal),
-        _neighbour_blocks(v, window, blocks, causal),
-        allowed,  # [B, 1, N, w, Lk]
+        q.reshape(batch, heads, blocks, block, -1),
+        _neighbour_blocks(k, block, span, causal),
+        _neighbour_blocks(v, block, span, causal),
+        band & key_valid[:, None, :, None, :],  # [B, 1, N, b, slots]
         scale,
     )
-    return out.reshape(batch, heads, blocks * window, -1)[:, :, :length]
+    return out.reshape(batch, heads, blocks * block, -1)[:, :, :length]
+
+
+def default_block(window: int) -> int:
+    return min(window, 128)
 
 
 def local_band(length: int, window: int, causal: bool, device: torch.device) -> Tensor:
@@ -103,9 +122,12 @@ def local_attention_reference(
 
 
 def local_attention_flops(
-    batch: int, heads: int, length: int, head_dim: int, window: int, causal: bool
+    batch: int, heads: int, length: int, head_dim: int, window: int, causal: bool,
+    block: int | None = None,
 ) -> int:
-    """Executed FLOPs of the blockwise path: every block scores (2 or 3)·w keys per query."""
-    blocks = -(-length // window)
-    keys_per_query = (2 if causal else 3) * window
-    return batch * heads * dense_attention_flops(blocks * window * keys_per_query, head_dim)
+    """Executed FLOPs of the blockwise path: every query scores all key slots of its block."""
+    block = default_block(window) if block is None else block
+    blocks = -(-length // block)
+    span = _block_span(window, block)
+    slots = (span + 1 + (0 if causal else span)) * block
+    return batch * heads * dense_attention_flops(blocks * block * slots, head_dim)

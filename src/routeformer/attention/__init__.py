@@ -1,0 +1,26 @@
+"""Attention layers [B, T, D] -> AttentionOutput, built by name from the registry."""
+
+from routeformer.attention.base import AttentionLayer, AttentionOutput
+from routeformer.attention.full import FullAttention
+from routeformer.attention.gated import GatedAttention
+from routeformer.attention.linear import LinearAttention
+from routeformer.attention.local import LocalAttention
+from routeformer.attention.registry import (
+    attention_options,
+    build_attention,
+    list_attentions,
+    register_attention,
+)
+
+__all__ = [
+    "AttentionLayer",
+    "AttentionOutput",
+    "FullAttention",
+    "GatedAttention",
+    "LinearAttention",
+    "LocalAttention",
+    "attention_options",
+    "build_attention",
+    "list_attentions",
+    "register_attention",
+]

@@ -1,0 +1,121 @@
+"""The contract every routeformer attention layer keeps (see DESIGN.md).
+
+    layer(x [B, T, D], *, mask=None, positions=None) -> AttentionOutput(out [B, T, D], aux_loss, stats)
+
+`mask` is a bool key-padding mask [B, T] (True = real token); `positions` are long [B, T]
+(default arange), used by rotary embeddings and position-aware routers. `causal` is fixed at
+construction. `stats` holds detached diagnostics; `stats["flops"]` is the attention FLOPs the
+layer executed for this call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from routeformer.ops.rotary import apply_rotary, rotary_angles
+
+
+@dataclass
+class AttentionOutput:
+    out: Tensor  # [B, T, D]
+    aux_loss: Tensor  # scalar, already weighted; 0 where the mechanism has none
+    stats: dict[str, Tensor] = field(default_factory=dict)
+
+
+class AttentionLayer(nn.Module):
+    """Base class: validation, multi-head Q/K/V/O projections, optional rotary positions.
+
+    Subclasses implement `attend(q, k, v, mask) -> (heads_out [B, H, T, d], flops)`; mechanisms
+    that need more (routers, extra tokens) override `forward` and reuse the helpers.
+    """
+
+    def __init__(
+        self, dim: int, heads: int, causal: bool = True, *, head_dim: int | None = None,
+        bias: bool = False, rotary: bool = False, rotary_base: float = 10000.0,
+    ) -> None:
+        super().__init__()
+        _check_int("dim", dim)
+        _check_int("heads", heads)
+        if head_dim is None:
+            if dim % heads:
+                raise ValueError(f"dim ({dim}) must be divisible by heads ({heads}), or pass head_dim")
+            head_dim = dim // heads
+        _check_int("head_dim", head_dim)
+        if rotary and head_dim % 2:
+            raise ValueError(f"rotary=True needs an even head_dim; got {head_dim}")
+        self.dim, self.heads, self.head_dim, self.causal = dim, heads, head_dim, bool(causal)
+        self.rotary, self.rotary_base = rotary, rotary_base
+        inner = heads * head_dim
+        self.qkv_proj = nn.Linear(dim, 3 * inner, bias=bias)
+        self.out_proj = nn.Linear(inner, dim, bias=bias)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def check_inputs(
+        self, x: Tensor, mask: Tensor | None, positions: Tensor | None
+    ) -> tuple[Tensor | None, Tensor]:
+        """Validate the call and return (mask, positions) with positions defaulted to arange."""
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"x must have shape [B, T, {self.dim}]; got {tuple(x.shape)}")
+        batch, length, _ = x.shape
+        if mask is not None:
+            if mask.dtype != torch.bool or mask.shape != (batch, length):
+                raise ValueError(
+                    f"mask must be a bool tensor of shape [B, T] = {(batch, length)}; "
+                    f"got {mask.dtype} {tuple(mask.shape)}"
+                )
+            if bool(mask.all()):
+                mask = None  # nothing is padded: take the unmasked fast paths
+        if positions is None:
+            positions = torch.arange(length, device=x.device).expand(batch, length)
+        elif positions.shape != (batch, length) or positions.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"positions must be an integer tensor of shape [B, T] = {(batch, length)}; "
+                f"got {positions.dtype} {tuple(positions.shape)}"
+            )
+        return mask, positions
+
+    def project_qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, D] -> q, k, v [B, H, T, d], rotary applied to q and k when enabled."""
+        batch, length, _ = x.shape
+        qkv = self.qkv_proj(x).view(batch, length, 3, self.heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        if self.rotary:
+            cos, sin = rotary_angles(positions, self.head_dim, self.rotary_base)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def merge_heads(self, heads_out: Tensor, x: Tensor) -> Tensor:
+        """[B, H, T, d] -> [B, T, H·d]; the hook where gated attention applies its gate."""
+        batch, _, length, _ = heads_out.shape
+        return heads_out.transpose(1, 2).reshape(batch, length, -1)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, int]:
+        raise NotImplementedError(f"{type(self).__name__} must implement attend()")
+
+    # -- the contract ----------------------------------------------------------------------
+    def forward(
+        self, x: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None
+    ) -> AttentionOutput:
+        mask, positions = self.check_inputs(x, mask, positions)
+        q, k, v = self.project_qkv(x, positions)
+        heads_out, flops = self.attend(q, k, v, mask)
+        out = self.out_proj(self.merge_heads(heads_out, x))
+        return AttentionOutput(
+            out=out,
+            aux_loss=x.new_zeros(()),
+            stats={"flops": torch.tensor(float(flops))},
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim={self.dim}, heads={self.heads}, head_dim={self.head_dim}, causal={self.causal}, "
+            f"rotary={self.rotary}"
+        )
+
+
+def _check_int(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")

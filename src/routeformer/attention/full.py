@@ -1,0 +1,20 @@
+"""`full`: multi-head softmax attention through scaled_dot_product_attention."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from routeformer.attention.base import AttentionLayer
+from routeformer.attention.registry import register_attention
+from routeformer.ops.full import full_attention, full_attention_flops
+
+
+@register_attention("full")
+class FullAttention(AttentionLayer):
+    """Standard multi-head attention: softmax(q kᵀ / sqrt(d)) v, O(T²) time."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, int]:
+        out = full_attention(q, k, v, mask=mask, causal=self.causal)
+        batch, heads, length, dim = q.shape
+        flops = full_attention_flops(batch, heads, length, length, dim, self.causal, mask is not None)
+        return out, flops

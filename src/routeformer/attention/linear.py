@@ -1,0 +1,31 @@
+"""`linear`: multi-head linear attention with the elu + 1 feature map, O(T·d²) time."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from routeformer.attention.base import AttentionLayer
+from routeformer.attention.registry import register_attention
+from routeformer.ops._checks import check_positive
+from routeformer.ops.linear import DEFAULT_EPS, linear_attention, linear_attention_flops
+
+
+@register_attention("linear")
+class LinearAttention(AttentionLayer):
+    """Katharopoulos et al. (2020) linear attention; causal runs chunk by chunk (`chunk` tokens)."""
+
+    def __init__(
+        self, dim: int, heads: int, causal: bool = True, *, chunk: int = 64,
+        eps: float = DEFAULT_EPS, **common,
+    ) -> None:
+        super().__init__(dim, heads, causal, **common)
+        check_positive("chunk", chunk)
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0; got {eps!r}")
+        self.chunk, self.eps = chunk, eps
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, int]:
+        out = linear_attention(q, k, v, mask=mask, causal=self.causal, chunk=self.chunk, eps=self.eps)
+        batch, heads, length, dim = q.shape
+        flops = linear_attention_flops(batch, heads, length, dim, v.shape[-1], self.causal, self.chunk)
+        return out, flops

@@ -1,0 +1,37 @@
+"""`local`: multi-head sliding-window attention, blockwise, O(T·window·d) time."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from routeformer.attention.base import AttentionLayer
+from routeformer.attention.registry import register_attention
+from routeformer.ops._checks import check_positive
+from routeformer.ops.local import local_attention, local_attention_flops
+
+
+@register_attention("local")
+class LocalAttention(AttentionLayer):
+    """Each token attends to `window` tokens: [i - window + 1, i] causal, [i - window, i + window]
+    otherwise. `block` sets the query block length of the blockwise kernel (default min(window, 128))."""
+
+    def __init__(
+        self, dim: int, heads: int, causal: bool = True, *, window: int = 256,
+        block: int | None = None, **common,
+    ) -> None:
+        super().__init__(dim, heads, causal, **common)
+        check_positive("window", window)
+        if block is not None:
+            check_positive("block", block)
+        self.window, self.block = window, block
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, int]:
+        out = local_attention(
+            q, k, v, window=self.window, mask=mask, causal=self.causal, block=self.block
+        )
+        batch, heads, length, dim = q.shape
+        flops = local_attention_flops(batch, heads, length, dim, self.window, self.causal, self.block)
+        return out, flops
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", window={self.window}"
