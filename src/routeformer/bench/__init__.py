@@ -1,0 +1,1 @@
+"""Speed and memory measurement against reference implementations."""

@@ -1,0 +1,84 @@
+"""Timing and peak-memory measurement on CPU (and CUDA when the tensors live there).
+
+Timings: callables are run in alternation (A, B, C, A, B, C, ...) so that a noisy neighbour hurts
+all of them alike, and the median of the repetitions is reported.
+Peak memory on CPU: the process's resident-set high-water mark (Linux /proc), reset before the
+call, minus the resident set before it — the extra memory the call needed. Freed heap memory is
+returned to the OS first (malloc_trim), so an earlier call's cached pages do not hide the peak.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_kib(field: str) -> int:
+    for line in _STATUS.read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def _release_free_heap() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_memory_mib(fn: Callable[[], object]) -> float | None:
+    """Extra peak memory (MiB) that `fn()` needed; None where it cannot be measured."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
+    if not _CLEAR_REFS.exists():
+        return None
+    _release_free_heap()
+    try:
+        _CLEAR_REFS.write_text("5")  # resets VmHWM to the current resident set
+    except OSError:
+        return None
+    before = _status_kib("VmRSS")
+    fn()
+    return max(0, _status_kib("VmHWM") - before) / 1024
+
+
+def median_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median wall-clock seconds of each callable over `repeats` alternating rounds."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_index in range(warmup + repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            if round_index >= warmup:
+                times[name].append(elapsed)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return (f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+            f"Python {platform.python_version()}, {platform.system()}")

@@ -1,0 +1,161 @@
+"""The `routeformer` command.
+
+    routeformer train [--config NAME|PATH] [--fresh] [--key value ...]
+    routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N]
+    routeformer sample RUN_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
+    routeformer list
+    routeformer bench ops [--lengths 1024 4096 16384] [--repeats 5] [--window 256] [--output FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+DEFAULT_CONFIG = "char-lm"
+
+
+def resolve_config(name_or_path: str) -> Path:
+    """A path to a YAML file, or the name of a config shipped in routeformer/configs."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    bundled = CONFIG_DIR / f"{name_or_path}.yaml"
+    if bundled.is_file():
+        return bundled
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    raise ValueError(f"config {name_or_path!r} is neither a file nor a bundled config; bundled: {names}")
+
+
+def command_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from routeformer.train import load_config, train
+
+    config = load_config(resolve_config(args.config), overrides)
+    try:
+        result = train(config, resume=not args.fresh)
+    except KeyboardInterrupt:
+        return 130
+    print(json.dumps({"out_dir": str(result.out_dir), "steps": result.step,
+                      "train_seconds": round(result.train_seconds, 1), **result.final_eval}))
+    return 0
+
+
+def command_eval(args: argparse.Namespace) -> int:
+    from routeformer.data.corpora import load_corpus
+    from routeformer.train.checkpoint import load_trained_model
+    from routeformer.train.evaluate import evaluate_lm
+
+    model, vocab, config = load_trained_model(args.checkpoint)
+    corpus = load_corpus(args.corpus or config.data.corpus)
+    ids = vocab.encode(corpus.val)
+    result = evaluate_lm(model, ids, seq_len=config.data.seq_len, batch_size=config.train.batch_size,
+                         max_tokens=args.max_tokens)
+    print(json.dumps({"corpus": corpus.name, **result}))
+    return 0
+
+
+def command_sample(args: argparse.Namespace) -> int:
+    import torch
+
+    from routeformer.train.checkpoint import load_trained_model
+
+    model, vocab, _ = load_trained_model(args.checkpoint)
+    prompt = vocab.encode(args.prompt)[None]
+    if prompt.shape[1] == 0:
+        raise ValueError("prompt must not be empty")
+    generator = torch.Generator().manual_seed(args.seed)
+    tokens = model.generate(prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
+                            generator=generator)
+    print(vocab.decode(tokens[0].tolist()))
+    return 0
+
+
+def command_list(args: argparse.Namespace) -> int:
+    from routeformer.attention import list_attentions
+
+    for name, options in list_attentions().items():
+        shown = ", ".join(f"{key}={value!r}" for key, value in options.items())
+        print(f"{name:12s} {shown}")
+    return 0
+
+
+def command_bench(args: argparse.Namespace) -> int:
+    from routeformer.bench.ops_bench import TABLE_HEADER, bench_ops, markdown_report, rows_as_dicts
+
+    settings = {"B": args.batch, "H": args.heads, "d": args.head_dim, "dtype": "fp32",
+                "causal": True, "window": args.window, "repeats": args.repeats}
+    print(TABLE_HEADER, flush=True)
+    rows = bench_ops(args.lengths, repeats=args.repeats, window=args.window, batch=args.batch,
+                     heads=args.heads, head_dim=args.head_dim,
+                     progress=lambda line: print(line, flush=True))
+    if args.output:
+        output = Path(args.output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(markdown_report(rows, settings))
+        output.with_suffix(".json").write_text(json.dumps(
+            {"settings": settings, "rows": rows_as_dicts(rows)}, indent=2))
+        print(f"wrote {output} and {output.with_suffix('.json')}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="routeformer", description="Routed attention for PyTorch.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser(
+        "train", help="train a character-level language model",
+        description="Train a char-level LM. Extra --key value pairs override the config "
+                    "(dotted, e.g. --model.attention local, or bare when unambiguous, e.g. --steps 100). "
+                    "A run whose out_dir holds a checkpoint resumes from it.")
+    train.add_argument("--config", default=DEFAULT_CONFIG,
+                       help=f"YAML file or bundled config name (default: {DEFAULT_CONFIG})")
+    train.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint and start over")
+
+    evaluate = commands.add_parser("eval", help="evaluate a checkpoint on its validation split")
+    evaluate.add_argument("checkpoint", help="run directory or checkpoint file")
+    evaluate.add_argument("--corpus", help="evaluate on another corpus spec's validation split")
+    evaluate.add_argument("--max-tokens", type=int, default=None)
+
+    sample = commands.add_parser("sample", help="generate text from a checkpoint")
+    sample.add_argument("checkpoint", help="run directory or checkpoint file")
+    sample.add_argument("--prompt", default="\n")
+    sample.add_argument("--tokens", type=int, default=200)
+    sample.add_argument("--temperature", type=float, default=0.8)
+    sample.add_argument("--top-k", type=int, default=None)
+    sample.add_argument("--seed", type=int, default=0)
+
+    commands.add_parser("list", help="list the registered attention mechanisms and their options")
+
+    bench = commands.add_parser("bench", help="speed and memory benchmarks")
+    bench.add_argument("suite", choices=["ops"])
+    bench.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--window", type=int, default=256)
+    bench.add_argument("--batch", type=int, default=1)
+    bench.add_argument("--heads", type=int, default=4)
+    bench.add_argument("--head-dim", type=int, default=64)
+    bench.add_argument("--output", default=None, help="write a Markdown table (and JSON beside it)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "train":
+        parser.error(f"unrecognised arguments: {' '.join(extra)}")
+    try:
+        if args.command == "train":
+            return command_train(args, extra)
+        handlers = {"eval": command_eval, "sample": command_sample, "list": command_list,
+                    "bench": command_bench}
+        return handlers[args.command](args)
+    except ValueError as error:
+        print(f"routeformer: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Reproduced paper results (one module per experiment)."""

@@ -1,0 +1,15 @@
+"""Transformer backbone, task heads and their config."""
+
+from routeformer.models.config import ModelConfig
+from routeformer.models.heads import IGNORE_INDEX, CausalLM, ModelOutput, SequenceClassifier
+from routeformer.models.transformer import BackboneOutput, Transformer
+
+__all__ = [
+    "IGNORE_INDEX",
+    "BackboneOutput",
+    "CausalLM",
+    "ModelConfig",
+    "ModelOutput",
+    "SequenceClassifier",
+    "Transformer",
+]

@@ -1,0 +1,66 @@
+"""ModelConfig: everything needed to rebuild a model, round-trippable through JSON/YAML."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+POSITION_KINDS = ("learned", "rotary", "none")
+POOLING_KINDS = ("mean", "cls", "last")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    dim: int = 128
+    depth: int = 4
+    heads: int = 4
+    mlp_ratio: float = 4.0
+    # One mechanism name for every layer, or one per layer (hybrid stacks: ["local", "full"]).
+    attention: str | list[str] = "full"
+    # Options per mechanism name, e.g. {"local": {"window": 64}}.
+    attention_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    positions: str = "rotary"
+    max_seq_len: int = 1024
+    dropout: float = 0.0
+    causal: bool = True
+    tie_embeddings: bool = True
+    # Sequence classification head only.
+    num_classes: int = 2
+    pooling: str = "mean"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "depth", "heads", "max_seq_len", "num_classes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model.{name} must be a positive integer; got {value!r}")
+        if self.positions not in POSITION_KINDS:
+            raise ValueError(f"model.positions must be one of {POSITION_KINDS}; got {self.positions!r}")
+        if self.pooling not in POOLING_KINDS:
+            raise ValueError(f"model.pooling must be one of {POOLING_KINDS}; got {self.pooling!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1); got {self.dropout!r}")
+        if not self.mlp_ratio > 0:
+            raise ValueError(f"model.mlp_ratio must be > 0; got {self.mlp_ratio!r}")
+        layers = self.layer_attention()
+        if len(layers) != self.depth:
+            raise ValueError(
+                f"model.attention lists {len(layers)} mechanisms but model.depth is {self.depth}"
+            )
+
+    def layer_attention(self) -> list[str]:
+        """The mechanism name of each layer."""
+        if isinstance(self.attention, str):
+            return [self.attention] * self.depth
+        return list(self.attention)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown model config key(s) {unknown}; valid keys: {sorted(known)}")
+        return cls(**values)

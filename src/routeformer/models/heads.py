@@ -1,0 +1,120 @@
+"""Task heads on the Transformer backbone: CausalLM and SequenceClassifier."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from routeformer.models.config import ModelConfig
+from routeformer.models.transformer import Transformer
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ModelOutput:
+    logits: Tensor
+    loss: Tensor | None  # the task loss alone
+    aux_loss: Tensor  # the summed aux loss of the attention layers (already weighted)
+    stats: list[dict[str, Tensor]] = field(default_factory=list)
+
+    @property
+    def total_loss(self) -> Tensor:
+        """What to backpropagate: task loss + aux loss."""
+        if self.loss is None:
+            raise ValueError("no labels were given, so there is no task loss")
+        return self.loss + self.aux_loss
+
+
+class CausalLM(nn.Module):
+    """Next-token language model with tied input/output embeddings."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if not config.causal:
+            raise ValueError("CausalLM needs model.causal = True")
+        self.config = config
+        self.backbone = Transformer(config)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.backbone.token_embedding.weight
+        else:
+            nn.init.normal_(self.lm_head.weight, std=0.02)
+
+    def forward(
+        self, tokens: Tensor, labels: Tensor | None = None, *, mask: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> ModelOutput:
+        """`labels[b, t]` is the target for position t (already shifted); -100 is ignored."""
+        result = self.backbone(tokens, mask=mask, positions=positions)
+        logits = self.lm_head(result.hidden)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX
+            )
+        return ModelOutput(logits, loss, result.aux_loss, result.stats)
+
+    @torch.no_grad()
+    def generate(
+        self, tokens: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+        top_k: int | None = None, generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Sample `max_new_tokens` tokens after `tokens` [B, T] (the context is re-read each step,
+        cropped to model.max_seq_len)."""
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0; got {temperature!r}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be a positive integer or None; got {top_k!r}")
+        was_training = self.training
+        self.eval()
+        for _ in range(max_new_tokens):
+            context = tokens[:, -self.config.max_seq_len :]
+            logits = self(context).logits[:, -1].float()
+            if temperature == 0:
+                next_token = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    threshold = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < threshold, float("-inf"))
+                next_token = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            tokens = torch.cat([tokens, next_token], dim=1)
+        self.train(was_training)
+        return tokens
+
+
+class SequenceClassifier(nn.Module):
+    """Pools the backbone's hidden states ("mean" over real tokens, the first token "cls", or the
+    last real token "last" — the one that has read everything in a causal model) and classifies."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.pooling == "cls" and config.causal:
+            raise ValueError("pooling='cls' reads the first token, which a causal model lets see "
+                             "nothing else; use pooling='last' or 'mean', or model.causal=False")
+        self.config = config
+        self.backbone = Transformer(config)
+        self.classifier = nn.Linear(config.dim, config.num_classes)
+
+    def forward(
+        self, tokens: Tensor, labels: Tensor | None = None, *, mask: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> ModelOutput:
+        result = self.backbone(tokens, mask=mask, positions=positions)
+        hidden = result.hidden
+        real = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device) if mask is None else mask
+        if self.config.pooling == "mean":
+            weights = real.to(hidden.dtype)[..., None]
+            pooled = (hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+        elif self.config.pooling == "cls":
+            pooled = hidden[:, 0]
+        else:
+            last = real.long().cumsum(1).argmax(1)  # index of the last real token
+            pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+        logits = self.classifier(pooled)
+        loss = None if labels is None else F.cross_entropy(logits.float(), labels)
+        return ModelOutput(logits, loss, result.aux_loss, result.stats)

@@ -1,0 +1,103 @@
+"""The Transformer backbone: pre-norm blocks with the attention mechanism chosen per layer.
+
+    h = h + Attention(LayerNorm(h));  h = h + MLP(LayerNorm(h))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from routeformer.attention import build_attention
+from routeformer.models.config import ModelConfig
+
+
+@dataclass
+class BackboneOutput:
+    hidden: Tensor  # [B, T, D], after the final norm
+    aux_loss: Tensor  # scalar: the sum of every layer's aux_loss
+    stats: list[dict[str, Tensor]]  # one dict per layer
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, ratio: float, dropout: float) -> None:
+        super().__init__()
+        hidden = int(dim * ratio)
+        self.net = nn.Sequential(
+            nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim), nn.Dropout(dropout)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, mechanism: str) -> None:
+        super().__init__()
+        options = dict(config.attention_options.get(mechanism, {}))
+        if config.positions == "rotary":
+            options.setdefault("rotary", True)
+        self.attention_norm = nn.LayerNorm(config.dim)
+        self.attention = build_attention(
+            mechanism, dim=config.dim, heads=config.heads, causal=config.causal, **options
+        )
+        self.mlp_norm = nn.LayerNorm(config.dim)
+        self.mlp = MLP(config.dim, config.mlp_ratio, config.dropout)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, h: Tensor, mask: Tensor | None, positions: Tensor):
+        result = self.attention(self.attention_norm(h), mask=mask, positions=positions)
+        h = h + self.dropout(result.out)
+        h = h + self.mlp(self.mlp_norm(h))
+        return h, result
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.dim)
+        self.position_embedding = (
+            nn.Embedding(config.max_seq_len, config.dim) if config.positions == "learned" else None
+        )
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, name) for name in config.layer_attention())
+        self.final_norm = nn.LayerNorm(config.dim)
+        self.apply(_init_weights)
+
+    def forward(
+        self, tokens: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+    ) -> BackboneOutput:
+        """tokens long [B, T] (or `inputs_embeds` [B, T, D]) -> hidden states and aux loss."""
+        h = self.token_embedding(tokens) if inputs_embeds is None else inputs_embeds
+        batch, length, _ = h.shape
+        if positions is None:
+            positions = torch.arange(length, device=h.device).expand(batch, length)
+        if self.position_embedding is not None:
+            if length > self.config.max_seq_len or int(positions.max()) >= self.config.max_seq_len:
+                raise ValueError(
+                    f"learned positions go up to model.max_seq_len={self.config.max_seq_len}; "
+                    f"got positions up to {int(positions.max())}"
+                )
+            h = h + self.position_embedding(positions)
+        h = self.dropout(h)
+        aux_loss = h.new_zeros(())
+        stats = []
+        for block in self.blocks:
+            h, result = block(h, mask, positions)
+            aux_loss = aux_loss + result.aux_loss
+            stats.append(result.stats)
+        return BackboneOutput(self.final_norm(h), aux_loss, stats)
+
+
+def _init_weights(module: nn.Module) -> None:
+    # GPT-2 style: small normal weights, zero biases.
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, std=0.02)

@@ -1,0 +1,142 @@
+"""Run configuration: model + data + training, loaded from YAML with `--key value` overrides."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from routeformer.models.config import ModelConfig
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "pydoc"  # see routeformer.data.corpora
+    seq_len: int = 128
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 600
+    batch_size: int = 32
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr · min_lr_ratio
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # 0 disables clipping
+    eval_every: int = 200
+    eval_tokens: int = 65536  # validation tokens per periodic evaluation (final eval: all)
+    checkpoint_every: int = 100
+    log_every: int = 50
+    seed: int = 0
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    out_dir: str = "runs/default"
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "eval_every", "eval_tokens", "checkpoint_every", "log_every"):
+            value = getattr(self.train, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"train.{name} must be a positive integer; got {value!r}")
+        if not isinstance(self.data.seq_len, int) or self.data.seq_len < 1:
+            raise ValueError(f"data.seq_len must be a positive integer; got {self.data.seq_len!r}")
+        if not self.train.lr > 0:
+            raise ValueError(f"train.lr must be > 0; got {self.train.lr!r}")
+        if not 0 <= self.train.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio must be in [0, 1]; got {self.train.min_lr_ratio!r}")
+        if self.train.warmup_steps < 0 or self.train.grad_clip < 0:
+            raise ValueError("train.warmup_steps and train.grad_clip must be >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> RunConfig:
+        values = dict(values)
+        sections = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+        unknown = sorted(set(values) - set(sections) - {"out_dir"})
+        if unknown:
+            raise ValueError(f"unknown config key(s) {unknown}; valid: {sorted(sections) + ['out_dir']}")
+        built = {}
+        for name, section in sections.items():
+            part = values.get(name) or {}
+            if name == "model":
+                built[name] = ModelConfig.from_dict(part)
+                continue
+            valid = {f.name for f in fields(section)}
+            bad = sorted(set(part) - valid)
+            if bad:
+                raise ValueError(f"unknown {name} config key(s) {bad}; valid: {sorted(valid)}")
+            built[name] = section(**part)
+        return cls(**built, out_dir=values.get("out_dir", "runs/default"))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config (or the defaults) and apply `--key value` overrides.
+
+    Keys are dotted (`model.dim`, `train.steps`) or, where unambiguous, bare (`steps`).
+    Values are parsed as YAML (`3e-4`, `true`, `[local, full]`, `{local: {window: 64}}`).
+    """
+    values: dict[str, Any] = RunConfig().to_dict()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {str(path)!r} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {str(path)!r} must hold a mapping")
+        for key, value in loaded.items():
+            if isinstance(value, dict) and isinstance(values.get(key), dict):
+                values[key] = {**values[key], **value}
+            else:
+                values[key] = value
+    for key, value in parse_overrides(overrides or []):
+        _set(values, key, value)
+    return RunConfig.from_dict(values)
+
+
+def parse_overrides(arguments: list[str]) -> list[tuple[str, Any]]:
+    """['--model.dim', '64', '--steps=10'] -> [('model.dim', 64), ('steps', 10)]."""
+    pairs, i = [], 0
+    while i < len(arguments):
+        argument = arguments[i]
+        if not argument.startswith("--"):
+            raise ValueError(f"expected an override like --key value; got {argument!r}")
+        key = argument[2:]
+        if "=" in key:
+            key, raw = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(arguments):
+                raise ValueError(f"override --{key} needs a value")
+            raw = arguments[i + 1]
+            i += 2
+        pairs.append((key.replace("-", "_"), yaml.safe_load(raw)))
+    return pairs
+
+
+def _set(values: dict[str, Any], key: str, value: Any) -> None:
+    if "." not in key:
+        if key in values and not isinstance(values[key], dict):
+            values[key] = value
+            return
+        owners = [name for name, part in values.items() if isinstance(part, dict) and key in part]
+        if len(owners) != 1:
+            raise ValueError(
+                f"unknown config key {key!r}" if not owners
+                else f"config key {key!r} is ambiguous; use one of {[f'{o}.{key}' for o in owners]}"
+            )
+        key = f"{owners[0]}.{key}"
+    section, leaf = key.split(".", 1)
+    if section not in values or not isinstance(values[section], dict):
+        raise ValueError(f"unknown config section {section!r}; valid: model, data, train")
+    values[section][leaf] = value

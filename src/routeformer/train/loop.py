@@ -1,0 +1,180 @@
+"""The training loop: AdamW, warmup + cosine, clipping, periodic eval, exact resume.
+
+A run lives in `config.out_dir`: `config.yaml`, `metrics.jsonl`, `checkpoint.pt`. Starting a run
+whose directory holds a checkpoint resumes it (unless `resume=False`); the resumed run is
+bit-identical to one that was never interrupted, because the checkpoint carries the model,
+optimizer, step, vocabulary and the state of every random generator the loop uses.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from routeformer.data.batches import random_batch
+from routeformer.data.corpora import load_corpus
+from routeformer.data.vocab import CharVocab
+from routeformer.models.config import ModelConfig
+from routeformer.models.heads import CausalLM
+from routeformer.train.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from routeformer.train.config import RunConfig
+from routeformer.train.evaluate import evaluate_lm
+from routeformer.train.progress import MetricsLog, Progress
+from routeformer.train.schedule import learning_rate
+
+
+@dataclass
+class TrainResult:
+    step: int
+    final_eval: dict[str, float] | None
+    model: CausalLM
+    vocab: CharVocab
+    out_dir: Path
+    train_seconds: float
+
+
+def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norms, biases or embeddings)."""
+    decay, no_decay = [], []
+    for name, parameter in model.named_parameters():
+        is_matrix = parameter.dim() >= 2 and "embedding" not in name
+        (decay if is_matrix else no_decay).append(parameter)
+    groups = [
+        {"params": decay, "weight_decay": config.train.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=config.train.lr, betas=(config.train.beta1, config.train.beta2))
+
+
+def train(
+    config: RunConfig,
+    *,
+    resume: bool = True,
+    after_step: Callable[[int], None] | None = None,
+    quiet: bool = False,
+) -> TrainResult:
+    """Train a character-level CausalLM as `config` says; see the module docstring.
+
+    `after_step(step)` is called after each optimizer step (tests use it to interrupt a run).
+    A KeyboardInterrupt saves a checkpoint at the last completed step before propagating.
+    """
+    out_dir = Path(config.out_dir)
+    checkpoint_path = out_dir / CHECKPOINT_NAME
+    state = load_checkpoint(checkpoint_path) if resume and checkpoint_path.exists() else None
+
+    corpus = load_corpus(config.data.corpus)
+    vocab = CharVocab.from_dict(state["vocab"]) if state else CharVocab.from_text(corpus.train)
+    model_values = {**config.model.to_dict(), "vocab_size": len(vocab)}
+    if config.model.positions == "learned":
+        model_values["max_seq_len"] = max(config.model.max_seq_len, config.data.seq_len)
+    config.model = ModelConfig.from_dict(model_values)
+    train_ids, val_ids = vocab.encode(corpus.train), vocab.encode(corpus.val)
+
+    torch.manual_seed(config.train.seed)
+    model = CausalLM(config.model)
+    optimizer = build_optimizer(model, config)
+    data_generator = torch.Generator().manual_seed(config.train.seed)
+    start = 0
+    if state:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        data_generator.set_state(state["rng"]["data"])
+        torch.set_rng_state(state["rng"]["torch"])
+        start = state["step"]
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    log = MetricsLog(out_dir / "metrics.jsonl", resume_step=start if state else None)
+    progress = Progress(config.train.steps, start)
+    if not quiet:
+        parameters = sum(p.numel() for p in model.parameters())
+        progress.message(
+            f"routeformer: {corpus.name}, {len(vocab)} symbols, {len(train_ids):,} training chars; "
+            f"model {parameters / 1e6:.2f}M parameters, attention {config.model.attention}"
+            + (f"; resuming at step {start}" if state else "")
+        )
+
+    def checkpoint(step: int) -> None:
+        save_checkpoint(checkpoint_path, {
+            "step": step,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "rng": {"data": data_generator.get_state(), "torch": torch.get_rng_state()},
+            "vocab": vocab.to_dict(),
+            "config": config.to_dict(),
+        })
+
+    settings = config.train
+    step = start
+    began = time.perf_counter()
+    model.train()
+    try:
+        while step < settings.steps:
+            rate = learning_rate(step, lr=settings.lr, warmup_steps=settings.warmup_steps,
+                                 total_steps=settings.steps, min_lr_ratio=settings.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = rate
+            inputs, labels = random_batch(train_ids, settings.batch_size, config.data.seq_len, data_generator)
+            result = model(inputs, labels)
+            optimizer.zero_grad(set_to_none=True)
+            result.total_loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), settings.grad_clip if settings.grad_clip > 0 else math.inf
+            )
+            optimizer.step()
+            step += 1
+            _after_update(step, settings, result, rate, grad_norm, inputs.numel(), log, progress,
+                          quiet, lambda: evaluate_lm(model, val_ids, seq_len=config.data.seq_len,
+                                                     batch_size=settings.batch_size,
+                                                     max_tokens=settings.eval_tokens))
+            if step % settings.checkpoint_every == 0 or step == settings.steps:
+                checkpoint(step)
+            if after_step is not None:
+                after_step(step)
+    except KeyboardInterrupt:
+        checkpoint(step)
+        if not quiet:
+            progress.message(f"interrupted: checkpoint saved at step {step}; run again to resume")
+        raise
+    train_seconds = time.perf_counter() - began
+
+    final = evaluate_lm(model, val_ids, seq_len=config.data.seq_len, batch_size=settings.batch_size)
+    log.write({"step": step, "final": True, **{f"val_{k}": v for k, v in final.items()}})
+    if not quiet:
+        progress.message(
+            f"final validation ({final['tokens']:,} chars): loss {final['loss']:.4f} nats, "
+            f"bits per character {final['bpc']:.4f}, perplexity {final['ppl']:.3f}"
+        )
+    return TrainResult(step, final, model, vocab, out_dir, train_seconds)
+
+
+def _after_update(
+    step: int, settings, result, rate: float, grad_norm, tokens: int, log: MetricsLog,
+    progress: Progress, quiet: bool, run_eval: Callable[[], dict[str, float]],
+) -> None:
+    record: dict[str, Any] | None = None
+    if step % settings.log_every == 0 or step == settings.steps:
+        record = {
+            "step": step,
+            "loss": result.loss.item(),
+            "aux_loss": result.aux_loss.item(),
+            "lr": rate,
+            "grad_norm": float(grad_norm),
+        }
+    if step % settings.eval_every == 0:
+        record = record or {"step": step}
+        record.update({f"val_{k}": v for k, v in run_eval().items()})
+    throughput = progress.tokens_per_second(tokens)
+    if record is not None:
+        record["tokens_per_s"] = throughput
+        log.write(record)
+        if not quiet:
+            keys = ("loss", "val_bpc")
+            progress.show(step, {key: record[key] for key in keys if key in record})

@@ -1,0 +1,59 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from routeformer.cli import CONFIG_DIR, main
+from routeformer.train.config import RunConfig
+
+
+def test_list_prints_every_mechanism_with_options(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("full", "linear", "local", "gated"):
+        assert name in out
+    assert "window=256" in out
+
+
+def test_train_eval_sample_round_trip(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--config", "tiny", "--out_dir", str(run), "--steps", "6"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 6 and summary["bpc"] > 0
+    assert main(["eval", str(run), "--max-tokens", "2048"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == 2048
+    assert main(["sample", str(run), "--prompt", "def", "--tokens", "20"]) == 0
+    assert capsys.readouterr().out.startswith("def")
+
+
+def test_bad_values_give_a_clear_error_and_exit_2(tmp_path, capsys):
+    assert main(["train", "--config", "tiny", "--out_dir", str(tmp_path), "--model.positions", "x"]) == 2
+    assert "model.positions must be one of" in capsys.readouterr().err
+    assert main(["train", "--config", "no-such-config"]) == 2
+    assert "bundled: ['char-lm', 'tiny']" in capsys.readouterr().err
+
+
+def test_bundled_configs_are_valid_and_repo_configs_are_the_same_files():
+    for path in CONFIG_DIR.glob("*.yaml"):
+        RunConfig.from_dict({**RunConfig().to_dict(), **yaml.safe_load(path.read_text())})
+    repo_configs = Path(__file__).parents[1] / "configs"
+    assert sorted(p.name for p in repo_configs.glob("*.yaml")) == ["char-lm.yaml", "tiny.yaml"]
+
+
+def test_console_script_runs():
+    result = subprocess.run([sys.executable, "-m", "routeformer.cli", "list"], capture_output=True,
+                            text=True, check=True)
+    assert "local" in result.stdout
+
+
+def test_bench_ops_writes_a_table(tmp_path, capsys):
+    output = tmp_path / "ops.md"
+    assert main(["bench", "ops", "--lengths", "256", "--repeats", "1", "--window", "32",
+                 "--output", str(output)]) == 0
+    text = output.read_text()
+    assert "| 256 | sdpa |" in text and "local(w=32)" in text
+    rows = json.loads(output.with_suffix(".json").read_text())["rows"]
+    sdpa = next(r for r in rows if r["impl"] == "sdpa")
+    assert sdpa["forward_speedup"] == 1.0
