@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from routeformer.attention import build_attention
-from routeformer.ops import full_attention_reference, linear_attention_reference, local_attention_reference
+from routeformer.ops import (
+    full_attention_reference,
+    linear_attention_reference,
+    local_attention_reference,
+)
 
 
 def explicit_heads(layer, x):

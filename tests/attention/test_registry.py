@@ -7,8 +7,8 @@ from routeformer.attention import (
     build_attention,
     list_attentions,
     register_attention,
+    registry,
 )
-from routeformer.attention import registry
 
 
 def test_builtin_mechanisms_are_listed_with_options():

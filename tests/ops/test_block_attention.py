@@ -22,9 +22,9 @@ def test_block_attention_matches_reference_with_masks_and_empty_rows(dtype, tol)
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
     assert out[0, :, 2, 3].abs().max() == 0
     grad_out = torch.randn_like(out)
-    for g, r in zip(
-        torch.autograd.grad(out, (q, k, v), grad_out), torch.autograd.grad(ref, (q, k, v), grad_out)
-    ):
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
+    for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, atol=tol * 3, rtol=tol * 3)
 
 
@@ -46,5 +46,5 @@ def test_grouping_does_not_change_the_result(monkeypatch):
     grouped = block_attention(q, k, v, allowed)
     grouped_grads = torch.autograd.grad(grouped.square().sum(), (q, k, v))
     torch.testing.assert_close(whole, grouped)
-    for a, b in zip(grads, grouped_grads):
+    for a, b in zip(grads, grouped_grads, strict=True):
         torch.testing.assert_close(a, b)

@@ -59,7 +59,7 @@ def test_fast_matches_reference_fp32(op_name, length, causal, padded):
     ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
-    for grad, ref_grad in zip(grads, ref_grads):
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(grad, ref_grad, atol=5e-5, rtol=5e-5)
 
 
@@ -77,7 +77,7 @@ def test_fast_matches_reference_bf16(op_name, causal):
     ref_grads = torch.autograd.grad(ref, (q32, k32, v32), grad_out.float())
     assert out.dtype == torch.bfloat16
     assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
-    for grad, ref_grad in zip(grads, ref_grads):
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
         assert relative_error(grad, ref_grad) < 5e-2
 
 

@@ -30,7 +30,7 @@ def stop_at(step_to_stop, error):
 
 
 def assert_same_parameters(a, b):
-    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert torch.equal(x, y), name
 
 
@@ -67,8 +67,10 @@ def test_interrupted_run_resumes_bit_exactly(tmp_path, interruption):
     assert resumed.final_eval == uninterrupted.final_eval
     whole_log = (tmp_path / "whole/metrics.jsonl").read_text().splitlines()
     split_log = (tmp_path / "split/metrics.jsonl").read_text().splitlines()
-    drop_speed = lambda lines: [{k: v for k, v in json.loads(l).items() if k != "tokens_per_s"} for l in lines]  # noqa: E731,E741
-    assert drop_speed(whole_log) == drop_speed(split_log)
+    def without_speed(lines):
+        return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"} for line in lines]
+
+    assert without_speed(whole_log) == without_speed(split_log)
 
 
 def test_checkpoint_reloads_the_trained_model(tmp_path):

@@ -52,30 +52,37 @@ def bench_ops(
         grad_q, grad_k, grad_v = (t.clone().requires_grad_() for t in (q, k, v))
         ops = op_table(window, causal)
 
-        def forward(op):
-            def run():
-                with torch.no_grad():
-                    return op(q, k, v)
-            return run
-
-        def forward_backward(op):
-            def run():
-                op(grad_q, grad_k, grad_v).sum().backward()
-                grad_q.grad = grad_k.grad = grad_v.grad = None
-            return run
-
-        fwd = median_times({name: forward(op) for name, op in ops.items()}, repeats)
-        fwd_bwd = median_times({name: forward_backward(op) for name, op in ops.items()}, repeats)
+        inputs, leaves = (q, k, v), (grad_q, grad_k, grad_v)
+        fwd = median_times({name: forward_call(op, inputs) for name, op in ops.items()}, repeats)
+        fwd_bwd = median_times(
+            {name: forward_backward_call(op, leaves) for name, op in ops.items()}, repeats
+        )
         for name, op in ops.items():
             row = OpsRow(
                 length, name, fwd[name] * 1e3, fwd_bwd[name] * 1e3,
                 fwd["sdpa"] / fwd[name], fwd_bwd["sdpa"] / fwd_bwd[name],
-                peak_memory_mib(forward(op)), peak_memory_mib(forward_backward(op)),
+                peak_memory_mib(forward_call(op, inputs)),
+                peak_memory_mib(forward_backward_call(op, leaves)),
             )
             rows.append(row)
             if progress:
                 progress(format_row(row))
     return rows
+
+
+def forward_call(op: Callable, inputs: tuple) -> Callable[[], object]:
+    def run():
+        with torch.no_grad():
+            return op(*inputs)
+    return run
+
+
+def forward_backward_call(op: Callable, leaves: tuple) -> Callable[[], None]:
+    def run():
+        op(*leaves).sum().backward()
+        for leaf in leaves:
+            leaf.grad = None
+    return run
 
 
 def format_row(row: OpsRow) -> str:
