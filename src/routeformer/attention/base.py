@@ -93,7 +93,8 @@ class AttentionLayer(nn.Module):
         return heads_out.transpose(1, 2).reshape(batch, length, -1)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, int]:
-        raise NotImplementedError(f"{type(self).__name__} must implement attend()")
+        """The mechanism itself: q, k, v [B, H, T, d] -> (heads_out [B, H, T, d], executed FLOPs)."""
+        raise TypeError(f"{type(self).__name__} must define attend() or override forward()")
 
     # -- the contract ----------------------------------------------------------------------
     def forward(
