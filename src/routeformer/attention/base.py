@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from routeformer.ops._checks import check_positive
 from routeformer.ops.rotary import apply_rotary, rotary_angles
 
 
@@ -37,13 +38,13 @@ class AttentionLayer(nn.Module):
         bias: bool = False, rotary: bool = False, rotary_base: float = 10000.0,
     ) -> None:
         super().__init__()
-        _check_int("dim", dim)
-        _check_int("heads", heads)
+        check_positive("dim", dim)
+        check_positive("heads", heads)
         if head_dim is None:
             if dim % heads:
                 raise ValueError(f"dim ({dim}) must be divisible by heads ({heads}), or pass head_dim")
             head_dim = dim // heads
-        _check_int("head_dim", head_dim)
+        check_positive("head_dim", head_dim)
         if rotary and head_dim % 2:
             raise ValueError(f"rotary=True needs an even head_dim; got {head_dim}")
         self.dim, self.heads, self.head_dim, self.causal = dim, heads, head_dim, bool(causal)
@@ -116,7 +117,3 @@ class AttentionLayer(nn.Module):
             f"rotary={self.rotary}"
         )
 
-
-def _check_int(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}")

@@ -70,10 +70,6 @@ def build_attention(name: str, *, dim: int, heads: int, causal: bool = True, **o
     return cls(dim=dim, heads=heads, causal=causal, **options)
 
 
-def attention_class(name: str) -> type[nn.Module]:
-    return _get(name)
-
-
 def _get(name: str) -> type[nn.Module]:
     _load_builtin_layers()
     if name not in _REGISTRY:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from routeformer.ops._checks import check_positive
+
 POSITION_KINDS = ("learned", "rotary", "none")
 POOLING_KINDS = ("mean", "cls", "last")
 
@@ -31,9 +33,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "depth", "heads", "max_seq_len", "num_classes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"model.{name} must be a positive integer; got {value!r}")
+            check_positive(f"model.{name}", getattr(self, name))
         if self.positions not in POSITION_KINDS:
             raise ValueError(f"model.positions must be one of {POSITION_KINDS}; got {self.positions!r}")
         if self.pooling not in POOLING_KINDS:

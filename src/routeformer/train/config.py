@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from routeformer.models.config import ModelConfig
+from routeformer.ops._checks import check_positive
 
 
 @dataclass
@@ -44,11 +45,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_every", "eval_tokens", "checkpoint_every", "log_every"):
-            value = getattr(self.train, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"train.{name} must be a positive integer; got {value!r}")
-        if not isinstance(self.data.seq_len, int) or self.data.seq_len < 1:
-            raise ValueError(f"data.seq_len must be a positive integer; got {self.data.seq_len!r}")
+            check_positive(f"train.{name}", getattr(self.train, name))
+        check_positive("data.seq_len", self.data.seq_len)
         if not self.train.lr > 0:
             raise ValueError(f"train.lr must be > 0; got {self.train.lr!r}")
         if not 0 <= self.train.min_lr_ratio <= 1:
