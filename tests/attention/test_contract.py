@@ -7,7 +7,11 @@ from routeformer.attention import AttentionOutput, build_attention, list_attenti
 
 DIM, HEADS = 32, 4
 # Small windows/chunks so that the tests cross block and chunk boundaries.
-SMALL_OPTIONS = {"local": {"window": 5}, "linear": {"chunk": 4}}
+SMALL_OPTIONS = {
+    "local": {"window": 5},
+    "linear": {"chunk": 4},
+    "topk": {"topk": 3, "block": 4, "local_window": 1},
+}
 
 
 def make_layer(name, causal, seed=0, **extra):

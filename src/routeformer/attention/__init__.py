@@ -11,6 +11,7 @@ from routeformer.attention.registry import (
     list_attentions,
     register_attention,
 )
+from routeformer.attention.topk import TopKAttention
 
 __all__ = [
     "AttentionLayer",
@@ -19,6 +20,7 @@ __all__ = [
     "GatedAttention",
     "LinearAttention",
     "LocalAttention",
+    "TopKAttention",
     "attention_options",
     "build_attention",
     "list_attentions",

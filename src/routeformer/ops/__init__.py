@@ -2,6 +2,12 @@
 
 from routeformer.ops.block_attention import block_attention, block_attention_reference
 from routeformer.ops.full import full_attention, full_attention_flops, full_attention_reference
+from routeformer.ops.gathered import (
+    gathered_dot,
+    gathered_dot_reference,
+    routed_attention,
+    routed_attention_reference,
+)
 from routeformer.ops.linear import (
     linear_attention,
     linear_attention_flops,
@@ -9,8 +15,16 @@ from routeformer.ops.linear import (
 )
 from routeformer.ops.local import local_attention, local_attention_flops, local_attention_reference
 from routeformer.ops.rotary import apply_rotary, rotary_angles
+from routeformer.ops.topk_routing import add_random_slots, route_topk, route_topk_reference
 
 __all__ = [
+    "add_random_slots",
+    "gathered_dot",
+    "gathered_dot_reference",
+    "route_topk",
+    "route_topk_reference",
+    "routed_attention",
+    "routed_attention_reference",
     "apply_rotary",
     "block_attention",
     "block_attention_reference",

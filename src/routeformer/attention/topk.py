@@ -1,0 +1,236 @@
+"""`topk`: Attention as Dynamic Sparse Routing (ADSR) — route in a cheap space, attend exactly.
+
+Per head, routing projections W_r^q, W_r^k map x to r-dim vectors (r = `routing_dim` << d); the
+routing score s_ij = r_q(i)·r_k(j) (no softmax) picks R_i = TopK_j(s_ij) among eligible keys
+(j <= i when causal); the output is exact softmax attention of q_i over k_j, v_j, j in R_i.
+Selection is blockwise with a running top-K (`ops.topk_routing`), the attention gathers keys per
+block of queries (`ops.gathered`): memory O(T·K + block·S·r/d), never T x T.
+
+A hard top-k passes no gradient to W_r, so "routing learns" needs a signal (`routing_learning`):
+- "score_bias": logits of the selected keys become q·k/√d + λ·s_ij/τ (λ = `score_bias_scale`,
+  τ = `temperature`), so the task loss reaches W_r through the selected scores (straight-through:
+  selection stays hard, its scores are differentiable). Implemented by appending λ/τ·r_q to q and
+  r_k to k, so it costs one gather of r extra dims.
+- "distill": aux loss `distill_weight` · KL(p || softmax(s/τ)) over R_i, p being the main attention
+  distribution over R_i, detached (the objective DeepSeek's sparse attention uses to train its
+  lightning indexer). Attention logits are plain q·k/√d.
+- "none": W_r are fixed random projections (an LSH-style baseline); nothing learns the routing.
+
+Options for the sketch's failure modes: `entropy_weight` (aux loss -w·H(softmax(s/τ)) over R_i:
+w > 0 keeps the router's distribution over its selection spread, a guard against collapse; needs a
+learnable router), `exploration` (fraction of the K slots filled with random eligible keys during
+training), `global_tokens` (the first g positions are always read), `local_window` (the last w
+tokens are always read), `shared_routing` (one routing space for all heads instead of one per
+head), `router_hidden` (a GELU MLP router instead of a linear one). Forced keys come on top of the
+K routed ones.
+
+stats: `routing_recall` (fraction of the dense attention mass inside R_i, on `recall_queries`
+evenly spaced queries), `head_overlap` (mean Jaccard overlap of R_i between pairs of heads),
+`selected_keys` (mean valid slots per query), `routing_flops` and `flops` (routing + attention
+executed). The recall probe itself is a diagnostic and is not counted in `flops`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from routeformer.attention.base import AttentionLayer, AttentionOutput
+from routeformer.attention.registry import register_attention
+from routeformer.ops._checks import check_positive
+from routeformer.ops.gathered import gathered_dot, routed_attention, slot_membership
+from routeformer.ops.topk_routing import DEFAULT_ROUTING_BLOCK, add_random_slots, route_topk
+
+ROUTING_LEARNING = ("score_bias", "distill", "none")
+
+
+class Router(nn.Module):
+    """x [B, T, D] -> (route_q, route_k) [B, R, T, r]; linear, a GELU MLP, or frozen random."""
+
+    def __init__(self, dim: int, routing_heads: int, routing_dim: int, hidden: int, frozen: bool) -> None:
+        super().__init__()
+        self.routing_heads, self.routing_dim = routing_heads, routing_dim
+        out_features = 2 * routing_heads * routing_dim
+        if frozen:
+            # Fixed random projections: a buffer, so optimisers and gradient checks never see it.
+            generator = torch.Generator().manual_seed(0)
+            weight = torch.randn(out_features, dim, generator=generator) / math.sqrt(dim)
+            self.register_buffer("random_weight", weight)
+            self.net = None
+        elif hidden:
+            self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, out_features))
+        else:
+            self.net = nn.Linear(dim, out_features, bias=False)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        batch, length, _ = x.shape
+        projected = F.linear(x, self.random_weight) if self.net is None else self.net(x)
+        projected = projected.view(batch, length, 2, self.routing_heads, self.routing_dim)
+        route_q, route_k = projected.permute(2, 0, 3, 1, 4).unbind(0)
+        return route_q, route_k
+
+
+@register_attention("topk")
+class TopKAttention(AttentionLayer):
+    """Top-k routed attention (ADSR); see the module docstring for every option."""
+
+    def __init__(
+        self, dim: int, heads: int, causal: bool = True, *, topk: int = 64, routing_dim: int = 16,
+        routing_learning: str = "score_bias", score_bias_scale: float = 1.0, distill_weight: float = 1.0,
+        temperature: float = 1.0, entropy_weight: float = 0.0, exploration: float = 0.0,
+        global_tokens: int = 0, local_window: int = 0, shared_routing: bool = False,
+        router_hidden: int = 0, recall_queries: int = 16, block: int = DEFAULT_ROUTING_BLOCK, **common,
+    ) -> None:
+        super().__init__(dim, heads, causal, **common)
+        check_positive("topk", topk)
+        check_positive("routing_dim", routing_dim)
+        check_positive("block", block)
+        if routing_learning not in ROUTING_LEARNING:
+            raise ValueError(f"routing_learning must be one of {ROUTING_LEARNING}; got {routing_learning!r}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0; got {temperature}")
+        if not 0.0 <= exploration < 1.0:
+            raise ValueError(f"exploration must be a fraction in [0, 1); got {exploration}")
+        for name, value in (("global_tokens", global_tokens), ("local_window", local_window),
+                            ("router_hidden", router_hidden), ("recall_queries", recall_queries)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
+        if distill_weight < 0:
+            raise ValueError(f"distill_weight must be >= 0; got {distill_weight}")
+        if entropy_weight and routing_learning == "none":
+            raise ValueError("entropy_weight needs a learnable router; routing_learning='none' is frozen")
+        self.topk, self.routing_dim, self.routing_learning = topk, routing_dim, routing_learning
+        self.score_bias_scale, self.distill_weight = float(score_bias_scale), float(distill_weight)
+        self.temperature, self.entropy_weight = float(temperature), float(entropy_weight)
+        self.exploration, self.global_tokens, self.local_window = exploration, global_tokens, local_window
+        self.shared_routing, self.recall_queries, self.block = shared_routing, recall_queries, block
+        routing_heads = 1 if shared_routing else heads
+        self.router = Router(dim, routing_heads, routing_dim, router_hidden,
+                             frozen=routing_learning == "none")
+
+    def forward(
+        self, x: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None
+    ) -> AttentionOutput:
+        mask, positions = self.check_inputs(x, mask, positions)
+        q, k, v = self.project_qkv(x, positions)
+        batch, heads, length, head_dim = q.shape
+        route_q, route_k = self.router(x)
+        explore = round(self.exploration * self.topk) if self.training else 0
+        index, valid, scored = route_topk(
+            route_q.detach(), route_k.detach(), self.topk - explore, causal=self.causal, key_mask=mask,
+            local_window=self.local_window, global_tokens=self.global_tokens, block=self.block,
+        )
+        index, valid = add_random_slots(index, valid, explore, causal=self.causal, key_mask=mask)
+        # Routing heads R are 1 (shared) or H; attention needs one index per head.
+        head_index = index.expand(batch, heads, *index.shape[2:])
+        head_valid = valid.expand(batch, heads, *valid.shape[2:])
+        slots = index.shape[-1]
+        scale = head_dim ** -0.5
+        if self.routing_learning == "score_bias":
+            bias = self.score_bias_scale / self.temperature
+            expand = (batch, heads, length, self.routing_dim)
+            q_att = torch.cat([q * scale, bias * route_q.expand(expand)], dim=-1)
+            k_att = torch.cat([k, route_k.expand(expand)], dim=-1)
+            heads_out, lse = routed_attention(q_att, k_att, v, head_index, head_valid, scale=1.0)
+            attention_dim = head_dim + self.routing_dim
+        else:
+            heads_out, lse = routed_attention(q, k, v, head_index, head_valid, scale=scale)
+            attention_dim = head_dim
+        routing_flops = 2 * scored * self.routing_dim
+        attention_flops = 2 * batch * heads * length * slots * (attention_dim + head_dim)
+        aux_loss, aux_flops = self.routing_aux_loss(q, k, route_q, route_k, index, valid, lse, mask)
+        out = self.out_proj(self.merge_heads(heads_out, x))
+        stats = {
+            "flops": torch.tensor(float(routing_flops + attention_flops + aux_flops)),
+            "routing_flops": torch.tensor(float(routing_flops)),
+            "selected_keys": valid.float().sum(-1).mean().detach(),
+            **self.routing_diagnostics(q, k, index, valid, mask),
+        }
+        return AttentionOutput(out=out, aux_loss=aux_loss, stats=stats)
+
+    def routing_aux_loss(
+        self, q: Tensor, k: Tensor, route_q: Tensor, route_k: Tensor, index: Tensor, valid: Tensor,
+        lse: Tensor, mask: Tensor | None,
+    ) -> tuple[Tensor, int]:
+        """Distillation and entropy terms on the router's distribution over each R_i."""
+        distill = self.routing_learning == "distill" and self.distill_weight > 0 and self.training
+        entropy = self.entropy_weight != 0 and self.training
+        if not (distill or entropy):
+            return q.new_zeros(()), 0
+        router_logits = gathered_dot(route_q, route_k, index) / self.temperature
+        router_logits = router_logits.masked_fill(~valid, float("-inf"))
+        router_log_probs = _safe_log_softmax(router_logits, valid)
+        rows = valid.any(dim=-1)
+        if mask is not None:
+            rows = rows & mask[:, None, :]
+        rows = rows.float()
+        flops = 2 * index.numel() * self.routing_dim
+        loss = q.new_zeros(())
+        if distill:
+            with torch.no_grad():
+                # The main attention's distribution over R_i, recomputed from its log-sum-exp.
+                batch, heads = q.shape[:2]
+                head_index = index.expand(batch, heads, *index.shape[2:])
+                logits = gathered_dot(q, k, head_index) * q.shape[-1] ** -0.5
+                target = torch.exp(logits - torch.nan_to_num(lse, neginf=0.0).unsqueeze(-1))
+                target = target.masked_fill(~valid, 0.0)
+                if index.shape[1] == 1 and heads > 1:
+                    target = target.mean(dim=1, keepdim=True)  # one shared router serves all heads
+                flops += 2 * head_index.numel() * q.shape[-1]
+            kl = (target * (torch.log(target.clamp_min(1e-30)) - router_log_probs)).sum(-1)
+            loss = loss + self.distill_weight * (kl * rows).sum() / rows.sum().clamp_min(1)
+        if entropy:
+            ent = -(router_log_probs.exp() * router_log_probs).sum(-1)
+            loss = loss - self.entropy_weight * (ent * rows).sum() / rows.sum().clamp_min(1)
+        return loss, flops
+
+    @torch.no_grad()
+    def routing_diagnostics(
+        self, q: Tensor, k: Tensor, index: Tensor, valid: Tensor, mask: Tensor | None
+    ) -> dict[str, Tensor]:
+        """Routing recall and head overlap on `recall_queries` evenly spaced queries."""
+        batch, heads, length, head_dim = q.shape
+        if self.recall_queries == 0:
+            return {}
+        count = min(self.recall_queries, length)
+        picks = torch.linspace(0, length - 1, count, device=q.device).round().long()
+        scores = (q[:, :, picks] @ k.transpose(-1, -2)) * head_dim ** -0.5  # [B, H, n, S]
+        keys = torch.arange(k.shape[2], device=q.device)
+        eligible = torch.ones_like(scores, dtype=torch.bool)
+        if self.causal:
+            eligible = eligible & (keys[None, :] <= picks[:, None])
+        if mask is not None:
+            eligible = eligible & mask[:, None, None, :]
+        probs = scores.masked_fill(~eligible, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+        member = slot_membership(index[:, :, picks], valid[:, :, picks], k.shape[2])
+        recall = (probs * member).sum(-1)  # [B, H, n] (member broadcasts over heads when shared)
+        real = torch.ones(batch, count, dtype=torch.bool, device=q.device) if mask is None else mask[:, picks]
+        weight = real[:, None, :].expand_as(recall).float()
+        stats = {"routing_recall": (recall * weight).sum() / weight.sum().clamp_min(1)}
+        if member.shape[1] > 1:
+            member = member.float()
+            inter = torch.einsum("bhns,bgns->bnhg", member, member)
+            sizes = member.sum(-1).transpose(1, 2)  # [B, n, H]
+            union = sizes[..., :, None] + sizes[..., None, :] - inter
+            pairs = ~torch.eye(member.shape[1], dtype=torch.bool, device=q.device)
+            jaccard = (inter / union.clamp_min(1))[..., pairs]  # [B, n, H(H-1)]
+            stats["head_overlap"] = (jaccard * real[..., None].float()).sum() / (
+                real.float().sum() * jaccard.shape[-1]
+            ).clamp_min(1)
+        else:
+            stats["head_overlap"] = torch.tensor(1.0)
+        return stats
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + f", topk={self.topk}, routing_dim={self.routing_dim}, "
+                f"routing_learning={self.routing_learning!r}")
+
+
+def _safe_log_softmax(logits: Tensor, valid: Tensor) -> Tensor:
+    """log_softmax over valid slots; rows with no valid slot give zeros instead of NaN."""
+    has_any = valid.any(dim=-1, keepdim=True)
+    safe = torch.where(has_any, logits, torch.zeros_like(logits))
+    return torch.where(valid, safe.log_softmax(dim=-1), torch.zeros_like(logits))

@@ -1,0 +1,184 @@
+"""Top-k key selection in a low-dimensional routing space (ADSR, the routing half).
+
+Axes: B batch, R routing heads (1 when shared by all attention heads, else H), T queries, S keys,
+r routing dim, K selected slots, G key group.
+
+Routing scores s_ij = rq_i · rk_j (no softmax). Eligible keys: j <= i when causal, and real keys
+of the padding mask. R_i = the `topk` eligible keys with the highest scores, plus two kinds of
+forced keys that never compete for those slots: the last `local_window` tokens [i - w + 1, i] and
+the first `global_tokens` positions ("memory" tokens every query reads). A query with fewer
+eligible keys than slots takes all of them; the remaining slots are marked invalid.
+
+Memory: queries are processed in blocks; one block's scores [B, R, block, S] live in a scratch
+buffer that is reused, so nothing of size T x S is held; the result is O(T·K). Time is O(T·S·r)
+for the scores (routing stays quadratic; it is cheap because r << d) plus the selection, which
+is exact and two-stage: the K groups of G keys with the highest maxima contain the K highest
+scores (if a top-K key's group were not among them, K other groups would each hold a larger
+score), so `topk` runs over S/G group maxima and then over K·G candidates instead of over S.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from routeformer.ops._checks import check_positive
+
+DEFAULT_ROUTING_BLOCK = 128
+DEFAULT_GROUP = 32
+
+
+def _check_routing(route_q: Tensor, route_k: Tensor, key_mask: Tensor | None, causal: bool) -> None:
+    if route_q.dim() != 4 or route_k.dim() != 4 or route_q.shape[:2] != route_k.shape[:2] \
+            or route_q.shape[-1] != route_k.shape[-1]:
+        raise ValueError(
+            "route_q and route_k must be [B, R, T, r] and [B, R, S, r] with matching B, R, r; "
+            f"got {tuple(route_q.shape)} and {tuple(route_k.shape)}"
+        )
+    if causal and route_q.shape[2] != route_k.shape[2]:
+        raise ValueError(f"causal routing needs as many queries as keys; got {route_q.shape[2]} "
+                         f"and {route_k.shape[2]}")
+    if key_mask is not None and (key_mask.dtype != torch.bool
+                                 or key_mask.shape != (route_k.shape[0], route_k.shape[2])):
+        raise ValueError(f"key_mask must be bool [B, S] = {(route_k.shape[0], route_k.shape[2])}; "
+                         f"got {key_mask.dtype} {tuple(key_mask.shape)}")
+
+
+def routing_slots(topk: int, local_window: int, global_tokens: int, num_keys: int) -> int:
+    """Slots per query: routed + forced, capped by the number of keys."""
+    return min(num_keys, topk + local_window + global_tokens)
+
+
+def _block_masks(
+    start: int, stop: int, width: int, num_keys: int, causal: bool, local_window: int,
+    global_tokens: int, device: torch.device,
+) -> tuple[Tensor, Tensor | None]:
+    """(ineligible [block, width], forced [block, width] or None) for query rows start..stop."""
+    rows = torch.arange(start, stop, device=device)[:, None]
+    cols = torch.arange(width, device=device)[None, :]
+    ineligible = cols >= num_keys
+    if causal:
+        ineligible = ineligible | (cols > rows)
+    forced = None
+    if local_window or global_tokens:
+        forced = ((cols <= rows) & (cols > rows - local_window)) | (cols < global_tokens)
+    return ineligible, forced
+
+
+@torch.no_grad()
+def route_topk(
+    route_q: Tensor, route_k: Tensor, topk: int, *, causal: bool = True, key_mask: Tensor | None = None,
+    local_window: int = 0, global_tokens: int = 0, block: int = DEFAULT_ROUTING_BLOCK,
+    group: int = DEFAULT_GROUP,
+) -> tuple[Tensor, Tensor, int]:
+    """Select each query's keys. Returns (index [B, R, T, K] long, valid [B, R, T, K] bool,
+    routing scores computed) with K = `routing_slots(...)`. Order of slots within a row is
+    unspecified; valid entries of a row are distinct keys; invalid slots point at key 0.
+    No gradient flows through selection (it is a hard top-k); see the `topk` layer for how the
+    router is trained.
+    """
+    _check_routing(route_q, route_k, key_mask, causal)
+    check_positive("topk", topk)
+    check_positive("block", block)
+    check_positive("group", group)
+    if local_window < 0 or global_tokens < 0:
+        raise ValueError(f"local_window and global_tokens must be >= 0; got {local_window}, {global_tokens}")
+    batch, heads, length, _ = route_q.shape
+    num_keys = route_k.shape[2]
+    slots = routing_slots(topk, local_window, global_tokens, num_keys)
+    padded_keys = math.ceil(num_keys / group) * group
+    keys_t = torch.zeros(batch, heads, route_k.shape[-1], padded_keys, dtype=route_k.dtype,
+                         device=route_k.device)
+    keys_t[..., :num_keys] = route_k.transpose(-1, -2)
+    masked_keys = None  # [B, 1, 1, padded S], True = padded key
+    if key_mask is not None:
+        masked_keys = torch.ones(batch, 1, 1, padded_keys, dtype=torch.bool, device=key_mask.device)
+        masked_keys[..., :num_keys] = ~key_mask[:, None, None, :]
+    index = torch.empty(batch, heads, length, slots, dtype=torch.long, device=route_q.device)
+    valid = torch.empty(batch, heads, length, slots, dtype=torch.bool, device=route_q.device)
+    scratch = route_q.new_empty(batch * heads * min(block, length) * padded_keys)
+    group_offsets = torch.arange(group, device=route_q.device)
+    scored = 0
+    for start in range(0, length, block):
+        stop = min(length, start + block)
+        # Causal rows never look past their own block: score only the keys up to it.
+        width = min(padded_keys, math.ceil(stop / group) * group) if causal else padded_keys
+        scores = scratch[: batch * heads * (stop - start) * width].view(batch, heads, stop - start, width)
+        torch.matmul(route_q[:, :, start:stop], keys_t[..., :width], out=scores)
+        scored += batch * heads * (stop - start) * width
+        ineligible, forced = _block_masks(start, stop, width, num_keys, causal, local_window,
+                                          global_tokens, route_q.device)
+        if forced is not None:
+            scores.masked_fill_(forced, float("inf"))
+        scores.masked_fill_(ineligible, float("-inf"))
+        if masked_keys is not None:
+            scores.masked_fill_(masked_keys[..., :width], float("-inf"))
+        take = min(slots, width)
+        if width // group > take:
+            # Two-stage exact selection (see the module docstring).
+            group_max = scores.view(batch, heads, stop - start, width // group, group).amax(dim=-1)
+            best_groups = group_max.topk(take, dim=-1, sorted=False).indices
+            candidates = (best_groups.unsqueeze(-1) * group + group_offsets).flatten(-2)
+            values, picked = scores.gather(-1, candidates).topk(take, dim=-1, sorted=False)
+            chosen = candidates.gather(-1, picked)
+        else:
+            values, chosen = scores.topk(take, dim=-1, sorted=False)
+        ok = values > float("-inf")
+        index[:, :, start:stop, :take] = torch.where(ok, chosen, torch.zeros_like(chosen))
+        valid[:, :, start:stop, :take] = ok
+        if take < slots:
+            index[:, :, start:stop, take:] = 0
+            valid[:, :, start:stop, take:] = False
+    return index, valid, scored
+
+
+def route_topk_reference(
+    route_q: Tensor, route_k: Tensor, topk: int, *, causal: bool = True, key_mask: Tensor | None = None,
+    local_window: int = 0, global_tokens: int = 0,
+) -> Tensor:
+    """The specification of `route_topk`: all scores, masks, one `topk`. Returns the selected set
+    as a bool [B, R, T, S] membership mask (slot order is not part of the contract)."""
+    _check_routing(route_q, route_k, key_mask, causal)
+    length, num_keys = route_q.shape[2], route_k.shape[2]
+    scores = route_q @ route_k.transpose(-1, -2)
+    ineligible, forced = _block_masks(0, length, num_keys, num_keys, causal, local_window, global_tokens,
+                                      route_q.device)
+    if forced is not None:
+        scores = scores.masked_fill(forced, float("inf"))
+    scores = scores.masked_fill(ineligible, float("-inf"))
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+    slots = routing_slots(topk, local_window, global_tokens, num_keys)
+    values, chosen = scores.topk(slots, dim=-1)
+    member = torch.zeros_like(scores, dtype=torch.bool)
+    return member.scatter_(-1, chosen, values > float("-inf"))
+
+
+def add_random_slots(
+    index: Tensor, valid: Tensor, count: int, *, causal: bool, key_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Append `count` exploration slots per query holding uniformly random eligible keys.
+
+    A random key already in the row (or a padded key) is marked invalid rather than redrawn, so
+    the slot count stays fixed and the result keeps the distinct-keys contract.
+    """
+    if count <= 0:
+        return index, valid
+    batch, heads, length, _ = index.shape
+    num_keys = length if causal or key_mask is None else key_mask.shape[1]
+    uniform = torch.rand(batch, heads, length, count, generator=generator, device=index.device)
+    if causal:
+        limit = torch.arange(1, length + 1, device=index.device).view(1, 1, length, 1)
+    else:
+        limit = torch.full((1, 1, 1, 1), num_keys, device=index.device)
+    extra = (uniform * limit).long().clamp_max(limit - 1)
+    duplicate = ((extra.unsqueeze(-1) == index.unsqueeze(-2)) & valid.unsqueeze(-2)).any(dim=-1)
+    # Two random slots may draw the same key: keep the first.
+    earlier = (extra.unsqueeze(-1) == extra.unsqueeze(-2)).tril(diagonal=-1).any(dim=-1)
+    ok = ~duplicate & ~earlier
+    if key_mask is not None:
+        ok = ok & key_mask[:, None, None, :].expand(batch, heads, length, -1).gather(-1, extra)
+    return torch.cat([index, extra], dim=-1), torch.cat([valid, ok], dim=-1)

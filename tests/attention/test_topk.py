@@ -1,0 +1,136 @@
+"""The `topk` (ADSR) layer: limits against full attention, router gradients, learning, options."""
+
+import pytest
+import torch
+
+from routeformer.attention import build_attention
+from routeformer.ops.full import masked_attention_reference
+
+DIM, HEADS = 32, 4
+
+
+def make(seed=0, **options):
+    torch.manual_seed(seed)
+    return build_attention("topk", dim=DIM, heads=HEADS, causal=options.pop("causal", True), **options)
+
+
+def copy_projections(source, target):
+    target.qkv_proj.load_state_dict(source.qkv_proj.state_dict())
+    target.out_proj.load_state_dict(source.out_proj.state_dict())
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_with_k_covering_every_key_it_is_full_attention(causal):
+    layer = make(topk=64, routing_learning="distill", causal=causal).eval()
+    full = build_attention("full", dim=DIM, heads=HEADS, causal=causal).eval()
+    copy_projections(layer, full)
+    x = torch.randn(2, 19, DIM)
+    mask = torch.ones(2, 19, dtype=torch.bool)
+    mask[1, 15:] = False
+    ours, theirs = layer(x, mask=mask), full(x, mask=mask)
+    torch.testing.assert_close(ours.out[mask], theirs.out[mask], atol=1e-5, rtol=1e-5)
+    assert ours.stats["routing_recall"].item() == pytest.approx(1.0)
+
+
+def test_score_bias_adds_scaled_routing_scores_to_the_logits():
+    layer = make(topk=64, routing_learning="score_bias", score_bias_scale=0.7, temperature=2.0).eval()
+    x = torch.randn(1, 11, DIM)
+    q, k, v = layer.project_qkv(x, torch.arange(11)[None])
+    route_q, route_k = layer.router(x)
+    logits_bias = 0.35 * (route_q @ route_k.transpose(-1, -2))
+    # q·k/√d + 0.35·s as one dot product of augmented vectors, scale 1
+    q_aug = torch.cat([q * (DIM // HEADS) ** -0.5, 0.35 * route_q], -1)
+    k_aug = torch.cat([k, route_k], -1)
+    allowed = torch.ones(11, 11, dtype=torch.bool).tril()
+    heads_out = masked_attention_reference(q_aug, k_aug, v, allowed, scale=1.0)
+    expected = layer.out_proj(heads_out.transpose(1, 2).reshape(1, 11, DIM))
+    torch.testing.assert_close(layer(x).out, expected, atol=1e-5, rtol=1e-5)
+    assert logits_bias.abs().max() > 0.05, "the bias must be large enough to matter in this test"
+
+
+@pytest.mark.parametrize("learning", ["score_bias", "distill"])
+def test_learnable_routing_sends_gradient_to_the_router(learning):
+    layer = make(topk=4, routing_learning=learning).train()
+    result = layer(torch.randn(2, 24, DIM))
+    (result.out.square().mean() + result.aux_loss).backward()
+    router = dict(layer.router.named_parameters())
+    assert router, "the router must have parameters"
+    for name, param in router.items():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+    if learning == "distill":
+        assert result.aux_loss.item() > 0
+
+
+def test_fixed_random_routing_has_no_router_parameters():
+    layer = make(topk=4, routing_learning="none").train()
+    assert not list(layer.router.parameters())
+    assert "router.random_weight" in layer.state_dict()
+    result = layer(torch.randn(2, 24, DIM))
+    assert result.aux_loss.item() == 0.0
+
+
+def test_distillation_makes_routing_recall_improve():
+    """Only the router trains (the attention it imitates is frozen): recall must rise."""
+    torch.manual_seed(0)
+    layer = make(topk=4, routing_learning="distill", routing_dim=8, recall_queries=48).train()
+    for param in [*layer.qkv_proj.parameters(), *layer.out_proj.parameters()]:
+        param.requires_grad_(False)
+    optimizer = torch.optim.Adam(layer.router.parameters(), lr=1e-2)
+    data = torch.randn(8, 48, DIM, generator=torch.Generator().manual_seed(1))
+    recalls = []
+    for _ in range(60):
+        result = layer(data)
+        optimizer.zero_grad()
+        result.aux_loss.backward()
+        optimizer.step()
+        recalls.append(result.stats["routing_recall"].item())
+    assert sum(recalls[-5:]) / 5 > sum(recalls[:5]) / 5 + 0.05, recalls[::10]
+
+
+def test_exploration_slots_only_in_training():
+    layer = make(topk=8, exploration=0.25)
+    x = torch.randn(1, 40, DIM)
+    train_keys = layer.train()(x).stats["selected_keys"].item()
+    eval_keys = layer.eval()(x).stats["selected_keys"].item()
+    assert eval_keys == pytest.approx(sum(min(8, i + 1) for i in range(40)) / 40)
+    assert train_keys <= eval_keys + 1e-6  # 6 routed + 2 random, duplicates dropped
+
+
+def test_shared_routing_uses_one_key_set_for_all_heads():
+    shared = make(topk=4, shared_routing=True).eval()
+    separate = make(topk=4).eval()
+    x = torch.randn(1, 30, DIM)
+    assert shared(x).stats["head_overlap"].item() == 1.0
+    assert separate(x).stats["head_overlap"].item() < 1.0
+
+
+def test_entropy_regulariser_enters_the_aux_loss():
+    layer = make(topk=4, entropy_weight=0.5).train()
+    result = layer(torch.randn(1, 20, DIM))
+    assert result.aux_loss.item() < 0  # -w·H with H > 0
+    layer.eval()
+    assert layer(torch.randn(1, 20, DIM)).aux_loss.item() == 0.0
+
+
+def test_flops_count_routing_and_attention():
+    layer = make(topk=4, routing_learning="distill", block=32).eval()
+    stats = layer(torch.randn(1, 256, DIM)).stats
+    attention = 2 * 1 * HEADS * 256 * 4 * (2 * (DIM // HEADS))
+    assert stats["flops"].item() == stats["routing_flops"].item() + attention
+    # causal: query block b scores only keys up to its end, 32·(32 + 64 + ... + 256) per head
+    scored = sum(32 * 32 * (b + 1) for b in range(8))
+    assert stats["routing_flops"].item() == 2 * 16 * HEADS * scored
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [({"routing_learning": "lsh"}, "routing_learning must be one of"),
+     ({"topk": 0}, "topk must be a positive integer"),
+     ({"exploration": 1.0}, "exploration must be a fraction"),
+     ({"temperature": 0.0}, "temperature must be > 0"),
+     ({"local_window": -1}, "local_window must be an integer >= 0"),
+     ({"routing_learning": "none", "entropy_weight": 0.1}, "entropy_weight needs a learnable router")],
+)
+def test_bad_options_raise_value_errors(options, message):
+    with pytest.raises(ValueError, match=message):
+        make(**options)

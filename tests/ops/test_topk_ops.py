@@ -1,0 +1,133 @@
+"""Top-k routing and gathered attention against their dense references."""
+
+import pytest
+import torch
+
+from routeformer.ops import (
+    add_random_slots,
+    gathered_dot,
+    gathered_dot_reference,
+    route_topk,
+    route_topk_reference,
+    routed_attention,
+    routed_attention_reference,
+)
+from routeformer.ops.gathered import slot_membership
+
+
+def routing_inputs(length, heads=3, dim=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, heads, length, dim, generator=gen),
+            torch.randn(2, heads, length, dim, generator=gen))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    "length, topk, local_window, global_tokens, group, block",
+    [(37, 5, 0, 0, 4, 8), (37, 5, 3, 2, 4, 8), (100, 64, 0, 0, 32, 128), (300, 8, 4, 1, 8, 64),
+     (65, 3, 0, 0, 2, 7)],
+)
+def test_route_topk_selects_the_reference_set(causal, length, topk, local_window, global_tokens, group, block):
+    route_q, route_k = routing_inputs(length)
+    key_mask = torch.ones(2, length, dtype=torch.bool)
+    key_mask[1, length - 5:] = False
+    key_mask[0, 3] = False
+    index, valid, scored = route_topk(
+        route_q, route_k, topk, causal=causal, key_mask=key_mask, local_window=local_window,
+        global_tokens=global_tokens, block=block, group=group,
+    )
+    member = slot_membership(index, valid, length)
+    assert valid.sum() == member.sum(), "valid slots must name distinct keys"
+    reference = route_topk_reference(route_q, route_k, topk, causal=causal, key_mask=key_mask,
+                                     local_window=local_window, global_tokens=global_tokens)
+    assert torch.equal(member, reference)
+    assert scored <= 2 * 3 * length * (length + group) and scored > 0
+
+
+def test_causal_routing_takes_every_key_when_fewer_than_k_are_eligible():
+    route_q, route_k = routing_inputs(10)
+    index, valid, _ = route_topk(route_q, route_k, 4, causal=True, block=3, group=2)
+    assert valid.sum(-1)[0, 0].tolist() == [1, 2, 3, 4, 4, 4, 4, 4, 4, 4]
+    member = slot_membership(index, valid, 10)
+    assert not member.triu(diagonal=1).any(), "a causal query selected a future key"
+
+
+def test_forced_keys_are_always_selected():
+    route_q, route_k = routing_inputs(40)
+    index, valid, _ = route_topk(route_q, route_k, 2, causal=True, local_window=3, global_tokens=2)
+    member = slot_membership(index, valid, 40)
+    for i in range(40):
+        for j in list(range(max(0, i - 2), i + 1)) + [j for j in (0, 1) if j <= i]:
+            assert member[:, :, i, j].all()
+
+
+def test_random_slots_are_eligible_and_distinct():
+    route_q, route_k = routing_inputs(50)
+    index, valid, _ = route_topk(route_q, route_k, 4, causal=True)
+    gen = torch.Generator().manual_seed(3)
+    index, valid = add_random_slots(index, valid, 6, causal=True, generator=gen)
+    assert index.shape[-1] == 10
+    member = slot_membership(index, valid, 50)
+    assert valid.sum() == member.sum()
+    assert not member.triu(diagonal=1).any()
+    assert valid[..., 4:].any(), "exploration added nothing"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_routed_attention_matches_reference_forward_and_gradients(causal):
+    gen = torch.Generator().manual_seed(4)
+    shape = (2, 3, 45)
+    q = torch.randn(*shape, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(*shape, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(*shape, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    key_mask = torch.ones(2, 45, dtype=torch.bool)
+    key_mask[1, 40:] = False
+    index, valid, _ = route_topk(q.detach(), k.detach(), 6, causal=causal, key_mask=key_mask, group=4)
+    index, valid = add_random_slots(index, valid, 2, causal=causal, key_mask=key_mask, generator=gen)
+    out, lse = routed_attention(q, k, v, index, valid, block=16)
+    expected = routed_attention_reference(q, k, v, index, valid)
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), grad)
+    theirs = torch.autograd.grad(expected, (q, k, v), grad)
+    for name, a, b in zip("qkv", ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, msg=f"grad {name}")
+    # lse is the log-sum-exp of the valid logits
+    logits = gathered_dot_reference(q, k, index) * 8 ** -0.5
+    torch.testing.assert_close(lse, logits.masked_fill(~valid, float("-inf")).logsumexp(-1))
+
+
+def test_routed_attention_rows_without_keys_are_zero():
+    q, k, v = (torch.randn(1, 1, 4, 3) for _ in range(3))
+    index = torch.zeros(1, 1, 4, 2, dtype=torch.long)
+    valid = torch.zeros(1, 1, 4, 2, dtype=torch.bool)
+    valid[0, 0, 2, 0] = True
+    out, lse = routed_attention(q, k, v, index, valid)
+    assert torch.equal(out[0, 0, [0, 1, 3]], torch.zeros(3, 3)) and torch.isinf(lse[0, 0, 0])
+    torch.testing.assert_close(out[0, 0, 2], v[0, 0, 0])
+
+
+def test_gathered_dot_matches_reference_with_gradients():
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(2, 2, 30, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, 2, 30, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    index = torch.randint(0, 30, (2, 2, 30, 7), generator=gen)
+    ours = gathered_dot(a, b, index, block=8)
+    theirs = gathered_dot_reference(a, b, index)
+    torch.testing.assert_close(ours, theirs)
+    grad = torch.randn_like(ours)
+    for x, y in zip(torch.autograd.grad(ours, (a, b), grad), torch.autograd.grad(theirs, (a, b), grad),
+                    strict=True):
+        torch.testing.assert_close(x, y)
+
+
+def test_bad_routing_arguments_raise_value_errors():
+    route_q, route_k = routing_inputs(8)
+    with pytest.raises(ValueError, match="topk must be a positive integer"):
+        route_topk(route_q, route_k, 0)
+    with pytest.raises(ValueError, match="route_q and route_k must be"):
+        route_topk(route_q, route_k[..., :2], 2)
+    with pytest.raises(ValueError, match="key_mask must be bool"):
+        route_topk(route_q, route_k, 2, key_mask=torch.ones(2, 8))
+    with pytest.raises(ValueError, match="index must be a long tensor"):
+        routed_attention(route_q, route_k, route_k, torch.zeros(2, 3, 8, 2), torch.ones(2, 3, 8, 2).bool())
