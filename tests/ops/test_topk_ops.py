@@ -27,7 +27,9 @@ def routing_inputs(length, heads=3, dim=4, seed=0):
     [(37, 5, 0, 0, 4, 8), (37, 5, 3, 2, 4, 8), (100, 64, 0, 0, 32, 128), (300, 8, 4, 1, 8, 64),
      (65, 3, 0, 0, 2, 7)],
 )
-def test_route_topk_selects_the_reference_set(causal, length, topk, local_window, global_tokens, group, block):
+def test_route_topk_selects_the_reference_set(
+    causal, length, topk, local_window, global_tokens, group, block
+):
     route_q, route_k = routing_inputs(length)
     key_mask = torch.ones(2, length, dtype=torch.bool)
     key_mask[1, length - 5:] = False

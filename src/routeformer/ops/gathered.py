@@ -18,7 +18,7 @@ from torch import Tensor
 
 from routeformer.ops.full import masked_attention_reference
 
-DEFAULT_BLOCK = 256
+DEFAULT_BLOCK = 64  # small blocks keep the gathered keys in cache: measured fastest
 
 
 def _check_gather_args(q: Tensor, k: Tensor, index: Tensor, valid: Tensor | None) -> None:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from routeformer.ops._checks import check_positive
 
-DEFAULT_ROUTING_BLOCK = 128
+DEFAULT_ROUTING_BLOCK = 64
 DEFAULT_GROUP = 32
 
 
@@ -52,12 +52,13 @@ def routing_slots(topk: int, local_window: int, global_tokens: int, num_keys: in
 
 
 def _block_masks(
-    start: int, stop: int, width: int, num_keys: int, causal: bool, local_window: int,
-    global_tokens: int, device: torch.device,
+    start: int, stop: int, first_col: int, end_col: int, num_keys: int, causal: bool,
+    local_window: int, global_tokens: int, device: torch.device,
 ) -> tuple[Tensor, Tensor | None]:
-    """(ineligible [block, width], forced [block, width] or None) for query rows start..stop."""
+    """(ineligible, forced or None), bool [stop - start, end_col - first_col], for query rows
+    start..stop and key columns first_col..end_col."""
     rows = torch.arange(start, stop, device=device)[:, None]
-    cols = torch.arange(width, device=device)[None, :]
+    cols = torch.arange(first_col, end_col, device=device)[None, :]
     ineligible = cols >= num_keys
     if causal:
         ineligible = ineligible | (cols > rows)
@@ -65,6 +66,31 @@ def _block_masks(
     if local_window or global_tokens:
         forced = ((cols <= rows) & (cols > rows - local_window)) | (cols < global_tokens)
     return ineligible, forced
+
+
+def _mask_block(
+    scores: Tensor, start: int, stop: int, num_keys: int, causal: bool, local_window: int,
+    global_tokens: int,
+) -> None:
+    """Apply forced (+inf) and ineligible (-inf) keys in place, touching only the columns where
+    either can occur: full passes over a block's scores cost as much as computing them."""
+    width = scores.shape[-1]
+
+    def fill(first_col: int, end_col: int, forced_too: bool, ineligible_too: bool) -> None:
+        if end_col <= first_col:
+            return
+        ineligible, forced = _block_masks(start, stop, first_col, end_col, num_keys, causal,
+                                          local_window, global_tokens, scores.device)
+        if forced_too and forced is not None:
+            scores[..., first_col:end_col].masked_fill_(forced, float("inf"))
+        if ineligible_too:
+            scores[..., first_col:end_col].masked_fill_(ineligible, float("-inf"))
+
+    fill(0, min(global_tokens, width), True, False)
+    if local_window:
+        fill(max(0, start - local_window + 1), min(stop, width), True, False)
+    # Causal: only the diagonal part (columns >= start) has future keys; else only padding columns.
+    fill(start if causal else min(num_keys, width), width, False, True)
 
 
 @torch.no_grad()
@@ -99,7 +125,6 @@ def route_topk(
     index = torch.empty(batch, heads, length, slots, dtype=torch.long, device=route_q.device)
     valid = torch.empty(batch, heads, length, slots, dtype=torch.bool, device=route_q.device)
     scratch = route_q.new_empty(batch * heads * min(block, length) * padded_keys)
-    group_offsets = torch.arange(group, device=route_q.device)
     scored = 0
     for start in range(0, length, block):
         stop = min(length, start + block)
@@ -108,21 +133,21 @@ def route_topk(
         scores = scratch[: batch * heads * (stop - start) * width].view(batch, heads, stop - start, width)
         torch.matmul(route_q[:, :, start:stop], keys_t[..., :width], out=scores)
         scored += batch * heads * (stop - start) * width
-        ineligible, forced = _block_masks(start, stop, width, num_keys, causal, local_window,
-                                          global_tokens, route_q.device)
-        if forced is not None:
-            scores.masked_fill_(forced, float("inf"))
-        scores.masked_fill_(ineligible, float("-inf"))
+        _mask_block(scores, start, stop, num_keys, causal, local_window, global_tokens)
         if masked_keys is not None:
             scores.masked_fill_(masked_keys[..., :width], float("-inf"))
         take = min(slots, width)
         if width // group > take:
             # Two-stage exact selection (see the module docstring).
-            group_max = scores.view(batch, heads, stop - start, width // group, group).amax(dim=-1)
-            best_groups = group_max.topk(take, dim=-1, sorted=False).indices
-            candidates = (best_groups.unsqueeze(-1) * group + group_offsets).flatten(-2)
-            values, picked = scores.gather(-1, candidates).topk(take, dim=-1, sorted=False)
-            chosen = candidates.gather(-1, picked)
+            rows = batch * heads * (stop - start)
+            grouped = scores.view(rows, width // group, group)
+            best_groups = grouped.amax(dim=-1).topk(take, dim=-1, sorted=False).indices
+            # Copy each chosen group's G contiguous scores at once (advanced indexing), not per element.
+            candidates = grouped[torch.arange(rows, device=scores.device)[:, None], best_groups]
+            values, picked = candidates.view(rows, take * group).topk(take, dim=-1, sorted=False)
+            chosen = best_groups.gather(-1, picked // group) * group + picked % group
+            values = values.view(batch, heads, stop - start, take)
+            chosen = chosen.view(batch, heads, stop - start, take)
         else:
             values, chosen = scores.topk(take, dim=-1, sorted=False)
         ok = values > float("-inf")
@@ -143,8 +168,8 @@ def route_topk_reference(
     _check_routing(route_q, route_k, key_mask, causal)
     length, num_keys = route_q.shape[2], route_k.shape[2]
     scores = route_q @ route_k.transpose(-1, -2)
-    ineligible, forced = _block_masks(0, length, num_keys, num_keys, causal, local_window, global_tokens,
-                                      route_q.device)
+    ineligible, forced = _block_masks(0, length, 0, num_keys, num_keys, causal, local_window,
+                                      global_tokens, route_q.device)
     if forced is not None:
         scores = scores.masked_fill(forced, float("inf"))
     scores = scores.masked_fill(ineligible, float("-inf"))
