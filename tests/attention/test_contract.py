@@ -10,7 +10,8 @@ DIM, HEADS = 32, 4
 SMALL_OPTIONS = {
     "local": {"window": 5},
     "linear": {"chunk": 4},
-    "topk": {"topk": 3, "block": 4, "local_window": 1},
+    # dense_below=0: the gathered path (the dense short-sequence path is checked against it)
+    "topk": {"topk": 3, "block": 4, "local_window": 1, "dense_below": 0},
 }
 
 

@@ -113,13 +113,32 @@ def test_entropy_regulariser_enters_the_aux_loss():
 
 
 def test_flops_count_routing_and_attention():
-    layer = make(topk=4, routing_learning="distill", block=32).eval()
+    layer = make(topk=4, routing_learning="distill", block=32, dense_below=0).eval()
     stats = layer(torch.randn(1, 256, DIM)).stats
     attention = 2 * 1 * HEADS * 256 * 4 * (2 * (DIM // HEADS))
     assert stats["flops"].item() == stats["routing_flops"].item() + attention
     # causal: query block b scores only keys up to its end, 32·(32 + 64 + ... + 256) per head
     scored = sum(32 * 32 * (b + 1) for b in range(8))
     assert stats["routing_flops"].item() == 2 * 16 * HEADS * scored
+
+
+@pytest.mark.parametrize("learning", ["score_bias", "distill"])
+def test_dense_short_path_equals_the_gathered_path(learning):
+    gathered = make(topk=5, routing_learning=learning, dense_below=0, local_window=2).train()
+    dense = make(topk=5, routing_learning=learning, dense_below=1024, local_window=2).train()
+    dense.load_state_dict(gathered.state_dict())
+    x = torch.randn(2, 30, DIM)
+    mask = torch.ones(2, 30, dtype=torch.bool)
+    mask[0, 25:] = False
+    results = [layer(x, mask=mask) for layer in (gathered, dense)]
+    torch.testing.assert_close(results[0].out[mask], results[1].out[mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[0].aux_loss, results[1].aux_loss)
+    grads = []
+    for layer, result in zip((gathered, dense), results, strict=True):
+        (result.out[mask].square().sum() + result.aux_loss).backward()
+        grads.append({n: p.grad for n, p in layer.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-4, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,9 @@ learnable router), `exploration` (fraction of the K slots filled with random eli
 training), `global_tokens` (the first g positions are always read), `local_window` (the last w
 tokens are always read), `shared_routing` (one routing space for all heads instead of one per
 head), `router_hidden` (a GELU MLP router instead of a linear one). Forced keys come on top of the
-K routed ones.
+K routed ones. `dense_below`: with at most this many keys the routed set is applied as a mask to
+one SDPA call (on CPU, per-query gathers cost more than the dense product at short lengths); the
+function is the same, and `flops` then counts the T x S work actually done. 0 always gathers.
 
 stats: `routing_recall` (fraction of the dense attention mass inside R_i, on `recall_queries`
 evenly spaced queries), `head_overlap` (mean Jaccard overlap of R_i between pairs of heads),
@@ -82,7 +84,8 @@ class TopKAttention(AttentionLayer):
         routing_learning: str = "score_bias", score_bias_scale: float = 1.0, distill_weight: float = 1.0,
         temperature: float = 1.0, entropy_weight: float = 0.0, exploration: float = 0.0,
         global_tokens: int = 0, local_window: int = 0, shared_routing: bool = False,
-        router_hidden: int = 0, recall_queries: int = 16, block: int = DEFAULT_ROUTING_BLOCK, **common,
+        router_hidden: int = 0, recall_queries: int = 16, block: int = DEFAULT_ROUTING_BLOCK,
+        dense_below: int = 1024, **common,
     ) -> None:
         super().__init__(dim, heads, causal, **common)
         check_positive("topk", topk)
@@ -95,7 +98,8 @@ class TopKAttention(AttentionLayer):
         if not 0.0 <= exploration < 1.0:
             raise ValueError(f"exploration must be a fraction in [0, 1); got {exploration}")
         for name, value in (("global_tokens", global_tokens), ("local_window", local_window),
-                            ("router_hidden", router_hidden), ("recall_queries", recall_queries)):
+                            ("router_hidden", router_hidden), ("recall_queries", recall_queries),
+                            ("dense_below", dense_below)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
         if distill_weight < 0:
@@ -107,6 +111,7 @@ class TopKAttention(AttentionLayer):
         self.temperature, self.entropy_weight = float(temperature), float(entropy_weight)
         self.exploration, self.global_tokens, self.local_window = exploration, global_tokens, local_window
         self.shared_routing, self.recall_queries, self.block = shared_routing, recall_queries, block
+        self.dense_below = dense_below
         routing_heads = 1 if shared_routing else heads
         self.router = Router(dim, routing_heads, routing_dim, router_hidden,
                              frozen=routing_learning == "none")
@@ -134,14 +139,22 @@ class TopKAttention(AttentionLayer):
             expand = (batch, heads, length, self.routing_dim)
             q_att = torch.cat([q * scale, bias * route_q.expand(expand)], dim=-1)
             k_att = torch.cat([k, route_k.expand(expand)], dim=-1)
-            heads_out, lse = routed_attention(q_att, k_att, v, head_index, head_valid, scale=1.0)
-            attention_dim = head_dim + self.routing_dim
+            scale = 1.0
         else:
-            heads_out, lse = routed_attention(q, k, v, head_index, head_valid, scale=scale)
-            attention_dim = head_dim
+            q_att, k_att = q, k
+        num_keys = k.shape[2]
+        if num_keys <= self.dense_below:
+            # Short sequences: one masked SDPA over the routed-set mask beats per-query gathers
+            # (gathers run at ~1-2 GFLOP/s on CPU). Same function, executed cost T x S.
+            allowed = slot_membership(head_index, head_valid, num_keys)
+            heads_out = F.scaled_dot_product_attention(q_att, k_att, v, attn_mask=allowed, scale=scale)
+            heads_out = heads_out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
+            attention_flops = 2 * batch * heads * length * num_keys * (q_att.shape[-1] + head_dim)
+        else:
+            heads_out, _ = routed_attention(q_att, k_att, v, head_index, head_valid, scale=scale)
+            attention_flops = 2 * batch * heads * length * slots * (q_att.shape[-1] + head_dim)
         routing_flops = 2 * scored * self.routing_dim
-        attention_flops = 2 * batch * heads * length * slots * (attention_dim + head_dim)
-        aux_loss, aux_flops = self.routing_aux_loss(q, k, route_q, route_k, index, valid, lse, mask)
+        aux_loss, aux_flops = self.routing_aux_loss(q, k, route_q, route_k, index, valid, mask)
         out = self.out_proj(self.merge_heads(heads_out, x))
         stats = {
             "flops": torch.tensor(float(routing_flops + attention_flops + aux_flops)),
@@ -153,7 +166,7 @@ class TopKAttention(AttentionLayer):
 
     def routing_aux_loss(
         self, q: Tensor, k: Tensor, route_q: Tensor, route_k: Tensor, index: Tensor, valid: Tensor,
-        lse: Tensor, mask: Tensor | None,
+        mask: Tensor | None,
     ) -> tuple[Tensor, int]:
         """Distillation and entropy terms on the router's distribution over each R_i."""
         distill = self.routing_learning == "distill" and self.distill_weight > 0 and self.training
@@ -171,11 +184,12 @@ class TopKAttention(AttentionLayer):
         loss = q.new_zeros(())
         if distill:
             with torch.no_grad():
-                # The main attention's distribution over R_i, recomputed from its log-sum-exp.
+                # The main attention's distribution over R_i (q·k/√d; with score_bias the bias
+                # is the router's own output, so the target leaves it out).
                 batch, heads = q.shape[:2]
                 head_index = index.expand(batch, heads, *index.shape[2:])
                 logits = gathered_dot(q, k, head_index) * q.shape[-1] ** -0.5
-                target = torch.exp(logits - torch.nan_to_num(lse, neginf=0.0).unsqueeze(-1))
+                target = _safe_log_softmax(logits.masked_fill(~valid, float("-inf")), valid).exp()
                 target = target.masked_fill(~valid, 0.0)
                 if index.shape[1] == 1 and heads > 1:
                     target = target.mean(dim=1, keepdim=True)  # one shared router serves all heads

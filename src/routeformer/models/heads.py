@@ -46,10 +46,22 @@ class CausalLM(nn.Module):
 
     def forward(
         self, tokens: Tensor, labels: Tensor | None = None, *, mask: Tensor | None = None,
-        positions: Tensor | None = None,
+        positions: Tensor | None = None, logits_at_labels: bool = False,
     ) -> ModelOutput:
-        """`labels[b, t]` is the target for position t (already shifted); -100 is ignored."""
+        """`labels[b, t]` is the target for position t (already shifted); -100 is ignored.
+
+        `logits_at_labels=True` projects onto the vocabulary only where a label is set and returns
+        those logits flattened [N, V] (in label order): tasks with sparse labels, such as
+        associative recall, skip the largest matmul of the model elsewhere.
+        """
         result = self.backbone(tokens, mask=mask, positions=positions)
+        if logits_at_labels:
+            if labels is None:
+                raise ValueError("logits_at_labels=True needs labels")
+            selected = labels != IGNORE_INDEX
+            logits = self.lm_head(result.hidden[selected])
+            loss = F.cross_entropy(logits.float(), labels[selected]) if bool(selected.any()) else None
+            return ModelOutput(logits, loss, result.aux_loss, result.stats)
         logits = self.lm_head(result.hidden)
         loss = None
         if labels is not None:

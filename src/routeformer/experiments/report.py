@@ -1,0 +1,78 @@
+"""Writing experiment outputs: result JSON, Markdown tables, per-run records, PNG plots."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from routeformer.bench.timing import machine_description
+
+
+def cached_run(out_dir: Path, key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Return the stored record of run `key`, or compute and store it (atomically): a killed
+    experiment picks up after its last finished run."""
+    path = out_dir / "runs" / f"{key}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    record = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(record, indent=1))
+    os.replace(partial, path)
+    return record
+
+
+def write_result(out_dir: Path, result: dict[str, Any], markdown: str) -> Path:
+    (out_dir / "result.json").write_text(json.dumps(result, indent=1))
+    report = out_dir / "report.md"
+    report.write_text(markdown)
+    return report
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return str(value)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(value) for value in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def provenance(command: str) -> str:
+    import datetime
+
+    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    return f"Measured {now} on {machine_description()}. Command: `{command}`."
+
+
+def line_plot(
+    path: Path, series: dict[str, tuple[Sequence[float], Sequence[float]]], *, xlabel: str, ylabel: str,
+    title: str, logx: bool = False, logy: bool = False,
+) -> Path | None:
+    """One PNG with a line per series; returns None (and writes nothing) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    figure, axes = plt.subplots(figsize=(6.4, 4.2))
+    for label, (xs, ys) in series.items():
+        axes.plot(list(xs), list(ys), marker="o", markersize=3, label=label)
+    axes.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    if logx:
+        axes.set_xscale("log", base=2)
+    if logy:
+        axes.set_yscale("log")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
