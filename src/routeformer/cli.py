@@ -4,7 +4,8 @@
     routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N]
     routeformer sample RUN_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
     routeformer list
-    routeformer bench ops [--lengths 1024 4096 16384] [--repeats 5] [--window 256] [--output FILE]
+    routeformer bench ops|topk [--lengths 1024 4096 16384] [--repeats 5] [--window 256] [--output FILE]
+    routeformer reproduce NAME [--quick] [--out DIR]      (routeformer reproduce --list)
 """
 
 from __future__ import annotations
@@ -75,10 +76,28 @@ def command_sample(args: argparse.Namespace) -> int:
 
 def command_list(args: argparse.Namespace) -> int:
     from routeformer.attention import list_attentions
+    from routeformer.experiments.registry import list_experiments
 
+    print("attention mechanisms:")
     for name, options in list_attentions().items():
         shown = ", ".join(f"{key}={value!r}" for key, value in options.items())
-        print(f"{name:12s} {shown}")
+        print(f"  {name:12s} {shown}")
+    print("experiments (routeformer reproduce NAME):")
+    for name, experiment in list_experiments().items():
+        print(f"  {name:14s} {experiment.description}")
+    return 0
+
+
+def command_reproduce(args: argparse.Namespace) -> int:
+    from routeformer.experiments.registry import list_experiments, run_experiment
+
+    if args.list or not args.name:
+        for name, experiment in list_experiments().items():
+            print(f"{name:14s} {experiment.description}")
+        return 0
+    report = run_experiment(args.name, args.out, quick=args.quick)
+    print(report.read_text())
+    print(f"wrote {report.parent}/ (result.json, report.md, PNGs)")
     return 0
 
 
@@ -88,8 +107,14 @@ def command_bench(args: argparse.Namespace) -> int:
     settings = {"B": args.batch, "H": args.heads, "d": args.head_dim, "dtype": "fp32",
                 "causal": True, "window": args.window, "repeats": args.repeats}
     print(TABLE_HEADER, flush=True)
+    ops = None
+    if args.suite == "topk":
+        from routeformer.bench.topk_bench import topk_op_table
+
+        ops = topk_op_table(args.batch, args.heads, args.routing_dim, args.topk)
+        settings.update(routing_dim=args.routing_dim, topk=args.topk)
     rows = bench_ops(args.lengths, repeats=args.repeats, window=args.window, batch=args.batch,
-                     heads=args.heads, head_dim=args.head_dim,
+                     heads=args.heads, head_dim=args.head_dim, ops=ops,
                      progress=lambda line: print(line, flush=True))
     if args.output:
         output = Path(args.output)
@@ -130,14 +155,22 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("list", help="list the registered attention mechanisms and their options")
 
     bench = commands.add_parser("bench", help="speed and memory benchmarks")
-    bench.add_argument("suite", choices=["ops"])
+    bench.add_argument("suite", choices=["ops", "topk"])
     bench.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--window", type=int, default=256)
     bench.add_argument("--batch", type=int, default=1)
     bench.add_argument("--heads", type=int, default=4)
     bench.add_argument("--head-dim", type=int, default=64)
+    bench.add_argument("--topk", type=int, default=64, help="topk suite: keys per query")
+    bench.add_argument("--routing-dim", type=int, default=16, help="topk suite: routing dim")
     bench.add_argument("--output", default=None, help="write a Markdown table (and JSON beside it)")
+
+    reproduce = commands.add_parser("reproduce", help="run a reproduced paper experiment")
+    reproduce.add_argument("name", nargs="?", help="experiment name (see --list)")
+    reproduce.add_argument("--list", action="store_true", help="list the experiments")
+    reproduce.add_argument("--quick", action="store_true", help="a reduced setting that runs in minutes")
+    reproduce.add_argument("--out", default=None, help="output directory (default runs/NAME[-quick])")
     return parser
 
 
@@ -150,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return command_train(args, extra)
         handlers = {"eval": command_eval, "sample": command_sample, "list": command_list,
-                    "bench": command_bench}
+                    "bench": command_bench, "reproduce": command_reproduce}
         return handlers[args.command](args)
     except ValueError as error:
         print(f"routeformer: error: {error}", file=sys.stderr)

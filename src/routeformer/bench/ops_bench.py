@@ -43,26 +43,30 @@ def bench_ops(
     lengths: list[int], *, repeats: int = 5, window: int = 256, batch: int = 1, heads: int = 4,
     head_dim: int = 64, causal: bool = True, dtype: torch.dtype = torch.float32,
     device: str = "cpu", progress: Callable[[str], None] | None = None,
+    ops: Callable[[int], dict[str, Callable]] | None = None, backward_up_to: int | None = None,
 ) -> list[OpsRow]:
+    """Time every op of `ops(length)` (default: `op_table`) against the table's "sdpa" entry.
+    Lengths above `backward_up_to` are timed forward only (their backward columns are NaN)."""
+    ops = ops or (lambda length: op_table(window, causal))
     rows = []
     for length in lengths:
         gen = torch.Generator(device=device).manual_seed(length)
         q, k, v = (torch.randn(batch, heads, length, head_dim, generator=gen, device=device, dtype=dtype)
                    for _ in range(3))
         grad_q, grad_k, grad_v = (t.clone().requires_grad_() for t in (q, k, v))
-        ops = op_table(window, causal)
-
+        table = ops(length)
         inputs, leaves = (q, k, v), (grad_q, grad_k, grad_v)
-        fwd = median_times({name: forward_call(op, inputs) for name, op in ops.items()}, repeats)
+        with_backward = backward_up_to is None or length <= backward_up_to
+        fwd = median_times({name: forward_call(op, inputs) for name, op in table.items()}, repeats)
         fwd_bwd = median_times(
-            {name: forward_backward_call(op, leaves) for name, op in ops.items()}, repeats
-        )
-        for name, op in ops.items():
+            {name: forward_backward_call(op, leaves) for name, op in table.items()}, repeats
+        ) if with_backward else dict.fromkeys(table, float("nan"))
+        for name, op in table.items():
             row = OpsRow(
                 length, name, fwd[name] * 1e3, fwd_bwd[name] * 1e3,
                 fwd["sdpa"] / fwd[name], fwd_bwd["sdpa"] / fwd_bwd[name],
                 peak_memory_mib(forward_call(op, inputs)),
-                peak_memory_mib(forward_backward_call(op, leaves)),
+                peak_memory_mib(forward_backward_call(op, leaves)) if with_backward else None,
             )
             rows.append(row)
             if progress:

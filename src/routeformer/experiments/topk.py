@@ -29,6 +29,7 @@ from routeformer.models.heads import CausalLM
 from routeformer.train.task_loop import TaskTrainConfig, layer_stat, train_task
 
 MQAR_PAIRS = {256: 16, 512: 32, 1024: 64}
+MQAR_DIM = 64
 LOCAL_WINDOW = 64
 
 
@@ -43,7 +44,7 @@ def mqar_variants(length: int, quick: bool) -> dict[str, tuple[str, dict[str, An
         f"local(w={LOCAL_WINDOW})": ("local", {"window": LOCAL_WINDOW}),
         "linear": ("linear", {}),
     }
-    ks = (8, 32) if quick else ((8, 32, 64) if length == 256 else (32,))
+    ks = (32,) if quick else ((8, 32, 64) if length == 256 else (32,))
     for k in ks:
         for learning in ("score_bias", "distill", "none"):
             variants[f"topk(K={k},{learning})"] = ("topk", {"topk": k, "routing_learning": learning})
@@ -71,7 +72,7 @@ def mqar_accuracy(model: CausalLM, task: MQARConfig, sequences: int, seed: int) 
 
 def run_mqar_variant(length: int, mechanism: str, options: dict, steps: int, seed: int) -> dict[str, Any]:
     task = MQARConfig(seq_len=length, pairs=MQAR_PAIRS[length], vocab_size=8192)
-    config = ModelConfig(vocab_size=task.vocab_size, dim=128, depth=2, heads=4, attention=mechanism,
+    config = ModelConfig(vocab_size=task.vocab_size, dim=MQAR_DIM, depth=2, heads=4, attention=mechanism,
                          attention_options={mechanism: options} if options else {},
                          positions="learned", max_seq_len=length, tie_embeddings=False)
     torch.manual_seed(seed)
@@ -97,14 +98,16 @@ def run_mqar_variant(length: int, mechanism: str, options: dict, steps: int, see
                      "and routing recall over training")
 def mqar(out_dir: Path, quick: bool) -> Path:
     lengths = [256] if quick else [256, 512, 1024]
-    steps = 150 if quick else 1500
+    steps = 300 if quick else 1500
     records = {}
     for length in lengths:
         for name, (mechanism, options) in mqar_variants(length, quick).items():
             key = f"T{length}-{name}".replace(",", "-").replace("=", "").replace("(", "-").replace(")", "")
             _log(f"topk-mqar: {key}")
             records[(length, name)] = cached_run(
-                out_dir, key, lambda: run_mqar_variant(length, mechanism, options, steps, seed=0)
+                out_dir, key,
+                lambda length=length, mechanism=mechanism, options=options:
+                    run_mqar_variant(length, mechanism, options, steps, seed=0),
             )
     rows, curves_acc, curves_recall = [], {}, {}
     for (length, name), record in records.items():
@@ -114,7 +117,9 @@ def mqar(out_dir: Path, quick: bool) -> Path:
         steps_axis = [e["step"] for e in record["history"]]
         curves_acc[f"T={length} {name}"] = (steps_axis, [e["accuracy"] for e in record["history"]])
         if "routing_recall" in final:
-            curves_recall[f"T={length} {name}"] = (steps_axis, [e["routing_recall"] for e in record["history"]])
+            curves_recall[f"T={length} {name}"] = (
+                steps_axis, [e["routing_recall"] for e in record["history"]]
+            )
     line_plot(out_dir / "mqar_accuracy.png", curves_acc, xlabel="step", ylabel="query accuracy",
               title="MQAR accuracy over training")
     line_plot(out_dir / "mqar_routing_recall.png", curves_recall, xlabel="step",
@@ -122,8 +127,8 @@ def mqar(out_dir: Path, quick: bool) -> Path:
     markdown = "\n\n".join([
         "# topk-mqar: multi-query associative recall",
         provenance(f"routeformer reproduce topk-mqar{' --quick' if quick else ''}"),
-        f"Model: 2 layers, D=128, 4 heads, learned positions, vocabulary 8192; {steps} steps of batch 32, "
-        "AdamW lr 1e-3; accuracy on 1024 fresh test sequences (seed 0, one seed per cell). "
+        f"Model: 2 layers, D={MQAR_DIM}, 4 heads, learned positions, vocabulary 8192; {steps} steps of "
+        "batch 32, AdamW lr 1e-3; accuracy on 1024 fresh test sequences (seed 0, one seed per cell). "
         "Routing recall: fraction of the dense attention mass inside the routed set, on 16 sampled "
         "queries per layer, averaged over layers.",
         markdown_table(["T", "pairs", "mechanism", "accuracy", "routing recall", "attention FLOPs/token",
@@ -134,3 +139,34 @@ def mqar(out_dir: Path, quick: bool) -> Path:
                                  "attention_flops_per_token", "train_seconds"], row, strict=True))
                        for row in rows]}
     return write_result(out_dir, json.loads(json.dumps(result)), markdown)
+
+
+@register_experiment("topk-speed", "topk op vs SDPA: forward and forward+backward time, peak memory")
+def speed(out_dir: Path, quick: bool) -> Path:
+    from routeformer.bench.ops_bench import TABLE_HEADER, bench_ops, format_row, rows_as_dicts
+    from routeformer.bench.topk_bench import topk_op_table
+
+    lengths = [1024, 4096] if quick else [1024, 4096, 16384, 65536]
+    repeats = 3
+    rows = bench_ops(lengths, repeats=repeats, ops=topk_op_table(1, 4, 16, 64), backward_up_to=16384,
+                     progress=_log)
+    by_length: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        by_length.setdefault(row.length, {})[row.impl.split("(")[0]] = row
+    crossover = next((length for length, pair in sorted(by_length.items())
+                      if pair["topk"].forward_speedup > 1.0), None)
+    markdown = "\n\n".join([
+        "# topk-speed: top-k routed attention vs SDPA",
+        provenance(f"routeformer reproduce topk-speed{' --quick' if quick else ''}"),
+        f"Causal, B=1, H=4, d=64, routing dim 16, K=64, fp32. Medians of {repeats} alternating "
+        "repetitions; speedup = SDPA time / topk time in the same process; lengths above 16384 "
+        "are timed forward only. Peak MiB = extra resident memory of one call.",
+        TABLE_HEADER + "\n" + "\n".join(format_row(row) for row in rows),
+        "Forward crossover (first measured length where topk beats SDPA): "
+        + (str(crossover) if crossover else "none among the measured lengths") + ".",
+    ])
+    line_plot(out_dir / "speed.png", {
+        impl: ([r.length for r in rows if r.impl == impl], [r.forward_ms for r in rows if r.impl == impl])
+        for impl in dict.fromkeys(r.impl for r in rows)
+    }, xlabel="T", ylabel="forward ms", title="topk vs SDPA (forward)", logx=True, logy=True)
+    return write_result(out_dir, {"rows": rows_as_dicts(rows), "forward_crossover": crossover}, markdown)
