@@ -70,7 +70,10 @@ def mqar_accuracy(model: CausalLM, task: MQARConfig, sequences: int, seed: int) 
     return record
 
 
-def run_mqar_variant(length: int, mechanism: str, options: dict, steps: int, seed: int) -> dict[str, Any]:
+def run_mqar_variant(
+    length: int, mechanism: str, options: dict, steps: int, seed: int, *, eval_sequences: int = 256,
+    test_sequences: int = 1024,
+) -> dict[str, Any]:
     task = MQARConfig(seq_len=length, pairs=MQAR_PAIRS[length], vocab_size=8192)
     config = ModelConfig(vocab_size=task.vocab_size, dim=MQAR_DIM, depth=2, heads=4, attention=mechanism,
                          attention_options={mechanism: options} if options else {},
@@ -81,11 +84,11 @@ def run_mqar_variant(length: int, mechanism: str, options: dict, steps: int, see
                                    seed=seed)
     history = train_task(
         model, lambda batch, gen: mqar_batch(task, batch, gen),
-        lambda m: mqar_accuracy(m, task, 256, seed=10_000 + seed), train_config,
+        lambda m: mqar_accuracy(m, task, eval_sequences, seed=10_000 + seed), train_config,
         forward=lambda m, inputs, labels: m(inputs, labels, logits_at_labels=True),
         log=lambda line: _log(f"  mqar T={length} {mechanism} {options}: {line}"),
     )
-    final = mqar_accuracy(model, task, 1024, seed=20_000 + seed)
+    final = mqar_accuracy(model, task, test_sequences, seed=20_000 + seed)
     with torch.no_grad():
         inputs, _ = mqar_batch(task, 8, torch.Generator().manual_seed(1))
         flops = sum(float(s["flops"]) for s in model.eval().backbone(inputs).stats) / inputs.numel()
@@ -170,3 +173,62 @@ def speed(out_dir: Path, quick: bool) -> Path:
         for impl in dict.fromkeys(r.impl for r in rows)
     }, xlabel="T", ylabel="forward ms", title="topk vs SDPA (forward)", logx=True, logy=True)
     return write_result(out_dir, {"rows": rows_as_dicts(rows), "forward_crossover": crossover}, markdown)
+
+
+LM_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "full": ("full", {}),
+    f"local(w={LOCAL_WINDOW})": ("local", {"window": LOCAL_WINDOW}),
+    "topk(K=64,score_bias)": ("topk", {"topk": 64, "routing_learning": "score_bias"}),
+    "topk(K=64,distill)": ("topk", {"topk": 64, "routing_learning": "distill"}),
+}
+
+
+def run_lm_variant(out_dir: Path, mechanism: str, options: dict, steps: int, corpus: str) -> dict[str, Any]:
+    from routeformer.train.config import DataConfig, RunConfig, TrainConfig
+    from routeformer.train.loop import train
+
+    config = RunConfig(
+        model=ModelConfig(dim=128, depth=2, heads=4, attention=mechanism,
+                          attention_options={mechanism: options} if options else {}, max_seq_len=512),
+        data=DataConfig(corpus=corpus, seq_len=512),
+        train=TrainConfig(steps=steps, batch_size=16, lr=3e-3, warmup_steps=min(100, steps // 5),
+                          eval_every=max(1, steps // 4), eval_tokens=32768, log_every=max(1, steps // 10),
+                          checkpoint_every=max(1, steps // 10)),
+        out_dir=str(out_dir),
+    )
+    result = train(config, quiet=True)  # resumes from out_dir/checkpoint.pt if interrupted
+    return {"mechanism": mechanism, "options": options, "steps": steps, "final": result.final_eval,
+            "train_seconds": result.train_seconds}
+
+
+@register_experiment("topk-lm", "char-level LM on WikiText-2 text at T=512: topk vs full vs local")
+def lm(out_dir: Path, quick: bool) -> Path:
+    from routeformer.data.corpora import load_corpus
+
+    steps = 60 if quick else 600
+    corpus = "wikitext2"
+    corpus_name = load_corpus(corpus).name
+    records = {}
+    for name, (mechanism, options) in LM_VARIANTS.items():
+        key = name.replace(",", "-").replace("=", "").replace("(", "-").replace(")", "")
+        _log(f"topk-lm: {key}")
+        records[name] = cached_run(
+            out_dir, key,
+            lambda key=key, mechanism=mechanism, options=options:
+                run_lm_variant(out_dir / "train" / key, mechanism, options, steps, corpus),
+        )
+    rows = [[name, r["final"]["bpc"], r["final"]["attention_flops_per_token"],
+             r["final"]["attention_flops_per_token"] / records["full"]["final"]["attention_flops_per_token"],
+             round(r["train_seconds"], 1)] for name, r in records.items()]
+    markdown = "\n\n".join([
+        "# topk-lm: character-level LM at T = 512",
+        provenance(f"routeformer reproduce topk-lm{' --quick' if quick else ''}"),
+        f"Corpus: {corpus_name}. Model: 2 layers, D=128, 4 heads, learned positions; {steps} steps of "
+        "batch 16 x 512, AdamW lr 3e-3, one seed. Bits per character on the whole evaluation split. "
+        "Attention FLOPs are those executed (topk at T=512 runs its dense masked path: `dense_below`).",
+        markdown_table(["mechanism", "bits/char", "attention FLOPs/token", "vs full", "train s"], rows),
+    ])
+    result = {"corpus": corpus_name, "steps": steps,
+              "rows": [dict(zip(["mechanism", "bpc", "attention_flops_per_token", "flops_vs_full",
+                                 "train_seconds"], row, strict=True)) for row in rows]}
+    return write_result(out_dir, result, markdown)

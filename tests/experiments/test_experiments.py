@@ -1,0 +1,56 @@
+"""Experiment plumbing at toy size: registry, resumable runs, one MQAR cell."""
+
+import pytest
+import torch
+
+from routeformer.experiments.registry import list_experiments, run_experiment
+from routeformer.experiments.report import cached_run, markdown_table
+from routeformer.experiments.topk import run_mqar_variant
+from routeformer.models.config import ModelConfig
+from routeformer.models.heads import CausalLM
+
+
+def test_registry_lists_the_topk_experiments_and_rejects_unknown_names(tmp_path):
+    assert {"topk-mqar", "topk-lm", "topk-speed"} <= set(list_experiments())
+    with pytest.raises(ValueError, match="unknown experiment 'nope'; available: "):
+        run_experiment("nope", tmp_path)
+
+
+def test_cached_run_computes_once(tmp_path):
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return {"value": len(calls)}
+
+    assert cached_run(tmp_path, "a", compute) == {"value": 1}
+    assert cached_run(tmp_path, "a", compute) == {"value": 1}  # read back, not recomputed
+    assert len(calls) == 1 and (tmp_path / "runs" / "a.json").exists()
+
+
+def test_markdown_table_formats_floats():
+    table = markdown_table(["a", "b"], [[1, 0.123456]])
+    assert table.splitlines() == ["| a | b |", "|---|---|", "| 1 | 0.1235 |"]
+
+
+@pytest.mark.parametrize("mechanism, options", [("full", {}), ("topk", {"topk": 8})])
+def test_one_mqar_cell_trains_and_reports(mechanism, options):
+    record = run_mqar_variant(256, mechanism, options, steps=2, seed=0, eval_sequences=64, test_sequences=64)
+    assert record["steps"] == 2 and len(record["history"]) == 2
+    assert 0.0 <= record["final"]["accuracy"] <= 1.0
+    assert ("routing_recall" in record["final"]) == (mechanism == "topk")
+    assert record["attention_flops_per_token"] > 0
+
+
+def test_logits_at_labels_equal_the_full_logits_there():
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(vocab_size=20, dim=16, depth=1, heads=2, max_seq_len=12)).eval()
+    tokens = torch.randint(0, 20, (2, 12))
+    labels = torch.full((2, 12), -100)
+    labels[0, 3], labels[1, 7] = 5, 9
+    sparse = model(tokens, labels, logits_at_labels=True)
+    dense = model(tokens, labels)
+    torch.testing.assert_close(sparse.logits, dense.logits[labels != -100])
+    torch.testing.assert_close(sparse.loss, dense.loss)
+    with pytest.raises(ValueError, match="logits_at_labels=True needs labels"):
+        model(tokens, logits_at_labels=True)
