@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,11 @@ from routeformer.train.task_loop import TaskTrainConfig, layer_stat, train_task
 MQAR_PAIRS = {256: 16, 512: 32, 1024: 64}
 MQAR_DIM = 64
 LOCAL_WINDOW = 64
+
+
+def run_key(name: str) -> str:
+    """A file-name-safe key for a variant name: "topk(K=32,distill)" -> "topk-K32-distill"."""
+    return name.replace(",", "-").replace("=", "").replace("(", "-").replace(")", "")
 
 
 def _log(text: str) -> None:
@@ -105,7 +109,7 @@ def mqar(out_dir: Path, quick: bool) -> Path:
     records = {}
     for length in lengths:
         for name, (mechanism, options) in mqar_variants(length, quick).items():
-            key = f"T{length}-{name}".replace(",", "-").replace("=", "").replace("(", "-").replace(")", "")
+            key = run_key(f"T{length}-{name}")
             _log(f"topk-mqar: {key}")
             records[(length, name)] = cached_run(
                 out_dir, key,
@@ -141,7 +145,7 @@ def mqar(out_dir: Path, quick: bool) -> Path:
     result = {"rows": [dict(zip(["length", "pairs", "mechanism", "accuracy", "routing_recall",
                                  "attention_flops_per_token", "train_seconds"], row, strict=True))
                        for row in rows]}
-    return write_result(out_dir, json.loads(json.dumps(result)), markdown)
+    return write_result(out_dir, result, markdown)
 
 
 @register_experiment("topk-speed", "topk op vs SDPA: forward and forward+backward time, peak memory")
@@ -210,7 +214,7 @@ def lm(out_dir: Path, quick: bool) -> Path:
     corpus_name = load_corpus(corpus).name
     records = {}
     for name, (mechanism, options) in LM_VARIANTS.items():
-        key = name.replace(",", "-").replace("=", "").replace("(", "-").replace(")", "")
+        key = run_key(name)
         _log(f"topk-lm: {key}")
         records[name] = cached_run(
             out_dir, key,

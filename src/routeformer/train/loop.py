@@ -40,16 +40,18 @@ class TrainResult:
     train_seconds: float
 
 
-def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on norms, biases or embeddings)."""
+def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Optimizer parameter groups: decay on matrices only (not on norms, biases or embeddings)."""
     decay, no_decay = [], []
     for name, parameter in model.named_parameters():
         is_matrix = parameter.dim() >= 2 and "embedding" not in name
         (decay if is_matrix else no_decay).append(parameter)
-    groups = [
-        {"params": decay, "weight_decay": config.train.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (see `weight_decay_groups`)."""
+    groups = weight_decay_groups(model, config.train.weight_decay)
     return torch.optim.AdamW(groups, lr=config.train.lr, betas=(config.train.beta1, config.train.beta2))
 
 

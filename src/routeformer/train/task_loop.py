@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from routeformer.train.loop import weight_decay_groups
 from routeformer.train.schedule import learning_rate
 
 
@@ -52,10 +53,7 @@ def train_task(
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
     forward = forward or (lambda m, inputs, labels: m(inputs, labels))
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embedding" not in n)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": rest, "weight_decay": 0.0}], lr=config.lr)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, config.weight_decay), lr=config.lr)
     history = TaskHistory()
     began = time.perf_counter()
     for step in range(1, config.steps + 1):
