@@ -1,10 +1,12 @@
 """Attention layers [B, T, D] -> AttentionOutput, built by name from the registry."""
 
 from routeformer.attention.base import AttentionLayer, AttentionOutput
+from routeformer.attention.expanding import ExpandingAttention
 from routeformer.attention.full import FullAttention
 from routeformer.attention.gated import GatedAttention
 from routeformer.attention.linear import LinearAttention
 from routeformer.attention.local import LocalAttention
+from routeformer.attention.multihop import MultihopAttention
 from routeformer.attention.registry import (
     attention_options,
     build_attention,
@@ -16,10 +18,12 @@ from routeformer.attention.topk import TopKAttention
 __all__ = [
     "AttentionLayer",
     "AttentionOutput",
+    "ExpandingAttention",
     "FullAttention",
     "GatedAttention",
     "LinearAttention",
     "LocalAttention",
+    "MultihopAttention",
     "TopKAttention",
     "attention_options",
     "build_attention",

@@ -1,0 +1,88 @@
+"""`expanding`: softmax attention under a geometric prior over distance, window inferred per query.
+
+Singh & Buckley, "Attention as Implicit Structural Inference" (NeurIPS 2023), §4. Every head has a
+learnable Beta(α, β) hyper-prior on the geometric decay q; each query runs a few mean-field steps
+that widen its window while its attention mass sits far back, and reads only the keys within its
+final horizon. See `routeformer.ops.expanding` for the algorithm and the gradient rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from routeformer.attention.base import AttentionLayer, AttentionOutput
+from routeformer.attention.registry import register_attention
+from routeformer.ops._checks import check_positive
+from routeformer.ops.expanding import DEFAULT_BLOCK, check_expanding_options, expanding_attention
+
+_CONCENTRATION_FLOOR = 1e-4  # keeps softplus(raw) + floor a valid Beta concentration in fp32
+
+
+def _inverse_softplus(value: float) -> float:
+    return value + math.log(-math.expm1(-value))
+
+
+@register_attention("expanding")
+class ExpandingAttention(AttentionLayer):
+    """Expanding attention with a learnable per-head Beta(α, β) prior on the geometric decay.
+
+    Options: `prior_alpha`, `prior_beta` (initial concentrations, positive; the starting window is
+    ceil(log(tol) / log(1 - α/(α+β))), 44 keys by default); `tol` (prior tail mass left outside the
+    window); `max_iters` (inference steps); `block` (query block length of the blockwise kernel: keys
+    are scored a block at a time, so up to block - 1 keys past a query's horizon are scored too).
+    stats: `window_mean`, `window_max` (final horizons), `iterations_mean`, `iterations_max`,
+    `score_pairs` (q·k products computed), `score_ops_vs_full` (score_pairs over those of full
+    attention with the same masking rule), `flops` (scores + P·V + inference steps).
+    """
+
+    def __init__(
+        self, dim: int, heads: int, causal: bool = True, *, prior_alpha: float = 1.0,
+        prior_beta: float = 9.0, tol: float = 0.01, max_iters: int = 8, block: int = DEFAULT_BLOCK,
+        **common,
+    ) -> None:
+        super().__init__(dim, heads, causal, **common)
+        for name, value in (("prior_alpha", prior_alpha), ("prior_beta", prior_beta)):
+            if not (isinstance(value, float | int) and value > _CONCENTRATION_FLOOR):
+                raise ValueError(f"{name} must be a number > {_CONCENTRATION_FLOOR}; got {value!r}")
+        check_expanding_options(tol, max_iters)
+        check_positive("block", block)
+        self.tol, self.max_iters, self.block = tol, max_iters, block
+        self.alpha_raw = nn.Parameter(torch.full((heads,), _inverse_softplus(prior_alpha - _CONCENTRATION_FLOOR)))
+        self.beta_raw = nn.Parameter(torch.full((heads,), _inverse_softplus(prior_beta - _CONCENTRATION_FLOOR)))
+
+    def prior(self) -> tuple[Tensor, Tensor]:
+        """The per-head Beta concentrations (α, β), positive by construction."""
+        return (F.softplus(self.alpha_raw) + _CONCENTRATION_FLOOR,
+                F.softplus(self.beta_raw) + _CONCENTRATION_FLOOR)
+
+    def forward(
+        self, x: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None
+    ) -> AttentionOutput:
+        mask, positions = self.check_inputs(x, mask, positions)
+        q, k, v = self.project_qkv(x, positions)
+        alpha, beta = self.prior()
+        result = expanding_attention(q, k, v, alpha, beta, tol=self.tol, max_iters=self.max_iters,
+                                     mask=mask, causal=self.causal, block=self.block)
+        out = self.out_proj(self.merge_heads(result.out, x))
+        batch, heads, length, _ = q.shape
+        full_pairs = batch * heads * (length * (length + 1) // 2 if self.causal else length * length)
+        window = result.horizon.float()
+        iterations = result.iterations.float()
+        stats = {
+            "flops": torch.tensor(float(result.flops)),
+            "window_mean": window.mean(),
+            "window_max": window.max(),
+            "iterations_mean": iterations.mean(),
+            "iterations_max": iterations.max(),
+            "score_pairs": torch.tensor(float(result.scored_pairs)),
+            "score_ops_vs_full": torch.tensor(result.scored_pairs / full_pairs),
+        }
+        return AttentionOutput(out=out, aux_loss=x.new_zeros(()), stats=stats)
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + f", tol={self.tol}, max_iters={self.max_iters}, "
+                f"block={self.block}")

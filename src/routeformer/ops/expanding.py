@@ -1,0 +1,327 @@
+"""Expanding attention: a geometric prior over edge distance whose window is inferred per query.
+
+Axes: B batch, H heads, T length, d head dim; N query blocks of b tokens, R = B·H·N block rows,
+W = key slots of a block row's band (rings · b).
+
+Singh & Buckley ("Attention as Implicit Structural Inference", NeurIPS 2023, §4) replace the
+uniform prior over which key a query connects to by a geometric prior over the distance δ = i - j,
+p(δ | q) = q (1 - q)^δ, with a conjugate Beta(α, β) hyper-prior on q. Truncated mean-field
+inference, per query:
+    1. q_t = α_t / (α_t + β_t)
+    2. p_t = softmax over the keys within the horizon H_t = ceil(log(tol) / log(1 - q_t)) of
+             q·k·scale + log p(δ | q_t)          (the tail beyond H_t holds at most `tol` prior mass)
+    3. α_{t+1} = α_t + 1,  β_{t+1} = β_t + Σ_δ δ p_t(δ)
+until the horizon stops growing, reaches the context, or `max_iters` steps were taken; the output
+is p_t V of the last step. Content far back (large expected δ) lowers q and widens the window.
+
+Non-causal (our extension): δ = |i - j| and the horizon is two-sided.
+
+Fast path. The sequence is cut into blocks of b queries; a block's keys are organised in rings:
+ring o holds the key block o blocks back (o < 0: ahead). The q·k products of ring o are computed
+for a block row only once some query of the block needs them (its horizon reaches that ring) and
+are kept for every later iteration (one [R, b, b] tensor per ring), so keys beyond the block's
+largest horizon are never scored. Each iteration runs a masked softmax only on block rows with a
+query still iterating. The final pass recomputes that softmax with gradients and applies it to
+the values ring by ring.
+
+Gradients: to q, k, v through the final softmax, and to α, β through the prior of the final step,
+with α_T = α + (steps taken) and β_T = β + Σ_t E_t[δ]; the E_t[δ] of the mean-field iterations are
+treated as constants (no backpropagation through the inference loop), and the integer horizon has
+no gradient.
+
+Reference: dense T×T scores, the same iterations with an explicit horizon mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from routeformer.ops._checks import check_positive, check_qkv
+
+DEFAULT_BLOCK = 64
+# Elementwise work per (query, key) entry of one inference step: scale, prior, mask, exp, sum, δ·p.
+_STEP_FLOPS_PER_ENTRY = 6
+
+
+@dataclass
+class ExpandingOutput:
+    out: Tensor  # [B, H, T, d]
+    horizon: Tensor  # long [B, H, T]: final window (keys at distance < horizon are read)
+    iterations: Tensor  # long [B, H, T]: inference steps taken
+    scored_pairs: int  # q·k products computed (at block granularity), counted once each
+    step_entries: int  # (query, key) entries the inference steps and the final softmax touched
+    flops: int  # executed FLOPs: scores + P·V + elementwise inference work
+
+
+def check_expanding_options(tol: float, max_iters: int) -> None:
+    if not (isinstance(tol, float | int) and 0.0 < tol < 1.0):
+        raise ValueError(f"tol must be a number in (0, 1); got {tol!r}")
+    check_positive("max_iters", max_iters)
+
+
+def geometric_horizon(alpha: Tensor, beta: Tensor, tol: float, context: Tensor) -> Tensor:
+    """ceil(log(tol) / log(1 - q)) with q = α / (α + β), clamped to [1, context] (long).
+
+    The geometric tail beyond the horizon, P(δ >= H) = (1 - q)^H, is at most `tol`.
+    """
+    q = alpha / (alpha + beta)
+    horizon = torch.ceil(math.log(tol) / torch.log1p(-q.clamp(max=1 - 1e-7)))
+    horizon = torch.minimum(horizon.clamp(min=1), context.to(horizon.dtype))
+    return horizon.long()
+
+
+def _log_decay(alpha: Tensor, beta: Tensor) -> Tensor:
+    """log(1 - q) = log(β / (α + β)): the per-unit-distance log prior (log q cancels in softmax)."""
+    return torch.log(beta) - torch.log(alpha + beta)
+
+
+def _context(positions: Tensor, length: int, causal: bool) -> Tensor:
+    """Largest useful horizon per query: every key it may read lies at distance < context."""
+    return positions + 1 if causal else torch.maximum(positions, length - 1 - positions) + 1
+
+
+def _stop_now(step: int, max_iters: int, horizon: Tensor, previous: Tensor, context: Tensor) -> Tensor:
+    """The stopping rule, shared by the fast path and the reference."""
+    not_growing = horizon <= previous if step > 0 else torch.zeros_like(horizon, dtype=torch.bool)
+    return not_growing | (horizon >= context) | (step == max_iters - 1)
+
+
+def _check_prior(alpha: Tensor, beta: Tensor, heads: int) -> None:
+    for name, value in (("alpha", alpha), ("beta", beta)):
+        if value.shape != (heads,):
+            raise ValueError(f"{name} must have shape [H] = ({heads},); got {tuple(value.shape)}")
+        if not bool((value > 0).all()):
+            raise ValueError(f"{name} must be positive (a Beta concentration); got {value.tolist()}")
+
+
+class _Rings:
+    """Block-row layout and the cache of computed ring scores."""
+
+    def __init__(self, q: Tensor, k: Tensor, valid: Tensor, block: int, causal: bool) -> None:
+        batch, heads, length, dim = q.shape
+        self.block, self.causal = block, causal
+        self.blocks = length // block
+        self.rows = batch * heads * self.blocks
+        self.q = q.reshape(self.rows, block, dim)
+        self.k = k.reshape(self.rows, block, dim)
+        self.key_valid = valid[:, None, :].expand(batch, heads, length).reshape(self.rows, block)
+        self.block_of_row = torch.arange(self.rows, device=q.device) % self.blocks
+        slot = torch.arange(block, device=q.device)
+        self.slot_offset = slot[:, None] - slot[None, :]  # query slot a - key slot c
+        self.offsets: list[int] = []  # ring order of the band
+        self.scores: dict[int, Tensor] = {}  # ring -> [R, b, b] q·k products (unscaled)
+        self.computed: dict[int, Tensor] = {}  # ring -> bool [R]
+        self.scored_pairs = 0
+
+    def ring_key_rows(self, offset: int) -> tuple[Tensor, Tensor]:
+        """(key row of every block row for ring `offset`, whether that key block exists)."""
+        key_block = self.block_of_row - offset
+        exists = (key_block >= 0) & (key_block < self.blocks)
+        return torch.arange(self.rows, device=exists.device) - offset, exists
+
+    def distance(self, offset: int) -> Tensor:
+        """[b, b] distance δ from query slot a to key slot c of ring `offset` (signed: i - j)."""
+        return offset * self.block + self.slot_offset
+
+    def needed_rings(self, horizon: Tensor) -> tuple[Tensor, Tensor]:
+        """Per block row, the farthest ring back (and ahead) that a query's horizon reaches."""
+        slot = torch.arange(self.block, device=horizon.device)
+        back = (horizon - 2 - slot + self.block).div(self.block, rounding_mode="floor")
+        back = torch.minimum(back.amax(dim=1), self.block_of_row)
+        if self.causal:
+            return back, torch.zeros_like(back)
+        ahead = (horizon - 1 + slot).div(self.block, rounding_mode="floor").amax(dim=1)
+        return back, torch.minimum(ahead, self.blocks - 1 - self.block_of_row)
+
+    def compute(self, horizon: Tensor) -> None:
+        """Score every ring a query's horizon reaches and that is not computed yet."""
+        back, ahead = self.needed_rings(horizon)
+        farthest = max(int(back.max()), int(ahead.max()))
+        for distance in range(farthest + 1):
+            for offset in ((distance,) if distance == 0 or self.causal else (distance, -distance)):
+                need = (back >= offset) if offset >= 0 else (ahead >= -offset)
+                if offset not in self.scores:
+                    self.offsets.append(offset)
+                    self.scores[offset] = self.q.new_zeros(self.rows, self.block, self.block)
+                    self.computed[offset] = torch.zeros_like(need)
+                new_rows = (need & ~self.computed[offset]).nonzero().squeeze(1)
+                if new_rows.numel() == 0:
+                    continue
+                products = torch.bmm(self.q[new_rows], self.k[new_rows - offset].transpose(1, 2))
+                self.scores[offset] = self.scores[offset].index_copy(0, new_rows, products)
+                self.computed[offset][new_rows] = True
+                self.scored_pairs += new_rows.numel() * self.block * self.block
+
+    def band(self, rows: Tensor | None, detach: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """(scores [r, b, W], distance [b, W], key valid [r, 1, W]) over all rings, for `rows`."""
+        scores, valid = [], []
+        for offset in self.offsets:
+            ring = self.scores[offset].detach() if detach else self.scores[offset]
+            key_rows, exists = self.ring_key_rows(offset)
+            ring_valid = self.key_valid[key_rows.clamp(0, self.rows - 1)] & exists[:, None]
+            if rows is not None:
+                ring, ring_valid = ring[rows], ring_valid[rows]
+            scores.append(ring)
+            valid.append(ring_valid)
+        distance = torch.cat([self.distance(offset) for offset in self.offsets], dim=1)
+        return torch.cat(scores, dim=2), distance, torch.cat(valid, dim=1)[:, None, :]
+
+
+def _masked_logits(
+    scores: Tensor, distance: Tensor, key_valid: Tensor, horizon: Tensor, log_decay: Tensor,
+    scale: float, causal: bool,
+) -> Tensor:
+    """scores·scale + δ·log(1 - q), with keys outside [0, horizon) or padded set to -inf.
+
+    Shapes: scores [.., Lq, Lk], distance broadcastable, horizon/log_decay [.., Lq]."""
+    if not causal:
+        distance = distance.abs()
+    inside = (distance >= 0) & (distance < horizon[..., None]) & key_valid
+    logits = scores * scale + distance.to(scores.dtype) * log_decay[..., None]
+    return logits.masked_fill(~inside, float("-inf"))
+
+
+def _softmax_rows(logits: Tensor) -> Tensor:
+    """Softmax whose all-masked rows (padded queries) give zeros instead of NaN."""
+    has_key = torch.isfinite(logits).any(dim=-1, keepdim=True)
+    return torch.where(has_key, logits, torch.zeros_like(logits)).softmax(dim=-1) * has_key
+
+
+def expanding_attention(
+    q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, *, tol: float = 0.01,
+    max_iters: int = 8, mask: Tensor | None = None, causal: bool = True, scale: float | None = None,
+    block: int = DEFAULT_BLOCK,
+) -> ExpandingOutput:
+    """Expanding attention over [B, H, T, d] tensors; `alpha`, `beta` [H] are the Beta prior's
+    positive concentrations (the starting point of every query's inference). See the module
+    docstring."""
+    check_qkv(q, k, v, mask, causal=True)
+    check_expanding_options(tol, max_iters)
+    check_positive("block", block)
+    batch, heads, length, dim = q.shape
+    _check_prior(alpha, beta, heads)
+    scale = dim ** -0.5 if scale is None else scale
+    block = min(block, length)  # a block longer than the sequence would only score padding
+    blocks = -(-length // block)
+    pad = blocks * block - length
+    valid = torch.ones(batch, length, dtype=torch.bool, device=q.device) if mask is None else mask
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        valid = F.pad(valid, (0, pad), value=False)
+    rings = _Rings(q, k, valid, block, causal)
+    shape = (rings.rows, block)
+    positions = torch.arange(blocks * block, device=q.device)
+    context = _context(positions, length, causal).view(1, 1, -1).expand(batch, heads, -1).reshape(shape)
+    is_query = (positions < length).view(1, 1, -1).expand(batch, heads, -1).reshape(shape)
+    stats_dtype = torch.promote_types(q.dtype, torch.float32)
+    alpha_start = alpha.detach().to(stats_dtype).view(1, heads, 1, 1).expand(batch, heads, blocks, block)
+    beta_start = beta.detach().to(stats_dtype).view(1, heads, 1, 1).expand(batch, heads, blocks, block)
+    alpha_start, beta_start = alpha_start.reshape(shape), beta_start.reshape(shape)
+    steps = torch.zeros(shape, dtype=torch.long, device=q.device)
+    expected_distance_sum = torch.zeros(shape, dtype=stats_dtype, device=q.device)
+    horizon = torch.ones(shape, dtype=torch.long, device=q.device)
+    previous = torch.zeros_like(horizon)
+    active = is_query.clone()
+    step_entries = 0
+    for step in range(max_iters):
+        alpha_t, beta_t = alpha_start + steps, beta_start + expected_distance_sum
+        new_horizon = geometric_horizon(alpha_t, beta_t, tol, context)
+        horizon = torch.where(active, new_horizon, horizon)
+        rings.compute(horizon)  # with autograd: the final pass reuses these products
+        stop = _stop_now(step, max_iters, new_horizon, previous, context)
+        going_on = active & ~stop
+        rows = going_on.any(dim=1).nonzero().squeeze(1)
+        if rows.numel():
+            with torch.no_grad():  # the inference steps pass no gradient (module docstring)
+                scores, distance, key_valid = rings.band(rows, detach=True)
+                logits = _masked_logits(scores, distance, key_valid, horizon[rows],
+                                        _log_decay(alpha_t[rows], beta_t[rows]), scale, causal)
+                probs = _softmax_rows(logits)
+                lengths = distance if causal else distance.abs()
+                mean_distance = (probs * lengths.to(probs.dtype)).sum(dim=-1)
+            step_entries += probs.numel()
+            grow = going_on[rows]
+            expected_distance_sum[rows] += torch.where(grow, mean_distance, 0.0)
+            steps[rows] += grow.long()
+        previous = new_horizon
+        active = going_on
+        if not bool(active.any()):
+            break
+    # Final step with gradients: the prior's q from the learnable α, β plus the inferred counts.
+    alpha_final = alpha.to(stats_dtype).view(1, heads, 1, 1).expand(batch, heads, blocks, block).reshape(shape)
+    beta_final = beta.to(stats_dtype).view(1, heads, 1, 1).expand(batch, heads, blocks, block).reshape(shape)
+    alpha_final, beta_final = alpha_final + steps, beta_final + expected_distance_sum
+    scores, distance, key_valid = rings.band(None, detach=False)
+    logits = _masked_logits(scores, distance, key_valid, horizon,
+                            _log_decay(alpha_final, beta_final).to(scores.dtype), scale, causal)
+    probs = _softmax_rows(logits)
+    step_entries += probs.numel()
+    values = v.reshape(rings.rows, block, -1)
+    out = values.new_zeros(rings.rows, block, values.shape[-1])
+    pv_pairs = 0
+    for slot, offset in enumerate(rings.offsets):
+        rows = rings.computed[offset].nonzero().squeeze(1)
+        ring_probs = probs[rows, :, slot * block:(slot + 1) * block]
+        out = out.index_add(0, rows, torch.bmm(ring_probs, values[rows - offset]))
+        pv_pairs += rows.numel() * block * block
+    unpadded = (slice(None), slice(None), slice(0, length))
+    final_steps = steps + is_query.long()  # the final step counts as one
+    flops = (2 * dim * rings.scored_pairs + 2 * values.shape[-1] * pv_pairs
+             + _STEP_FLOPS_PER_ENTRY * step_entries)
+    return ExpandingOutput(
+        out=out.view(batch, heads, blocks * block, -1)[unpadded],
+        horizon=horizon.view(batch, heads, -1)[unpadded],
+        iterations=final_steps.view(batch, heads, -1)[unpadded],
+        scored_pairs=rings.scored_pairs,
+        step_entries=step_entries,
+        flops=flops,
+    )
+
+
+def expanding_attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, *, tol: float = 0.01,
+    max_iters: int = 8, mask: Tensor | None = None, causal: bool = True, scale: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The specification: every q·k product, the iterations with an explicit horizon mask.
+
+    Returns (out [B, H, T, d], horizon [B, H, T], iterations [B, H, T])."""
+    check_qkv(q, k, v, mask, causal=True)
+    check_expanding_options(tol, max_iters)
+    batch, heads, length, dim = q.shape
+    _check_prior(alpha, beta, heads)
+    scale = dim ** -0.5 if scale is None else scale
+    positions = torch.arange(length, device=q.device)
+    distance = positions[:, None] - positions[None, :]  # δ = i - j
+    key_valid = torch.ones(batch, 1, 1, length, dtype=torch.bool, device=q.device)
+    if mask is not None:
+        key_valid = mask[:, None, None, :]
+    context = _context(positions, length, causal).expand(batch, heads, length)
+    scores = q @ k.transpose(-1, -2)
+    alpha_start = alpha.view(1, heads, 1).expand(batch, heads, length)
+    beta_start = beta.view(1, heads, 1).expand(batch, heads, length)
+    steps = torch.zeros(batch, heads, length, dtype=torch.long)
+    distance_sum = torch.zeros(batch, heads, length, dtype=scores.dtype)
+    horizon = torch.ones_like(steps)
+    previous = torch.zeros_like(steps)
+    active = torch.ones(batch, heads, length, dtype=torch.bool)
+    with torch.no_grad():
+        for step in range(max_iters):
+            alpha_t, beta_t = alpha_start.detach() + steps, beta_start.detach() + distance_sum
+            new_horizon = geometric_horizon(alpha_t, beta_t, tol, context)
+            horizon = torch.where(active, new_horizon, horizon)
+            stop = _stop_now(step, max_iters, new_horizon, previous, context)
+            probs = _softmax_rows(_masked_logits(scores, distance, key_valid, horizon,
+                                                 _log_decay(alpha_t, beta_t), scale, causal))
+            lengths = distance if causal else distance.abs()
+            going_on = active & ~stop
+            distance_sum += torch.where(going_on, (probs * lengths.to(probs.dtype)).sum(-1), 0.0)
+            steps += going_on.long()
+            previous, active = new_horizon, going_on
+    log_decay = _log_decay(alpha_start + steps, beta_start + distance_sum)
+    probs = _softmax_rows(_masked_logits(scores, distance, key_valid, horizon, log_decay, scale, causal))
+    return probs @ v, horizon, steps + 1

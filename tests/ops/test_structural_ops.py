@@ -1,0 +1,196 @@
+"""multihop and expanding ops: fast paths equal their references; the properties the paper claims."""
+
+import math
+
+import pytest
+import torch
+
+from routeformer.ops import (
+    expanding_attention,
+    expanding_attention_reference,
+    full_attention,
+    multihop_attention,
+    multihop_attention_reference,
+)
+from routeformer.ops.expanding import geometric_horizon
+
+
+def make_inputs(length, padded, seed=0, batch=2, heads=3, dim=8, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, heads, length, dim, generator=gen, dtype=dtype) for _ in range(3))
+    mask = None
+    if padded:
+        mask = torch.ones(batch, length, dtype=torch.bool)
+        mask[1] = torch.rand(length, generator=gen) > 0.3
+        mask[1, length - length // 4:] = False
+    return q, k, v, mask
+
+
+def grads(output, inputs, seed=1):
+    weight = torch.randn(output.shape, generator=torch.Generator().manual_seed(seed), dtype=output.dtype)
+    return torch.autograd.grad((output * weight).sum(), inputs)
+
+
+# -- multihop -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("form,causal", [("paper", True), ("paper", False), ("authors", False)])
+@pytest.mark.parametrize("hops", [1, 2, 3])
+@pytest.mark.parametrize("identity", [None, True, False])
+@pytest.mark.parametrize("padded", [False, True])
+def test_multihop_matches_reference(form, causal, hops, identity, padded):
+    q, k, v, mask = make_inputs(19, padded)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    options = dict(hops=hops, identity=identity, form=form, causal=causal, mask=mask)
+    fast = multihop_attention(q, k, v, **options)
+    reference = multihop_attention_reference(q, k, v, **options)
+    torch.testing.assert_close(fast, reference, atol=1e-10, rtol=1e-10)
+    for got, want in zip(grads(fast, leaves), grads(reference, leaves), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+def test_multihop_one_hop_is_attention_and_two_hops_add_the_second_path():
+    q, k, v, _ = make_inputs(16, padded=False)
+    one_hop = full_attention(q, k, v, causal=True)
+    torch.testing.assert_close(multihop_attention(q, k, v, hops=1, causal=True), one_hop)
+    two_hops = multihop_attention(q, k, v, hops=2, causal=True)
+    torch.testing.assert_close(two_hops, one_hop + full_attention(q, k, one_hop, causal=True))
+    with_identity = multihop_attention(q, k, v, hops=2, identity=True, causal=True)
+    torch.testing.assert_close(with_identity, two_hops + v)
+
+
+def test_multihop_authors_form_is_a_convex_mixture_of_paths():
+    """Rows of the authors' (I + P̃ + P̃²)/3 sum to one: a constant value passes through unchanged."""
+    q, k, _, _ = make_inputs(12, padded=False)
+    ones = torch.ones(*q.shape[:3], 1, dtype=q.dtype)
+    out = multihop_attention(q, k, ones, form="authors")
+    torch.testing.assert_close(out, ones)
+    # ... while the paper's sum of two row-stochastic paths doubles it.
+    torch.testing.assert_close(multihop_attention(q, k, ones, form="paper"), 2 * ones)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda q: multihop_attention(q, q, q, hops=0), "hops must be a positive integer"),
+    (lambda q: multihop_attention(q, q, q, form="mean"), "form must be one of"),
+    (lambda q: multihop_attention(q, q, q, form="authors", causal=True), "needs causal=False"),
+    (lambda q: multihop_attention(q, q[:, :, :3], q[:, :, :3]), "queries as keys"),
+])
+def test_multihop_bad_options_raise(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(torch.randn(1, 2, 5, 4))
+
+
+# -- expanding ------------------------------------------------------------------------------------
+PRIORS = {
+    "short": ([1.0, 0.5, 2.0], [4.0, 20.0, 1.0]),
+    "wide": ([0.2, 1.0, 3.0], [30.0, 60.0, 3.0]),
+}
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("length,block", [(1, 4), (37, 4), (64, 8), (100, 16), (20, 64)])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("prior", list(PRIORS))
+def test_expanding_matches_reference(causal, length, block, padded, prior):
+    q, k, v, mask = make_inputs(length, padded, seed=length)
+    alpha, beta = (torch.tensor(values, dtype=torch.float64, requires_grad=True) for values in PRIORS[prior])
+    leaves = [t.requires_grad_() for t in (q, k, v)] + [alpha, beta]
+    fast = expanding_attention(q, k, v, alpha, beta, causal=causal, mask=mask, block=block)
+    reference, horizon, iterations = expanding_attention_reference(
+        q, k, v, alpha, beta, causal=causal, mask=mask)
+    assert torch.equal(fast.horizon, horizon) and torch.equal(fast.iterations, iterations)
+    torch.testing.assert_close(fast.out, reference, atol=1e-10, rtol=1e-10)
+    fast_grads, reference_grads = grads(fast.out, leaves), grads(reference, leaves)
+    for got, want in zip(fast_grads, reference_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    if length > 1:
+        assert fast_grads[3].abs().sum() > 0 and fast_grads[4].abs().sum() > 0, "the prior must learn"
+
+
+def test_expanding_fp32_matches_fp64():
+    q, k, v, mask = make_inputs(70, padded=True, dtype=torch.float32)
+    alpha, beta = torch.tensor([1.0, 1.0, 1.0]), torch.tensor([9.0, 3.0, 30.0])
+    fast = expanding_attention(q, k, v, alpha, beta, mask=mask, block=16)
+    wide = expanding_attention(*(t.double() for t in (q, k, v, alpha, beta)), mask=mask, block=16)
+    torch.testing.assert_close(fast.out, wide.out.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_horizon_keeps_the_prior_tail_below_tol():
+    alpha, beta = torch.tensor([1.0, 1.0, 2.0]), torch.tensor([1.0, 9.0, 98.0])
+    horizon = geometric_horizon(alpha, beta, 0.01, torch.tensor(10_000))
+    decay = 1 - alpha / (alpha + beta)
+    assert bool((decay ** horizon <= 0.01).all()) and bool((decay ** (horizon - 1) > 0.01).all())
+    assert horizon.tolist() == [7, 44, 228]  # ceil(log .01 / log(1 - q)) for q = 1/2, 1/10, 1/50
+    assert geometric_horizon(alpha, beta, 0.01, torch.tensor(30)).tolist() == [7, 30, 30]
+
+
+def test_flat_prior_with_full_horizon_is_full_attention():
+    """q -> 0: the horizon covers the context and the prior is flat, so expanding = softmax attention."""
+    q, k, v, _ = make_inputs(50, padded=False)
+    alpha, beta = torch.full((3,), 1e-6, dtype=torch.float64), torch.full((3,), 1e6, dtype=torch.float64)
+    for causal in (True, False):
+        result = expanding_attention(q, k, v, alpha, beta, causal=causal, block=8)
+        torch.testing.assert_close(result.out, full_attention(q, k, v, causal=causal), atol=1e-9, rtol=1e-9)
+        assert result.iterations.max() == 1, "a horizon at the context stops after one step"
+
+
+def test_window_grows_when_attention_sits_far_back_and_not_otherwise():
+    """The matching key lies 15 back (inside the starting horizon of 21): the inferred window grows
+    past it. With the matching key next door, the window shrinks below the prior's. (A match
+    beyond the starting horizon is invisible to the inference: the window grows only towards mass
+    it can see — the mechanism's local-search nature.)"""
+    length, dim = 256, 16
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(1, 1, length, dim, generator=gen)
+    v = torch.randn(1, 1, length, dim, generator=gen)
+    alpha, beta = torch.tensor([1.0]), torch.tensor([4.0])  # starting horizon 21
+    results = {}
+    for lag in (1, 15):
+        q = base * 4
+        k = torch.roll(base, shifts=-lag, dims=2)  # key j matches query j + lag
+        results[lag] = expanding_attention(q, k, v, alpha, beta, block=16)
+    far, near = results[15].horizon[0, 0, 100:], results[1].horizon[0, 0, 100:]
+    assert bool((far > 30).all()), far.min()
+    assert near.float().mean() < 21 and far.float().mean() > 3 * near.float().mean()
+    assert results[15].iterations.float().mean() > results[1].iterations.float().mean()
+
+
+def test_keys_beyond_a_blocks_largest_horizon_are_never_scored():
+    """Scored pairs are bounded by the block rows' largest horizons (rounded up to whole blocks)."""
+    q, k, v, _ = make_inputs(200, padded=False, heads=2)
+    alpha, beta = torch.tensor([2.0, 2.0], dtype=torch.float64), torch.tensor([4.0, 8.0], dtype=torch.float64)
+    block = 8
+    result = expanding_attention(q, k, v, alpha, beta, block=block)
+    horizon = result.horizon.reshape(-1, 25, block)
+    bound = sum(block * block * (1 + (int(h.max()) + 2 * block - 2) // block) for row in horizon for h in row)
+    assert result.scored_pairs <= bound
+    assert result.scored_pairs < 0.5 * 2 * 2 * 200 * 201 // 2  # well below full causal attention
+
+
+def test_iterations_respect_max_iters():
+    q, k, v, _ = make_inputs(120, padded=False)
+    alpha, beta = torch.full((3,), 0.3, dtype=torch.float64), torch.full((3,), 3.0, dtype=torch.float64)
+    for max_iters in (1, 2, 5):
+        result = expanding_attention(q, k, v, alpha, beta, max_iters=max_iters, block=8)
+        assert int(result.iterations.max()) <= max_iters
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda q, a: expanding_attention(q, q, q, a, a, tol=0.0), "tol must be a number in"),
+    (lambda q, a: expanding_attention(q, q, q, a, a, tol=1.5), "tol must be a number in"),
+    (lambda q, a: expanding_attention(q, q, q, a, a, max_iters=0), "max_iters must be a positive"),
+    (lambda q, a: expanding_attention(q, q, q, a, a, block=0), "block must be a positive"),
+    (lambda q, a: expanding_attention(q, q, q, a[:1], a), r"alpha must have shape \[H\]"),
+    (lambda q, a: expanding_attention(q, q, q, a, -a), "beta must be positive"),
+])
+def test_expanding_bad_options_raise(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(torch.randn(1, 2, 5, 4), torch.ones(2))
+
+
+def test_expanding_reports_executed_flops():
+    q, k, v, _ = make_inputs(64, padded=False)
+    alpha, beta = torch.ones(3, dtype=torch.float64), torch.full((3,), 9.0, dtype=torch.float64)
+    result = expanding_attention(q, k, v, alpha, beta, block=8)
+    dim = q.shape[-1]
+    assert result.flops >= 4 * dim * result.scored_pairs  # scores and P·V over the scored pairs
+    assert result.flops < 4 * dim * result.scored_pairs + 6 * result.step_entries + 1
+    assert math.isfinite(result.flops)
