@@ -51,8 +51,9 @@ class ExpandingAttention(AttentionLayer):
         check_expanding_options(tol, max_iters)
         check_positive("block", block)
         self.tol, self.max_iters, self.block = tol, max_iters, block
-        self.alpha_raw = nn.Parameter(torch.full((heads,), _inverse_softplus(prior_alpha - _CONCENTRATION_FLOOR)))
-        self.beta_raw = nn.Parameter(torch.full((heads,), _inverse_softplus(prior_beta - _CONCENTRATION_FLOOR)))
+        floor = _CONCENTRATION_FLOOR
+        self.alpha_raw = nn.Parameter(torch.full((heads,), _inverse_softplus(prior_alpha - floor)))
+        self.beta_raw = nn.Parameter(torch.full((heads,), _inverse_softplus(prior_beta - floor)))
 
     def prior(self) -> tuple[Tensor, Tensor]:
         """The per-head Beta concentrations (α, β), positive by construction."""

@@ -219,9 +219,12 @@ def expanding_attention(
     context = _context(positions, length, causal).view(1, 1, -1).expand(batch, heads, -1).reshape(shape)
     is_query = (positions < length).view(1, 1, -1).expand(batch, heads, -1).reshape(shape)
     stats_dtype = torch.promote_types(q.dtype, torch.float32)
-    alpha_start = alpha.detach().to(stats_dtype).view(1, heads, 1, 1).expand(batch, heads, blocks, block)
-    beta_start = beta.detach().to(stats_dtype).view(1, heads, 1, 1).expand(batch, heads, blocks, block)
-    alpha_start, beta_start = alpha_start.reshape(shape), beta_start.reshape(shape)
+
+    def per_query(per_head: Tensor) -> Tensor:  # [H] -> [R, b]
+        per_head = per_head.to(stats_dtype).view(1, heads, 1, 1)
+        return per_head.expand(batch, heads, blocks, block).reshape(shape)
+
+    alpha_start, beta_start = per_query(alpha.detach()), per_query(beta.detach())
     steps = torch.zeros(shape, dtype=torch.long, device=q.device)
     expected_distance_sum = torch.zeros(shape, dtype=stats_dtype, device=q.device)
     horizon = torch.ones(shape, dtype=torch.long, device=q.device)
@@ -253,9 +256,7 @@ def expanding_attention(
         if not bool(active.any()):
             break
     # Final step with gradients: the prior's q from the learnable α, β plus the inferred counts.
-    alpha_final = alpha.to(stats_dtype).view(1, heads, 1, 1).expand(batch, heads, blocks, block).reshape(shape)
-    beta_final = beta.to(stats_dtype).view(1, heads, 1, 1).expand(batch, heads, blocks, block).reshape(shape)
-    alpha_final, beta_final = alpha_final + steps, beta_final + expected_distance_sum
+    alpha_final, beta_final = per_query(alpha) + steps, per_query(beta) + expected_distance_sum
     scores, distance, key_valid = rings.band(None, detach=False)
     logits = _masked_logits(scores, distance, key_valid, horizon,
                             _log_decay(alpha_final, beta_final).to(scores.dtype), scale, causal)
