@@ -44,6 +44,11 @@ from torch import Tensor
 from routeformer.ops._checks import check_positive, check_qkv
 
 DEFAULT_BLOCK = 64
+# Band entries per row group (~4 MB in fp32).
+_GROUP_ELEMENTS = 1 << 20
+# Keys outside a horizon get a penalty of at least _EXCLUDED / 2: exp() of it is exactly 0, as
+# with -inf. Float arithmetic builds it ~5x faster than a bool mask with masked_fill on CPU.
+_EXCLUDED = 1e30
 # Elementwise work per (query, key) entry of one inference step: scale, prior, mask, exp, sum, δ·p.
 _STEP_FLOPS_PER_ENTRY = 6
 
@@ -54,6 +59,7 @@ class ExpandingOutput:
     horizon: Tensor  # long [B, H, T]: final window (keys at distance < horizon are read)
     iterations: Tensor  # long [B, H, T]: inference steps taken
     scored_pairs: int  # q·k products computed (at block granularity), counted once each
+    value_pairs: int  # (query, key) pairs of the final P·V products (the whole band)
     step_entries: int  # (query, key) entries the inference steps and the final softmax touched
     flops: int  # executed FLOPs: scores + P·V + elementwise inference work
 
@@ -100,11 +106,17 @@ def _check_prior(alpha: Tensor, beta: Tensor, heads: int) -> None:
 
 
 class _Rings:
-    """Block-row layout and the cache of computed ring scores."""
+    """Block-row layout, the cache of computed ring scores, and the band they form.
 
-    def __init__(self, q: Tensor, k: Tensor, valid: Tensor, block: int, causal: bool) -> None:
+    Row groups: every pass over the band runs over contiguous groups of block rows whose band
+    holds about `_GROUP_ELEMENTS` entries, so elementwise temporaries stay small and are reused
+    by the allocator instead of being faulted in fresh (see DESIGN.md on fresh allocations).
+    """
+
+    def __init__(self, q: Tensor, k: Tensor, valid: Tensor, block: int, causal: bool,
+                 check_keys: bool) -> None:
         batch, heads, length, dim = q.shape
-        self.block, self.causal = block, causal
+        self.block, self.causal, self.check_keys = block, causal, check_keys
         self.blocks = length // block
         self.rows = batch * heads * self.blocks
         self.q = q.reshape(self.rows, block, dim)
@@ -117,16 +129,8 @@ class _Rings:
         self.scores: dict[int, Tensor] = {}  # ring -> [R, b, b] q·k products (unscaled)
         self.computed: dict[int, Tensor] = {}  # ring -> bool [R]
         self.scored_pairs = 0
-
-    def ring_key_rows(self, offset: int) -> tuple[Tensor, Tensor]:
-        """(key row of every block row for ring `offset`, whether that key block exists)."""
-        key_block = self.block_of_row - offset
-        exists = (key_block >= 0) & (key_block < self.blocks)
-        return torch.arange(self.rows, device=exists.device) - offset, exists
-
-    def distance(self, offset: int) -> Tensor:
-        """[b, b] distance δ from query slot a to key slot c of ring `offset` (signed: i - j)."""
-        return offset * self.block + self.slot_offset
+        # Autograd needs out-of-place cache updates; inference writes into the cache.
+        self.in_place = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
 
     def needed_rings(self, horizon: Tensor) -> tuple[Tensor, Tensor]:
         """Per block row, the farthest ring back (and ahead) that a query's horizon reaches."""
@@ -142,6 +146,7 @@ class _Rings:
         """Score every ring a query's horizon reaches and that is not computed yet."""
         back, ahead = self.needed_rings(horizon)
         farthest = max(int(back.max()), int(ahead.max()))
+        layout_changed = False
         for distance in range(farthest + 1):
             for offset in ((distance,) if distance == 0 or self.causal else (distance, -distance)):
                 need = (back >= offset) if offset >= 0 else (ahead >= -offset)
@@ -149,36 +154,80 @@ class _Rings:
                     self.offsets.append(offset)
                     self.scores[offset] = self.q.new_zeros(self.rows, self.block, self.block)
                     self.computed[offset] = torch.zeros_like(need)
+                    layout_changed = True
                 new_rows = (need & ~self.computed[offset]).nonzero().squeeze(1)
                 if new_rows.numel() == 0:
                     continue
                 products = torch.bmm(self.q[new_rows], self.k[new_rows - offset].transpose(1, 2))
-                self.scores[offset] = self.scores[offset].index_copy(0, new_rows, products)
+                if self.in_place:
+                    self.scores[offset].index_copy_(0, new_rows, products)
+                else:
+                    self.scores[offset] = self.scores[offset].index_copy(0, new_rows, products)
                 self.computed[offset][new_rows] = True
                 self.scored_pairs += new_rows.numel() * self.block * self.block
+        if layout_changed:
+            self._build_band()
 
-    def band(self, rows: Tensor | None, detach: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """(scores [r, b, W], distance [b, W], key valid [r, 1, W]) over all rings, for `rows`."""
-        scores, valid = [], []
-        for offset in self.offsets:
-            ring = self.scores[offset].detach() if detach else self.scores[offset]
-            key_rows, exists = self.ring_key_rows(offset)
-            ring_valid = self.key_valid[key_rows.clamp(0, self.rows - 1)] & exists[:, None]
-            if rows is not None:
-                ring, ring_valid = ring[rows], ring_valid[rows]
-            scores.append(ring)
-            valid.append(ring_valid)
-        distance = torch.cat([self.distance(offset) for offset in self.offsets], dim=1)
-        return torch.cat(scores, dim=2), distance, torch.cat(valid, dim=1)[:, None, :]
+    def _build_band(self) -> None:
+        """Per band slot: the distance the horizon is compared with, the δ of the prior, and
+        (when keys can be invalid) which block rows may read it."""
+        distance = torch.cat([offset * self.block + self.slot_offset for offset in self.offsets], dim=1)
+        if self.causal:  # keys ahead can never be inside a horizon
+            self.reach = distance.masked_fill(distance < 0, torch.iinfo(distance.dtype).max)
+            self.prior_distance = distance.clamp(min=0).to(self.q.dtype)
+        else:
+            self.reach = distance.abs()
+            self.prior_distance = self.reach.to(self.q.dtype)
+        self.width = distance.shape[1]
+        self.reach_float = self.reach.clamp(max=1 << 30).to(self.q.dtype)
+        self.key_penalty = None
+        if self.check_keys:
+            parts = []
+            for offset in self.offsets:
+                key_block = self.block_of_row - offset
+                exists = (key_block >= 0) & (key_block < self.blocks)
+                key_rows = (torch.arange(self.rows, device=exists.device) - offset).clamp(0, self.rows - 1)
+                parts.append(self.key_valid[key_rows] & exists[:, None])
+            key_valid = torch.cat(parts, dim=1)  # [R, W]
+            self.key_penalty = torch.zeros(key_valid.shape, dtype=self.q.dtype, device=key_valid.device)
+            self.key_penalty.masked_fill_(~key_valid, -_EXCLUDED)
+
+    def row_groups(self) -> list[slice]:
+        group = max(1, _GROUP_ELEMENTS // (self.block * self.width))
+        return [slice(start, min(start + group, self.rows)) for start in range(0, self.rows, group)]
+
+    def logits(self, rows: slice, horizon: Tensor, log_decay: Tensor, scale: float, detach: bool) -> Tensor:
+        """[g, b, W] scores·scale + δ·log(1 - q) for block rows `rows`; keys outside the
+        horizon (or invalid) get a penalty <= -_EXCLUDED / 2. `horizon`, `log_decay`: [g, b]."""
+        parts = [(self.scores[offset].detach() if detach else self.scores[offset])[rows]
+                 for offset in self.offsets]
+        logits = torch.cat(parts, dim=2).mul_(scale)  # cat made a fresh tensor: scale it in place
+        logits.addcmul_(self.prior_distance, log_decay[..., None].to(logits.dtype))
+        # min(0, H - 1/2 - reach): 0 inside the horizon, <= -1/2 outside.
+        beyond = (horizon[..., None].to(logits.dtype) - 0.5 - self.reach_float).clamp_(max=0.0)
+        logits.add_(beyond, alpha=_EXCLUDED)
+        if self.key_penalty is not None:
+            logits.add_(self.key_penalty[rows, None, :])
+        return logits
+
+    def apply(self, probs: Tensor, values: Tensor, rows: slice) -> Tensor:
+        """[g, b, W] probabilities @ the band's values -> [g, b, e]. `values` [R, b, e] is padded
+        by `len(offsets)` rows on both sides so every ring's key rows are one contiguous slice."""
+        pad = len(self.offsets)
+        out = None
+        for slot, offset in enumerate(self.offsets):
+            ring_values = values[rows.start + pad - offset:rows.stop + pad - offset]
+            part = torch.bmm(probs[:, :, slot * self.block:(slot + 1) * self.block], ring_values)
+            out = part if out is None else out + part
+        return out
 
 
 def _masked_logits(
     scores: Tensor, distance: Tensor, key_valid: Tensor, horizon: Tensor, log_decay: Tensor,
     scale: float, causal: bool,
 ) -> Tensor:
-    """scores·scale + δ·log(1 - q), with keys outside [0, horizon) or padded set to -inf.
-
-    Shapes: scores [.., Lq, Lk], distance broadcastable, horizon/log_decay [.., Lq]."""
+    """The reference's logits: scores·scale + δ·log(1 - q), keys outside [0, horizon) or padded
+    set to -inf. Shapes: scores [.., Lq, Lk], distance broadcastable, horizon/log_decay [.., Lq]."""
     if not causal:
         distance = distance.abs()
     inside = (distance >= 0) & (distance < horizon[..., None]) & key_valid
@@ -187,8 +236,9 @@ def _masked_logits(
 
 
 def _softmax_rows(logits: Tensor) -> Tensor:
-    """Softmax whose all-masked rows (padded queries) give zeros instead of NaN."""
-    has_key = torch.isfinite(logits).any(dim=-1, keepdim=True)
+    """Softmax whose all-excluded rows (padded queries) give zeros instead of NaN or uniform.
+    Excluded keys are -inf (reference) or <= -_EXCLUDED / 2 (fast path)."""
+    has_key = logits.amax(dim=-1, keepdim=True) > -_EXCLUDED / 4
     return torch.where(has_key, logits, torch.zeros_like(logits)).softmax(dim=-1) * has_key
 
 
@@ -213,7 +263,8 @@ def expanding_attention(
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
         valid = F.pad(valid, (0, pad), value=False)
-    rings = _Rings(q, k, valid, block, causal)
+    masked = mask is not None
+    rings = _Rings(q, k, valid, block, causal, check_keys=masked or not causal)
     shape = (rings.rows, block)
     positions = torch.arange(blocks * block, device=q.device)
     context = _context(positions, length, causal).view(1, 1, -1).expand(batch, heads, -1).reshape(shape)
@@ -229,56 +280,55 @@ def expanding_attention(
     expected_distance_sum = torch.zeros(shape, dtype=stats_dtype, device=q.device)
     horizon = torch.ones(shape, dtype=torch.long, device=q.device)
     previous = torch.zeros_like(horizon)
-    active = is_query.clone()
+    # Padded queries take no inference step: their window stays the prior's.
+    active = is_query & rings.key_valid
     step_entries = 0
     for step in range(max_iters):
         alpha_t, beta_t = alpha_start + steps, beta_start + expected_distance_sum
         new_horizon = geometric_horizon(alpha_t, beta_t, tol, context)
-        horizon = torch.where(active, new_horizon, horizon)
+        horizon = torch.where(is_query & (active | (step == 0)), new_horizon, horizon)
         rings.compute(horizon)  # with autograd: the final pass reuses these products
-        stop = _stop_now(step, max_iters, new_horizon, previous, context)
-        going_on = active & ~stop
-        rows = going_on.any(dim=1).nonzero().squeeze(1)
-        if rows.numel():
+        going_on = active & ~_stop_now(step, max_iters, new_horizon, previous, context)
+        if bool(going_on.any()):
+            log_decay = _log_decay(alpha_t, beta_t)
+            mean_distance = torch.zeros_like(expected_distance_sum)
             with torch.no_grad():  # the inference steps pass no gradient (module docstring)
-                scores, distance, key_valid = rings.band(rows, detach=True)
-                logits = _masked_logits(scores, distance, key_valid, horizon[rows],
-                                        _log_decay(alpha_t[rows], beta_t[rows]), scale, causal)
-                probs = _softmax_rows(logits)
-                lengths = distance if causal else distance.abs()
-                mean_distance = (probs * lengths.to(probs.dtype)).sum(dim=-1)
-            step_entries += probs.numel()
-            grow = going_on[rows]
-            expected_distance_sum[rows] += torch.where(grow, mean_distance, 0.0)
-            steps[rows] += grow.long()
+                for rows in rings.row_groups():
+                    if not bool(going_on[rows].any()):
+                        continue
+                    probs = rings.logits(rows, horizon[rows], log_decay[rows], scale, detach=True).softmax(-1)
+                    # Rows of padded queries may be meaningless here; they never go on.
+                    mean_distance[rows] = (probs * rings.prior_distance).sum(dim=-1)
+                    step_entries += probs.numel()
+            expected_distance_sum += torch.where(going_on, mean_distance, 0.0)
+            steps += going_on.long()
         previous = new_horizon
         active = going_on
         if not bool(active.any()):
             break
     # Final step with gradients: the prior's q from the learnable α, β plus the inferred counts.
-    alpha_final, beta_final = per_query(alpha) + steps, per_query(beta) + expected_distance_sum
-    scores, distance, key_valid = rings.band(None, detach=False)
-    logits = _masked_logits(scores, distance, key_valid, horizon,
-                            _log_decay(alpha_final, beta_final).to(scores.dtype), scale, causal)
-    probs = _softmax_rows(logits)
-    step_entries += probs.numel()
+    log_decay = _log_decay(per_query(alpha) + steps, per_query(beta) + expected_distance_sum)
     values = v.reshape(rings.rows, block, -1)
-    out = values.new_zeros(rings.rows, block, values.shape[-1])
-    pv_pairs = 0
-    for slot, offset in enumerate(rings.offsets):
-        rows = rings.computed[offset].nonzero().squeeze(1)
-        ring_probs = probs[rows, :, slot * block:(slot + 1) * block]
-        out = out.index_add(0, rows, torch.bmm(ring_probs, values[rows - offset]))
-        pv_pairs += rows.numel() * block * block
+    values = F.pad(values, (0, 0, 0, 0, len(rings.offsets), len(rings.offsets)))
+    outs = []
+    for rows in rings.row_groups():
+        logits = rings.logits(rows, horizon[rows], log_decay[rows], scale, detach=False)
+        # With invalid keys a (padded) query may see none: its row must be zeros, not NaN.
+        probs = _softmax_rows(logits) if rings.check_keys else logits.softmax(dim=-1)
+        outs.append(rings.apply(probs, values, rows))
+        step_entries += probs.numel()
+    out = torch.cat(outs, dim=0)
     unpadded = (slice(None), slice(None), slice(0, length))
     final_steps = steps + is_query.long()  # the final step counts as one
-    flops = (2 * dim * rings.scored_pairs + 2 * values.shape[-1] * pv_pairs
+    band_pairs = rings.rows * block * rings.width
+    flops = (2 * dim * rings.scored_pairs + 2 * values.shape[-1] * band_pairs
              + _STEP_FLOPS_PER_ENTRY * step_entries)
     return ExpandingOutput(
         out=out.view(batch, heads, blocks * block, -1)[unpadded],
         horizon=horizon.view(batch, heads, -1)[unpadded],
         iterations=final_steps.view(batch, heads, -1)[unpadded],
         scored_pairs=rings.scored_pairs,
+        value_pairs=band_pairs,
         step_entries=step_entries,
         flops=flops,
     )
@@ -309,12 +359,13 @@ def expanding_attention_reference(
     distance_sum = torch.zeros(batch, heads, length, dtype=scores.dtype)
     horizon = torch.ones_like(steps)
     previous = torch.zeros_like(steps)
-    active = torch.ones(batch, heads, length, dtype=torch.bool)
+    # Padded queries take no inference step: their window stays the prior's.
+    active = key_valid[:, :, 0, :].expand(batch, heads, length).clone()
     with torch.no_grad():
         for step in range(max_iters):
             alpha_t, beta_t = alpha_start.detach() + steps, beta_start.detach() + distance_sum
             new_horizon = geometric_horizon(alpha_t, beta_t, tol, context)
-            horizon = torch.where(active, new_horizon, horizon)
+            horizon = torch.where(active | (step == 0), new_horizon, horizon)
             stop = _stop_now(step, max_iters, new_horizon, previous, context)
             probs = _softmax_rows(_masked_logits(scores, distance, key_valid, horizon,
                                                  _log_decay(alpha_t, beta_t), scale, causal))
