@@ -4,7 +4,8 @@
     routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N]
     routeformer sample RUN_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
     routeformer list
-    routeformer bench ops|topk [--lengths 1024 4096 16384] [--repeats 5] [--window 256] [--output FILE]
+    routeformer bench ops|topk|structural [--lengths 1024 4096 16384] [--repeats 5] [--window 256]
+                      [--output FILE]
     routeformer reproduce NAME [--quick] [--out DIR]      (routeformer reproduce --list)
 """
 
@@ -113,15 +114,33 @@ def command_bench(args: argparse.Namespace) -> int:
 
         ops = topk_op_table(args.batch, args.heads, args.routing_dim, args.topk)
         settings.update(routing_dim=args.routing_dim, topk=args.topk)
+    windows = []
+    if args.suite == "structural":
+        from routeformer.bench.structural_bench import (
+            WINDOW_HEADER,
+            expanding_windows,
+            format_window_row,
+            structural_op_table,
+        )
+
+        ops = structural_op_table(args.heads)
+        windows = expanding_windows(args.lengths, batch=args.batch, heads=args.heads,
+                                    head_dim=args.head_dim)
     rows = bench_ops(args.lengths, repeats=args.repeats, window=args.window, batch=args.batch,
                      heads=args.heads, head_dim=args.head_dim, ops=ops,
                      progress=lambda line: print(line, flush=True))
+    if windows:
+        print("\n" + WINDOW_HEADER + "\n" + "\n".join(format_window_row(w) for w in windows), flush=True)
     if args.output:
         output = Path(args.output)
         output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(markdown_report(rows, settings))
+        report = markdown_report(rows, settings)
+        if windows:
+            report += "\nexpanding's final windows on the same inputs:\n\n" + WINDOW_HEADER + "\n"
+            report += "\n".join(format_window_row(w) for w in windows) + "\n"
+        output.write_text(report)
         output.with_suffix(".json").write_text(json.dumps(
-            {"settings": settings, "rows": rows_as_dicts(rows)}, indent=2))
+            {"settings": settings, "rows": rows_as_dicts(rows), "expanding_windows": windows}, indent=2))
         print(f"wrote {output} and {output.with_suffix('.json')}")
     return 0
 
@@ -155,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("list", help="list the registered attention mechanisms and their options")
 
     bench = commands.add_parser("bench", help="speed and memory benchmarks")
-    bench.add_argument("suite", choices=["ops", "topk"])
+    bench.add_argument("suite", choices=["ops", "topk", "structural"])
     bench.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--window", type=int, default=256)

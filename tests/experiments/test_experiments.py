@@ -54,3 +54,21 @@ def test_logits_at_labels_equal_the_full_logits_there():
     torch.testing.assert_close(sparse.loss, dense.loss)
     with pytest.raises(ValueError, match="logits_at_labels=True needs labels"):
         model(tokens, logits_at_labels=True)
+
+
+def test_structural_experiments_are_registered():
+    assert {"structural-multihop", "structural-expanding", "structural-lm"} <= set(list_experiments())
+
+
+def test_structural_toy_runs_train_and_report():
+    from routeformer.data.structural import StructuralTask
+    from routeformer.experiments.structural import run_multihop_model, run_recency_model
+
+    chain = run_multihop_model("multihop x1", StructuralTask(length=8, dim=8, rank=2), steps=2, seed=0)
+    assert len(chain["history"]) == 2 and chain["final"]["test_loss"] > 0
+    # Path weights of (P + P²)/2 are probabilities.
+    assert 0 <= chain["attention"]["weight_x0"] <= 1 and 0 <= chain["attention"]["weight_x1"] <= 1
+    task = StructuralTask(length=32, dim=8, rank=8, recency=4.0)
+    recency = run_recency_model("expanding", task, steps=2, seed=0)
+    assert recency["final"]["flops_per_sequence"] > 0 and 1 <= recency["final"]["window_mean"] <= 32
+    assert recency["learned_prior"]["alpha"] > 0 and recency["last_query"]["iterations_mean"] >= 1

@@ -8,13 +8,14 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from routeformer.data.mqar import MQARConfig, mqar_batch
+from routeformer.experiments.common import log as _log
+from routeformer.experiments.common import run_key, run_lm_variant
 from routeformer.experiments.registry import register_experiment
 from routeformer.experiments.report import (
     cached_run,
@@ -30,15 +31,6 @@ from routeformer.train.task_loop import TaskTrainConfig, layer_stat, train_task
 MQAR_PAIRS = {256: 16, 512: 32, 1024: 64}
 MQAR_DIM = 64
 LOCAL_WINDOW = 64
-
-
-def run_key(name: str) -> str:
-    """A file-name-safe key for a variant name: "topk(K=32,distill)" -> "topk-K32-distill"."""
-    return name.replace(",", "-").replace("=", "").replace("(", "-").replace(")", "")
-
-
-def _log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 def mqar_variants(length: int, quick: bool) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -185,24 +177,6 @@ LM_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "topk(K=64,score_bias)": ("topk", {"topk": 64, "routing_learning": "score_bias"}),
     "topk(K=64,distill)": ("topk", {"topk": 64, "routing_learning": "distill"}),
 }
-
-
-def run_lm_variant(out_dir: Path, mechanism: str, options: dict, steps: int, corpus: str) -> dict[str, Any]:
-    from routeformer.train.config import DataConfig, RunConfig, TrainConfig
-    from routeformer.train.loop import train
-
-    config = RunConfig(
-        model=ModelConfig(dim=128, depth=2, heads=4, attention=mechanism,
-                          attention_options={mechanism: options} if options else {}, max_seq_len=512),
-        data=DataConfig(corpus=corpus, seq_len=512),
-        train=TrainConfig(steps=steps, batch_size=16, lr=3e-3, warmup_steps=min(100, steps // 5),
-                          eval_every=max(1, steps // 4), eval_tokens=32768, log_every=max(1, steps // 10),
-                          checkpoint_every=max(1, steps // 10)),
-        out_dir=str(out_dir),
-    )
-    result = train(config, quiet=True)  # resumes from out_dir/checkpoint.pt if interrupted
-    return {"mechanism": mechanism, "options": options, "steps": steps, "final": result.final_eval,
-            "train_seconds": result.train_seconds}
 
 
 @register_experiment("topk-lm", "char-level LM on WikiText-2 text at T=512: topk vs full vs local")

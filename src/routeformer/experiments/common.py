@@ -1,0 +1,55 @@
+"""Pieces the experiment modules share: run names, progress lines, the char-LM run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from routeformer.models.config import ModelConfig
+
+
+def run_key(name: str) -> str:
+    """A file-name-safe key for a variant name: "topk(K=32,distill)" -> "topk-K32-distill"."""
+    return name.replace(",", "-").replace("=", "").replace("(", "-").replace(")", "")
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def run_lm_variant(
+    out_dir: Path, mechanism: str, options: dict, steps: int, corpus: str,
+    layer_stats: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Train the char-LM of the LM experiments (2 layers, D=128, 4 heads, T=512, batch 16) with one
+    mechanism; resumes from out_dir's checkpoint. `layer_stats`: attention stats to average over
+    the layers on 4 validation sequences after training (e.g. expanding's `window_mean`)."""
+    from routeformer.data.batches import sequential_batches
+    from routeformer.data.corpora import load_corpus
+    from routeformer.train.config import DataConfig, RunConfig, TrainConfig
+    from routeformer.train.loop import train
+
+    config = RunConfig(
+        model=ModelConfig(dim=128, depth=2, heads=4, attention=mechanism,
+                          attention_options={mechanism: options} if options else {}, max_seq_len=512),
+        data=DataConfig(corpus=corpus, seq_len=512),
+        train=TrainConfig(steps=steps, batch_size=16, lr=3e-3, warmup_steps=min(100, steps // 5),
+                          eval_every=max(1, steps // 4), eval_tokens=32768, log_every=max(1, steps // 10),
+                          checkpoint_every=max(1, steps // 10)),
+        out_dir=str(out_dir),
+    )
+    result = train(config, quiet=True)  # resumes from out_dir/checkpoint.pt if interrupted
+    record = {"mechanism": mechanism, "options": options, "steps": steps, "final": result.final_eval,
+              "train_seconds": result.train_seconds}
+    if layer_stats:
+        ids = result.vocab.encode(load_corpus(corpus).val)
+        inputs, _ = next(sequential_batches(ids, 4, 512))
+        model = result.model.eval()
+        with torch.no_grad():
+            stats = model.backbone(inputs).stats
+        record["layer_stats"] = {key: sum(float(layer[key]) for layer in stats) / len(stats)
+                                 for key in layer_stats}
+    return record

@@ -1,0 +1,55 @@
+"""The structural-inference toy tasks: the chain and recency structure the experiments rely on."""
+
+import pytest
+import torch
+
+from routeformer.data.structural import StructuralTask, StructuralWeights, chain_batch, recency_batch
+
+
+def test_chain_batch_hides_x0_x1_and_puts_x2_last():
+    task = StructuralTask(length=12, dim=8, rank=2, target_dim=3, noise=0.0)
+    weights = StructuralWeights.sample(task, seed=0)
+    x, y, positions = chain_batch(task, weights, 64, torch.Generator().manual_seed(1))
+    assert x.shape == (64, 12, 8) and y.shape == (64, 3) and positions.shape == (64, 2)
+    assert bool((positions < 11).all()) and bool((positions[:, 0] != positions[:, 1]).all())
+    rows = torch.arange(64)
+    x0, x1 = x[rows, positions[:, 0]], x[rows, positions[:, 1]]
+    gain = (8 / 2) ** 0.5
+    # Without noise the chain is exact: x1 = g W_r x0, x2 = g W_r x1, y = W_y (x0 + x1).
+    torch.testing.assert_close(x1, gain * x0 @ weights.relation.T)
+    torch.testing.assert_close(x[:, -1], gain * x1 @ weights.relation.T)
+    torch.testing.assert_close(y, (x0 + x1) @ weights.readout.T)
+    assert torch.linalg.matrix_rank(weights.relation) == 2
+    # The slots of x0 and x1 are spread over the sequence, not fixed.
+    assert len(set(positions[:, 0].tolist())) > 5
+
+
+def test_recency_distance_is_geometric_with_mean_one_over_p():
+    task = StructuralTask(length=512, dim=4, rank=4, target_dim=2, noise=0.0, recency=8.0)
+    weights = StructuralWeights.sample(task, seed=0)
+    x, y, distance = recency_batch(task, weights, 20000, torch.Generator().manual_seed(2))
+    assert int(distance.min()) >= 1
+    assert abs(distance.float().mean().item() - 8.0) < 0.3
+    rows = torch.arange(20000)[:200]
+    x1 = x[rows, 511 - distance[:200]]
+    torch.testing.assert_close(y[:200], x1 @ weights.readout.T)
+    torch.testing.assert_close(x[rows, -1], x1 @ weights.relation.T)  # full rank: gain 1
+
+
+def test_batches_are_reproducible_from_the_generator_seed():
+    task = StructuralTask()
+    weights = StructuralWeights.sample(task, seed=3)
+    first = chain_batch(task, weights, 4, torch.Generator().manual_seed(5))
+    second = chain_batch(task, weights, 4, torch.Generator().manual_seed(5))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"length": 2}, "length must be >= 3"),
+    ({"dim": 0}, "dim must be a positive integer"),
+    ({"recency": 0.5}, "recency"),
+    ({"noise": -1.0}, "noise must be >= 0"),
+])
+def test_bad_task_options_raise(options, message):
+    with pytest.raises(ValueError, match=message):
+        StructuralTask(**options)
