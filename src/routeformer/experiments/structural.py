@@ -41,11 +41,12 @@ def _test_split(task: StructuralTask, weights: StructuralWeights, make_batch, se
 
 
 def _attention_matrix(layer, hidden: Tensor) -> Tensor:
-    """P [B, T, T] of a single-head causal softmax layer, from its own projections."""
+    """P [B, T, T] of a single-head softmax layer, from its own projections."""
     q, k, _ = layer.project_qkv(hidden, torch.arange(hidden.shape[1]).expand(hidden.shape[:2]))
     scores = (q @ k.transpose(-1, -2))[:, 0] * q.shape[-1] ** -0.5
-    causal = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
-    return scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+    if layer.causal:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    return scores.softmax(dim=-1)
 
 
 def chain_attention(model: SequenceRegressor, x: Tensor, positions: Tensor) -> dict[str, float]:
@@ -67,7 +68,9 @@ def run_multihop_model(name: str, task: StructuralTask, steps: int, seed: int) -
     weights = StructuralWeights.sample(task, seed=1000 + seed)
     x_test, y_test, positions = _test_split(task, weights, chain_batch, seed=2000 + seed)
     torch.manual_seed(seed)
-    model = SequenceRegressor(MULTIHOP_MODELS[name], task.dim, task.dim, task.target_dim)
+    # Non-causal: the nodes are a shuffled set, so x0 may sit after x1; a causal mask would cut the
+    # x1 -> x0 hop for half the sequences (the paper's graph has no order).
+    model = SequenceRegressor(MULTIHOP_MODELS[name], task.dim, task.dim, task.target_dim, causal=False)
 
     def evaluate(m) -> dict[str, Any]:
         with torch.no_grad():
@@ -126,7 +129,7 @@ def multihop(out_dir: Path, quick: bool) -> Path:
         f"Task: T={task.length} nodes of dimension {task.dim}; x1 = W_r x0 + e, x2 = W_r x1 + e "
         f"(rank(W_r) = {task.rank}, noise std {task.noise}); x0, x1 and noise shuffled over positions "
         f"0..T-2, x2 last; target y = W_y (x0 + x1) (dim {task.target_dim}) read at x2. Models: "
-        "linear embedding, single-head causal attention layers with residuals, linear read-out "
+        "linear embedding, single-head non-causal attention layers with residuals, linear read-out "
         f"(model dim {task.dim}). {steps} steps of batch 128, AdamW lr 3e-3; test MSE on "
         f"{TEST_SEQUENCES} held-out sequences; seeds {seeds} (each seed also draws W_r and W_y).",
         "Attention on x0 / x1: mean weight of the last node (x2) in the last layer; for multihop the "

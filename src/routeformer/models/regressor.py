@@ -18,11 +18,12 @@ from routeformer.ops._checks import check_positive
 
 
 class SequenceRegressor(nn.Module):
-    """`mechanisms` names one attention layer per depth (e.g. ["full", "full"] or ["multihop"])."""
+    """`mechanisms` names one attention layer per depth (e.g. ["full", "full"] or ["multihop"]);
+    `causal=False` lets every node read every other (the read-out is at the last position either way)."""
 
     def __init__(
         self, mechanisms: list[str], input_dim: int, model_dim: int, target_dim: int, *, heads: int = 1,
-        attention_options: dict[str, dict[str, Any]] | None = None,
+        causal: bool = True, attention_options: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         super().__init__()
         if not mechanisms:
@@ -32,7 +33,7 @@ class SequenceRegressor(nn.Module):
         options = attention_options or {}
         self.embed = nn.Linear(input_dim, model_dim)
         self.layers = nn.ModuleList(
-            build_attention(name, dim=model_dim, heads=heads, causal=True, **options.get(name, {}))
+            build_attention(name, dim=model_dim, heads=heads, causal=causal, **options.get(name, {}))
             for name in mechanisms
         )
         self.readout = nn.Linear(model_dim, target_dim)
