@@ -53,3 +53,25 @@ def run_lm_variant(
         record["layer_stats"] = {key: sum(float(layer[key]) for layer in stats) / len(stats)
                                  for key in layer_stats}
     return record
+
+
+def run_lm_variants(
+    out_dir: Path, experiment: str, variants: dict[str, tuple[str, dict[str, Any]]], steps: int,
+    corpus: str = "wikitext2", layer_stats: dict[str, tuple[str, ...]] | None = None,
+) -> tuple[str, dict[str, dict[str, Any]]]:
+    """Train every variant name -> (mechanism, options) with `run_lm_variant`, each run cached
+    under out_dir (a killed experiment resumes after its finished runs). `layer_stats` maps a
+    mechanism to the stats to record after training. Returns (corpus name, name -> record)."""
+    from routeformer.data.corpora import load_corpus
+    from routeformer.experiments.report import cached_run
+
+    corpus_name = load_corpus(corpus).name
+    records = {}
+    for name, (mechanism, options) in variants.items():
+        key = run_key(name)
+        log(f"{experiment}: {key}")
+        stats = (layer_stats or {}).get(mechanism, ())
+        records[name] = cached_run(
+            out_dir, key, lambda key=key, mechanism=mechanism, options=options, stats=stats:
+                run_lm_variant(out_dir / "train" / key, mechanism, options, steps, corpus, stats))
+    return corpus_name, records

@@ -22,7 +22,7 @@ from routeformer.data.structural import (
     chain_batch,
     recency_batch,
 )
-from routeformer.experiments.common import log, run_key, run_lm_variant
+from routeformer.experiments.common import log, run_key, run_lm_variants
 from routeformer.experiments.registry import register_experiment
 from routeformer.experiments.report import cached_run, line_plot, markdown_table, provenance, write_result
 from routeformer.models.regressor import SequenceRegressor
@@ -280,20 +280,10 @@ LM_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 
 @register_experiment("structural-lm", "char-level LM on WikiText-2 text at T=512: expanding vs full vs local")
 def lm(out_dir: Path, quick: bool) -> Path:
-    from routeformer.data.corpora import load_corpus
-
     steps = 60 if quick else 600
-    corpus = "wikitext2"
-    corpus_name = load_corpus(corpus).name
-    records = {}
-    for name, (mechanism, options) in LM_VARIANTS.items():
-        key = run_key(name)
-        log(f"structural-lm: {key}")
-        stats = ("window_mean", "window_max", "iterations_mean", "score_ops_vs_full") \
-            if mechanism == "expanding" else ()
-        records[name] = cached_run(
-            out_dir, key, lambda key=key, mechanism=mechanism, options=options, stats=stats:
-                run_lm_variant(out_dir / "train" / key, mechanism, options, steps, corpus, stats))
+    corpus_name, records = run_lm_variants(
+        out_dir, "structural-lm", LM_VARIANTS, steps,
+        layer_stats={"expanding": ("window_mean", "window_max", "iterations_mean", "score_ops_vs_full")})
     full_flops = records["full"]["final"]["attention_flops_per_token"]
     rows = []
     for name, record in records.items():

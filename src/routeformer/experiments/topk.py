@@ -15,7 +15,7 @@ import torch
 
 from routeformer.data.mqar import MQARConfig, mqar_batch
 from routeformer.experiments.common import log as _log
-from routeformer.experiments.common import run_key, run_lm_variant
+from routeformer.experiments.common import run_key, run_lm_variants
 from routeformer.experiments.registry import register_experiment
 from routeformer.experiments.report import (
     cached_run,
@@ -181,20 +181,8 @@ LM_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 
 @register_experiment("topk-lm", "char-level LM on WikiText-2 text at T=512: topk vs full vs local")
 def lm(out_dir: Path, quick: bool) -> Path:
-    from routeformer.data.corpora import load_corpus
-
     steps = 60 if quick else 600
-    corpus = "wikitext2"
-    corpus_name = load_corpus(corpus).name
-    records = {}
-    for name, (mechanism, options) in LM_VARIANTS.items():
-        key = run_key(name)
-        _log(f"topk-lm: {key}")
-        records[name] = cached_run(
-            out_dir, key,
-            lambda key=key, mechanism=mechanism, options=options:
-                run_lm_variant(out_dir / "train" / key, mechanism, options, steps, corpus),
-        )
+    corpus_name, records = run_lm_variants(out_dir, "topk-lm", LM_VARIANTS, steps)
     rows = [[name, r["final"]["bpc"], r["final"]["attention_flops_per_token"],
              r["final"]["attention_flops_per_token"] / records["full"]["final"]["attention_flops_per_token"],
              round(r["train_seconds"], 1)] for name, r in records.items()]
