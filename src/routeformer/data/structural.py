@@ -62,7 +62,7 @@ class StructuralWeights:
 
 
 def _step(task: StructuralTask, weights: StructuralWeights, previous: Tensor, gen: torch.Generator) -> Tensor:
-    """x_{i+1} = W_r x_i + ε, with W_r rescaled by √d / rank so that the chain keeps unit scale."""
+    """x_{i+1} = g W_r x_i + ε with g = √(d / rank), so that the chain keeps roughly unit scale."""
     gain = (task.dim / min(task.rank, task.dim)) ** 0.5
     return gain * previous @ weights.relation.T + task.noise * torch.randn(previous.shape, generator=gen)
 

@@ -173,13 +173,14 @@ class _Rings:
         (when keys can be invalid) which block rows may read it."""
         distance = torch.cat([offset * self.block + self.slot_offset for offset in self.offsets], dim=1)
         if self.causal:  # keys ahead can never be inside a horizon
-            self.reach = distance.masked_fill(distance < 0, torch.iinfo(distance.dtype).max)
+            reach = distance.masked_fill(distance < 0, 1 << 30)
             self.prior_distance = distance.clamp(min=0).to(self.q.dtype)
         else:
-            self.reach = distance.abs()
-            self.prior_distance = self.reach.to(self.q.dtype)
+            reach = distance.abs()
+            self.prior_distance = reach.to(self.q.dtype)
         self.width = distance.shape[1]
-        self.reach_float = self.reach.clamp(max=1 << 30).to(self.q.dtype)
+        # Compared with each query's horizon in `logits`; 2^30 exceeds every horizon.
+        self.reach_float = reach.clamp(max=1 << 30).to(self.q.dtype)
         self.key_penalty = None
         if self.check_keys:
             parts = []
