@@ -43,6 +43,11 @@ def full_attention(
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     allowed = allowed_keys(q.shape[0], q.shape[2], mask, causal, q.device)
+    return sdpa_allowed(q, k, v, allowed, scale)
+
+
+def sdpa_allowed(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float | None = None) -> Tensor:
+    """SDPA with a bool `allowed` mask [B, 1, Tq, Tk]; rows with no allowed key return zeros."""
     has_key = allowed.any(dim=-1, keepdim=True)  # [B, 1, Tq, 1]
     # Empty rows get every key (so no kernel ever sees an all -inf row), then are zeroed.
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | ~has_key, scale=scale)

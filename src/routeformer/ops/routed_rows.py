@@ -1,0 +1,260 @@
+"""The experts evaluated at selected query rows only (the hard-routing paths of `meta`).
+
+Axes: B batch, H heads, T length, M selected rows, d head dim (e value dim), N blocks,
+C packed rows per block, S key slots per block.
+
+Hard routing sends each token to one expert, so an expert must answer for a subset of the query
+rows while reading every key the causal rule allows. Each op here takes the whole key/value
+sequence k, v [B, H, T, d] but only the selected queries q_rows [B, H, M, d], with their
+positions `rows` [B, M] (ascending) and `valid` [B, M] (batch rows select different counts, so
+M is the largest count and the tail of a shorter row is padding). out_rows [B, H, M, e] equals
+the dense op's output at those positions; padding slots return zeros. Cost scales with M, not T:
+
+- `full_attention_rows`: causal rows are cut into chunks of `chunk` consecutive selected rows; a
+  chunk reads only the keys up to its last row (SDPA with a bool mask), so M rows cost ≈ M·T/2
+  pairs, as their share of causal full attention.
+- `local_attention_rows`: the rows are packed block by block (C = the most rows any block
+  selected) and attend to their block's neighbour keys through `block_attention`:
+  N·C·S pairs instead of the dense op's T·S.
+- `linear_attention_rows`: the chunk states Σ φ(k) vᵀ still come from every position (that is the
+  running state a query needs); the per-row work — intra-chunk quadratic form and the read of the
+  prefix state — is done for the packed rows only.
+
+`select_rows(route)` turns a bool routing mask [B, T] into (rows, valid). The `*_reference`
+twins score each selected row against every key with an explicit mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from routeformer.ops._checks import check_positive
+from routeformer.ops.block_attention import block_attention
+from routeformer.ops.flops import dense_attention_flops, matmul_flops
+from routeformer.ops.full import masked_attention_reference, sdpa_allowed
+from routeformer.ops.linear import DEFAULT_EPS, feature_map
+from routeformer.ops.local import _block_span, _in_window, _neighbour_blocks, default_block
+
+# Position given to an empty packed slot: outside every window, so the slot reads nothing.
+_EMPTY_POSITION = -(1 << 40)
+
+
+def select_rows(route: Tensor) -> tuple[Tensor, Tensor]:
+    """bool [B, T] -> (rows long [B, M], valid bool [B, M]): the routed positions of each batch row
+    in ascending order, M = the largest count; padding slots hold position 0 and valid False."""
+    if route.dim() != 2 or route.dtype != torch.bool:
+        raise ValueError(f"route must be a bool tensor [B, T]; got {route.dtype} {tuple(route.shape)}")
+    counts = route.sum(dim=1)
+    most = int(counts.max()) if route.numel() else 0
+    # A stable sort of "not routed" puts the routed positions first, in their original order.
+    order = torch.sort((~route).to(torch.uint8), dim=1, stable=True).indices[:, :most]
+    valid = torch.arange(most, device=route.device)[None, :] < counts[:, None]
+    return order.masked_fill(~valid, 0), valid
+
+
+def _check_rows(q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, mask: Tensor | None) -> None:
+    if q_rows.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q_rows, k, v must have shape [B, H, M or T, d]")
+    if q_rows.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q_rows.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q_rows, k, v do not fit together: {tuple(q_rows.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    expected = (q_rows.shape[0], q_rows.shape[2])
+    if rows.shape != expected or valid.shape != expected:
+        raise ValueError(f"rows and valid must have shape [B, M] = {expected}; got "
+                         f"{tuple(rows.shape)} and {tuple(valid.shape)}")
+    if mask is not None and mask.shape != (k.shape[0], k.shape[2]):
+        raise ValueError(f"mask must have shape [B, T] = {(k.shape[0], k.shape[2])}; got {tuple(mask.shape)}")
+
+
+# -- full ---------------------------------------------------------------------------------------
+def full_attention_rows(
+    q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, *, mask: Tensor | None = None,
+    causal: bool = True, scale: float | None = None, chunk: int = 256,
+) -> tuple[Tensor, int]:
+    """Softmax attention of the selected rows over their allowed keys -> (out_rows, executed FLOPs)."""
+    _check_rows(q_rows, k, v, rows, valid, mask)
+    check_positive("chunk", chunk)
+    batch, heads, count, dim = q_rows.shape
+    length, value_dim = k.shape[2], v.shape[-1]
+    key_positions = torch.arange(length, device=k.device)
+    if not causal:
+        allowed = valid[:, None, :, None] & (
+            torch.ones(1, 1, 1, length, dtype=torch.bool, device=k.device) if mask is None
+            else mask[:, None, None, :])
+        out = sdpa_allowed(q_rows, k, v, allowed, scale)
+        return out, batch * heads * dense_attention_flops(count * length, dim, value_dim)
+    parts, flops = [], 0
+    last_rows = rows.masked_fill(~valid, 0)
+    for start in range(0, count, chunk):
+        chunk_rows = last_rows[:, start:start + chunk]
+        limit = int(chunk_rows.max()) + 1  # the chunk's last row: no key after it is read
+        allowed = (key_positions[None, None, :limit] <= chunk_rows[:, :, None]) & valid[:, start:start + chunk, None]
+        if mask is not None:
+            allowed = allowed & mask[:, None, :limit]
+        parts.append(sdpa_allowed(q_rows[:, :, start:start + chunk], k[:, :, :limit], v[:, :, :limit],
+                                  allowed[:, None], scale))
+        flops += batch * heads * dense_attention_flops(chunk_rows.shape[1] * limit, dim, value_dim)
+    return torch.cat(parts, dim=2), flops
+
+
+# -- packing rows by block (local and linear) ---------------------------------------------------
+@dataclass
+class _Packing:
+    slots: Tensor  # long [B, M]: flat index of each row in the packed [N·C] layout (N·C = discard)
+    positions: Tensor  # long [B, N, C]: the position held by each packed slot (_EMPTY_POSITION if none)
+    blocks: int  # N
+    per_block: int  # C
+
+    def pack(self, x_rows: Tensor) -> Tensor:
+        """[B, H, M, e] -> [B, H, N, C, e]; empty slots hold zeros."""
+        batch, heads, _, width = x_rows.shape
+        index = self.slots[:, None, :, None].expand(batch, heads, -1, width)
+        packed = x_rows.new_zeros(batch, heads, self.blocks * self.per_block + 1, width)
+        packed = packed.scatter(2, index, x_rows)
+        return packed[:, :, :-1].unflatten(2, (self.blocks, self.per_block))
+
+    def unpack(self, x_packed: Tensor) -> Tensor:
+        """[B, H, N, C, e] -> [B, H, M, e]; padding rows get zeros."""
+        batch, heads = x_packed.shape[:2]
+        flat = F.pad(x_packed.flatten(2, 3), (0, 0, 0, 1))  # the discard slot reads zeros
+        index = self.slots[:, None, :, None].expand(batch, heads, -1, flat.shape[-1])
+        return flat.gather(2, index)
+
+
+def _pack_by_block(rows: Tensor, valid: Tensor, block: int, blocks: int) -> _Packing:
+    batch, count = rows.shape
+    block_of = torch.where(valid, rows // block, 0)
+    counts = torch.zeros(batch, blocks, dtype=torch.long, device=rows.device)
+    counts.scatter_add_(1, block_of, valid.long())
+    per_block = max(1, int(counts.max()) if counts.numel() else 1)
+    # Rows are ascending, so block n's rows sit at consecutive slots after those of blocks < n.
+    first = counts.cumsum(1) - counts
+    rank = torch.arange(count, device=rows.device)[None, :] - first.gather(1, block_of)
+    slots = torch.where(valid, block_of * per_block + rank, blocks * per_block)
+    positions = torch.full((batch, blocks * per_block + 1), _EMPTY_POSITION, dtype=torch.long, device=rows.device)
+    positions = positions.scatter(1, slots, torch.where(valid, rows, _EMPTY_POSITION))
+    return _Packing(slots, positions[:, :-1].view(batch, blocks, per_block), blocks, per_block)
+
+
+def _pad_to_blocks(x: Tensor, block: int) -> Tensor:
+    pad = -x.shape[2] % block
+    return F.pad(x, (0, 0, 0, pad)) if pad else x
+
+
+# -- local --------------------------------------------------------------------------------------
+def local_attention_rows(
+    q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, *, window: int,
+    mask: Tensor | None = None, causal: bool = True, scale: float | None = None, block: int | None = None,
+) -> tuple[Tensor, int]:
+    """Sliding-window attention ([i − window + 1, i] causal, [i − window, i + window] otherwise) of
+    the selected rows -> (out_rows, executed FLOPs)."""
+    _check_rows(q_rows, k, v, rows, valid, mask)
+    check_positive("window", window)
+    block = default_block(window) if block is None else block
+    check_positive("block", block)
+    batch, heads, _, dim = q_rows.shape
+    length = k.shape[2]
+    blocks = -(-length // block)
+    span = _block_span(window, block)
+    packing = _pack_by_block(rows, valid, block, blocks)
+    key_valid = torch.ones(batch, length, dtype=torch.bool, device=k.device) if mask is None else mask
+    key_valid = F.pad(key_valid, (0, blocks * block - length), value=False)
+    key_valid = _neighbour_blocks(key_valid, block, span, causal, fill=False)  # [B, N, S]
+    keys, values = (_neighbour_blocks(_pad_to_blocks(t, block), block, span, causal) for t in (k, v))
+    slots = keys.shape[3]
+    key_positions = (torch.arange(blocks, device=k.device)[:, None] - span) * block + torch.arange(
+        slots, device=k.device)[None, :]  # [N, S]
+    offsets = key_positions[None, :, None, :] - packing.positions[:, :, :, None]  # [B, N, C, S]
+    allowed = _in_window(offsets, window, causal) & key_valid[:, :, None, :]
+    out = block_attention(packing.pack(q_rows), keys, values, allowed[:, None], scale)
+    flops = batch * heads * dense_attention_flops(blocks * packing.per_block * slots, dim, v.shape[-1])
+    return packing.unpack(out), flops
+
+
+# -- linear -------------------------------------------------------------------------------------
+def linear_attention_rows(
+    q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, *, mask: Tensor | None = None,
+    causal: bool = True, chunk: int = 64, eps: float = DEFAULT_EPS,
+) -> tuple[Tensor, int]:
+    """Linear attention (elu + 1 features) of the selected rows -> (out_rows, executed FLOPs)."""
+    _check_rows(q_rows, k, v, rows, valid, mask)
+    check_positive("chunk", chunk)
+    batch, heads, count, dim = q_rows.shape
+    length, value_dim = k.shape[2], v.shape[-1]
+    phi_q, phi_k = feature_map(q_rows), feature_map(k)
+    if mask is not None:
+        phi_k = phi_k * mask[:, None, :, None].to(phi_k.dtype)
+    if not causal:
+        state = phi_k.transpose(-1, -2) @ v
+        normaliser = phi_k.sum(dim=2, keepdim=True)
+        out = (phi_q @ state) / ((phi_q * normaliser).sum(-1, keepdim=True) + eps)
+        flops = matmul_flops(dim, length, value_dim) + matmul_flops(count, dim, value_dim) + 2 * count * dim
+        return out * valid[:, None, :, None].to(out.dtype), batch * heads * flops
+    chunks = -(-length // chunk)
+    packing = _pack_by_block(rows, valid, chunk, chunks)
+    phi_k = _pad_to_blocks(phi_k, chunk).unflatten(2, (chunks, chunk))  # [B, H, N, c, d]
+    values = _pad_to_blocks(v, chunk).unflatten(2, (chunks, chunk))
+    packed_q = packing.pack(phi_q)  # [B, H, N, C, d]; empty slots are zero, so they read nothing
+    # Within the row's chunk: keys at or before it (float mask: multiply, no masked_fill).
+    key_positions = torch.arange(chunks * chunk, device=k.device).view(chunks, chunk)
+    causal_mask = (key_positions[None, :, None, :] <= packing.positions[:, :, :, None]).to(phi_q.dtype)
+    scores = (packed_q @ phi_k.transpose(-1, -2)) * causal_mask[:, None]
+    numerator = scores @ values
+    denominator = scores.sum(dim=-1, keepdim=True)
+    # Before the chunk: the exclusive prefix of chunk states, from every position (fp32 prefix sum).
+    chunk_states = (phi_k.transpose(-1, -2) @ values).float()
+    chunk_norms = phi_k.sum(dim=3).float()
+    prior_states = (chunk_states.cumsum(dim=2) - chunk_states).to(v.dtype)
+    prior_norms = (chunk_norms.cumsum(dim=2) - chunk_norms).to(v.dtype)
+    numerator = numerator + packed_q @ prior_states
+    denominator = denominator + (packed_q * prior_norms[:, :, :, None, :]).sum(-1, keepdim=True)
+    out = packing.unpack(numerator / (denominator + eps))
+    per_block = packing.per_block
+    flops = (chunks * (matmul_flops(per_block, dim, chunk) + matmul_flops(per_block, chunk, value_dim))
+             + chunks * matmul_flops(dim, chunk, value_dim)
+             + chunks * (matmul_flops(per_block, dim, value_dim) + 2 * per_block * dim))
+    return out, batch * heads * flops
+
+
+# -- references ---------------------------------------------------------------------------------
+def _row_allowed(rows: Tensor, valid: Tensor, length: int, mask: Tensor | None, rule) -> Tensor:
+    """Bool [B, 1, M, T]: key j is allowed for selected row m by `rule(offset = j − row)`."""
+    offsets = torch.arange(length, device=rows.device)[None, None, :] - rows[:, :, None]
+    allowed = rule(offsets) & valid[:, :, None]
+    if mask is not None:
+        allowed = allowed & mask[:, None, :]
+    return allowed[:, None]
+
+
+def full_attention_rows_reference(
+    q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, *, mask: Tensor | None = None,
+    causal: bool = True, scale: float | None = None,
+) -> Tensor:
+    _check_rows(q_rows, k, v, rows, valid, mask)
+    rule = (lambda offset: offset <= 0) if causal else (lambda offset: torch.ones_like(offset, dtype=torch.bool))
+    return masked_attention_reference(q_rows, k, v, _row_allowed(rows, valid, k.shape[2], mask, rule), scale)
+
+
+def local_attention_rows_reference(
+    q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, *, window: int,
+    mask: Tensor | None = None, causal: bool = True, scale: float | None = None,
+) -> Tensor:
+    _check_rows(q_rows, k, v, rows, valid, mask)
+    allowed = _row_allowed(rows, valid, k.shape[2], mask, lambda offset: _in_window(offset, window, causal))
+    return masked_attention_reference(q_rows, k, v, allowed, scale)
+
+
+def linear_attention_rows_reference(
+    q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, *, mask: Tensor | None = None,
+    causal: bool = True, eps: float = DEFAULT_EPS,
+) -> Tensor:
+    _check_rows(q_rows, k, v, rows, valid, mask)
+    rule = (lambda offset: offset <= 0) if causal else (lambda offset: torch.ones_like(offset, dtype=torch.bool))
+    allowed = _row_allowed(rows, valid, k.shape[2], mask, rule)
+    weights = (feature_map(q_rows) @ feature_map(k).transpose(-1, -2)) * allowed.to(q_rows.dtype)
+    return (weights @ v) / (weights.sum(dim=-1, keepdim=True) + eps)
