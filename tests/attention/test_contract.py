@@ -13,6 +13,7 @@ SMALL_OPTIONS = {
     # dense_below=0: the gathered path (the dense short-sequence path is checked against it)
     "topk": {"topk": 3, "block": 4, "local_window": 1, "dense_below": 0},
     "expanding": {"block": 4, "prior_beta": 3.0},
+    "meta": {"window": 5, "linear_chunk": 4, "full_chunk": 4},
 }
 
 

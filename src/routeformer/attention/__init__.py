@@ -6,6 +6,7 @@ from routeformer.attention.full import FullAttention
 from routeformer.attention.gated import GatedAttention
 from routeformer.attention.linear import LinearAttention
 from routeformer.attention.local import LocalAttention
+from routeformer.attention.meta import MetaAttention
 from routeformer.attention.multihop import MultihopAttention
 from routeformer.attention.registry import (
     attention_options,
@@ -23,6 +24,7 @@ __all__ = [
     "GatedAttention",
     "LinearAttention",
     "LocalAttention",
+    "MetaAttention",
     "MultihopAttention",
     "TopKAttention",
     "attention_options",

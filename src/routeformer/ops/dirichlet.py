@@ -56,7 +56,8 @@ def normalised_certainty(concentration: Tensor) -> Tensor:
     """1 − exp(U − U_max) ∈ [0, 1): one minus the share of the simplex the posterior effectively
     covers (exp of an entropy is an effective volume). 0 for the uniform Dirichlet, → 1 as U → −∞."""
     categories = concentration.shape[-1]
-    return 1.0 - torch.exp(dirichlet_entropy(concentration) - max_dirichlet_entropy(categories)).clamp(max=1.0)
+    excess = dirichlet_entropy(concentration) - max_dirichlet_entropy(categories)
+    return 1.0 - torch.exp(excess).clamp(max=1.0)
 
 
 def categorical_entropy(probabilities: Tensor) -> Tensor:

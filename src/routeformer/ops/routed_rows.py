@@ -56,7 +56,9 @@ def select_rows(route: Tensor) -> tuple[Tensor, Tensor]:
     return order.masked_fill(~valid, 0), valid
 
 
-def _check_rows(q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, mask: Tensor | None) -> None:
+def _check_rows(
+    q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, mask: Tensor | None
+) -> None:
     if q_rows.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q_rows, k, v must have shape [B, H, M or T, d]")
     if q_rows.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q_rows.shape[-1] != k.shape[-1]:
@@ -93,7 +95,8 @@ def full_attention_rows(
     for start in range(0, count, chunk):
         chunk_rows = last_rows[:, start:start + chunk]
         limit = int(chunk_rows.max()) + 1  # the chunk's last row: no key after it is read
-        allowed = (key_positions[None, None, :limit] <= chunk_rows[:, :, None]) & valid[:, start:start + chunk, None]
+        allowed = key_positions[None, None, :limit] <= chunk_rows[:, :, None]
+        allowed = allowed & valid[:, start:start + chunk, None]
         if mask is not None:
             allowed = allowed & mask[:, None, :limit]
         parts.append(sdpa_allowed(q_rows[:, :, start:start + chunk], k[:, :, :limit], v[:, :, :limit],
@@ -136,7 +139,8 @@ def _pack_by_block(rows: Tensor, valid: Tensor, block: int, blocks: int) -> _Pac
     first = counts.cumsum(1) - counts
     rank = torch.arange(count, device=rows.device)[None, :] - first.gather(1, block_of)
     slots = torch.where(valid, block_of * per_block + rank, blocks * per_block)
-    positions = torch.full((batch, blocks * per_block + 1), _EMPTY_POSITION, dtype=torch.long, device=rows.device)
+    positions = torch.full((batch, blocks * per_block + 1), _EMPTY_POSITION, dtype=torch.long,
+                           device=rows.device)
     positions = positions.scatter(1, slots, torch.where(valid, rows, _EMPTY_POSITION))
     return _Packing(slots, positions[:, :-1].view(batch, blocks, per_block), blocks, per_block)
 
@@ -222,6 +226,14 @@ def linear_attention_rows(
 
 
 # -- references ---------------------------------------------------------------------------------
+def _causal_rule(offset: Tensor) -> Tensor:
+    return offset <= 0
+
+
+def _any_key(offset: Tensor) -> Tensor:
+    return torch.ones_like(offset, dtype=torch.bool)
+
+
 def _row_allowed(rows: Tensor, valid: Tensor, length: int, mask: Tensor | None, rule) -> Tensor:
     """Bool [B, 1, M, T]: key j is allowed for selected row m by `rule(offset = j − row)`."""
     offsets = torch.arange(length, device=rows.device)[None, None, :] - rows[:, :, None]
@@ -236,7 +248,7 @@ def full_attention_rows_reference(
     causal: bool = True, scale: float | None = None,
 ) -> Tensor:
     _check_rows(q_rows, k, v, rows, valid, mask)
-    rule = (lambda offset: offset <= 0) if causal else (lambda offset: torch.ones_like(offset, dtype=torch.bool))
+    rule = _causal_rule if causal else _any_key
     return masked_attention_reference(q_rows, k, v, _row_allowed(rows, valid, k.shape[2], mask, rule), scale)
 
 
@@ -254,7 +266,7 @@ def linear_attention_rows_reference(
     causal: bool = True, eps: float = DEFAULT_EPS,
 ) -> Tensor:
     _check_rows(q_rows, k, v, rows, valid, mask)
-    rule = (lambda offset: offset <= 0) if causal else (lambda offset: torch.ones_like(offset, dtype=torch.bool))
+    rule = _causal_rule if causal else _any_key
     allowed = _row_allowed(rows, valid, k.shape[2], mask, rule)
     weights = (feature_map(q_rows) @ feature_map(k).transpose(-1, -2)) * allowed.to(q_rows.dtype)
     return (weights @ v) / (weights.sum(dim=-1, keepdim=True) + eps)

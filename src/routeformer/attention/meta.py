@@ -1,0 +1,281 @@
+"""`meta`: Meta-Attention — Bayesian per-token routing among full, linear and local attention
+(Ferrari, "Meta-Attention: Bayesian Per-Token Routing for Efficient Transformer Inference").
+
+Three experts, each with its own Q/K/V and output projections (`share_qkv=True` shares Q/K/V):
+E1 full softmax (cost c₁ = 1.0), E2 linear attention with elu + 1 features (c₂ = 0.15), E3 sliding
+window of `window` tokens (c₃ = 0.30). A `BayesianRouter` gives each token a Dirichlet posterior
+Dir(β̂_t) over the experts (see meta_router.py).
+
+Soft routing (Eq. 7): out_t = Σ_i α_t,i E_i(x)_t, with α_t ~ Dir(β̂_t) (reparameterised,
+`Dirichlet.rsample`) in training and the posterior mean ᾱ_t at evaluation. Every expert runs on
+every token.
+
+Loss: aux_loss = elbo_weight · mean_t KL[Dir(β̂_t) ‖ Dir(β)] (Eq. 9, over real tokens), added to the
+task loss. The preprint's Eq. 2/8 *subtract* it; that sign rewards moving away from the prior, so
+this is the ELBO penalty (+), as the ELBO itself prescribes.
+
+Hard routing (the preprint's Phase 3, made real): a token whose normalised certainty is ≥ η runs
+only its argmax expert argmax_i ᾱ_t,i; the others stay soft. Each expert computes only the query
+rows routed to it (ops/routed_rows.py) while reading keys/values — and, for linear attention, the
+running state — from every position the causal rule allows. A hard token's weight is
+1 + α_i − stop_gradient(α_i) on the selected expert (value 1, gradient into the controller).
+Certainty, `gate`:
+- "mean_entropy" (default): 1 − H(ᾱ_t) / ln K, the normalised entropy of the routing weights. It
+  is 0 for uniform weights and 1 for a one-hot choice, and asks exactly "which expert?".
+- "dirichlet_entropy": 1 − exp(U_t − U_max), U_t the Dirichlet's differential entropy (Eq. 6) and
+  U_max = −ln Γ(K) its maximum (the uniform Dirichlet). U_t is unbounded below; this maps it to
+  [0, 1). Caution: concentrations below 1 put the mass on the simplex's corners, which lowers U_t
+  even when the mean is uniform, so this gate can be confident about *sparsity* but not about the
+  choice.
+η: `eval_eta` at evaluation; in training, linear from `train_eta_start` to `train_eta` over
+`eta_anneal_steps` training calls (counted by the `routing_step` buffer, which is checkpointed).
+None disables hard routing.
+
+stats: weight_{full,linear,local} (mean ᾱ), routing_entropy_pct (mean H(ᾱ_t)/ln K, %),
+mean_weight_entropy (H of the average ᾱ, nats — the paper's Table 2 quantity), uncertainty (mean
+U_t), kl (mean KL), projected_cost (mean Σ ᾱ_i c_i), hard_fraction, rows_{expert} (share of tokens
+each expert computed), flops (attention FLOPs executed) and flops_vs_full (that over the full
+expert alone on every token), eta.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from routeformer.attention.base import AttentionLayer, AttentionOutput
+from routeformer.attention.meta_router import PRIOR_KINDS, BayesianRouter
+from routeformer.attention.registry import register_attention
+from routeformer.ops._checks import check_positive
+from routeformer.ops.dirichlet import (
+    categorical_entropy,
+    dirichlet_entropy,
+    dirichlet_kl,
+    normalised_certainty,
+)
+from routeformer.ops.full import full_attention, full_attention_flops
+from routeformer.ops.linear import linear_attention, linear_attention_flops
+from routeformer.ops.local import local_attention, local_attention_flops
+from routeformer.ops.rotary import apply_rotary, rotary_angles
+from routeformer.ops.routed_rows import (
+    full_attention_rows,
+    linear_attention_rows,
+    local_attention_rows,
+    select_rows,
+)
+
+EXPERTS = ("full", "linear", "local")
+GATES = ("mean_entropy", "dirichlet_entropy")
+
+
+def _check_eta(name: str, value: float | None) -> None:
+    if value is not None and not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1] (a certainty threshold) or None; got {value!r}")
+
+
+@register_attention("meta")
+class MetaAttention(AttentionLayer):
+    """Bayesian routing among full / linear / local experts; see the module docstring."""
+
+    def __init__(
+        self, dim: int, heads: int, causal: bool = True, *, window: int = 64,
+        costs: Sequence[float] = (1.0, 0.15, 0.30), beta0: float = 1.0, prior_eps: float = 0.01,
+        prior: str = "dirichlet", elbo_weight: float = 1.0, controller_hidden: int = 64,
+        share_qkv: bool = False, sample_routing: bool = True, gate: str = "mean_entropy",
+        eval_eta: float | None = None, train_eta: float | None = None, train_eta_start: float = 1.0,
+        eta_anneal_steps: int = 1000, position_scale: float | None = None, linear_chunk: int = 64,
+        full_chunk: int = 256, **common,
+    ) -> None:
+        super().__init__(dim, heads, causal, **common)
+        costs = tuple(float(c) for c in costs)
+        if len(costs) != len(EXPERTS):
+            raise ValueError(f"costs needs one value per expert {EXPERTS}; got {costs}")
+        if prior not in PRIOR_KINDS:
+            raise ValueError(f"prior must be one of {PRIOR_KINDS}; got {prior!r}")
+        if not elbo_weight >= 0:
+            raise ValueError(f"elbo_weight must be >= 0; got {elbo_weight!r}")
+        if prior == "none" and elbo_weight != 0:
+            raise ValueError("prior='none' is the prior-free ablation: it has no prior to stay close to, "
+                             f"so elbo_weight must be 0; got {elbo_weight!r}")
+        if gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}; got {gate!r}")
+        for name, value in (("eval_eta", eval_eta), ("train_eta", train_eta),
+                            ("train_eta_start", train_eta_start)):
+            _check_eta(name, value)
+        for name, value in (("window", window), ("controller_hidden", controller_hidden),
+                            ("linear_chunk", linear_chunk), ("full_chunk", full_chunk)):
+            check_positive(name, value)
+        if not isinstance(eta_anneal_steps, int) or eta_anneal_steps < 0:
+            raise ValueError(f"eta_anneal_steps must be an integer >= 0; got {eta_anneal_steps!r}")
+        self.window, self.costs, self.elbo_weight, self.gate = window, costs, float(elbo_weight), gate
+        self.sample_routing, self.share_qkv = sample_routing, share_qkv
+        self.eval_eta, self.train_eta, self.train_eta_start = eval_eta, train_eta, train_eta_start
+        self.eta_anneal_steps, self.linear_chunk, self.full_chunk = eta_anneal_steps, linear_chunk, full_chunk
+        self.router = BayesianRouter(dim, costs, beta0=beta0, eps=prior_eps, hidden=controller_hidden,
+                                     prior=prior, position_scale=position_scale)
+        inner, bias = self.heads * self.head_dim, self.qkv_proj.bias is not None
+        del self.qkv_proj, self.out_proj  # replaced by one set per expert
+        self.expert_qkv = nn.ModuleList(
+            nn.Linear(dim, 3 * inner, bias=bias) for _ in range(1 if share_qkv else len(EXPERTS)))
+        self.expert_out = nn.ModuleList(nn.Linear(inner, dim, bias=bias) for _ in EXPERTS)
+        self.register_buffer("routing_step", torch.zeros((), dtype=torch.long))
+
+    # -- routing ---------------------------------------------------------------------------
+    def current_eta(self) -> float | None:
+        """The certainty threshold in force: eval_eta, or the annealed training threshold."""
+        if not self.training:
+            return self.eval_eta
+        if self.train_eta is None:
+            return None
+        steps = self.eta_anneal_steps
+        progress = 1.0 if steps == 0 else min(1.0, int(self.routing_step) / steps)
+        return self.train_eta_start + (self.train_eta - self.train_eta_start) * progress
+
+    def certainty(self, concentration: Tensor) -> Tensor:
+        """Normalised certainty in [0, 1] per token (see `gate` in the module docstring)."""
+        if self.gate == "dirichlet_entropy":
+            return normalised_certainty(concentration)
+        mean = concentration / concentration.sum(-1, keepdim=True)
+        return 1.0 - categorical_entropy(mean) / math.log(len(EXPERTS))
+
+    # -- experts ---------------------------------------------------------------------------
+    def _split_heads(self, y: Tensor) -> Tensor:  # [B, L, H·d] -> [B, H, L, d]
+        return y.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
+
+    def _rotate(self, t: Tensor, positions: Tensor) -> Tensor:
+        if not self.rotary:
+            return t
+        cos, sin = rotary_angles(positions, self.head_dim, self.rotary_base)
+        return apply_rotary(t, cos, sin)
+
+    def _keys_values(self, index: int, x: Tensor, positions: Tensor, cache: dict) -> tuple[Tensor, Tensor]:
+        projection = self.expert_qkv[0 if self.share_qkv else index]
+        key = 0 if self.share_qkv else index
+        if key not in cache:
+            inner = self.heads * self.head_dim
+            bias = None if projection.bias is None else projection.bias[inner:]
+            k, v = F.linear(x, projection.weight[inner:], bias).chunk(2, dim=-1)
+            cache[key] = (self._rotate(self._split_heads(k), positions), self._split_heads(v))
+        return cache[key]
+
+    def _queries(self, index: int, x_rows: Tensor, row_positions: Tensor) -> Tensor:
+        projection = self.expert_qkv[0 if self.share_qkv else index]
+        inner = self.heads * self.head_dim
+        bias = None if projection.bias is None else projection.bias[:inner]
+        q = F.linear(x_rows, projection.weight[:inner], bias)
+        return self._rotate(self._split_heads(q), row_positions)
+
+    def _dense(self, index: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, int]:
+        batch, heads, length, dim = q.shape
+        if EXPERTS[index] == "full":
+            out = full_attention(q, k, v, mask=mask, causal=self.causal)
+            return out, full_attention_flops(batch, heads, length, length, dim, self.causal, mask is not None)
+        if EXPERTS[index] == "linear":
+            out = linear_attention(q, k, v, mask=mask, causal=self.causal, chunk=self.linear_chunk)
+            return out, linear_attention_flops(batch, heads, length, dim, dim, self.causal, self.linear_chunk)
+        out = local_attention(q, k, v, window=self.window, mask=mask, causal=self.causal)
+        return out, local_attention_flops(batch, heads, length, dim, self.window, self.causal)
+
+    def _rows(self, index: int, q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor,
+              mask: Tensor | None) -> tuple[Tensor, int]:
+        name = EXPERTS[index]
+        if name == "full":
+            return full_attention_rows(q_rows, k, v, rows, valid, mask=mask, causal=self.causal,
+                                       chunk=self.full_chunk)
+        if name == "linear":
+            return linear_attention_rows(q_rows, k, v, rows, valid, mask=mask, causal=self.causal,
+                                         chunk=self.linear_chunk)
+        return local_attention_rows(q_rows, k, v, rows, valid, window=self.window, mask=mask,
+                                    causal=self.causal)
+
+    def _expert(self, index: int, x: Tensor, positions: Tensor, mask: Tensor | None, route: Tensor | None,
+                weight: Tensor, cache: dict) -> tuple[Tensor, int, int]:
+        """weight_i · E_i(x) as [B, T, D] (zero off its rows), executed FLOPs, rows computed."""
+        k, v = self._keys_values(index, x, positions, cache)
+        if route is None or bool(route.all()):
+            q = self._queries(index, x, positions)
+            heads_out, flops = self._dense(index, q, k, v, mask)
+            y = self.expert_out[index](self.merge_heads(heads_out, x))
+            return weight[..., None] * y, flops, x.shape[0] * x.shape[1]
+        rows, valid = select_rows(route)
+        if rows.shape[1] == 0:
+            return x.new_zeros(x.shape), 0, 0
+        gather_index = rows[..., None].expand(-1, -1, x.shape[-1])
+        q_rows = self._queries(index, x.gather(1, gather_index), positions.gather(1, rows))
+        heads_out, flops = self._rows(index, q_rows, k, v, rows, valid, mask)
+        y = self.expert_out[index](self.merge_heads(heads_out, x))
+        row_weight = (weight.gather(1, rows) * valid.to(weight.dtype))[..., None]
+        return x.new_zeros(x.shape).scatter_add(1, gather_index, row_weight * y), flops, int(valid.sum())
+
+    # -- the contract ----------------------------------------------------------------------
+    def forward(
+        self, x: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None
+    ) -> AttentionOutput:
+        mask, positions = self.check_inputs(x, mask, positions)
+        concentration = self.router(x, positions)  # [B, T, K]
+        mean = concentration / concentration.sum(-1, keepdim=True)
+        if self.training and self.sample_routing:
+            weights = torch.distributions.Dirichlet(concentration).rsample()
+        else:
+            weights = mean
+        eta = self.current_eta()
+        if self.training:
+            self.routing_step += 1
+        routes: list[Tensor | None] = [None] * len(EXPERTS)
+        hard = None
+        if eta is not None:
+            hard = self.certainty(concentration) >= eta
+            choice = mean.argmax(-1)
+            one_hot = F.one_hot(choice, len(EXPERTS)).to(weights.dtype)
+            straight_through = one_hot * (1.0 + weights - weights.detach())
+            weights = torch.where(hard[..., None], straight_through, weights)
+            routes = [~hard | (choice == i) for i in range(len(EXPERTS))]
+
+        out, flops, cache, rows_computed = x.new_zeros(x.shape), 0, {}, []
+        for index in range(len(EXPERTS)):
+            contribution, expert_flops, computed = self._expert(
+                index, x, positions, mask, routes[index], weights[..., index], cache)
+            out = out + contribution
+            flops += expert_flops
+            rows_computed.append(computed)
+
+        kl = dirichlet_kl(concentration, self.router.prior.to(x.dtype))
+        real = None if mask is None else mask.to(x.dtype)
+        mean_kl = kl.mean() if real is None else (kl * real).sum() / real.sum().clamp_min(1.0)
+        aux_loss = self.elbo_weight * mean_kl if self.elbo_weight else x.new_zeros(())
+        stats = self._stats(concentration, mean, kl, hard, real, flops, rows_computed, eta, x)
+        return AttentionOutput(out=out, aux_loss=aux_loss, stats=stats)
+
+    @torch.no_grad()
+    def _stats(self, concentration, mean, kl, hard, real, flops, rows_computed, eta, x) -> dict[str, Tensor]:
+        def average(values: Tensor) -> Tensor:
+            return values.mean() if real is None else (values * real).sum() / real.sum().clamp_min(1.0)
+
+        batch, length, _ = x.shape
+        mean_weights = torch.stack([average(mean[..., i]) for i in range(len(EXPERTS))])
+        costs = torch.tensor(self.costs, dtype=mean.dtype, device=mean.device)
+        full_flops = full_attention_flops(batch, self.heads, length, length, self.head_dim, self.causal,
+                                          real is not None)
+        stats = {f"weight_{name}": mean_weights[i] for i, name in enumerate(EXPERTS)}
+        stats.update({
+            "routing_entropy_pct": 100.0 * average(categorical_entropy(mean)) / math.log(len(EXPERTS)),
+            "mean_weight_entropy": categorical_entropy(mean_weights),
+            "uncertainty": average(dirichlet_entropy(concentration)),
+            "kl": average(kl),
+            "projected_cost": average((mean * costs).sum(-1)),
+            "hard_fraction": average(hard.to(mean.dtype)) if hard is not None else mean.new_zeros(()),
+            "flops": torch.tensor(float(flops)),
+            "flops_vs_full": torch.tensor(flops / full_flops),
+            "eta": torch.tensor(float("nan") if eta is None else eta),
+        })
+        for name, computed in zip(EXPERTS, rows_computed, strict=True):
+            stats[f"rows_{name}"] = torch.tensor(computed / (batch * length))
+        return {key: value.detach() for key, value in stats.items()}
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + f", window={self.window}, costs={self.costs}, gate={self.gate}, "
+                f"eval_eta={self.eval_eta}, train_eta={self.train_eta}")

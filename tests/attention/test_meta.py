@@ -1,0 +1,213 @@
+"""Meta-Attention: the controller's closed forms, hard routing against its dense twin, savings."""
+
+import pytest
+import torch
+from torch.distributions import Dirichlet, kl_divergence
+
+from routeformer.attention import build_attention
+from routeformer.attention.meta import EXPERTS
+from routeformer.attention.meta_router import cost_prior
+from routeformer.ops.full import full_attention_reference
+from routeformer.ops.linear import linear_attention_reference
+from routeformer.ops.local import local_attention_reference
+
+DIM, HEADS, LENGTH = 32, 4, 23
+SMALL = {"window": 5, "linear_chunk": 4, "full_chunk": 4}
+
+
+def make(seed=0, **options):
+    torch.manual_seed(seed)
+    layer = build_attention("meta", dim=DIM, heads=HEADS, **{**SMALL, **options}).double()
+    # Spread the controller's outputs so that certainties differ from token to token.
+    torch.nn.init.normal_(layer.router.increments.weight, std=1.0)
+    return layer
+
+
+def tokens(seed=1, length=LENGTH):
+    return torch.randn(2, length, DIM, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def median_certainty(layer, x):
+    with torch.no_grad():
+        positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+        return float(layer.certainty(layer.router(x, positions)).median())
+
+
+def dense_twin(layer, x, eta, mask=None):
+    """Every expert on every token with the reference ops, then the hard/soft weights: the slow
+    specification of what the routed-rows path computes."""
+    positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+    concentration = layer.router(x, positions)
+    mean = concentration / concentration.sum(-1, keepdim=True)
+    weights = mean
+    if eta is not None:
+        hard = layer.certainty(concentration) >= eta
+        one_hot = torch.nn.functional.one_hot(mean.argmax(-1), 3).to(x.dtype)
+        weights = torch.where(hard[..., None], one_hot * (1 + mean - mean.detach()), mean)
+    out = 0
+    for index, name in enumerate(EXPERTS):
+        q = layer._queries(index, x, positions)
+        k, v = layer._keys_values(index, x, positions, {})
+        if name == "full":
+            heads_out = full_attention_reference(q, k, v, mask=mask, causal=layer.causal)
+        elif name == "linear":
+            heads_out = linear_attention_reference(q, k, v, mask=mask, causal=layer.causal)
+        else:
+            heads_out = local_attention_reference(q, k, v, window=layer.window, mask=mask,
+                                                  causal=layer.causal)
+        out = out + weights[..., index:index + 1] * layer.expert_out[index](layer.merge_heads(heads_out, x))
+    return out
+
+
+def test_prior_follows_equation_1_and_refuses_improper_concentrations():
+    torch.testing.assert_close(cost_prior((1.0, 0.15, 0.30), 1.0, 0.01), torch.tensor([0.01, 0.86, 0.71]))
+    with pytest.raises(ValueError, match="improper Dirichlet"):
+        build_attention("meta", dim=DIM, heads=HEADS, costs=(1.2, 0.15, 0.3))
+    with pytest.raises(ValueError, match="prior_eps must be > 0"):
+        build_attention("meta", dim=DIM, heads=HEADS, prior_eps=0.0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("rotary", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_hard_routing_matches_the_dense_twin(causal, rotary, masked):
+    layer = make(causal=causal, rotary=rotary).eval()
+    x = tokens().requires_grad_()
+    mask = None
+    if masked:
+        mask = torch.ones(2, LENGTH, dtype=torch.bool)
+        mask[1, 17:] = False
+    layer.eval_eta = median_certainty(layer, x)
+    result = layer(x, mask=mask)
+    assert 0.3 < result.stats["hard_fraction"] < 0.7, "the test needs both hard and soft tokens"
+    expected = dense_twin(layer, x, layer.eval_eta, mask)
+    real = torch.ones(2, LENGTH, 1, dtype=torch.bool) if mask is None else mask[..., None]
+    torch.testing.assert_close(result.out * real, expected * real, atol=1e-6, rtol=1e-6)
+    weights = torch.randn(result.out.shape, dtype=torch.float64) * real
+    parameters = [x, *layer.parameters()]
+    got = torch.autograd.grad((result.out * weights).sum(), parameters, allow_unused=True)
+    want = torch.autograd.grad((expected * weights).sum(), parameters, allow_unused=True)
+    for a, b in zip(got, want, strict=True):
+        if b is None:
+            assert a is None or a.abs().max() == 0
+        else:
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_soft_routing_is_the_posterior_mean_mixture():
+    layer = make().eval()
+    x = tokens()
+    torch.testing.assert_close(layer(x).out, dense_twin(layer, x, None), atol=1e-6, rtol=1e-6)
+
+
+def test_hard_routing_never_sees_the_future():
+    layer = make().eval()
+    gen = torch.Generator().manual_seed(5)
+    x = tokens()
+    layer.eval_eta = median_certainty(layer, x)
+    base = layer(x).out
+    for t in (1, 9, 16):
+        perturbed = x.clone()
+        perturbed[:, t:] = torch.randn(2, LENGTH - t, DIM, generator=gen, dtype=torch.float64) * 3
+        out = layer(perturbed).out
+        # 1e-6, not 0: the linear expert sums its state in fp32, so shapes that change with routing
+        # change the rounding (by ~1e-8), never more.
+        assert (out[:, :t] - base[:, :t]).abs().max() <= 1e-6, f"leak from t >= {t}"
+        assert not torch.allclose(out[:, t:], base[:, t:])
+
+
+def test_hard_routing_sends_gradient_to_the_controller_and_saves_flops():
+    layer = make(window=16, linear_chunk=16, full_chunk=64).train()
+    x = tokens(length=256)
+    soft = layer(x)
+    layer.train_eta, layer.eta_anneal_steps = 0.0, 0  # every token hard
+    hard = layer(x)
+    assert hard.stats["hard_fraction"] == 1.0
+    hard.out.pow(2).sum().backward()
+    gradient = layer.router.increments.weight.grad
+    assert gradient is not None and gradient.abs().sum() > 0
+    assert hard.stats["flops"] < 0.6 * soft.stats["flops"]
+    computed = sum(float(hard.stats[f"rows_{name}"]) for name in EXPERTS)
+    assert computed == pytest.approx(1.0), "each hard token runs exactly one expert"
+
+
+def test_training_samples_the_posterior_and_evaluation_uses_its_mean():
+    layer = make()
+    x = tokens()
+    layer.train()
+    assert not torch.allclose(layer(x).out, layer(x).out)
+    layer.eval()
+    torch.testing.assert_close(layer(x).out, layer(x).out)
+    layer.sample_routing = False
+    layer.train()
+    torch.testing.assert_close(layer(x).out, layer.eval()(x).out)
+
+
+def test_elbo_penalty_is_the_weighted_mean_kl():
+    layer = make(elbo_weight=0.5).eval()
+    x = tokens()
+    result = layer(x)
+    positions = torch.arange(LENGTH).expand(2, -1)
+    concentration = layer.router(x, positions)
+    prior = torch.tensor([0.01, 0.86, 0.71], dtype=torch.float64).expand_as(concentration)
+    kl = kl_divergence(Dirichlet(concentration), Dirichlet(prior)).mean()
+    torch.testing.assert_close(result.aux_loss, 0.5 * kl)
+    assert result.aux_loss > 0, "a positive penalty: moving away from the prior costs"
+    torch.testing.assert_close(result.stats["kl"], kl.detach())
+
+
+def test_prior_free_ablation_has_no_prior_and_no_penalty():
+    layer = make(prior="none", elbo_weight=0.0).eval()
+    x = tokens()
+    assert layer(x).aux_loss == 0
+    positions = torch.arange(LENGTH).expand(2, -1)
+    increments = layer.router.increments(torch.nn.functional.gelu(layer.router.hidden(torch.cat([
+        layer.router.norm(x), x.norm(dim=-1, keepdim=True) / DIM ** 0.5,
+        (positions / (LENGTH - 1)).to(x.dtype)[..., None]], -1))))
+    torch.testing.assert_close(layer.router(x, positions), torch.nn.functional.softplus(increments) + 0.01)
+    with pytest.raises(ValueError, match="elbo_weight must be 0"):
+        build_attention("meta", dim=DIM, heads=HEADS, prior="none")
+
+
+def test_eta_anneals_over_training_calls_and_the_step_is_checkpointed():
+    layer = make(train_eta=0.2, train_eta_start=1.0, eta_anneal_steps=4, eval_eta=0.5).train()
+    x = tokens()
+    seen = []
+    for _ in range(6):
+        seen.append(layer.current_eta())
+        layer(x)
+    assert seen == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2, 0.2])
+    assert int(layer.state_dict()["routing_step"]) == 6
+    assert layer.eval().current_eta() == 0.5
+
+
+def test_share_qkv_uses_one_projection():
+    shared = make(share_qkv=True)
+    separate = make()
+    assert len(shared.expert_qkv) == 1 and len(separate.expert_qkv) == 3
+    assert sum(p.numel() for p in shared.parameters()) < sum(p.numel() for p in separate.parameters())
+    assert torch.isfinite(shared(tokens()).out).all()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"gate": "entropy"}, "gate must be one of"),
+    ({"eval_eta": 1.5}, "eval_eta must be in"),
+    ({"costs": (1.0, 0.2)}, "one value per expert"),
+    ({"prior": "flat"}, "prior must be one of"),
+    ({"elbo_weight": -1.0}, "elbo_weight must be >= 0"),
+    ({"eta_anneal_steps": -1}, "eta_anneal_steps"),
+    ({"window": 0}, "window must be a positive integer"),
+])
+def test_bad_options_raise_value_errors(options, message):
+    with pytest.raises(ValueError, match=message):
+        build_attention("meta", dim=DIM, heads=HEADS, **options)
+
+
+def test_dirichlet_gate_is_a_normalised_entropy():
+    layer = make(gate="dirichlet_entropy").eval()
+    positions = torch.arange(LENGTH).expand(2, -1)
+    concentration = layer.router(tokens(), positions)
+    certainty = layer.certainty(concentration)
+    entropy = Dirichlet(concentration).entropy()
+    torch.testing.assert_close(certainty, 1 - torch.exp(entropy - (-torch.tensor(2.0).log().double())))
+    assert ((certainty >= 0) & (certainty <= 1)).all()  # 1 is reached only by exp underflow

@@ -1,0 +1,116 @@
+"""The experts at selected query rows equal their dense-mask references, forward and backward."""
+
+import pytest
+import torch
+
+from routeformer.ops.full import full_attention
+from routeformer.ops.linear import linear_attention
+from routeformer.ops.local import local_attention
+from routeformer.ops.routed_rows import (
+    full_attention_rows,
+    full_attention_rows_reference,
+    linear_attention_rows,
+    linear_attention_rows_reference,
+    local_attention_rows,
+    local_attention_rows_reference,
+    select_rows,
+)
+
+B, H, D = 2, 3, 8
+
+
+def gather_rows(x, rows):
+    return x.gather(2, rows[:, None, :, None].expand(x.shape[0], x.shape[1], -1, x.shape[-1]))
+
+
+def inputs(length, seed, routed=(0.4, 0.8), masked=False):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, length, D, generator=gen, dtype=torch.float64) for _ in range(3))
+    route = torch.rand(B, length, generator=gen) < torch.tensor(routed, dtype=torch.float64)[:, None]
+    mask = torch.rand(B, length, generator=gen) < 0.85 if masked else None
+    rows, valid = select_rows(route)
+    return q, k, v, rows, valid, mask
+
+
+CASES = {
+    "full": (full_attention_rows, full_attention_rows_reference, {"chunk": 5}, {}),
+    "local": (local_attention_rows, local_attention_rows_reference, {"window": 6, "block": 4}, {"window": 6}),
+    "linear": (linear_attention_rows, linear_attention_rows_reference, {"chunk": 5}, {}),
+}
+
+
+def test_select_rows_lists_routed_positions_in_order():
+    route = torch.tensor([[True, False, True, True], [False, False, True, False]])
+    rows, valid = select_rows(route)
+    assert rows.tolist() == [[0, 2, 3], [2, 0, 0]]
+    assert valid.tolist() == [[True, True, True], [True, False, False]]
+    with pytest.raises(ValueError, match="route must be a bool"):
+        select_rows(route.long())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("length", [1, 13, 37])
+def test_rows_match_reference_forward_and_backward(name, causal, masked, length):
+    fast, reference, fast_options, reference_options = CASES[name]
+    q, k, v, rows, valid, mask = inputs(length, seed=length, masked=masked)
+    q_rows = gather_rows(q, rows).requires_grad_()
+    k.requires_grad_()
+    v.requires_grad_()
+    out, flops = fast(q_rows, k, v, rows, valid, mask=mask, causal=causal, **fast_options)
+    expected = reference(q_rows, k, v, rows, valid, mask=mask, causal=causal, **reference_options)
+    real = valid[:, None, :, None]
+    # The linear op's prefix sum runs in fp32 by design, hence its looser tolerance.
+    tolerance = 1e-6 if name == "linear" else 1e-10
+    torch.testing.assert_close(out * real, expected * real, atol=tolerance, rtol=tolerance)
+    assert (out * ~real).abs().max() == 0, "padding slots must return zeros"
+    assert flops > 0
+    weights = torch.randn(out.shape, dtype=out.dtype) * real
+    grads = torch.autograd.grad((out * weights).sum(), (q_rows, k, v))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (q_rows, k, v))
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5 if name == "linear" else 1e-9, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_rows_equal_the_dense_ops_at_the_selected_positions(causal):
+    """The reference itself is pinned to the dense experts: every row selected = the dense op."""
+    length = 29
+    q, k, v, _, _, _ = inputs(length, seed=3)
+    rows, valid = select_rows(torch.ones(B, length, dtype=torch.bool))
+    dense = {
+        "full": full_attention(q, k, v, causal=causal),
+        "local": local_attention(q, k, v, window=6, causal=causal),
+        "linear": linear_attention(q, k, v, causal=causal),
+    }
+    for name, (fast, _, options, _) in CASES.items():
+        out, _ = fast(q, k, v, rows, valid, causal=causal, **options)
+        torch.testing.assert_close(out, dense[name], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_rows_cost_less_than_the_dense_op(name):
+    """Executed FLOPs fall with the share of rows selected (10% of 1024 rows here)."""
+    fast = CASES[name][0]
+    # Default blocks and chunks (64): rows are packed per block, which needs room for many rows.
+    options = {"window": 64} if name == "local" else {}
+    length = 1024
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, length, D, generator=gen) for _ in range(3))
+    few = torch.rand(1, length, generator=gen) < 0.1
+    every = torch.ones(1, length, dtype=torch.bool)
+    flops = {}
+    for label, route in (("few", few), ("every", every)):
+        rows, valid = select_rows(route)
+        _, flops[label] = fast(gather_rows(q, rows), k, v, rows, valid, causal=True, **options)
+    assert flops["few"] < 0.5 * flops["every"], flops
+
+
+def test_rows_reject_mismatched_shapes():
+    q, k, v, rows, valid, _ = inputs(9, seed=0)
+    with pytest.raises(ValueError, match="rows and valid"):
+        full_attention_rows(gather_rows(q, rows), k, v, rows[:, :1], valid, causal=True)
+    with pytest.raises(ValueError, match="mask must have shape"):
+        local_attention_rows(gather_rows(q, rows), k, v, rows, valid, window=3,
+                             mask=torch.ones(B, 4, dtype=torch.bool))
