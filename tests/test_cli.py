@@ -57,3 +57,19 @@ def test_bench_ops_writes_a_table(tmp_path, capsys):
     rows = json.loads(output.with_suffix(".json").read_text())["rows"]
     sdpa = next(r for r in rows if r["impl"] == "sdpa")
     assert sdpa["forward_speedup"] == 1.0
+
+
+def test_bench_meta_times_soft_and_hard_layers(tmp_path, capsys):
+    from routeformer.cli import main
+
+    output = tmp_path / "meta.md"
+    assert main(["bench", "meta", "--lengths", "128", "--repeats", "1", "--dim", "32", "--window", "16",
+                 "--output", str(output)]) == 0
+    import json
+
+    record = json.loads(output.with_suffix(".json").read_text())
+    assert [row["impl"] for row in record["rows"]] == ["full", "meta(soft)", "meta(hard 20/50/30)"]
+    hard = record["routing"][1]
+    assert hard["hard_fraction"] == 1.0
+    assert abs(hard["rows_full"] + hard["rows_linear"] + hard["rows_local"] - 1.0) < 1e-6
+    assert hard["flops_vs_full"] < record["routing"][0]["flops_vs_full"]

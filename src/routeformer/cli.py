@@ -4,7 +4,7 @@
     routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N]
     routeformer sample RUN_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
     routeformer list
-    routeformer bench ops|topk|structural [--lengths 1024 4096 16384] [--repeats 5] [--window 256]
+    routeformer bench ops|topk|structural|meta [--lengths 1024 4096 16384] [--repeats 5] [--window 256]
                       [--output FILE]
     routeformer reproduce NAME [--quick] [--out DIR]      (routeformer reproduce --list)
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -107,6 +108,8 @@ def command_bench(args: argparse.Namespace) -> int:
 
     settings = {"B": args.batch, "H": args.heads, "d": args.head_dim, "dtype": "fp32",
                 "causal": True, "window": args.window, "repeats": args.repeats}
+    if args.suite == "meta":
+        return _bench_meta(args, settings)
     print(TABLE_HEADER, flush=True)
     ops = None
     if args.suite == "topk":
@@ -145,6 +148,42 @@ def command_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_meta(args: argparse.Namespace, settings: dict) -> int:
+    from routeformer.bench.meta_bench import (
+        META_HEADER,
+        ROUTING_HEADER,
+        bench_meta,
+        format_routing_row,
+    )
+    from routeformer.bench.ops_bench import format_row
+    from routeformer.bench.timing import machine_description
+
+    settings.update(D=args.dim, layer="meta vs full (projections included)")
+    print(META_HEADER, flush=True)
+    rows, routing = bench_meta(args.lengths, dim=args.dim, heads=args.heads, window=args.window,
+                               batch=args.batch, repeats=args.repeats,
+                               progress=lambda line: print(line, flush=True))
+    routing_table = ROUTING_HEADER + "\n" + "\n".join(format_routing_row(r) for r in routing)
+    print("\n" + routing_table, flush=True)
+    if args.output:
+        import datetime
+
+        output = Path(args.output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+        output.write_text("\n".join([
+            "# meta layer benchmark", "", f"Measured {now} on {machine_description()}.",
+            f"Settings: {settings}. Command: `routeformer bench meta` with these settings. Medians of "
+            f"{args.repeats} alternating repetitions; speedup = full layer time / layer time in the same "
+            "process; peak MiB = extra resident memory of one call.", "",
+            META_HEADER, *[format_row(row) for row in rows], "", "What each layer executed:", "",
+            routing_table, ""]))
+        output.with_suffix(".json").write_text(json.dumps(
+            {"settings": settings, "rows": [asdict(row) for row in rows], "routing": routing}, indent=2))
+        print(f"wrote {output} and {output.with_suffix('.json')}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="routeformer", description="Routed attention for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -174,13 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("list", help="list the registered attention mechanisms and their options")
 
     bench = commands.add_parser("bench", help="speed and memory benchmarks")
-    bench.add_argument("suite", choices=["ops", "topk", "structural"])
+    bench.add_argument("suite", choices=["ops", "topk", "structural", "meta"])
     bench.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--window", type=int, default=256)
     bench.add_argument("--batch", type=int, default=1)
     bench.add_argument("--heads", type=int, default=4)
     bench.add_argument("--head-dim", type=int, default=64)
+    bench.add_argument("--dim", type=int, default=256, help="meta suite: model dim D")
     bench.add_argument("--topk", type=int, default=64, help="topk suite: keys per query")
     bench.add_argument("--routing-dim", type=int, default=16, help="topk suite: routing dim")
     bench.add_argument("--output", default=None, help="write a Markdown table (and JSON beside it)")

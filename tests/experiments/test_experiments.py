@@ -72,3 +72,33 @@ def test_structural_toy_runs_train_and_report():
     recency = run_recency_model("expanding", task, steps=2, seed=0)
     assert recency["final"]["flops_per_sequence"] > 0 and 1 <= recency["final"]["window_mean"] <= 32
     assert recency["learned_prior"]["alpha"] > 0 and recency["last_query"]["iterations_mean"] >= 1
+
+
+def test_meta_attention_experiments_are_registered_and_init_runs(tmp_path):
+    assert {"meta-attention-init", "meta-attention-ablation", "meta-attention-long"} <= set(list_experiments())
+    report = run_experiment("meta-attention-init", tmp_path, quick=True)
+    import json
+
+    records = json.loads((tmp_path / "result.json").read_text())["records"]
+    assert all(r["finite"] and r["mean_sum_max_error"] < 1e-5 for r in records)
+    small = [r for r in records if r["init"] == "gpt-0.02"]
+    # Small weights: δ ≈ ln 2 for every expert, so the weights are (β + ln 2) / Σ(β + ln 2).
+    assert abs(small[0]["weight_full"] - 0.192) < 0.005 and abs(small[0]["kl"] - 3.20) < 0.05
+    assert "0.209" in report.read_text()
+
+
+def test_meta_hard_evaluation_reports_each_threshold(tmp_path):
+    from routeformer.experiments.common import run_lm_variant
+    from routeformer.experiments.meta_attention import hard_evaluation
+
+    text = tmp_path / "tiny.txt"  # a small corpus keeps the final evaluation short
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    corpus = f"text:{text}"
+    record = run_lm_variant(tmp_path / "run", "meta", {"window": 4}, steps=2, corpus=corpus, seq_len=16,
+                            batch_size=4, log_stats=("kl", "projected_cost"),
+                            after_training=hard_evaluation(corpus, 16, 4, 256, etas=(0.0,)))
+    soft, hard = record["evaluations"]
+    assert soft["eta"] is None and soft["routing"]["hard_fraction"] == 0
+    assert hard["eta"] == 0.0 and hard["routing"]["hard_fraction"] == 1
+    assert hard["attention_flops_per_token"] < soft["attention_flops_per_token"]
+    assert [h["step"] for h in record["history"]] == [1, 2] and "attn_kl" in record["history"][0]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +24,14 @@ def log(text: str) -> None:
 
 def run_lm_variant(
     out_dir: Path, mechanism: str, options: dict, steps: int, corpus: str,
-    layer_stats: tuple[str, ...] = (),
+    layer_stats: tuple[str, ...] = (), *, seq_len: int = 512, batch_size: int = 16, seed: int = 0,
+    log_stats: tuple[str, ...] = (), after_training: Callable[[Any], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Train the char-LM of the LM experiments (2 layers, D=128, 4 heads, T=512, batch 16) with one
-    mechanism; resumes from out_dir's checkpoint. `layer_stats`: attention stats to average over
-    the layers on 4 validation sequences after training (e.g. expanding's `window_mean`)."""
+    """Train the char-LM of the LM experiments (2 layers, D=128, 4 heads; T=512 and batch 16 unless
+    told) with one mechanism; resumes from out_dir's checkpoint. `layer_stats`: attention stats to
+    average over the layers on 4 validation sequences after training (e.g. expanding's
+    `window_mean`); `log_stats`: attention stats logged during training (their history is returned);
+    `after_training(TrainResult)` adds its own entries to the record."""
     from routeformer.data.batches import sequential_batches
     from routeformer.data.corpora import load_corpus
     from routeformer.train.config import DataConfig, RunConfig, TrainConfig
@@ -34,24 +39,31 @@ def run_lm_variant(
 
     config = RunConfig(
         model=ModelConfig(dim=128, depth=2, heads=4, attention=mechanism,
-                          attention_options={mechanism: options} if options else {}, max_seq_len=512),
-        data=DataConfig(corpus=corpus, seq_len=512),
-        train=TrainConfig(steps=steps, batch_size=16, lr=3e-3, warmup_steps=min(100, steps // 5),
-                          eval_every=max(1, steps // 4), eval_tokens=32768, log_every=max(1, steps // 10),
-                          checkpoint_every=max(1, steps // 10)),
+                          attention_options={mechanism: options} if options else {},
+                          max_seq_len=seq_len),
+        data=DataConfig(corpus=corpus, seq_len=seq_len),
+        train=TrainConfig(steps=steps, batch_size=batch_size, lr=3e-3, warmup_steps=min(100, steps // 5),
+                          eval_every=max(1, steps // 4), eval_tokens=32768, log_every=max(1, steps // 20),
+                          checkpoint_every=max(1, steps // 10), seed=seed, log_stats=list(log_stats)),
         out_dir=str(out_dir),
     )
     result = train(config, quiet=True)  # resumes from out_dir/checkpoint.pt if interrupted
-    record = {"mechanism": mechanism, "options": options, "steps": steps, "final": result.final_eval,
-              "train_seconds": result.train_seconds}
+    record = {"mechanism": mechanism, "options": options, "steps": steps, "seed": seed,
+              "final": result.final_eval, "train_seconds": result.train_seconds}
+    if log_stats:
+        lines = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+        record["history"] = [{key: line[key] for key in line if key == "step" or key.startswith("attn_")}
+                             for line in lines if "loss" in line]
     if layer_stats:
         ids = result.vocab.encode(load_corpus(corpus).val)
-        inputs, _ = next(sequential_batches(ids, 4, 512))
+        inputs, _ = next(sequential_batches(ids, 4, seq_len))
         model = result.model.eval()
         with torch.no_grad():
             stats = model.backbone(inputs).stats
         record["layer_stats"] = {key: sum(float(layer[key]) for layer in stats) / len(stats)
                                  for key in layer_stats}
+    if after_training is not None:
+        record.update(after_training(result))
     return record
 
 

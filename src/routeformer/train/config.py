@@ -34,6 +34,8 @@ class TrainConfig:
     checkpoint_every: int = 100
     log_every: int = 50
     seed: int = 0
+    # Attention stats to log (averaged over the layers that report them), e.g. ["kl", "projected_cost"].
+    log_stats: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -170,6 +170,10 @@ def _after_update(
             "lr": rate,
             "grad_norm": float(grad_norm),
         }
+        for key in settings.log_stats:
+            values = [float(layer[key]) for layer in result.stats if key in layer]
+            if values:
+                record[f"attn_{key}"] = sum(values) / len(values)
     if step % settings.eval_every == 0:
         record = record or {"step": step}
         record.update({f"val_{k}": v for k, v in run_eval().items()})
