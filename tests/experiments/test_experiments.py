@@ -75,7 +75,8 @@ def test_structural_toy_runs_train_and_report():
 
 
 def test_meta_attention_experiments_are_registered_and_init_runs(tmp_path):
-    assert {"meta-attention-init", "meta-attention-ablation", "meta-attention-long"} <= set(list_experiments())
+    expected = {"meta-attention-init", "meta-attention-ablation", "meta-attention-long"}
+    assert expected <= set(list_experiments())
     report = run_experiment("meta-attention-init", tmp_path, quick=True)
     import json
 
