@@ -9,15 +9,16 @@ from routeformer.ops import block_attention, block_attention_reference
 block_module = importlib.import_module("routeformer.ops.block_attention")
 
 
+@pytest.mark.parametrize("attend", [block_attention, block_module.blockwise_sdpa])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 3e-5), (torch.float64, 1e-10)])
-def test_block_attention_matches_reference_with_masks_and_empty_rows(dtype, tol):
+def test_block_attention_matches_reference_with_masks_and_empty_rows(attend, dtype, tol):
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(2, 3, 5, 7, 8, generator=gen, dtype=dtype, requires_grad=True)
     k = torch.randn(2, 3, 5, 11, 8, generator=gen, dtype=dtype, requires_grad=True)
     v = torch.randn(2, 3, 5, 11, 6, generator=gen, dtype=dtype, requires_grad=True)
     allowed = torch.rand(2, 1, 5, 7, 11, generator=gen) > 0.5
     allowed[0, 0, 2, 3] = False  # one row with no allowed key
-    out = block_attention(q, k, v, allowed)
+    out = attend(q, k, v, allowed)
     ref = block_attention_reference(q, k, v, allowed)
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
     assert out[0, :, 2, 3].abs().max() == 0

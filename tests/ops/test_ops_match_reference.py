@@ -78,7 +78,9 @@ def test_fast_matches_reference_bf16(op_name, causal):
     assert out.dtype == torch.bfloat16
     assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
     for grad, ref_grad in zip(grads, ref_grads, strict=True):
-        assert relative_error(grad, ref_grad) < 5e-2
+        # A one-key window has exactly zero q/k gradients, where fused kernels leave ~1e-7 of noise.
+        tiny = (grad.float() - ref_grad).abs().max() < 1e-5
+        assert tiny or relative_error(grad, ref_grad) < 5e-2
 
 
 @pytest.mark.parametrize("op_name", list(OPS))

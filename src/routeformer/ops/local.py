@@ -5,8 +5,8 @@ Axes: B batch, H heads, T length, d head dim, N blocks, b block length.
 Causal: token i reads keys [i - window + 1, i]. Non-causal: keys [i - window, i + window].
 Fast path: cut the (internally padded) sequence into N query blocks of b tokens; every query block
 attends to its own block and the ceil(window / b) blocks before it (and, non-causal, after it),
-with a band mask, through `block_attention`. With b = window that is the block and its
-neighbour(s). Time and memory O(T·(window + b)·d).
+with a band mask, through `blockwise_sdpa` (SDPA's fused kernel, blocks folded into the batch).
+With b = window that is the block and its neighbour(s). Time and memory O(T·(window + b)·d).
 Reference: the dense T×T score matrix with the band mask.
 """
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops._checks import check_positive, check_qkv
-from routeformer.ops.block_attention import block_attention
+from routeformer.ops.block_attention import blockwise_sdpa
 from routeformer.ops.flops import dense_attention_flops
 from routeformer.ops.full import masked_attention_reference
 
@@ -88,7 +88,7 @@ def local_attention(
         valid = F.pad(valid, (0, pad), value=False)
     key_valid = _neighbour_blocks(valid, block, span, causal, fill=False)  # [B, N, slots]
     band = _band(window, block, span, causal, q.device)
-    out = block_attention(
+    out = blockwise_sdpa(
         q.reshape(batch, heads, blocks, block, -1),
         _neighbour_blocks(k, block, span, causal),
         _neighbour_blocks(v, block, span, causal),

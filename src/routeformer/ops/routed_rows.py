@@ -14,7 +14,7 @@ the dense op's output at those positions; padding slots return zeros. Cost scale
   chunk reads only the keys up to its last row (SDPA with a bool mask), so M rows cost ≈ M·T/2
   pairs, as their share of causal full attention.
 - `local_attention_rows`: the rows are packed block by block (C = the most rows any block
-  selected) and attend to their block's neighbour keys through `block_attention`:
+  selected) and attend to their block's neighbour keys through `blockwise_sdpa`:
   N·C·S pairs instead of the dense op's T·S.
 - `linear_attention_rows`: the chunk states Σ φ(k) vᵀ still come from every position (that is the
   running state a query needs); the per-row work — intra-chunk quadratic form and the read of the
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops._checks import check_positive
-from routeformer.ops.block_attention import block_attention
+from routeformer.ops.block_attention import blockwise_sdpa
 from routeformer.ops.flops import dense_attention_flops, matmul_flops
 from routeformer.ops.full import masked_attention_reference, sdpa_allowed
 from routeformer.ops.linear import DEFAULT_EPS, feature_map
@@ -175,7 +175,7 @@ def local_attention_rows(
         slots, device=k.device)[None, :]  # [N, S]
     offsets = key_positions[None, :, None, :] - packing.positions[:, :, :, None]  # [B, N, C, S]
     allowed = _in_window(offsets, window, causal) & key_valid[:, :, None, :]
-    out = block_attention(packing.pack(q_rows), keys, values, allowed[:, None], scale)
+    out = blockwise_sdpa(packing.pack(q_rows), keys, values, allowed[:, None], scale)
     flops = batch * heads * dense_attention_flops(blocks * packing.per_block * slots, dim, v.shape[-1])
     return packing.unpack(out), flops
 
