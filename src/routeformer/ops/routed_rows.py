@@ -91,18 +91,21 @@ def full_attention_rows(
         out = sdpa_allowed(q_rows, k, v, allowed, scale)
         return out, batch * heads * dense_attention_flops(count * length, dim, value_dim)
     parts, flops = [], 0
+    # Padding slots sit at position 0: they read key 0 only and are zeroed at the end.
     last_rows = rows.masked_fill(~valid, 0)
     for start in range(0, count, chunk):
         chunk_rows = last_rows[:, start:start + chunk]
         limit = int(chunk_rows.max()) + 1  # the chunk's last row: no key after it is read
-        allowed = key_positions[None, None, :limit] <= chunk_rows[:, :, None]
-        allowed = allowed & valid[:, start:start + chunk, None]
-        if mask is not None:
-            allowed = allowed & mask[:, None, :limit]
-        parts.append(sdpa_allowed(q_rows[:, :, start:start + chunk], k[:, :, :limit], v[:, :, :limit],
-                                  allowed[:, None], scale))
+        allowed = (key_positions[None, None, :limit] <= chunk_rows[:, :, None])[:, None]
+        chunk_q, chunk_k, chunk_v = q_rows[:, :, start:start + chunk], k[:, :, :limit], v[:, :, :limit]
+        if mask is None:  # every row reads at least key 0: no empty-row handling needed
+            parts.append(F.scaled_dot_product_attention(chunk_q, chunk_k, chunk_v, attn_mask=allowed,
+                                                        scale=scale))
+        else:
+            allowed = allowed & mask[:, None, None, :limit]
+            parts.append(sdpa_allowed(chunk_q, chunk_k, chunk_v, allowed, scale))
         flops += batch * heads * dense_attention_flops(chunk_rows.shape[1] * limit, dim, value_dim)
-    return torch.cat(parts, dim=2), flops
+    return torch.cat(parts, dim=2) * valid[:, None, :, None].to(q_rows.dtype), flops
 
 
 # -- packing rows by block (local and linear) ---------------------------------------------------
