@@ -103,3 +103,12 @@ def test_meta_hard_evaluation_reports_each_threshold(tmp_path):
     assert hard["eta"] == 0.0 and hard["routing"]["hard_fraction"] == 1
     assert hard["attention_flops_per_token"] < soft["attention_flops_per_token"]
     assert [h["step"] for h in record["history"]] == [1, 2] and "attn_kl" in record["history"][0]
+    from routeformer.experiments.meta_attention import routing_map
+
+    png = routing_map(tmp_path / "run", tmp_path / "map.png", characters=64, width=16)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # the `plots` extra is optional: no PNG, no error
+        assert png is None
+    else:
+        assert png is not None and png.stat().st_size > 1000
