@@ -265,9 +265,10 @@ def run_ablation(out_dir: Path, quick: bool) -> Path:
                          title=f"meta: {label} over training")
         if plot:
             plots.append(plot.name)
-    map_path = routing_map(out_dir / "train" / "bayesian-seed0", out_dir / "routing_map.png")
-    if map_path:
-        plots.append(map_path.name)
+    for name in ("bayesian", "prior-free"):
+        map_path = routing_map(out_dir / "train" / f"{name}-seed0", out_dir / f"routing_map_{name}.png")
+        if map_path:
+            plots.append(map_path.name)
 
     first_kl = {name: [r["history"][0] for r in runs[name]] for name in ("bayesian", "prior-free")}
     steps = runs["full"][0]["steps"]
@@ -302,8 +303,9 @@ def run_ablation(out_dir: Path, quick: bool) -> Path:
         "T=64 is in the FLOPs column above (at this length the linear and local experts are not cheaper "
         "than full attention per token; see meta-attention-long and `routeformer bench meta` for long "
         "T).", "",
-        "Routing map: routing_map.png colours each character of a test sample by its routing weights "
-        "(red = full, green = linear, blue = local), layer 1 and layer 2 of the Bayesian seed-0 model.", ""])
+        "Routing maps: routing_map_bayesian.png and routing_map_prior-free.png colour each character of a "
+        "test sample by its routing weights (red = full, green = linear, blue = local), layers 1 and 2 of "
+        "the seed-0 models.", ""])
     result = {"runs": runs, "paper": {"table3": PAPER_TABLE3, "table4": PAPER_TABLE4}, "plots": plots}
     return write_result(out_dir, result, markdown)
 
