@@ -144,3 +144,13 @@ def test_bad_input_raises_value_error(call, message):
     q = torch.randn(2, 2, 5, 8)
     with pytest.raises(ValueError, match=message):
         call(q)
+
+
+@pytest.mark.parametrize("chunks", [1, 5, 200])  # 200: past the matrix-product path, the cumsum one
+def test_exclusive_chunk_prefix_sums_the_chunks_before(chunks):
+    from routeformer.ops.linear import exclusive_chunk_prefix
+
+    states = torch.randn(2, 3, chunks, 4, 5, dtype=torch.float64)
+    expected = torch.stack([states[:, :, :n].sum(dim=2) for n in range(chunks)], dim=2)
+    # The prefix is summed in fp32 by design, hence fp32 tolerances on float64 input.
+    torch.testing.assert_close(exclusive_chunk_prefix(states), expected, atol=1e-5, rtol=1e-5)

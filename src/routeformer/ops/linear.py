@@ -73,16 +73,31 @@ def _causal_chunked(phi_q: Tensor, phi_k: Tensor, v: Tensor, chunk: int, eps: fl
     denominator = scores.sum(dim=-1, keepdim=True)
 
     # Across chunks: state of all chunks strictly before each chunk (exclusive prefix sum).
-    # The prefix sum runs in fp32 so a bf16 run does not lose the long-range state.
-    chunk_states = (phi_k.transpose(-1, -2) @ v).float()  # [B, H, N, d, e]
-    chunk_norms = phi_k.sum(dim=3).float()  # [B, H, N, d]
-    prior_states = (chunk_states.cumsum(dim=2) - chunk_states).to(v.dtype)
-    prior_norms = (chunk_norms.cumsum(dim=2) - chunk_norms).to(v.dtype)
+    prior_states = exclusive_chunk_prefix(phi_k.transpose(-1, -2) @ v)  # [B, H, N, d, e]
+    prior_norms = exclusive_chunk_prefix(phi_k.sum(dim=3))  # [B, H, N, d]
     numerator = numerator + phi_q @ prior_states
     denominator = denominator + (phi_q * prior_norms[:, :, :, None, :]).sum(dim=-1, keepdim=True)
 
     out = numerator / (denominator + eps)
     return out.reshape(batch, heads, chunks * chunk, value_dim)[:, :, :length]
+
+
+# Up to this many chunks the exclusive prefix sum is one matrix product (O(N²) but a single GEMM);
+# beyond it a cumsum (O(N)) wins. Measured on the 2-core CPU with d = e = 64: 2.7 vs 8 ms at N = 64,
+# 29 vs 19 ms at N = 256.
+_PREFIX_BY_MATMUL_UP_TO = 128
+
+
+def exclusive_chunk_prefix(per_chunk: Tensor) -> Tensor:
+    """[B, H, N, ...] -> for each chunk n, the sum over chunks < n, in fp32 so that a bf16 run does
+    not lose the long-range state."""
+    batch, heads, chunks = per_chunk.shape[:3]
+    flat = per_chunk.reshape(batch, heads, chunks, -1).float()
+    if chunks <= _PREFIX_BY_MATMUL_UP_TO:
+        prefix = torch.ones(chunks, chunks, device=per_chunk.device).tril(-1) @ flat
+    else:
+        prefix = flat.cumsum(dim=2) - flat
+    return prefix.view(per_chunk.shape).to(per_chunk.dtype)
 
 
 def linear_attention_reference(

@@ -36,7 +36,7 @@ from routeformer.ops._checks import check_positive
 from routeformer.ops.block_attention import blockwise_sdpa
 from routeformer.ops.flops import dense_attention_flops, matmul_flops
 from routeformer.ops.full import masked_attention_reference, sdpa_allowed
-from routeformer.ops.linear import DEFAULT_EPS, feature_map
+from routeformer.ops.linear import DEFAULT_EPS, exclusive_chunk_prefix, feature_map
 from routeformer.ops.local import _block_span, _in_window, _neighbour_blocks, default_block
 
 # Position given to an empty packed slot: outside every window, so the slot reads nothing.
@@ -213,11 +213,9 @@ def linear_attention_rows(
     scores = (packed_q @ phi_k.transpose(-1, -2)) * causal_mask[:, None]
     numerator = scores @ values
     denominator = scores.sum(dim=-1, keepdim=True)
-    # Before the chunk: the exclusive prefix of chunk states, from every position (fp32 prefix sum).
-    chunk_states = (phi_k.transpose(-1, -2) @ values).float()
-    chunk_norms = phi_k.sum(dim=3).float()
-    prior_states = (chunk_states.cumsum(dim=2) - chunk_states).to(v.dtype)
-    prior_norms = (chunk_norms.cumsum(dim=2) - chunk_norms).to(v.dtype)
+    # Before the chunk: the exclusive prefix of chunk states, from every position.
+    prior_states = exclusive_chunk_prefix(phi_k.transpose(-1, -2) @ values)
+    prior_norms = exclusive_chunk_prefix(phi_k.sum(dim=3))
     numerator = numerator + packed_q @ prior_states
     denominator = denominator + (packed_q * prior_norms[:, :, :, None, :]).sum(-1, keepdim=True)
     out = packing.unpack(numerator / (denominator + eps))
