@@ -83,10 +83,14 @@ class AttentionLayer(nn.Module):
         batch, length, _ = x.shape
         qkv = self.qkv_proj(x).view(batch, length, 3, self.heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        if self.rotary:
-            cos, sin = rotary_angles(positions, self.head_dim, self.rotary_base)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return q, k, v
+        return self.rotate(q, positions), self.rotate(k, positions), v
+
+    def rotate(self, t: Tensor, positions: Tensor) -> Tensor:
+        """Rotary embedding of t [B, H, L, d] at `positions` [B, L]; identity when rotary is off."""
+        if not self.rotary:
+            return t
+        cos, sin = rotary_angles(positions, self.head_dim, self.rotary_base)
+        return apply_rotary(t, cos, sin)
 
     def merge_heads(self, heads_out: Tensor, x: Tensor) -> Tensor:
         """[B, H, T, d] -> [B, T, H·d]; the hook where gated attention applies its gate."""

@@ -60,7 +60,6 @@ from routeformer.ops.dirichlet import (
 from routeformer.ops.full import full_attention, full_attention_flops
 from routeformer.ops.linear import linear_attention, linear_attention_flops
 from routeformer.ops.local import local_attention, local_attention_flops
-from routeformer.ops.rotary import apply_rotary, rotary_angles
 from routeformer.ops.routed_rows import (
     full_attention_rows,
     linear_attention_rows,
@@ -146,12 +145,6 @@ class MetaAttention(AttentionLayer):
     def _split_heads(self, y: Tensor) -> Tensor:  # [B, L, H·d] -> [B, H, L, d]
         return y.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
 
-    def _rotate(self, t: Tensor, positions: Tensor) -> Tensor:
-        if not self.rotary:
-            return t
-        cos, sin = rotary_angles(positions, self.head_dim, self.rotary_base)
-        return apply_rotary(t, cos, sin)
-
     def _keys_values(self, index: int, x: Tensor, positions: Tensor, cache: dict) -> tuple[Tensor, Tensor]:
         projection = self.expert_qkv[0 if self.share_qkv else index]
         key = 0 if self.share_qkv else index
@@ -159,7 +152,7 @@ class MetaAttention(AttentionLayer):
             inner = self.heads * self.head_dim
             bias = None if projection.bias is None else projection.bias[inner:]
             k, v = F.linear(x, projection.weight[inner:], bias).chunk(2, dim=-1)
-            cache[key] = (self._rotate(self._split_heads(k), positions), self._split_heads(v))
+            cache[key] = (self.rotate(self._split_heads(k), positions), self._split_heads(v))
         return cache[key]
 
     def _queries(self, index: int, x_rows: Tensor, row_positions: Tensor) -> Tensor:
@@ -167,7 +160,7 @@ class MetaAttention(AttentionLayer):
         inner = self.heads * self.head_dim
         bias = None if projection.bias is None else projection.bias[:inner]
         q = F.linear(x_rows, projection.weight[:inner], bias)
-        return self._rotate(self._split_heads(q), row_positions)
+        return self.rotate(self._split_heads(q), row_positions)
 
     def _dense(self, index: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, int]:
         batch, heads, length, dim = q.shape

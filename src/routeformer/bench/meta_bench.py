@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from routeformer.attention import build_attention
-from routeformer.bench.ops_bench import OpsRow, format_row
+from routeformer.bench.ops_bench import OpsRow, format_row, forward_backward_call, forward_call
 from routeformer.bench.timing import median_times, peak_memory_mib
 
 HARD_SPLIT = (0.2, 0.5, 0.3)
@@ -62,17 +62,10 @@ def bench_meta(
         leaf = x.clone().requires_grad_()
 
         def forward(layer: nn.Module, x: Tensor = x) -> Callable[[], object]:
-            def run():
-                with torch.no_grad():
-                    return layer(x)
-            return run
+            return forward_call(layer, (x,))
 
         def forward_backward(layer: nn.Module, leaf: Tensor = leaf) -> Callable[[], None]:
-            def run():
-                layer(leaf).out.sum().backward()
-                leaf.grad = None
-                layer.zero_grad(set_to_none=True)
-            return run
+            return forward_backward_call(lambda tokens, layer=layer: layer(tokens).out, (leaf,))
 
         fwd = median_times({name: forward(layer) for name, layer in layers.items()}, repeats)
         fwd_bwd = median_times({name: forward_backward(layer) for name, layer in layers.items()}, repeats)
