@@ -65,7 +65,12 @@ def bench_meta(
             return forward_call(layer, (x,))
 
         def forward_backward(layer: nn.Module, leaf: Tensor = leaf) -> Callable[[], None]:
-            return forward_backward_call(lambda tokens, layer=layer: layer(tokens).out, (leaf,))
+            run = forward_backward_call(lambda tokens: layer(tokens).out, (leaf,))
+
+            def step() -> None:  # weight gradients are dropped too, as in a training step
+                run()
+                layer.zero_grad(set_to_none=True)
+            return step
 
         fwd = median_times({name: forward(layer) for name, layer in layers.items()}, repeats)
         fwd_bwd = median_times({name: forward_backward(layer) for name, layer in layers.items()}, repeats)
