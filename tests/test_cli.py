@@ -68,7 +68,8 @@ def test_bench_meta_times_soft_and_hard_layers(tmp_path, capsys):
     import json
 
     record = json.loads(output.with_suffix(".json").read_text())
-    assert [row["impl"] for row in record["rows"]] == ["full", "meta(soft)", "meta(hard 20/50/30)"]
+    assert [row["impl"] for row in record["rows"]] == [
+        "full", "meta(soft)", "meta(hard 20/50/30)", "meta(hard 20/50/30, shared qkv)"]
     hard = record["routing"][1]
     assert hard["hard_fraction"] == 1.0
     assert abs(hard["rows_full"] + hard["rows_linear"] + hard["rows_local"] - 1.0) < 1e-6

@@ -5,7 +5,9 @@ Layers, not ops: x [B, T, D] -> out, projections included, causal, fp32. Impleme
 - meta(soft): every expert on every token;
 - meta(hard 20/50/30): every token hard-routed, 20% to full, 50% to linear, 30% to local (drawn
   at random per token, seeded). The split is imposed by a `FixedSplitRouter` in place of the
-  learned controller, so the timing measures the routed execution, not what a controller learned.
+  learned controller, so the timing measures the routed execution, not what a controller learned;
+- meta(hard 20/50/30, shared qkv): the same with `share_qkv=True` (one Q/K/V projection for the
+  three experts instead of three).
 Speedup = t_full / t_impl in the same process, medians of alternating repetitions.
 """
 
@@ -43,10 +45,13 @@ def meta_layers(dim: int, heads: int, window: int) -> dict[str, nn.Module]:
     torch.manual_seed(0)
     full = build_attention("full", dim=dim, heads=heads)
     soft = build_attention("meta", dim=dim, heads=heads, window=window)
-    hard = build_attention("meta", dim=dim, heads=heads, window=window, eval_eta=0.5)
-    hard.router = FixedSplitRouter(HARD_SPLIT)
     split = "/".join(str(round(100 * share)) for share in HARD_SPLIT)
-    return {"full": full.eval(), "meta(soft)": soft.eval(), f"meta(hard {split})": hard.eval()}
+    layers = {"full": full.eval(), "meta(soft)": soft.eval()}
+    for suffix, shared in (("", False), (", shared qkv", True)):
+        hard = build_attention("meta", dim=dim, heads=heads, window=window, eval_eta=0.5, share_qkv=shared)
+        hard.router = FixedSplitRouter(HARD_SPLIT)
+        layers[f"meta(hard {split}{suffix})"] = hard.eval()
+    return layers
 
 
 def bench_meta(
