@@ -71,6 +71,11 @@ EXPERTS = ("full", "linear", "local")
 GATES = ("mean_entropy", "dirichlet_entropy")
 
 
+def _masked_mean(values: Tensor, real: Tensor | None) -> Tensor:
+    """Mean over real tokens (`real` float [B, T], None = every token)."""
+    return values.mean() if real is None else (values * real).sum() / real.sum().clamp_min(1.0)
+
+
 def _check_eta(name: str, value: float | None) -> None:
     if value is not None and not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1] (a certainty threshold) or None; got {value!r}")
@@ -145,21 +150,20 @@ class MetaAttention(AttentionLayer):
     def _split_heads(self, y: Tensor) -> Tensor:  # [B, L, H·d] -> [B, H, L, d]
         return y.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
 
-    def _keys_values(self, index: int, x: Tensor, positions: Tensor, cache: dict) -> tuple[Tensor, Tensor]:
+    def _projection(self, index: int, part: slice) -> tuple[Tensor, Tensor | None]:
+        """(weight, bias) rows `part` of expert `index`'s Q/K/V projection (the shared one if any)."""
         projection = self.expert_qkv[0 if self.share_qkv else index]
-        key = 0 if self.share_qkv else index
+        return projection.weight[part], None if projection.bias is None else projection.bias[part]
+
+    def _keys_values(self, index: int, x: Tensor, positions: Tensor, cache: dict) -> tuple[Tensor, Tensor]:
+        key = 0 if self.share_qkv else index  # shared projections: one K/V for every expert
         if key not in cache:
-            inner = self.heads * self.head_dim
-            bias = None if projection.bias is None else projection.bias[inner:]
-            k, v = F.linear(x, projection.weight[inner:], bias).chunk(2, dim=-1)
+            k, v = F.linear(x, *self._projection(index, slice(self.heads * self.head_dim, None))).chunk(2, -1)
             cache[key] = (self.rotate(self._split_heads(k), positions), self._split_heads(v))
         return cache[key]
 
     def _queries(self, index: int, x_rows: Tensor, row_positions: Tensor) -> Tensor:
-        projection = self.expert_qkv[0 if self.share_qkv else index]
-        inner = self.heads * self.head_dim
-        bias = None if projection.bias is None else projection.bias[:inner]
-        q = F.linear(x_rows, projection.weight[:inner], bias)
+        q = F.linear(x_rows, *self._projection(index, slice(0, self.heads * self.head_dim)))
         return self.rotate(self._split_heads(q), row_positions)
 
     def _dense(self, index: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, int]:
@@ -238,15 +242,14 @@ class MetaAttention(AttentionLayer):
 
         kl = dirichlet_kl(concentration, self.router.prior.to(x.dtype))
         real = None if mask is None else mask.to(x.dtype)
-        mean_kl = kl.mean() if real is None else (kl * real).sum() / real.sum().clamp_min(1.0)
-        aux_loss = self.elbo_weight * mean_kl if self.elbo_weight else x.new_zeros(())
+        aux_loss = self.elbo_weight * _masked_mean(kl, real) if self.elbo_weight else x.new_zeros(())
         stats = self._stats(concentration, mean, kl, hard, real, flops, rows_computed, eta, x)
         return AttentionOutput(out=out, aux_loss=aux_loss, stats=stats)
 
     @torch.no_grad()
     def _stats(self, concentration, mean, kl, hard, real, flops, rows_computed, eta, x) -> dict[str, Tensor]:
         def average(values: Tensor) -> Tensor:
-            return values.mean() if real is None else (values * real).sum() / real.sum().clamp_min(1.0)
+            return _masked_mean(values, real)
 
         batch, length, _ = x.shape
         mean_weights = torch.stack([average(mean[..., i]) for i in range(len(EXPERTS))])

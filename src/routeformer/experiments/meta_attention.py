@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from routeformer.experiments.report import (
     provenance,
     write_result,
 )
+from routeformer.models.transformer import init_weights
 from routeformer.ops.dirichlet import dirichlet_kl, log_multivariate_beta
 from routeformer.train.evaluate import evaluate_lm
 
@@ -62,10 +62,7 @@ def run_init(out_dir: Path, quick: bool) -> Path:
             torch.manual_seed(seed)
             layer = MetaAttention(dim=128, heads=4, window=16).eval()
             if init == "gpt-0.02":  # what the routeformer Transformer applies to every Linear
-                for module in layer.modules():
-                    if isinstance(module, torch.nn.Linear):
-                        torch.nn.init.normal_(module.weight, std=0.02)
-                        torch.nn.init.zeros_(module.bias) if module.bias is not None else None
+                layer.apply(init_weights)
             x = torch.randn(2, 64, 128)
             with torch.no_grad():
                 result = layer(x)
@@ -362,15 +359,11 @@ def routing_map(run_dir: Path, path: Path, characters: int = 640, width: int = 8
 def _forward_seconds(
     models: dict[str, torch.nn.Module], inputs: torch.Tensor, repeats: int
 ) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in models}
-    with torch.no_grad():
-        for round_index in range(repeats + 1):
-            for name, model in models.items():
-                start = time.perf_counter()
-                model(inputs)
-                if round_index:
-                    times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+    """Median forward seconds per model, alternating the models (one warm-up round)."""
+    from routeformer.bench.ops_bench import forward_call
+    from routeformer.bench.timing import median_times
+
+    return median_times({name: forward_call(model, (inputs,)) for name, model in models.items()}, repeats)
 
 
 @register_experiment("meta-attention-long",

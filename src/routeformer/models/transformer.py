@@ -65,7 +65,7 @@ class Transformer(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, name) for name in config.layer_attention())
         self.final_norm = nn.LayerNorm(config.dim)
-        self.apply(_init_weights)
+        self.apply(init_weights)
 
     def forward(
         self, tokens: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None,
@@ -93,7 +93,7 @@ class Transformer(nn.Module):
         return BackboneOutput(self.final_norm(h), aux_loss, stats)
 
 
-def _init_weights(module: nn.Module) -> None:
+def init_weights(module: nn.Module) -> None:
     # GPT-2 style: small normal weights, zero biases.
     if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight, std=0.02)

@@ -31,7 +31,8 @@ def feature_map(x: Tensor) -> Tensor:
     return F.elu(x) + 1.0
 
 
-def _features(q: Tensor, k: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+def masked_features(q: Tensor, k: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(phi(q), phi(k)) with padded keys' features zeroed, so they add nothing to any state."""
     phi_q, phi_k = feature_map(q), feature_map(k)
     if mask is not None:
         phi_k = phi_k * mask[:, None, :, None].to(phi_k.dtype)
@@ -45,7 +46,7 @@ def linear_attention(
     """Normalised linear attention; see the module docstring."""
     check_qkv(q, k, v, mask, causal=causal)
     check_positive("chunk", chunk)
-    phi_q, phi_k = _features(q, k, mask)
+    phi_q, phi_k = masked_features(q, k, mask)
     if not causal:
         state = phi_k.transpose(-1, -2) @ v  # [B, H, d, e]
         normaliser = phi_k.sum(dim=2, keepdim=True)  # [B, H, 1, d]
@@ -106,7 +107,7 @@ def linear_attention_reference(
 ) -> Tensor:
     """The specification of `linear_attention`: the explicit sum over positions (dense, O(T²))."""
     check_qkv(q, k, v, mask, causal=causal)
-    phi_q, phi_k = _features(q, k, mask)
+    phi_q, phi_k = masked_features(q, k, mask)
     weights = phi_q @ phi_k.transpose(-1, -2)  # [B, H, T, T]: phi(q_i)·phi(k_j)
     if causal:
         weights = weights.tril()

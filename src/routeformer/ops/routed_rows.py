@@ -35,8 +35,14 @@ from torch import Tensor
 from routeformer.ops._checks import check_positive
 from routeformer.ops.block_attention import blockwise_sdpa
 from routeformer.ops.flops import dense_attention_flops, matmul_flops
-from routeformer.ops.full import masked_attention_reference, sdpa_allowed
-from routeformer.ops.linear import DEFAULT_EPS, exclusive_chunk_prefix, feature_map
+from routeformer.ops.full import full_attention, masked_attention_reference, sdpa_allowed
+from routeformer.ops.linear import (
+    DEFAULT_EPS,
+    exclusive_chunk_prefix,
+    feature_map,
+    linear_attention,
+    masked_features,
+)
 from routeformer.ops.local import _block_span, _in_window, _neighbour_blocks, default_block
 
 # Position given to an empty packed slot: outside every window, so the slot reads nothing.
@@ -83,13 +89,11 @@ def full_attention_rows(
     check_positive("chunk", chunk)
     batch, heads, count, dim = q_rows.shape
     length, value_dim = k.shape[2], v.shape[-1]
+    real = valid[:, None, :, None].to(q_rows.dtype)
+    if not causal:  # every row reads every key: the dense op with the rows as its queries
+        out = full_attention(q_rows, k, v, mask=mask, causal=False, scale=scale)
+        return out * real, batch * heads * dense_attention_flops(count * length, dim, value_dim)
     key_positions = torch.arange(length, device=k.device)
-    if not causal:
-        allowed = valid[:, None, :, None] & (
-            torch.ones(1, 1, 1, length, dtype=torch.bool, device=k.device) if mask is None
-            else mask[:, None, None, :])
-        out = sdpa_allowed(q_rows, k, v, allowed, scale)
-        return out, batch * heads * dense_attention_flops(count * length, dim, value_dim)
     parts, flops = [], 0
     # Padding slots sit at position 0: they read key 0 only and are zeroed at the end.
     last_rows = rows.masked_fill(~valid, 0)
@@ -105,7 +109,7 @@ def full_attention_rows(
             allowed = allowed & mask[:, None, None, :limit]
             parts.append(sdpa_allowed(chunk_q, chunk_k, chunk_v, allowed, scale))
         flops += batch * heads * dense_attention_flops(chunk_rows.shape[1] * limit, dim, value_dim)
-    return torch.cat(parts, dim=2) * valid[:, None, :, None].to(q_rows.dtype), flops
+    return torch.cat(parts, dim=2) * real, flops
 
 
 # -- packing rows by block (local and linear) ---------------------------------------------------
@@ -193,15 +197,11 @@ def linear_attention_rows(
     check_positive("chunk", chunk)
     batch, heads, count, dim = q_rows.shape
     length, value_dim = k.shape[2], v.shape[-1]
-    phi_q, phi_k = feature_map(q_rows), feature_map(k)
-    if mask is not None:
-        phi_k = phi_k * mask[:, None, :, None].to(phi_k.dtype)
-    if not causal:
-        state = phi_k.transpose(-1, -2) @ v
-        normaliser = phi_k.sum(dim=2, keepdim=True)
-        out = (phi_q @ state) / ((phi_q * normaliser).sum(-1, keepdim=True) + eps)
+    if not causal:  # one state over every key: the dense op with the rows as its queries
+        out = linear_attention(q_rows, k, v, mask=mask, causal=False, eps=eps)
         flops = matmul_flops(dim, length, value_dim) + matmul_flops(count, dim, value_dim) + 2 * count * dim
         return out * valid[:, None, :, None].to(out.dtype), batch * heads * flops
+    phi_q, phi_k = masked_features(q_rows, k, mask)
     chunks = -(-length // chunk)
     packing = _pack_by_block(rows, valid, chunk, chunks)
     phi_k = _pad_to_blocks(phi_k, chunk).unflatten(2, (chunks, chunk))  # [B, H, N, c, d]
