@@ -1,0 +1,421 @@
+"""MiTA: compress-and-route attention with landmark queries and top-k deformable experts.
+
+Axes: B batch, H heads, N length, d head dim (e value dim), E experts (= landmarks), K keys per
+expert (top-k width), R routed experts per query, P packed query slots per block.
+
+Non-causal (Wen et al., arXiv 2602.01219, Eqs. 5-10, restated in issue 4):
+  1. landmarks L [E, d]: the queries average-pooled over E uniformly spaced windows (1-D
+     adaptive pooling; 2-D over `grid=(h, w)`); the first `extra_tokens` tokens (a CLS token) are
+     left out of the pooling and are otherwise ordinary queries and keys;
+  2. scores S = L Kᵀ·scale [E, N]; expert j = the top-K keys/values of landmark j;
+  3. shared expert: landmark values V̂ = softmax(S) V; the landmarks are its keys;
+  4. routing: each query goes to its top-R experts by q·Lᵀ (the same logits as the shared expert's);
+  5. out = softmax over the concatenation [shared expert's E pairs; the R·K routed pairs] (a key in
+     two routed experts counts twice, as in the concatenation).
+Step 5 runs expert-wise: the (query, expert) pairs are sorted by expert and packed into blocks of
+P queries that share one expert, whose K keys are gathered once per block; each part (shared,
+each routed slot) is a partial softmax with its log-sum-exp, merged by the online-softmax rule.
+Nothing of size N×N exists: cost O(N·(E + R·K)·d + E·N·d).
+
+Causal (ours; for language models). The sequence is cut into E blocks of b = ceil(N / E) tokens;
+landmark j pools the queries of block j. A query in block i reads
+
+      keys:      block 0     block 1     block 2     block 3 (i = 3)
+    shared:      L0,V̂0       L1,V̂1       L2,V̂2        ·            landmarks of blocks j < i
+    routed:      top-R of experts 0..2, expert j = top-K keys of blocks ≤ j
+    local:                                           k₃₀ .. k_t   exact causal, own block only
+
+so landmark j and expert j only ever contain queries and keys from positions < (j + 1)·b ≤ i·b,
+all before the query; the query's own block is attended exactly. Block 0 reads only itself.
+Cost O(N·(b + E + R·K)·d + E·N·d): with E fixed the local term grows as N²/E.
+
+`mita_reference` builds the same key set per query as a dense [N, E + N] logit matrix (a key
+held by c routed experts gets log c added) and applies one plain softmax.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from routeformer.ops._checks import check_positive, check_qkv
+from routeformer.ops.flops import dense_attention_flops
+
+DEFAULT_PACK = 32  # queries per packed block of one expert
+
+
+@dataclass
+class MitaResult:
+    out: Tensor  # [B, H, N, e]
+    flops: int  # executed attention FLOPs (landmark scores, shared, routed, local)
+    expert_load: Tensor  # [E]: fraction of (query, routed slot) pairs each expert received
+
+
+def grid_pool_shape(landmarks: int) -> tuple[int, int]:
+    """The most square (rows, cols) with rows·cols = landmarks: 16 -> (4, 4), 8 -> (2, 4)."""
+    rows = math.isqrt(landmarks)
+    while landmarks % rows:
+        rows -= 1
+    return rows, landmarks // rows
+
+
+def check_mita_args(
+    length: int, *, landmarks: int, topk: int, route: int, causal: bool,
+    grid: tuple[int, int] | None, extra_tokens: int,
+) -> None:
+    """Raise ValueError naming the argument when the MiTA settings do not fit a length-N input."""
+    check_positive("landmarks", landmarks)
+    check_positive("route", route)
+    if not isinstance(topk, int) or isinstance(topk, bool) or topk < 0:
+        raise ValueError(f"topk must be an integer >= 0 (0 = no routed experts); got {topk!r}")
+    if not isinstance(extra_tokens, int) or extra_tokens < 0:
+        raise ValueError(f"extra_tokens must be an integer >= 0; got {extra_tokens!r}")
+    if causal and (grid is not None or extra_tokens):
+        raise ValueError("the causal variant pools 1-D blocks of the sequence: grid and extra_tokens "
+                         "are for non-causal (vision) inputs")
+    pooled = length - extra_tokens
+    if pooled < 1:
+        raise ValueError(f"extra_tokens ({extra_tokens}) leaves no token to pool in a length-{length} input")
+    if grid is not None:
+        if len(grid) != 2 or any(not isinstance(g, int) or g < 1 for g in grid):
+            raise ValueError(f"grid must be a pair of positive integers (h, w); got {grid!r}")
+        if grid[0] * grid[1] != pooled:
+            raise ValueError(f"grid {tuple(grid)} holds {grid[0] * grid[1]} tokens but the input has "
+                             f"{pooled} tokens after {extra_tokens} extra token(s)")
+        rows, cols = grid_pool_shape(landmarks)
+        if rows > grid[0] or cols > grid[1]:
+            raise ValueError(f"landmarks={landmarks} pools to a {rows}x{cols} grid, larger than the "
+                             f"{grid[0]}x{grid[1]} token grid")
+    elif landmarks > pooled:
+        raise ValueError(f"landmarks ({landmarks}) must be at most the number of pooled tokens ({pooled})")
+
+
+# -- landmarks ----------------------------------------------------------------------------------
+def _pool_windows(length: int, windows: int, device: torch.device) -> Tensor:
+    """Float [windows, length]: row j marks the adaptive-pooling window j (start ⌊jL/W⌋, end ⌈(j+1)L/W⌉)."""
+    index = torch.arange(windows, device=device)
+    start = (index * length) // windows
+    end = -((-(index + 1) * length) // windows)
+    position = torch.arange(length, device=device)
+    return ((position >= start[:, None]) & (position < end[:, None])).float()
+
+
+def _landmarks(
+    q: Tensor, mask: Tensor | None, landmarks: int, causal: bool, grid: tuple[int, int] | None,
+    extra_tokens: int,
+) -> tuple[Tensor, Tensor, int]:
+    """Masked average pooling of the queries -> (L [B, H, E, d], valid [B, E], block length).
+
+    A landmark whose window holds no real token is invalid (no expert, no shared pair).
+    """
+    batch, heads, length, dim = q.shape
+    weights = q.new_ones(batch, length) if mask is None else mask.to(q.dtype)
+    if causal:
+        block = -(-length // landmarks)
+        blocks = -(-length // block)
+        pad = blocks * block - length
+        sums = F.pad(q * weights[:, None, :, None], (0, 0, 0, pad)).view(batch, heads, blocks, block, dim).sum(3)
+        counts = F.pad(weights, (0, pad)).view(batch, blocks, block).sum(2)
+    else:
+        body = q[:, :, extra_tokens:] * weights[:, None, extra_tokens:, None]
+        body_weights = weights[:, extra_tokens:]
+        if grid is None:
+            pooled = F.adaptive_avg_pool1d(body.flatten(0, 1).transpose(1, 2), landmarks)
+            sums = pooled.transpose(1, 2).reshape(batch, heads, landmarks, dim)
+            counts = F.adaptive_avg_pool1d(body_weights[:, None], landmarks)[:, 0]
+        else:
+            shape = grid_pool_shape(landmarks)
+            image = body.flatten(0, 1).transpose(1, 2).reshape(batch * heads, dim, *grid)
+            sums = F.adaptive_avg_pool2d(image, shape).flatten(2).transpose(1, 2)
+            sums = sums.reshape(batch, heads, landmarks, dim)
+            counts = F.adaptive_avg_pool2d(body_weights.view(batch, 1, *grid), shape).flatten(1)
+        block = 0
+    valid = counts > 0
+    # Pooled sums of q·mask over pooled sums of the mask: the mean over the window's real tokens.
+    landmark = sums / counts.clamp_min(1e-12)[:, None, :, None].to(q.dtype)
+    return landmark, valid, block
+
+
+def _landmarks_reference(
+    q: Tensor, mask: Tensor | None, landmarks: int, causal: bool, grid: tuple[int, int] | None,
+    extra_tokens: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Explicit window-membership matrix [E, N] -> (L, valid [B, E], membership)."""
+    batch, _, length, _ = q.shape
+    weights = q.new_ones(batch, length) if mask is None else mask.to(q.dtype)
+    if causal:
+        block = -(-length // landmarks)
+        position = torch.arange(length, device=q.device)
+        member = (position[None, :] // block == torch.arange(-(-length // block), device=q.device)[:, None])
+        member = member.to(q.dtype)
+    else:
+        pooled = length - extra_tokens
+        if grid is None:
+            body = _pool_windows(pooled, landmarks, q.device)
+        else:
+            rows, cols = grid_pool_shape(landmarks)
+            row_windows = _pool_windows(grid[0], rows, q.device)  # [rows, h]
+            col_windows = _pool_windows(grid[1], cols, q.device)  # [cols, w]
+            body = torch.einsum("ah,bw->abhw", row_windows, col_windows).reshape(landmarks, pooled)
+        member = F.pad(body, (extra_tokens, 0)).to(q.dtype)
+    weighted = member[None] * weights[:, None, :]  # [B, E, N]
+    counts = weighted.sum(-1)
+    landmark = torch.einsum("ben,bhnd->bhed", weighted, q) / counts.clamp_min(1e-12)[:, None, :, None]
+    return landmark, counts > 0, member
+
+
+# -- partial softmax and the log-sum-exp merge --------------------------------------------------
+def _partial_softmax(scores: Tensor, values: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax over the valid slots of `scores` [..., S] applied to values [..., S, e].
+
+    Returns (out [..., e], lse [...]); a row with no valid slot gets out 0 and an lse of about the
+    dtype's lowest value, so that the merge gives it no weight (and no NaN reaches a gradient).
+    """
+    lowest = torch.finfo(scores.dtype).min
+    scores = scores.masked_fill(~valid, lowest)
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse[..., None]) * valid
+    return weights @ values, lse
+
+
+def _merge(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """Online-softmax merge of partial results (out [..., e], lse [...]) over disjoint key sets."""
+    lses = torch.stack([lse for _, lse in parts], dim=-1)
+    total = torch.logsumexp(lses, dim=-1, keepdim=True)
+    weights = torch.exp(lses - total)
+    return sum(weights[..., i : i + 1] * out for i, (out, _) in enumerate(parts))
+
+
+# -- routed experts, packed by expert -----------------------------------------------------------
+def _routed_parts(
+    q: Tensor, expert_keys: Tensor, expert_values: Tensor, expert_valid: Tensor, assignment: Tensor,
+    slot_valid: Tensor, scale: float, pack: int,
+) -> tuple[Tensor, Tensor, int, Tensor]:
+    """Attention of every (query, routed slot) over its expert's K keys, computed expert-wise.
+
+    q [B, H, N, d]; expert_keys / values [B, H, E, K, d|e]; expert_valid [B, H, E, K];
+    assignment, slot_valid [B, H, N, R]. Returns (out [B, H, N, R, e], lse [B, H, N, R], executed
+    FLOPs, per-expert load counts [E]).
+    """
+    batch, heads, length, dim = q.shape
+    experts, width, value_dim = expert_keys.shape[2], expert_keys.shape[3], expert_values.shape[-1]
+    routes = assignment.shape[-1]
+    groups = batch * heads
+    # One item per valid (group, query, slot); its bucket is (group, expert).
+    group_index = torch.arange(groups, device=q.device).view(batch, heads, 1, 1)
+    bucket = (group_index * experts + assignment).reshape(-1)
+    items = torch.nonzero(slot_valid.reshape(-1), as_tuple=True)[0]
+    bucket = bucket[items]
+    order = torch.argsort(bucket, stable=True)
+    items, bucket = items[order], bucket[order]
+    counts = torch.bincount(bucket, minlength=groups * experts)
+    blocks_per_bucket = -(-counts // pack)
+    bucket_start = torch.cumsum(counts, 0) - counts
+    padded_start = (torch.cumsum(blocks_per_bucket, 0) - blocks_per_bucket) * pack
+    rank = torch.arange(items.numel(), device=q.device) - bucket_start[bucket]
+    slot = padded_start[bucket] + rank  # where each item sits in the packed [blocks·P] layout
+    blocks = int(blocks_per_bucket.sum())
+    block_bucket = torch.repeat_interleave(torch.arange(groups * experts, device=q.device), blocks_per_bucket)
+
+    query_rows = items // routes  # row of q.reshape(B·H·N, d)
+    packed_q = q.new_zeros(blocks * pack, dim).index_copy(0, slot, q.reshape(-1, dim)[query_rows])
+    keys = expert_keys.reshape(groups * experts, width, dim).index_select(0, block_bucket)
+    values = expert_values.reshape(groups * experts, width, value_dim).index_select(0, block_bucket)
+    key_valid = expert_valid.reshape(groups * experts, width).index_select(0, block_bucket)
+    scores = packed_q.view(blocks, pack, dim) @ keys.transpose(1, 2) * scale  # [blocks, P, K]
+    packed_out, packed_lse = _partial_softmax(scores, values, key_valid[:, None, :])
+
+    lowest = torch.finfo(q.dtype).min
+    out = q.new_zeros(groups * length * routes, value_dim).index_copy(
+        0, items, packed_out.reshape(-1, value_dim).index_select(0, slot))
+    lse = q.new_full((groups * length * routes,), lowest).index_copy(
+        0, items, packed_lse.reshape(-1).index_select(0, slot))
+    flops = dense_attention_flops(blocks * pack * width, dim, value_dim)
+    load = counts.view(groups, experts).sum(0)
+    return out.view(batch, heads, length, routes, value_dim), lse.view(batch, heads, length, routes), flops, load
+
+
+def _local_causal_part(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, block: int, scale: float):
+    """Exact causal attention of each query over its own block -> (out, lse, FLOPs)."""
+    batch, heads, length, dim = q.shape
+    blocks = -(-length // block)
+    pad = blocks * block - length
+
+    def split(t: Tensor) -> Tensor:
+        return F.pad(t, (0, 0, 0, pad)).view(batch, heads, blocks, block, t.shape[-1])
+
+    scores = split(q) @ split(k).transpose(-1, -2) * scale  # [B, H, blocks, b, b]
+    allowed = torch.ones(block, block, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        key_real = F.pad(mask, (0, pad)).view(batch, 1, blocks, 1, block)
+        allowed = allowed & key_real
+    out, lse = _partial_softmax(scores, split(v), allowed)
+    out = out.reshape(batch, heads, blocks * block, -1)[:, :, :length]
+    lse = lse.reshape(batch, heads, blocks * block)[:, :, :length]
+    return out, lse, batch * heads * dense_attention_flops(blocks * block * block, dim, v.shape[-1])
+
+
+def _gather_experts(k: Tensor, v: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+    """index [B, H, E, K] into k, v [B, H, N, d|e] -> [B, H, E, K, d|e], gathered once per expert.
+
+    Flat `index_select` rows, so the backward pass scatters into [B·H·N, d], not into an
+    E-fold expanded copy of the keys."""
+    batch, heads, length, _ = k.shape
+    offsets = torch.arange(batch * heads, device=k.device).view(batch, heads, 1, 1) * length
+    rows = (index + offsets).reshape(-1)
+    shape = (*index.shape, -1)
+    return (k.reshape(-1, k.shape[-1]).index_select(0, rows).view(shape),
+            v.reshape(-1, v.shape[-1]).index_select(0, rows).view(shape))
+
+
+# -- the op -------------------------------------------------------------------------------------
+def _landmark_key_allowed(length: int, block: int, experts: int, causal: bool, mask: Tensor | None,
+                          device: torch.device) -> Tensor | None:
+    """Bool [B|1, 1, E, N]: the keys landmark j may score (causal: blocks ≤ j)."""
+    allowed = None
+    if causal:
+        key_block = torch.arange(length, device=device) // block
+        allowed = (key_block[None, :] <= torch.arange(experts, device=device)[:, None])[None, None]
+    if mask is not None:
+        real = mask[:, None, None, :]
+        allowed = real if allowed is None else allowed & real
+    return allowed
+
+
+def _expert_eligible(length: int, block: int, valid: Tensor, causal: bool) -> Tensor:
+    """Bool [B, 1, N, E]: the landmarks/experts a query may use (causal: blocks before its own)."""
+    eligible = valid[:, None, None, :]
+    if causal:
+        query_block = torch.arange(length, device=valid.device) // block
+        earlier = torch.arange(valid.shape[1], device=valid.device)[None, :] < query_block[:, None]
+        eligible = eligible & earlier[None, None]
+    return eligible
+
+
+def mita_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, landmarks: int = 25, topk: int = 25, route: int = 1,
+    shared: bool = True, causal: bool = False, grid: tuple[int, int] | None = None,
+    extra_tokens: int = 0, mask: Tensor | None = None, scale: float | None = None,
+    pack: int = DEFAULT_PACK,
+) -> MitaResult:
+    """MiTA attention over q, k, v [B, H, N, d] (see the module docstring for the algorithm).
+
+    landmarks: E, the landmark queries (= experts); topk: K keys per expert (0 = Agent attention,
+    compression only); route: R experts per query; shared: keep the shared compressed expert
+    (False = route-only); grid: (h, w) of an image token grid for 2-D pooling; extra_tokens:
+    leading tokens (CLS) left out of the pooling; mask: bool key padding [B, N].
+    """
+    check_qkv(q, k, v, mask, causal=True)  # MiTA is self-attention: as many queries as keys
+    batch, heads, length, dim = q.shape
+    check_mita_args(length, landmarks=landmarks, topk=topk, route=route, causal=causal, grid=grid,
+                    extra_tokens=extra_tokens)
+    check_positive("pack", pack)
+    if not shared and topk == 0 and not causal:
+        raise ValueError("shared=False with topk=0 leaves a query no key to attend to")
+    scale = dim ** -0.5 if scale is None else scale
+    landmark, landmark_valid, block = _landmarks(q, mask, landmarks, causal, grid, extra_tokens)
+    experts = landmark.shape[2]
+
+    # Landmark scores: the keys of each expert and the landmark values share them (Eqs. 6-8).
+    landmark_scores = landmark @ k.transpose(-1, -2) * scale  # [B, H, E, N]
+    allowed = _landmark_key_allowed(length, block, experts, causal, mask, q.device)
+    lowest = torch.finfo(q.dtype).min
+    if allowed is not None:
+        landmark_scores = landmark_scores.masked_fill(~allowed, lowest)
+    flops = batch * heads * dense_attention_flops(experts * length, dim, v.shape[-1])
+    landmark_values = landmark_scores.softmax(dim=-1) @ v  # [B, H, E, e]
+
+    # Routing logits double as the shared expert's logits (Eq. 9 reuses them).
+    query_logits = q @ landmark.transpose(-1, -2) * scale  # [B, H, N, E]
+    eligible = _expert_eligible(length, block, landmark_valid, causal).expand_as(query_logits)
+    parts = []
+    if shared:
+        parts.append(_partial_softmax(query_logits, landmark_values, eligible))
+        flops += batch * heads * dense_attention_flops(length * experts, dim, v.shape[-1])
+    else:
+        flops += batch * heads * 2 * length * experts * dim  # the routing logits alone
+
+    load = q.new_zeros(experts)
+    width = min(topk, length)
+    if width > 0:
+        top = landmark_scores.topk(width, dim=-1)
+        expert_valid = top.values > lowest / 2
+        if allowed is not None:
+            expert_valid = expert_valid & landmark_valid[:, None, :, None]
+        expert_keys, expert_values = _gather_experts(k, v, top.indices)
+        routes = min(route, experts)
+        routed = query_logits.masked_fill(~eligible, lowest).topk(routes, dim=-1)
+        slot_valid = routed.values > lowest / 2
+        routed_out, routed_lse, routed_flops, counts = _routed_parts(
+            q, expert_keys, expert_values, expert_valid, routed.indices, slot_valid, scale, pack)
+        parts.extend((routed_out[:, :, :, slot], routed_lse[:, :, :, slot]) for slot in range(routes))
+        flops += routed_flops
+        load = counts.to(q.dtype) / counts.sum().clamp_min(1)
+    if causal:
+        out, lse, local_flops = _local_causal_part(q, k, v, mask, block, scale)
+        parts.append((out, lse))
+        flops += local_flops
+    return MitaResult(_merge(parts), int(flops), load)
+
+
+def mita_reference(
+    q: Tensor, k: Tensor, v: Tensor, *, landmarks: int = 25, topk: int = 25, route: int = 1,
+    shared: bool = True, causal: bool = False, grid: tuple[int, int] | None = None,
+    extra_tokens: int = 0, mask: Tensor | None = None, scale: float | None = None,
+) -> Tensor:
+    """The specification of `mita_attention`: each query's key set as a dense [N, E + N] logit
+    matrix (shared pairs, then every key with log(how many of its routed experts hold it), then,
+    causal, its own block's earlier keys), and one plain softmax."""
+    check_qkv(q, k, v, mask, causal=True)
+    batch, heads, length, dim = q.shape
+    check_mita_args(length, landmarks=landmarks, topk=topk, route=route, causal=causal, grid=grid,
+                    extra_tokens=extra_tokens)
+    scale = dim ** -0.5 if scale is None else scale
+    landmark, landmark_valid, member = _landmarks_reference(q, mask, landmarks, causal, grid, extra_tokens)
+    experts = landmark.shape[2]
+    position = torch.arange(length, device=q.device)
+    block = -(-length // landmarks)
+    key_real = torch.ones(batch, length, dtype=torch.bool, device=q.device) if mask is None else mask
+
+    landmark_allowed = key_real[:, None, None, :].expand(batch, 1, experts, length)
+    query_may_use = landmark_valid[:, None, None, :].expand(batch, 1, length, experts)
+    if causal:
+        expert_index = torch.arange(experts, device=q.device)
+        landmark_allowed = landmark_allowed & (position[None, :] // block <= expert_index[:, None])
+        query_may_use = query_may_use & (expert_index[None, :] < position[:, None] // block)
+    scores = (landmark @ k.transpose(-1, -2)) * scale
+    masked_scores = scores.masked_fill(~landmark_allowed, float("-inf"))
+    landmark_values = torch.nan_to_num(masked_scores.softmax(-1)) @ v
+
+    # Membership of every key in every expert [B, H, E, N], then per query over its routed experts.
+    holds = torch.zeros_like(scores)
+    width = min(topk, length)
+    if width:
+        top = masked_scores.topk(width, dim=-1)
+        holds.scatter_(-1, top.indices, torch.isfinite(top.values).to(scores.dtype))
+    query_logits = (q @ landmark.transpose(-1, -2)) * scale  # [B, H, N, E]
+    routed = query_logits.masked_fill(~query_may_use, float("-inf")).topk(min(route, experts), dim=-1)
+    copies = torch.zeros_like(query_logits).scatter_(-1, routed.indices, torch.isfinite(routed.values).to(q.dtype))
+    if width == 0:
+        copies = torch.zeros_like(copies)
+    multiplicity = copies @ holds  # [B, H, N, N]: how many routed experts of query i hold key n
+    if causal:
+        own_block = (position[:, None] // block == position[None, :] // block) & (position[None, :] <= position[:, None])
+        multiplicity = multiplicity + (own_block & key_real[:, None, None, :]).to(q.dtype)
+
+    key_logits = (q @ k.transpose(-1, -2)) * scale + torch.log(multiplicity)
+    shared_logits = query_logits.masked_fill(~query_may_use, float("-inf"))
+    if not shared:
+        shared_logits = torch.full_like(shared_logits, float("-inf"))
+    logits = torch.cat([shared_logits, key_logits], dim=-1)
+    weights = torch.nan_to_num(logits.softmax(-1))
+    return weights @ torch.cat([landmark_values, v.expand(batch, heads, length, -1)], dim=2)
+
+
+def mita_flops_dense(batch: int, heads: int, length: int, head_dim: int) -> int:
+    """FLOPs of full attention over the same N (what MiTA is compared with)."""
+    return batch * heads * dense_attention_flops(length * length, head_dim)
