@@ -7,6 +7,7 @@ from routeformer.attention.gated import GatedAttention
 from routeformer.attention.linear import LinearAttention
 from routeformer.attention.local import LocalAttention
 from routeformer.attention.meta import MetaAttention
+from routeformer.attention.mita import MitaAttention
 from routeformer.attention.multihop import MultihopAttention
 from routeformer.attention.registry import (
     attention_options,
@@ -25,6 +26,7 @@ __all__ = [
     "LinearAttention",
     "LocalAttention",
     "MetaAttention",
+    "MitaAttention",
     "MultihopAttention",
     "TopKAttention",
     "attention_options",

@@ -44,8 +44,11 @@ from torch import Tensor
 
 from routeformer.ops._checks import check_positive, check_qkv
 from routeformer.ops.flops import dense_attention_flops
+from routeformer.ops.full import sdpa_allowed
 
-DEFAULT_PACK = 32  # queries per packed block of one expert
+# Buckets averaging at least this many packs of queries run one SDPA call each instead of packing.
+_LOOP_FACTOR = 4
+DEFAULT_PACK = 64  # queries per packed block of one expert (measured: 64-128 fastest at N >= 16k)
 
 
 @dataclass
@@ -118,7 +121,8 @@ def _landmarks(
         block = -(-length // landmarks)
         blocks = -(-length // block)
         pad = blocks * block - length
-        sums = F.pad(q * weights[:, None, :, None], (0, 0, 0, pad)).view(batch, heads, blocks, block, dim).sum(3)
+        padded = F.pad(q * weights[:, None, :, None], (0, 0, 0, pad))
+        sums = padded.view(batch, heads, blocks, block, dim).sum(3)
         counts = F.pad(weights, (0, pad)).view(batch, blocks, block).sum(2)
     else:
         body = q[:, :, extra_tokens:] * weights[:, None, extra_tokens:, None]
@@ -191,22 +195,22 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
 
 
 # -- routed experts, packed by expert -----------------------------------------------------------
-def _routed_parts(
-    q: Tensor, expert_keys: Tensor, expert_values: Tensor, expert_valid: Tensor, assignment: Tensor,
-    slot_valid: Tensor, scale: float, pack: int,
-) -> tuple[Tensor, Tensor, int, Tensor]:
-    """Attention of every (query, routed slot) over its expert's K keys, computed expert-wise.
+@dataclass
+class _ExpertPacking:
+    """(query, routed slot) items sorted by (group = b·H + h, expert), packed P to a block so that
+    every block serves one expert of one group (the tail block of a bucket is padding)."""
 
-    q [B, H, N, d]; expert_keys / values [B, H, E, K, d|e]; expert_valid [B, H, E, K];
-    assignment, slot_valid [B, H, N, R]. Returns (out [B, H, N, R, e], lse [B, H, N, R], executed
-    FLOPs, per-expert load counts [E]).
-    """
-    batch, heads, length, dim = q.shape
-    experts, width, value_dim = expert_keys.shape[2], expert_keys.shape[3], expert_values.shape[-1]
-    routes = assignment.shape[-1]
+    items: Tensor  # long [I]: flat index of each item in [B·H·N·R]
+    slots: Tensor  # long [I]: its place in the packed [blocks·P] layout
+    block_bucket: Tensor  # long [blocks]: group·E + expert of each block
+    counts: Tensor  # long [B·H·E]: items per bucket
+    blocks: int
+
+
+def _pack_by_expert(assignment: Tensor, slot_valid: Tensor, experts: int, pack: int) -> _ExpertPacking:
+    batch, heads = assignment.shape[:2]
     groups = batch * heads
-    # One item per valid (group, query, slot); its bucket is (group, expert).
-    group_index = torch.arange(groups, device=q.device).view(batch, heads, 1, 1)
+    group_index = torch.arange(groups, device=assignment.device).view(batch, heads, 1, 1)
     bucket = (group_index * experts + assignment).reshape(-1)
     items = torch.nonzero(slot_valid.reshape(-1), as_tuple=True)[0]
     bucket = bucket[items]
@@ -216,27 +220,114 @@ def _routed_parts(
     blocks_per_bucket = -(-counts // pack)
     bucket_start = torch.cumsum(counts, 0) - counts
     padded_start = (torch.cumsum(blocks_per_bucket, 0) - blocks_per_bucket) * pack
-    rank = torch.arange(items.numel(), device=q.device) - bucket_start[bucket]
-    slot = padded_start[bucket] + rank  # where each item sits in the packed [blocks·P] layout
-    blocks = int(blocks_per_bucket.sum())
-    block_bucket = torch.repeat_interleave(torch.arange(groups * experts, device=q.device), blocks_per_bucket)
+    rank = torch.arange(items.numel(), device=assignment.device) - bucket_start[bucket]
+    block_bucket = torch.repeat_interleave(
+        torch.arange(groups * experts, device=assignment.device), blocks_per_bucket)
+    return _ExpertPacking(items, padded_start[bucket] + rank, block_bucket, counts, int(block_bucket.numel()))
 
-    query_rows = items // routes  # row of q.reshape(B·H·N, d)
-    packed_q = q.new_zeros(blocks * pack, dim).index_copy(0, slot, q.reshape(-1, dim)[query_rows])
-    keys = expert_keys.reshape(groups * experts, width, dim).index_select(0, block_bucket)
-    values = expert_values.reshape(groups * experts, width, value_dim).index_select(0, block_bucket)
-    key_valid = expert_valid.reshape(groups * experts, width).index_select(0, block_bucket)
-    scores = packed_q.view(blocks, pack, dim) @ keys.transpose(1, 2) * scale  # [blocks, P, K]
+
+def _packed_queries(q: Tensor, packing: _ExpertPacking, routes: int, pack: int) -> Tensor:
+    """q [B, H, N, d] -> [blocks, P, d]: the queries of each packed block (zeros in padding)."""
+    dim = q.shape[-1]
+    rows = packing.items // routes  # row of q.reshape(B·H·N, d)
+    rows_q = q.reshape(-1, dim).index_select(0, rows)
+    packed = q.new_zeros(packing.blocks * pack, dim).index_copy(0, packing.slots, rows_q)
+    return packed.view(packing.blocks, pack, dim)
+
+
+def _unpack(packed: Tensor, packing: _ExpertPacking, total: int, fill: float = 0.0) -> Tensor:
+    """[blocks, P, ...] -> [total, ...] in item order (`fill` where no item is)."""
+    flat = packed.reshape(-1, *packed.shape[2:]).index_select(0, packing.slots)
+    return flat.new_full((total, *packed.shape[2:]), fill).index_copy(0, packing.items, flat)
+
+
+def _routed_parts(
+    q: Tensor, expert_keys: Tensor, expert_values: Tensor, expert_valid: Tensor, assignment: Tensor,
+    slot_valid: Tensor, scale: float, pack: int,
+) -> tuple[Tensor, Tensor, int, Tensor]:
+    """Partial softmax of every (query, routed slot) over its expert's K keys, computed expert-wise.
+
+    q [B, H, N, d]; expert_keys / values [B, H, E, K, d|e]; expert_valid [B, H, E, K];
+    assignment, slot_valid [B, H, N, R]. Returns (out [B, H, N, R, e], lse [B, H, N, R], executed
+    FLOPs, per-bucket item counts [B·H·E]).
+    """
+    batch, heads, length, dim = q.shape
+    experts, width, value_dim = expert_keys.shape[2], expert_keys.shape[3], expert_values.shape[-1]
+    routes = assignment.shape[-1]
+    packing = _pack_by_expert(assignment, slot_valid, experts, pack)
+    buckets = batch * heads * experts
+    keys = expert_keys.reshape(buckets, width, dim).index_select(0, packing.block_bucket)
+    values = expert_values.reshape(buckets, width, value_dim).index_select(0, packing.block_bucket)
+    key_valid = expert_valid.reshape(buckets, width).index_select(0, packing.block_bucket)
+    scores = _packed_queries(q, packing, routes, pack) @ keys.transpose(1, 2) * scale  # [blocks, P, K]
     packed_out, packed_lse = _partial_softmax(scores, values, key_valid[:, None, :])
+    total = batch * heads * length * routes
+    out = _unpack(packed_out, packing, total).view(batch, heads, length, routes, value_dim)
+    lse = _unpack(packed_lse, packing, total, torch.finfo(q.dtype).min).view(batch, heads, length, routes)
+    flops = dense_attention_flops(packing.blocks * pack * width, dim, value_dim)
+    return out, lse, flops, packing.counts
 
-    lowest = torch.finfo(q.dtype).min
-    out = q.new_zeros(groups * length * routes, value_dim).index_copy(
-        0, items, packed_out.reshape(-1, value_dim).index_select(0, slot))
-    lse = q.new_full((groups * length * routes,), lowest).index_copy(
-        0, items, packed_lse.reshape(-1).index_select(0, slot))
-    flops = dense_attention_flops(blocks * pack * width, dim, value_dim)
-    load = counts.view(groups, experts).sum(0)
-    return out.view(batch, heads, length, routes, value_dim), lse.view(batch, heads, length, routes), flops, load
+
+def _fused_single_route(
+    q: Tensor, landmark: Tensor, landmark_values: Tensor, landmark_ok: Tensor | None,
+    expert_keys: Tensor, expert_values: Tensor, expert_valid: Tensor | None, assignment: Tensor,
+    slot_valid: Tensor, shared: bool, scale: float, pack: int,
+) -> tuple[Tensor, int, Tensor]:
+    """R = 1, non-causal: each packed block of queries attends, in one fused SDPA call, to the
+    concatenation [shared expert's E pairs; its expert's K pairs] — SDPA's online softmax is the
+    log-sum-exp merge, done in-kernel. Returns (out [B, H, N, e], FLOPs, bucket counts)."""
+    batch, heads, length, dim = q.shape
+    experts, width, value_dim = expert_keys.shape[2], expert_keys.shape[3], expert_values.shape[-1]
+    packing = _pack_by_expert(assignment, slot_valid, experts, pack)
+    buckets = batch * heads * experts
+    keys = expert_keys.reshape(buckets, width, dim)
+    values = expert_values.reshape(buckets, width, value_dim)
+    key_ok = None if expert_valid is None else expert_valid.reshape(buckets, width)
+    if shared:
+        # Every bucket's key set starts with its group's landmarks: built per bucket (B·H·E of them).
+        group_landmarks = landmark.repeat_interleave(experts, dim=1).reshape(buckets, experts, dim)
+        group_values = landmark_values.repeat_interleave(experts, dim=1).reshape(buckets, experts, value_dim)
+        keys = torch.cat([group_landmarks, keys], dim=1)
+        values = torch.cat([group_values, values], dim=1)
+        if key_ok is not None or landmark_ok is not None:
+            shared_ok = (torch.ones(batch, experts, dtype=torch.bool, device=q.device) if landmark_ok is None
+                         else landmark_ok)
+            shared_ok = shared_ok[:, None, None, :].expand(batch, heads, experts, experts)
+            shared_ok = shared_ok.reshape(buckets, experts)
+            routed_ok = (torch.ones(buckets, width, dtype=torch.bool, device=q.device) if key_ok is None
+                         else key_ok)
+            key_ok = torch.cat([shared_ok, routed_ok], dim=1)
+    total = batch * heads * length
+    if packing.items.numel() >= _LOOP_FACTOR * pack * buckets:
+        # Long sequences: one SDPA call per (group, expert) over its queries, contiguous after the
+        # sort; the bucket's key set is read in place (no per-block copies, no padding).
+        sorted_q = q.reshape(-1, dim).index_select(0, packing.items)
+        outs, start = [], 0
+        for bucket, count in enumerate(packing.counts.tolist()):
+            if count == 0:
+                continue
+            bucket_q = sorted_q[start:start + count][None, None]
+            bucket_k, bucket_v = keys[bucket][None, None], values[bucket][None, None]
+            if key_ok is None:
+                outs.append(F.scaled_dot_product_attention(bucket_q, bucket_k, bucket_v, scale=scale)[0, 0])
+            else:
+                allowed = key_ok[bucket][None, None, None, :]
+                outs.append(sdpa_allowed(bucket_q, bucket_k, bucket_v, allowed, scale)[0, 0])
+            start += count
+        out = q.new_zeros(total, value_dim).index_copy(0, packing.items, torch.cat(outs))
+        flops = dense_attention_flops(packing.items.numel() * keys.shape[1], dim, value_dim)
+        return out.view(batch, heads, length, value_dim), flops, packing.counts
+    block_keys = keys.index_select(0, packing.block_bucket)[:, None]  # [blocks, 1, S, d]
+    block_values = values.index_select(0, packing.block_bucket)[:, None]
+    packed_q = _packed_queries(q, packing, 1, pack)[:, None]
+    if key_ok is None:
+        packed_out = F.scaled_dot_product_attention(packed_q, block_keys, block_values, scale=scale)
+    else:
+        allowed = key_ok.index_select(0, packing.block_bucket)[:, None, None, :]
+        packed_out = sdpa_allowed(packed_q, block_keys, block_values, allowed, scale)
+    out = _unpack(packed_out[:, 0], packing, total).view(batch, heads, length, value_dim)
+    flops = dense_attention_flops(packing.blocks * pack * block_keys.shape[2], dim, value_dim)
+    return out, flops, packing.counts
 
 
 def _local_causal_part(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, block: int, scale: float):
@@ -321,7 +412,7 @@ def mita_attention(
     experts = landmark.shape[2]
 
     # Landmark scores: the keys of each expert and the landmark values share them (Eqs. 6-8).
-    landmark_scores = landmark @ k.transpose(-1, -2) * scale  # [B, H, E, N]
+    landmark_scores = (landmark * scale) @ k.transpose(-1, -2)  # [B, H, E, N]
     allowed = _landmark_key_allowed(length, block, experts, causal, mask, q.device)
     lowest = torch.finfo(q.dtype).min
     if allowed is not None:
@@ -330,36 +421,48 @@ def mita_attention(
     landmark_values = landmark_scores.softmax(dim=-1) @ v  # [B, H, E, e]
 
     # Routing logits double as the shared expert's logits (Eq. 9 reuses them).
-    query_logits = q @ landmark.transpose(-1, -2) * scale  # [B, H, N, E]
-    eligible = _expert_eligible(length, block, landmark_valid, causal).expand_as(query_logits)
+    query_logits = q @ (landmark * scale).transpose(-1, -2)  # [B, H, N, E]
+    eligible = _expert_eligible(length, block, landmark_valid, causal)  # broadcasts to the logits
+    width = min(topk, length)
+    routes = min(route, experts)
+    fused = width > 0 and routes == 1 and not causal
     parts = []
-    if shared:
+    if shared and not fused:
         parts.append(_partial_softmax(query_logits, landmark_values, eligible))
         flops += batch * heads * dense_attention_flops(length * experts, dim, v.shape[-1])
-    else:
+    elif not shared:
         flops += batch * heads * 2 * length * experts * dim  # the routing logits alone
 
-    load = q.new_zeros(experts)
-    width = min(topk, length)
+    counts = torch.zeros(batch * heads * experts, dtype=torch.long, device=q.device)
     if width > 0:
         top = landmark_scores.topk(width, dim=-1)
-        expert_valid = top.values > lowest / 2
+        expert_valid = None
         if allowed is not None:
-            expert_valid = expert_valid & landmark_valid[:, None, :, None]
+            expert_valid = (top.values > lowest / 2) & landmark_valid[:, None, :, None]
         expert_keys, expert_values = _gather_experts(k, v, top.indices)
-        routes = min(route, experts)
-        routed = query_logits.masked_fill(~eligible, lowest).topk(routes, dim=-1)
+        masked_logits = query_logits if bool(eligible.all()) else query_logits.masked_fill(~eligible, lowest)
+        routed = masked_logits.topk(routes, dim=-1)
         slot_valid = routed.values > lowest / 2
+        if fused:
+            flops += batch * heads * 2 * length * experts * dim  # the routing logits
+            landmark_ok = None if bool(landmark_valid.all()) else landmark_valid
+            out, fused_flops, counts = _fused_single_route(
+                q, landmark, landmark_values, landmark_ok, expert_keys, expert_values, expert_valid,
+                routed.indices, slot_valid, shared, scale, pack)
+            load = counts.view(-1, experts).sum(0).to(q.dtype)
+            return MitaResult(out, int(flops + fused_flops), load / load.sum().clamp_min(1))
+        if expert_valid is None:
+            expert_valid = torch.ones_like(top.values, dtype=torch.bool)
         routed_out, routed_lse, routed_flops, counts = _routed_parts(
             q, expert_keys, expert_values, expert_valid, routed.indices, slot_valid, scale, pack)
         parts.extend((routed_out[:, :, :, slot], routed_lse[:, :, :, slot]) for slot in range(routes))
         flops += routed_flops
-        load = counts.to(q.dtype) / counts.sum().clamp_min(1)
     if causal:
         out, lse, local_flops = _local_causal_part(q, k, v, mask, block, scale)
         parts.append((out, lse))
         flops += local_flops
-    return MitaResult(_merge(parts), int(flops), load)
+    load = counts.view(-1, experts).sum(0).to(q.dtype)
+    return MitaResult(_merge(parts), int(flops), load / load.sum().clamp_min(1))
 
 
 def mita_reference(
@@ -399,12 +502,14 @@ def mita_reference(
         holds.scatter_(-1, top.indices, torch.isfinite(top.values).to(scores.dtype))
     query_logits = (q @ landmark.transpose(-1, -2)) * scale  # [B, H, N, E]
     routed = query_logits.masked_fill(~query_may_use, float("-inf")).topk(min(route, experts), dim=-1)
-    copies = torch.zeros_like(query_logits).scatter_(-1, routed.indices, torch.isfinite(routed.values).to(q.dtype))
+    chosen = torch.isfinite(routed.values).to(q.dtype)
+    copies = torch.zeros_like(query_logits).scatter_(-1, routed.indices, chosen)
     if width == 0:
         copies = torch.zeros_like(copies)
     multiplicity = copies @ holds  # [B, H, N, N]: how many routed experts of query i hold key n
     if causal:
-        own_block = (position[:, None] // block == position[None, :] // block) & (position[None, :] <= position[:, None])
+        same_block = position[:, None] // block == position[None, :] // block
+        own_block = same_block & (position[None, :] <= position[:, None])
         multiplicity = multiplicity + (own_block & key_real[:, None, None, :]).to(q.dtype)
 
     key_logits = (q @ k.transpose(-1, -2)) * scale + torch.log(multiplicity)
