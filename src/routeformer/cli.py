@@ -4,7 +4,7 @@
     routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N]
     routeformer sample RUN_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
     routeformer list
-    routeformer bench ops|topk|structural|meta [--lengths 1024 4096 16384] [--repeats 5] [--window 256]
+    routeformer bench ops|topk|structural|meta|mita [--lengths 1024 4096 16384] [--repeats 5] [--window 256]
                       [--output FILE]
     routeformer reproduce NAME [--quick] [--out DIR]      (routeformer reproduce --list)
 """
@@ -110,6 +110,8 @@ def command_bench(args: argparse.Namespace) -> int:
                 "causal": True, "window": args.window, "repeats": args.repeats}
     if args.suite == "meta":
         return _bench_meta(args, settings)
+    if args.suite == "mita":
+        return _bench_mita(args, settings)
     print(TABLE_HEADER, flush=True)
     ops = None
     if args.suite == "topk":
@@ -144,6 +146,31 @@ def command_bench(args: argparse.Namespace) -> int:
         output.write_text(report)
         output.with_suffix(".json").write_text(json.dumps(
             {"settings": settings, "rows": rows_as_dicts(rows), "expanding_windows": windows}, indent=2))
+        print(f"wrote {output} and {output.with_suffix('.json')}")
+    return 0
+
+
+def _bench_mita(args: argparse.Namespace, settings: dict) -> int:
+    from routeformer.bench.mita_bench import SCALING_HEADER, bench_mita, scaling_rows
+    from routeformer.bench.ops_bench import TABLE_HEADER, markdown_report, rows_as_dicts
+
+    settings = {**settings, "causal": "both", "landmarks": args.landmarks, "topk": args.topk,
+                "sdpa_up_to": args.sdpa_up_to, "causal_up_to": args.causal_up_to}
+    settings.pop("window")
+    print(TABLE_HEADER, flush=True)
+    rows = bench_mita(args.lengths, landmarks=args.landmarks, topk=args.topk, repeats=args.repeats,
+                      batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+                      sdpa_up_to=args.sdpa_up_to, causal_up_to=args.causal_up_to,
+                      progress=lambda line: print(line, flush=True))
+    scaling = SCALING_HEADER + "\n" + "\n".join(scaling_rows(rows))
+    print("\n" + scaling, flush=True)
+    if args.output:
+        output = Path(args.output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        report = markdown_report(rows, settings).replace("# Ops benchmark", "# mita benchmark")
+        output.write_text(report + "\nPer token (flat = linear in T):\n\n" + scaling + "\n")
+        output.with_suffix(".json").write_text(json.dumps(
+            {"settings": settings, "rows": rows_as_dicts(rows)}, indent=2))
         print(f"wrote {output} and {output.with_suffix('.json')}")
     return 0
 
@@ -213,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("list", help="list the registered attention mechanisms and their options")
 
     bench = commands.add_parser("bench", help="speed and memory benchmarks")
-    bench.add_argument("suite", choices=["ops", "topk", "structural", "meta"])
+    bench.add_argument("suite", choices=["ops", "topk", "structural", "meta", "mita"])
     bench.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--window", type=int, default=256)
@@ -221,7 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--heads", type=int, default=4)
     bench.add_argument("--head-dim", type=int, default=64)
     bench.add_argument("--dim", type=int, default=256, help="meta suite: model dim D")
-    bench.add_argument("--topk", type=int, default=64, help="topk suite: keys per query")
+    bench.add_argument("--topk", type=int, default=64, help="topk: keys per query; mita: keys per expert")
+    bench.add_argument("--landmarks", type=int, default=64, help="mita suite: landmarks (experts)")
+    bench.add_argument("--sdpa-up-to", type=int, default=65536, help="mita suite: longest T timed for SDPA")
+    bench.add_argument("--causal-up-to", type=int, default=65536, help="mita suite: longest causal T")
     bench.add_argument("--routing-dim", type=int, default=16, help="topk suite: routing dim")
     bench.add_argument("--output", default=None, help="write a Markdown table (and JSON beside it)")
 

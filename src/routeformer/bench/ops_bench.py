@@ -45,8 +45,9 @@ def bench_ops(
     device: str = "cpu", progress: Callable[[str], None] | None = None,
     ops: Callable[[int], dict[str, Callable]] | None = None, backward_up_to: int | None = None,
 ) -> list[OpsRow]:
-    """Time every op of `ops(length)` (default: `op_table`) against the table's "sdpa" entry.
-    Lengths above `backward_up_to` are timed forward only (their backward columns are NaN)."""
+    """Time every op of `ops(length)` (default: `op_table`) against the table's "sdpa" entry (NaN
+    ratios where the table has none; an empty table skips the length). Lengths above
+    `backward_up_to` are timed forward only (their backward columns are NaN)."""
     ops = ops or (lambda length: op_table(window, causal))
     rows = []
     for length in lengths:
@@ -55,16 +56,20 @@ def bench_ops(
                    for _ in range(3))
         grad_q, grad_k, grad_v = (t.clone().requires_grad_() for t in (q, k, v))
         table = ops(length)
+        if not table:
+            continue
         inputs, leaves = (q, k, v), (grad_q, grad_k, grad_v)
         with_backward = backward_up_to is None or length <= backward_up_to
         fwd = median_times({name: forward_call(op, inputs) for name, op in table.items()}, repeats)
         fwd_bwd = median_times(
             {name: forward_backward_call(op, leaves) for name, op in table.items()}, repeats
         ) if with_backward else dict.fromkeys(table, float("nan"))
+        # A length where SDPA is too slow to time leaves it out of the table: ratios are NaN there.
+        sdpa_fwd, sdpa_fwd_bwd = fwd.get("sdpa", float("nan")), fwd_bwd.get("sdpa", float("nan"))
         for name, op in table.items():
             row = OpsRow(
                 length, name, fwd[name] * 1e3, fwd_bwd[name] * 1e3,
-                fwd["sdpa"] / fwd[name], fwd_bwd["sdpa"] / fwd_bwd[name],
+                sdpa_fwd / fwd[name], sdpa_fwd_bwd / fwd_bwd[name],
                 peak_memory_mib(forward_call(op, inputs)),
                 peak_memory_mib(forward_backward_call(op, leaves)) if with_backward else None,
             )

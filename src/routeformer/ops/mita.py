@@ -302,18 +302,22 @@ def _fused_single_route(
         # Long sequences: one SDPA call per (group, expert) over its queries, contiguous after the
         # sort; the bucket's key set is read in place (no per-block copies, no padding).
         sorted_q = q.reshape(-1, dim).index_select(0, packing.items)
-        outs, start = [], 0
-        for bucket, count in enumerate(packing.counts.tolist()):
+        counts = packing.counts.tolist()
+        # split/unbind (not slicing in a loop): their backward assembles the gradient in one pass.
+        query_runs = torch.split(sorted_q, counts)
+        bucket_keys, bucket_values = keys.unbind(0), values.unbind(0)
+        bucket_ok = None if key_ok is None else key_ok.unbind(0)
+        outs = []
+        for bucket, count in enumerate(counts):
             if count == 0:
                 continue
-            bucket_q = sorted_q[start:start + count][None, None]
-            bucket_k, bucket_v = keys[bucket][None, None], values[bucket][None, None]
-            if key_ok is None:
+            bucket_q = query_runs[bucket][None, None]
+            bucket_k, bucket_v = bucket_keys[bucket][None, None], bucket_values[bucket][None, None]
+            if bucket_ok is None:
                 outs.append(F.scaled_dot_product_attention(bucket_q, bucket_k, bucket_v, scale=scale)[0, 0])
             else:
-                allowed = key_ok[bucket][None, None, None, :]
+                allowed = bucket_ok[bucket][None, None, None, :]
                 outs.append(sdpa_allowed(bucket_q, bucket_k, bucket_v, allowed, scale)[0, 0])
-            start += count
         out = q.new_zeros(total, value_dim).index_copy(0, packing.items, torch.cat(outs))
         flops = dense_attention_flops(packing.items.numel() * keys.shape[1], dim, value_dim)
         return out.view(batch, heads, length, value_dim), flops, packing.counts
