@@ -195,6 +195,12 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
 
 
 # -- routed experts, packed by expert -----------------------------------------------------------
+def _take_rows(source: Tensor, index: Tensor) -> Tensor:
+    """source[index] along the first axis, as an embedding lookup: its backward accumulates rows
+    (measured 1.5-2x faster on CPU than index_select's scatter_add backward)."""
+    return F.embedding(index, source.reshape(source.shape[0], -1)).view(-1, *source.shape[1:])
+
+
 @dataclass
 class _ExpertPacking:
     """(query, routed slot) items sorted by (group = b·H + h, expert), packed P to a block so that
@@ -230,14 +236,14 @@ def _packed_queries(q: Tensor, packing: _ExpertPacking, routes: int, pack: int) 
     """q [B, H, N, d] -> [blocks, P, d]: the queries of each packed block (zeros in padding)."""
     dim = q.shape[-1]
     rows = packing.items // routes  # row of q.reshape(B·H·N, d)
-    rows_q = q.reshape(-1, dim).index_select(0, rows)
+    rows_q = _take_rows(q.reshape(-1, dim), rows)
     packed = q.new_zeros(packing.blocks * pack, dim).index_copy(0, packing.slots, rows_q)
     return packed.view(packing.blocks, pack, dim)
 
 
 def _unpack(packed: Tensor, packing: _ExpertPacking, total: int, fill: float = 0.0) -> Tensor:
     """[blocks, P, ...] -> [total, ...] in item order (`fill` where no item is)."""
-    flat = packed.reshape(-1, *packed.shape[2:]).index_select(0, packing.slots)
+    flat = _take_rows(packed.reshape(-1, *packed.shape[2:]), packing.slots)
     return flat.new_full((total, *packed.shape[2:]), fill).index_copy(0, packing.items, flat)
 
 
@@ -256,8 +262,8 @@ def _routed_parts(
     routes = assignment.shape[-1]
     packing = _pack_by_expert(assignment, slot_valid, experts, pack)
     buckets = batch * heads * experts
-    keys = expert_keys.reshape(buckets, width, dim).index_select(0, packing.block_bucket)
-    values = expert_values.reshape(buckets, width, value_dim).index_select(0, packing.block_bucket)
+    keys = _take_rows(expert_keys.reshape(buckets, width, dim), packing.block_bucket)
+    values = _take_rows(expert_values.reshape(buckets, width, value_dim), packing.block_bucket)
     key_valid = expert_valid.reshape(buckets, width).index_select(0, packing.block_bucket)
     scores = _packed_queries(q, packing, routes, pack) @ keys.transpose(1, 2) * scale  # [blocks, P, K]
     packed_out, packed_lse = _partial_softmax(scores, values, key_valid[:, None, :])
@@ -301,7 +307,7 @@ def _fused_single_route(
     if packing.items.numel() >= _LOOP_FACTOR * pack * buckets:
         # Long sequences: one SDPA call per (group, expert) over its queries, contiguous after the
         # sort; the bucket's key set is read in place (no per-block copies, no padding).
-        sorted_q = q.reshape(-1, dim).index_select(0, packing.items)
+        sorted_q = _take_rows(q.reshape(-1, dim), packing.items)
         counts = packing.counts.tolist()
         # split/unbind (not slicing in a loop): their backward assembles the gradient in one pass.
         query_runs = torch.split(sorted_q, counts)
@@ -321,16 +327,18 @@ def _fused_single_route(
         out = q.new_zeros(total, value_dim).index_copy(0, packing.items, torch.cat(outs))
         flops = dense_attention_flops(packing.items.numel() * keys.shape[1], dim, value_dim)
         return out.view(batch, heads, length, value_dim), flops, packing.counts
-    block_keys = keys.index_select(0, packing.block_bucket)[:, None]  # [blocks, 1, S, d]
-    block_values = values.index_select(0, packing.block_bucket)[:, None]
-    packed_q = _packed_queries(q, packing, 1, pack)[:, None]
+    # Short inputs: many small packs, where batched matmuls beat SDPA's per-batch-entry overhead
+    # (the [blocks, P, S] scores are small: P is at most the mean bucket size).
+    block_keys = _take_rows(keys, packing.block_bucket)  # [blocks, S, d]
+    block_values = _take_rows(values, packing.block_bucket)
+    scores = _packed_queries(q, packing, 1, pack) @ (block_keys * scale).transpose(1, 2)
     if key_ok is None:
-        packed_out = F.scaled_dot_product_attention(packed_q, block_keys, block_values, scale=scale)
+        packed_out = scores.softmax(dim=-1) @ block_values
     else:
-        allowed = key_ok.index_select(0, packing.block_bucket)[:, None, None, :]
-        packed_out = sdpa_allowed(packed_q, block_keys, block_values, allowed, scale)
-    out = _unpack(packed_out[:, 0], packing, total).view(batch, heads, length, value_dim)
-    flops = dense_attention_flops(packing.blocks * pack * block_keys.shape[2], dim, value_dim)
+        block_ok = key_ok.index_select(0, packing.block_bucket)[:, None]
+        packed_out, _ = _partial_softmax(scores, block_values, block_ok)
+    out = _unpack(packed_out, packing, total).view(batch, heads, length, value_dim)
+    flops = dense_attention_flops(packing.blocks * pack * block_keys.shape[1], dim, value_dim)
     return out, flops, packing.counts
 
 
@@ -357,14 +365,14 @@ def _local_causal_part(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, blo
 def _gather_experts(k: Tensor, v: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
     """index [B, H, E, K] into k, v [B, H, N, d|e] -> [B, H, E, K, d|e], gathered once per expert.
 
-    Flat `index_select` rows, so the backward pass scatters into [B·H·N, d], not into an
+    Flat row lookups, so the backward pass accumulates into [B·H·N, d], not into an
     E-fold expanded copy of the keys."""
     batch, heads, length, _ = k.shape
     offsets = torch.arange(batch * heads, device=k.device).view(batch, heads, 1, 1) * length
     rows = (index + offsets).reshape(-1)
     shape = (*index.shape, -1)
-    return (k.reshape(-1, k.shape[-1]).index_select(0, rows).view(shape),
-            v.reshape(-1, v.shape[-1]).index_select(0, rows).view(shape))
+    return (_take_rows(k.reshape(-1, k.shape[-1]), rows).view(shape),
+            _take_rows(v.reshape(-1, v.shape[-1]), rows).view(shape))
 
 
 # -- the op -------------------------------------------------------------------------------------
@@ -414,6 +422,10 @@ def mita_attention(
     scale = dim ** -0.5 if scale is None else scale
     landmark, landmark_valid, block = _landmarks(q, mask, landmarks, causal, grid, extra_tokens)
     experts = landmark.shape[2]
+    # Short inputs route a few queries to each expert: packs no larger than that average keep the
+    # padding (which is executed work) below about half of the packed slots.
+    per_expert = max(1.0, length * min(route, experts) / experts)
+    pack = min(pack, 1 << int(math.log2(per_expert)))
 
     # Landmark scores: the keys of each expert and the landmark values share them (Eqs. 6-8).
     landmark_scores = (landmark * scale) @ k.transpose(-1, -2)  # [B, H, E, N]
