@@ -87,7 +87,7 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 def digits_vit(out_dir: Path, quick: bool) -> Path:
     sizes = [8] if quick else [8, 16]
     seeds = [0] if quick else [0, 1, 2]
-    steps = {8: 150 if quick else 600, 16: 600}
+    steps = {8: 150 if quick else 600, 16: 400}
     records: dict[tuple[int, str], list[dict]] = {}
     for size in sizes:
         for name, (mechanism, options) in vit_variants().items():
@@ -178,7 +178,7 @@ def _budget_record(out_dir: Path, seed: int, steps: int) -> dict[str, Any]:
                      "swapped at inference (paper Figs. 7-8)")
 def budget(out_dir: Path, quick: bool) -> Path:
     seeds = [0] if quick else [0, 1, 2]
-    steps = 150 if quick else 600
+    steps = 150 if quick else 400
     records = [cached_run(out_dir, f"seed{seed}", lambda seed=seed: _budget_record(out_dir, seed, steps))
                for seed in seeds]
 
@@ -230,7 +230,7 @@ def listops_settings(quick: bool) -> dict[str, Any]:
     """Quick runs use short expressions (100-300 tokens) so they finish in minutes."""
     if quick:
         return {"min_length": 100, "max_length": 300, "train": 2000, "test": 300, "steps": 300}
-    return {"min_length": 500, "max_length": 2000, "train": 4000, "test": 500, "steps": 1000}
+    return {"min_length": 500, "max_length": 2000, "train": 3000, "test": 500, "steps": 600}
 
 
 def run_listops_variant(mechanism: str, options: dict[str, Any], settings: dict[str, Any],
