@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from routeformer.models.config import ModelConfig
-from routeformer.models.vit import ViT, VisionConfig
+from routeformer.models.vit import VisionConfig, ViT
 
 
 def make(attention="full", options=None, size=4, patch=2, channels=1):

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops._checks import check_positive, check_qkv
+from routeformer.ops.attention_lse import MASKED, attention_with_lse, merge_partials
 from routeformer.ops.flops import dense_attention_flops
 from routeformer.ops.full import sdpa_allowed
 
@@ -121,11 +122,13 @@ def _landmarks(
         block = -(-length // landmarks)
         blocks = -(-length // block)
         pad = blocks * block - length
-        padded = F.pad(q * weights[:, None, :, None], (0, 0, 0, pad))
+        padded = F.pad(q if mask is None else q * weights[:, None, :, None], (0, 0, 0, pad))
         sums = padded.view(batch, heads, blocks, block, dim).sum(3)
         counts = F.pad(weights, (0, pad)).view(batch, blocks, block).sum(2)
     else:
-        body = q[:, :, extra_tokens:] * weights[:, None, extra_tokens:, None]
+        body = q[:, :, extra_tokens:]
+        if mask is not None:
+            body = body * weights[:, None, extra_tokens:, None]
         body_weights = weights[:, extra_tokens:]
         if grid is None:
             pooled = F.adaptive_avg_pool1d(body.flatten(0, 1).transpose(1, 2), landmarks)
@@ -172,26 +175,13 @@ def _landmarks_reference(
     return landmark, counts > 0, member
 
 
-# -- partial softmax and the log-sum-exp merge --------------------------------------------------
-def _partial_softmax(scores: Tensor, values: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-    """Softmax over the valid slots of `scores` [..., S] applied to values [..., S, e].
-
-    Returns (out [..., e], lse [...]); a row with no valid slot gets out 0 and an lse of about the
-    dtype's lowest value, so that the merge gives it no weight (and no NaN reaches a gradient).
-    """
-    lowest = torch.finfo(scores.dtype).min
-    scores = scores.masked_fill(~valid, lowest)
-    lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - lse[..., None]) * valid
-    return weights @ values, lse
-
-
-def _merge(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
-    """Online-softmax merge of partial results (out [..., e], lse [...]) over disjoint key sets."""
-    lses = torch.stack([lse for _, lse in parts], dim=-1)
-    total = torch.logsumexp(lses, dim=-1, keepdim=True)
-    weights = torch.exp(lses - total)
-    return sum(weights[..., i : i + 1] * out for i, (out, _) in enumerate(parts))
+# -- partial attention with its log-sum-exp --------------------------------------------------------
+def _attend(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, scale: float,
+            causal: bool = False) -> tuple[Tensor, Tensor]:
+    """(out, lse) of q over the `valid` keys (bool, broadcast to the scores); a row with no valid
+    key gets an lse of about MASKED, i.e. no weight in `merge_partials`."""
+    bias = None if valid is None else torch.where(valid, 0.0, MASKED).to(q.dtype)
+    return attention_with_lse(q, k, v, bias=bias, causal=causal, scale=scale)
 
 
 # -- routed experts, packed by expert -----------------------------------------------------------
@@ -265,11 +255,11 @@ def _routed_parts(
     keys = _take_rows(expert_keys.reshape(buckets, width, dim), packing.block_bucket)
     values = _take_rows(expert_values.reshape(buckets, width, value_dim), packing.block_bucket)
     key_valid = expert_valid.reshape(buckets, width).index_select(0, packing.block_bucket)
-    scores = _packed_queries(q, packing, routes, pack) @ keys.transpose(1, 2) * scale  # [blocks, P, K]
-    packed_out, packed_lse = _partial_softmax(scores, values, key_valid[:, None, :])
+    packed_out, packed_lse = _attend(_packed_queries(q, packing, routes, pack)[:, None], keys[:, None],
+                                     values[:, None], key_valid[:, None, None, :], scale)
     total = batch * heads * length * routes
-    out = _unpack(packed_out, packing, total).view(batch, heads, length, routes, value_dim)
-    lse = _unpack(packed_lse, packing, total, torch.finfo(q.dtype).min).view(batch, heads, length, routes)
+    out = _unpack(packed_out[:, 0], packing, total).view(batch, heads, length, routes, value_dim)
+    lse = _unpack(packed_lse[:, 0], packing, total, MASKED).view(batch, heads, length, routes)
     flops = dense_attention_flops(packing.blocks * pack * width, dim, value_dim)
     return out, lse, flops, packing.counts
 
@@ -332,11 +322,9 @@ def _fused_single_route(
     block_keys = _take_rows(keys, packing.block_bucket)  # [blocks, S, d]
     block_values = _take_rows(values, packing.block_bucket)
     scores = _packed_queries(q, packing, 1, pack) @ (block_keys * scale).transpose(1, 2)
-    if key_ok is None:
-        packed_out = scores.softmax(dim=-1) @ block_values
-    else:
-        block_ok = key_ok.index_select(0, packing.block_bucket)[:, None]
-        packed_out, _ = _partial_softmax(scores, block_values, block_ok)
+    if key_ok is not None:  # every packed query has a valid key: its expert's landmark is real
+        scores = scores.masked_fill(~key_ok.index_select(0, packing.block_bucket)[:, None], MASKED)
+    packed_out = scores.softmax(dim=-1) @ block_values
     out = _unpack(packed_out, packing, total).view(batch, heads, length, value_dim)
     flops = dense_attention_flops(packing.blocks * pack * block_keys.shape[1], dim, value_dim)
     return out, flops, packing.counts
@@ -351,12 +339,12 @@ def _local_causal_part(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, blo
     def split(t: Tensor) -> Tensor:
         return F.pad(t, (0, 0, 0, pad)).view(batch, heads, blocks, block, t.shape[-1])
 
-    scores = split(q) @ split(k).transpose(-1, -2) * scale  # [B, H, blocks, b, b]
-    allowed = torch.ones(block, block, dtype=torch.bool, device=q.device).tril()
+    valid = None  # the causal triangle is the kernel's; padding keys are masked on top of it
     if mask is not None:
-        key_real = F.pad(mask, (0, pad)).view(batch, 1, blocks, 1, block)
-        allowed = allowed & key_real
-    out, lse = _partial_softmax(scores, split(v), allowed)
+        valid = F.pad(mask, (0, pad)).view(batch, 1, blocks, 1, block).expand(-1, heads, -1, block, -1)
+        valid = valid.reshape(batch, heads * blocks, block, block)
+    # Blocks folded into the head axis: one causal kernel call over [B, H·blocks, b, d].
+    out, lse = _attend(*(split(t).flatten(1, 2) for t in (q, k, v)), valid, scale, causal=True)
     out = out.reshape(batch, heads, blocks * block, -1)[:, :, :length]
     lse = lse.reshape(batch, heads, blocks * block)[:, :, :length]
     return out, lse, batch * heads * dense_attention_flops(blocks * block * block, dim, v.shape[-1])
@@ -436,18 +424,17 @@ def mita_attention(
     flops = batch * heads * dense_attention_flops(experts * length, dim, v.shape[-1])
     landmark_values = landmark_scores.softmax(dim=-1) @ v  # [B, H, E, e]
 
-    # Routing logits double as the shared expert's logits (Eq. 9 reuses them).
-    query_logits = q @ (landmark * scale).transpose(-1, -2)  # [B, H, N, E]
-    eligible = _expert_eligible(length, block, landmark_valid, causal)  # broadcasts to the logits
+    eligible = _expert_eligible(length, block, landmark_valid, causal)  # broadcasts to [B, H, N, E]
     width = min(topk, length)
     routes = min(route, experts)
     fused = width > 0 and routes == 1 and not causal
     parts = []
     if shared and not fused:
-        parts.append(_partial_softmax(query_logits, landmark_values, eligible))
+        # The kernel recomputes q·Lᵀ next to the routing logits: cheaper on CPU than a
+        # materialised softmax over the routing logits (Eq. 9's reuse), and counted as executed.
+        eligible_or_all = None if bool(eligible.all()) else eligible
+        parts.append(_attend(q, landmark, landmark_values, eligible_or_all, scale))
         flops += batch * heads * dense_attention_flops(length * experts, dim, v.shape[-1])
-    elif not shared:
-        flops += batch * heads * 2 * length * experts * dim  # the routing logits alone
 
     counts = torch.zeros(batch * heads * experts, dtype=torch.long, device=q.device)
     if width > 0:
@@ -456,11 +443,13 @@ def mita_attention(
         if allowed is not None:
             expert_valid = (top.values > lowest / 2) & landmark_valid[:, None, :, None]
         expert_keys, expert_values = _gather_experts(k, v, top.indices)
-        masked_logits = query_logits if bool(eligible.all()) else query_logits.masked_fill(~eligible, lowest)
-        routed = masked_logits.topk(routes, dim=-1)
+        query_logits = q @ (landmark * scale).transpose(-1, -2)  # routing logits [B, H, N, E]
+        flops += batch * heads * 2 * length * experts * dim
+        if not bool(eligible.all()):
+            query_logits = query_logits.masked_fill(~eligible, lowest)
+        routed = query_logits.topk(routes, dim=-1)
         slot_valid = routed.values > lowest / 2
         if fused:
-            flops += batch * heads * 2 * length * experts * dim  # the routing logits
             landmark_ok = None if bool(landmark_valid.all()) else landmark_valid
             out, fused_flops, counts = _fused_single_route(
                 q, landmark, landmark_values, landmark_ok, expert_keys, expert_values, expert_valid,
@@ -478,7 +467,7 @@ def mita_attention(
         parts.append((out, lse))
         flops += local_flops
     load = counts.view(-1, experts).sum(0).to(q.dtype)
-    return MitaResult(_merge(parts), int(flops), load / load.sum().clamp_min(1))
+    return MitaResult(merge_partials(parts), int(flops), load / load.sum().clamp_min(1))
 
 
 def mita_reference(
