@@ -8,6 +8,7 @@ permutation: the first `test_fraction` of it is the test set.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,19 @@ from torch import Tensor
 
 NUM_CLASSES = 10
 NATIVE_SIZE = 8
+
+
+@functools.cache
+def _native_digits() -> tuple[Tensor, Tensor]:
+    """The 1797 images [N, 1, 8, 8] in [0, 1] and their labels, read once per process."""
+    try:
+        from sklearn.datasets import load_digits as sklearn_digits
+    except ImportError as error:
+        raise ImportError("the digits experiments need scikit-learn: "
+                          "pip install -c constraints.txt -e \".[vision]\"") from error
+    bunch = sklearn_digits()
+    images = torch.tensor(bunch.images, dtype=torch.float32)[:, None] / 16.0
+    return images, torch.tensor(bunch.target, dtype=torch.long)
 
 
 @dataclass
@@ -31,14 +45,7 @@ def load_digits(size: int = NATIVE_SIZE, *, test_fraction: float = 0.2, seed: in
         raise ValueError(f"size must be an integer >= {NATIVE_SIZE} (the native resolution); got {size!r}")
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1); got {test_fraction!r}")
-    try:
-        from sklearn.datasets import load_digits as sklearn_digits
-    except ImportError as error:
-        raise ImportError("the digits experiments need scikit-learn: "
-                          "pip install -c constraints.txt -e \".[vision]\"") from error
-    bunch = sklearn_digits()
-    images = torch.tensor(bunch.images, dtype=torch.float32)[:, None] / 16.0
-    labels = torch.tensor(bunch.target, dtype=torch.long)
+    images, labels = _native_digits()
     if size != NATIVE_SIZE:
         images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
