@@ -272,9 +272,9 @@ def run_listops_variant(mechanism: str, options: dict[str, Any], settings: dict[
             count += int(mask.sum())
         return {"accuracy": correct / len(test_examples), "attention_flops_per_token": flops / count}
 
-    train_config = TaskTrainConfig(steps=settings["steps"], batch_size=16, lr=1e-3,
-                                   warmup_steps=settings["steps"] // 10, eval_every=max(1, settings["steps"] // 4),
-                                   seed=seed)
+    steps = settings["steps"]
+    train_config = TaskTrainConfig(steps=steps, batch_size=16, lr=1e-3, warmup_steps=steps // 10,
+                                   eval_every=max(1, steps // 4), seed=seed)
     history = train_task(model, make_batch, evaluate, train_config,
                          forward=lambda m, inputs, labels: m(inputs[0], labels, mask=inputs[1]),
                          log=lambda line: log(f"  {line}"))
