@@ -1,5 +1,6 @@
 """Pure attention functions on q, k, v [B, H, T, d]; every fast path has a `*_reference` twin."""
 
+from routeformer.ops.attention_lse import attention_with_lse, attention_with_lse_reference, merge_partials
 from routeformer.ops.block_attention import block_attention, block_attention_reference
 from routeformer.ops.expanding import expanding_attention, expanding_attention_reference
 from routeformer.ops.full import full_attention, full_attention_flops, full_attention_reference
@@ -15,6 +16,7 @@ from routeformer.ops.linear import (
     linear_attention_reference,
 )
 from routeformer.ops.local import local_attention, local_attention_flops, local_attention_reference
+from routeformer.ops.mita import mita_attention, mita_reference
 from routeformer.ops.multihop import multihop_attention, multihop_attention_reference
 from routeformer.ops.rotary import apply_rotary, rotary_angles
 from routeformer.ops.topk_routing import add_random_slots, route_topk, route_topk_reference
@@ -28,6 +30,8 @@ __all__ = [
     "routed_attention",
     "routed_attention_reference",
     "apply_rotary",
+    "attention_with_lse",
+    "attention_with_lse_reference",
     "block_attention",
     "block_attention_reference",
     "expanding_attention",
@@ -41,6 +45,9 @@ __all__ = [
     "local_attention",
     "local_attention_flops",
     "local_attention_reference",
+    "merge_partials",
+    "mita_attention",
+    "mita_reference",
     "multihop_attention",
     "multihop_attention_reference",
     "rotary_angles",

@@ -12,9 +12,15 @@ Non-causal (Wen et al., arXiv 2602.01219, Eqs. 5-10, restated in issue 4):
   4. routing: each query goes to its top-R experts by q·Lᵀ (the same logits as the shared expert's);
   5. out = softmax over the concatenation [shared expert's E pairs; the R·K routed pairs] (a key in
      two routed experts counts twice, as in the concatenation).
-Step 5 runs expert-wise: the (query, expert) pairs are sorted by expert and packed into blocks of
-P queries that share one expert, whose K keys are gathered once per block; each part (shared,
-each routed slot) is a partial softmax with its log-sum-exp, merged by the online-softmax rule.
+Step 5 runs expert-wise: the (query, expert) pairs are sorted by (batch·head, expert); each
+expert's K keys are gathered once (`_gather_experts`) and its queries attend to them together.
+- R = 1, non-causal (the paper's configuration): a query's whole key set is [shared E pairs;
+  its expert's K pairs], the same for every query of the expert, so one softmax over that
+  concatenation does it — per expert one SDPA call on long inputs (the fused kernel's online
+  softmax is the log-sum-exp merge), batched packs of P queries on short ones.
+- Otherwise (R > 1, causal): each part — shared expert, each routed slot, the causal own block —
+  returns its output with its log-sum-exp (`ops.attention_lse`, a fused kernel on CPU), and
+  `merge_partials` combines them by the online-softmax rule.
 Nothing of size N×N exists: cost O(N·(E + R·K)·d + E·N·d).
 
 Causal (ours; for language models). The sequence is cut into E blocks of b = ceil(N / E) tokens;
