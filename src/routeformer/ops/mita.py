@@ -52,6 +52,7 @@ from routeformer.ops._checks import check_positive, check_qkv
 from routeformer.ops.attention_lse import MASKED, attention_with_lse, merge_partials
 from routeformer.ops.flops import dense_attention_flops
 from routeformer.ops.full import sdpa_allowed
+from routeformer.ops.gathered import _flat_rows
 
 # Buckets averaging at least this many packs of queries run one SDPA call each instead of packing.
 _LOOP_FACTOR = 4
@@ -361,9 +362,7 @@ def _gather_experts(k: Tensor, v: Tensor, index: Tensor) -> tuple[Tensor, Tensor
 
     Flat row lookups, so the backward pass accumulates into [B·H·N, d], not into an
     E-fold expanded copy of the keys."""
-    batch, heads, length, _ = k.shape
-    offsets = torch.arange(batch * heads, device=k.device).view(batch, heads, 1, 1) * length
-    rows = (index + offsets).reshape(-1)
+    rows = _flat_rows(index, k.shape[2])
     shape = (*index.shape, -1)
     return (_take_rows(k.reshape(-1, k.shape[-1]), rows).view(shape),
             _take_rows(v.reshape(-1, v.shape[-1]), rows).view(shape))
