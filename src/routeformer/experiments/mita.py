@@ -87,7 +87,7 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 def digits_vit(out_dir: Path, quick: bool) -> Path:
     sizes = [8] if quick else [8, 16]
     seeds = [0] if quick else [0, 1, 2]
-    steps = {8: 150 if quick else 600, 16: 400}
+    steps = {8: 150 if quick else 600, 16: 250}
     records: dict[tuple[int, str], list[dict]] = {}
     for size in sizes:
         for name, (mechanism, options) in vit_variants().items():
