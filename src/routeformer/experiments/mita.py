@@ -289,6 +289,16 @@ def run_listops_variant(mechanism: str, options: dict[str, Any], settings: dict[
             "majority_accuracy": majority / len(test_examples), **history.final}
 
 
+def _listops_verdict(records: dict[str, dict], majority: float) -> str:
+    best = max(100 * record["accuracy"] for record in records.values())
+    if best <= majority + 2.0:
+        return (f"No mechanism learned the task at this budget: the best test accuracy ({best:.1f}%) is "
+                f"within 2 points of always answering the majority class ({majority:.1f}%), so this "
+                "run compares costs, not quality. LRA's models train for thousands of steps on 96k "
+                "expressions.")
+    return f"Best test accuracy {best:.1f}% against {majority:.1f}% for the majority class."
+
+
 @register_experiment("mita-listops", "ListOps (LRA grammar, our generator): full, linear, local, MiTA")
 def listops(out_dir: Path, quick: bool) -> Path:
     settings = listops_settings(quick)
@@ -319,6 +329,7 @@ def listops(out_dir: Path, quick: bool) -> Path:
         "expressions, larger models), quoted for reference, not comparable one to one.",
         markdown_table(["mechanism", "test accuracy % (ours)", "paper (LRA)", "attention kFLOPs/token",
                         "train s"], rows),
+        _listops_verdict(records, majority),
         "Plot: `listops_accuracy.png`.",
     ])
     return write_result(out_dir, {"rows": rows, "runs": records}, markdown)
