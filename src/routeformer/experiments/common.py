@@ -87,3 +87,28 @@ def run_lm_variants(
             out_dir, key, lambda key=key, mechanism=mechanism, options=options, stats=stats:
                 run_lm_variant(out_dir / "train" / key, mechanism, options, steps, corpus, stats))
     return corpus_name, records
+
+
+def lm_comparison(
+    out_dir: Path, experiment: str, variants: dict[str, tuple[str, dict[str, Any]]], steps: int, *,
+    title: str, description: str, quick: bool,
+) -> Path:
+    """Train the char-LM `variants` (one of them named "full") with `run_lm_variants` and write
+    the bits-per-character / executed-FLOPs report. `description` follows "Corpus: NAME."."""
+    from routeformer.experiments.report import markdown_table, provenance, write_result
+
+    corpus_name, records = run_lm_variants(out_dir, experiment, variants, steps)
+    full_flops = records["full"]["final"]["attention_flops_per_token"]
+    rows = [[name, r["final"]["bpc"], r["final"]["attention_flops_per_token"],
+             r["final"]["attention_flops_per_token"] / full_flops, round(r["train_seconds"], 1)]
+            for name, r in records.items()]
+    markdown = "\n\n".join([
+        title,
+        provenance(f"routeformer reproduce {experiment}{' --quick' if quick else ''}"),
+        f"Corpus: {corpus_name}. {description}",
+        markdown_table(["mechanism", "bits/char", "attention FLOPs/token", "vs full", "train s"], rows),
+    ])
+    result = {"corpus": corpus_name, "steps": steps,
+              "rows": [dict(zip(["mechanism", "bpc", "attention_flops_per_token", "flops_vs_full",
+                                 "train_seconds"], row, strict=True)) for row in rows]}
+    return write_result(out_dir, result, markdown)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from routeformer.data.digits import NUM_CLASSES, ImageSplit, load_digits
-from routeformer.experiments.common import log, run_key
+from routeformer.experiments.common import lm_comparison, log, run_key
 from routeformer.experiments.registry import register_experiment
 from routeformer.experiments.report import cached_run, line_plot, markdown_table, provenance, write_result
 from routeformer.models.config import ModelConfig
@@ -369,25 +369,12 @@ LM_VARIANTS = {
 
 @register_experiment("mita-lm", "char-level LM on WikiText-2 text at T=512: causal MiTA vs full vs local")
 def lm(out_dir: Path, quick: bool) -> Path:
-    from routeformer.experiments.common import run_lm_variants
-
     steps = 60 if quick else 300
-    corpus_name, records = run_lm_variants(out_dir, "mita-lm", LM_VARIANTS, steps)
-    full_flops = records["full"]["final"]["attention_flops_per_token"]
-    rows = [[name, r["final"]["bpc"], r["final"]["attention_flops_per_token"],
-             r["final"]["attention_flops_per_token"] / full_flops, round(r["train_seconds"], 1)]
-            for name, r in records.items()]
-    markdown = "\n\n".join([
-        "# mita-lm: the causal variant on a character-level LM at T = 512",
-        provenance(f"routeformer reproduce mita-lm{' --quick' if quick else ''}"),
-        f"Corpus: {corpus_name}. Model: 2 layers, D=128, 4 heads, rotary positions; {steps} steps of "
-        "batch 16 x 512, AdamW lr 3e-3, one seed; bits per character on the evaluation split. Causal "
-        "MiTA with m landmarks cuts the sequence into m blocks (512/m tokens): each query reads the "
-        "landmarks and one routed expert of earlier blocks plus its own block exactly. The paper has "
-        "no causal variant and no language-model result.",
-        markdown_table(["mechanism", "bits/char", "attention FLOPs/token", "vs full", "train s"], rows),
-    ])
-    result = {"corpus": corpus_name, "steps": steps,
-              "rows": [dict(zip(["mechanism", "bpc", "attention_flops_per_token", "flops_vs_full",
-                                 "train_seconds"], row, strict=True)) for row in rows]}
-    return write_result(out_dir, result, markdown)
+    return lm_comparison(
+        out_dir, "mita-lm", LM_VARIANTS, steps, quick=quick,
+        title="# mita-lm: the causal variant on a character-level LM at T = 512",
+        description=f"Model: 2 layers, D=128, 4 heads, rotary positions; {steps} steps of batch 16 x 512, "
+        "AdamW lr 3e-3, one seed; bits per character on the evaluation split. Causal MiTA with m "
+        "landmarks cuts the sequence into m blocks (512/m tokens): each query reads the landmarks and "
+        "one routed expert of earlier blocks plus its own block exactly. The paper has no causal "
+        "variant and no language-model result.")

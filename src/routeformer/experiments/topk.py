@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from routeformer.data.mqar import MQARConfig, mqar_batch
+from routeformer.experiments.common import lm_comparison, run_key
 from routeformer.experiments.common import log as _log
-from routeformer.experiments.common import run_key, run_lm_variants
 from routeformer.experiments.registry import register_experiment
 from routeformer.experiments.report import (
     cached_run,
@@ -182,19 +182,9 @@ LM_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 @register_experiment("topk-lm", "char-level LM on WikiText-2 text at T=512: topk vs full vs local")
 def lm(out_dir: Path, quick: bool) -> Path:
     steps = 60 if quick else 600
-    corpus_name, records = run_lm_variants(out_dir, "topk-lm", LM_VARIANTS, steps)
-    rows = [[name, r["final"]["bpc"], r["final"]["attention_flops_per_token"],
-             r["final"]["attention_flops_per_token"] / records["full"]["final"]["attention_flops_per_token"],
-             round(r["train_seconds"], 1)] for name, r in records.items()]
-    markdown = "\n\n".join([
-        "# topk-lm: character-level LM at T = 512",
-        provenance(f"routeformer reproduce topk-lm{' --quick' if quick else ''}"),
-        f"Corpus: {corpus_name}. Model: 2 layers, D=128, 4 heads, learned positions; {steps} steps of "
-        "batch 16 x 512, AdamW lr 3e-3, one seed. Bits per character on the whole evaluation split. "
-        "Attention FLOPs are those executed (topk at T=512 runs its dense masked path: `dense_below`).",
-        markdown_table(["mechanism", "bits/char", "attention FLOPs/token", "vs full", "train s"], rows),
-    ])
-    result = {"corpus": corpus_name, "steps": steps,
-              "rows": [dict(zip(["mechanism", "bpc", "attention_flops_per_token", "flops_vs_full",
-                                 "train_seconds"], row, strict=True)) for row in rows]}
-    return write_result(out_dir, result, markdown)
+    return lm_comparison(
+        out_dir, "topk-lm", LM_VARIANTS, steps, quick=quick,
+        title="# topk-lm: character-level LM at T = 512",
+        description=f"Model: 2 layers, D=128, 4 heads, learned positions; {steps} steps of batch 16 x 512, "
+        "AdamW lr 3e-3, one seed. Bits per character on the whole evaluation split. Attention FLOPs are "
+        "those executed (topk at T=512 runs its dense masked path: `dense_below`).")
