@@ -118,6 +118,13 @@ def test_causal_first_block_is_exact_causal_attention():
     torch.testing.assert_close(out[:, :, :6], first)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_sequences_shorter_than_the_landmark_count_work(causal):
+    # Generation starts from short prompts: E > N gives one-token windows (causal: N blocks of 1).
+    q, k, v = qkv(length=5)
+    assert_matches_reference(q, k, v, landmarks=25, topk=25, causal=causal, pack=2)
+
+
 def test_flops_grow_linearly_and_stay_below_full_attention():
     flops = {}
     for length in (512, 2048):
@@ -137,7 +144,6 @@ def test_expert_load_is_a_distribution_over_experts():
     ("options", "message"),
     [
         ({"landmarks": 0}, "landmarks must be a positive integer"),
-        ({"landmarks": 30}, "landmarks .30. must be at most"),
         ({"topk": -1}, "topk must be an integer >= 0"),
         ({"route": 0}, "route must be a positive integer"),
         ({"grid": (4, 4)}, "grid .4, 4. holds 16 tokens"),

@@ -101,8 +101,6 @@ def check_mita_args(
         if rows > grid[0] or cols > grid[1]:
             raise ValueError(f"landmarks={landmarks} pools to a {rows}x{cols} grid, larger than the "
                              f"{grid[0]}x{grid[1]} token grid")
-    elif landmarks > pooled:
-        raise ValueError(f"landmarks ({landmarks}) must be at most the number of pooled tokens ({pooled})")
 
 
 # -- landmarks ----------------------------------------------------------------------------------
