@@ -421,13 +421,14 @@ def mita_attention(
     # Landmark scores: the keys of each expert and the landmark values share them (Eqs. 6-8).
     landmark_scores = (landmark * scale) @ k.transpose(-1, -2)  # [B, H, E, N]
     allowed = _landmark_key_allowed(length, block, experts, causal, mask, q.device)
-    lowest = torch.finfo(q.dtype).min
     if allowed is not None:
-        landmark_scores = landmark_scores.masked_fill(~allowed, lowest)
+        landmark_scores = landmark_scores.masked_fill(~allowed, MASKED)
     flops = batch * heads * dense_attention_flops(experts * length, dim, v.shape[-1])
     landmark_values = landmark_scores.softmax(dim=-1) @ v  # [B, H, E, e]
 
     eligible = _expert_eligible(length, block, landmark_valid, causal)  # broadcasts to [B, H, N, E]
+    if bool(eligible.all()):
+        eligible = None  # every query may use every landmark: no masking anywhere below
     width = min(topk, length)
     routes = min(route, experts)
     fused = width > 0 and routes == 1 and not causal
@@ -435,8 +436,7 @@ def mita_attention(
     if shared and not fused:
         # The kernel recomputes q·Lᵀ next to the routing logits: cheaper on CPU than a
         # materialised softmax over the routing logits (Eq. 9's reuse), and counted as executed.
-        eligible_or_all = None if bool(eligible.all()) else eligible
-        parts.append(_attend(q, landmark, landmark_values, eligible_or_all, scale))
+        parts.append(_attend(q, landmark, landmark_values, eligible, scale))
         flops += batch * heads * dense_attention_flops(length * experts, dim, v.shape[-1])
 
     counts = torch.zeros(batch * heads * experts, dtype=torch.long, device=q.device)
@@ -444,14 +444,14 @@ def mita_attention(
         top = landmark_scores.topk(width, dim=-1)
         expert_valid = None
         if allowed is not None:
-            expert_valid = (top.values > lowest / 2) & landmark_valid[:, None, :, None]
+            expert_valid = (top.values > MASKED / 2) & landmark_valid[:, None, :, None]
         expert_keys, expert_values = _gather_experts(k, v, top.indices)
         query_logits = q @ (landmark * scale).transpose(-1, -2)  # routing logits [B, H, N, E]
         flops += batch * heads * 2 * length * experts * dim
-        if not bool(eligible.all()):
-            query_logits = query_logits.masked_fill(~eligible, lowest)
+        if eligible is not None:
+            query_logits = query_logits.masked_fill(~eligible, MASKED)
         routed = query_logits.topk(routes, dim=-1)
-        slot_valid = routed.values > lowest / 2
+        slot_valid = routed.values > MASKED / 2
         if fused:
             landmark_ok = None if bool(landmark_valid.all()) else landmark_valid
             out, fused_flops, counts = _fused_single_route(
@@ -527,8 +527,3 @@ def mita_reference(
     logits = torch.cat([shared_logits, key_logits], dim=-1)
     weights = torch.nan_to_num(logits.softmax(-1))
     return weights @ torch.cat([landmark_values, v.expand(batch, heads, length, -1)], dim=2)
-
-
-def mita_flops_dense(batch: int, heads: int, length: int, head_dim: int) -> int:
-    """FLOPs of full attention over the same N (what MiTA is compared with)."""
-    return batch * heads * dense_attention_flops(length * length, head_dim)
