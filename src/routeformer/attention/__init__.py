@@ -7,6 +7,7 @@ from routeformer.attention.gated import GatedAttention
 from routeformer.attention.linear import LinearAttention
 from routeformer.attention.local import LocalAttention
 from routeformer.attention.meta import MetaAttention
+from routeformer.attention.meta_tokens import MetaTokensAttention
 from routeformer.attention.mita import MitaAttention
 from routeformer.attention.multihop import MultihopAttention
 from routeformer.attention.registry import (
@@ -26,6 +27,7 @@ __all__ = [
     "LinearAttention",
     "LocalAttention",
     "MetaAttention",
+    "MetaTokensAttention",
     "MitaAttention",
     "MultihopAttention",
     "TopKAttention",

@@ -27,6 +27,13 @@ class ModelConfig:
     dropout: float = 0.0
     causal: bool = True
     tie_embeddings: bool = True
+    # Meta-tokens (data/meta_tokens.py): the `_PAUSE_` id, whose positions the backbone hands to
+    # layers that read them (meta_tokens); None = no meta-tokens. The zero_* switches drop the
+    # positional encoding at meta positions (learned: no position embedding added; rotary: identity
+    # rotation) in training and in evaluation, independently; flip them on a built model's config.
+    meta_token_id: int | None = None
+    zero_meta_positions_train: bool = False
+    zero_meta_positions_eval: bool = False
     # Sequence classification head only.
     num_classes: int = 2
     pooling: str = "mean"
@@ -42,6 +49,11 @@ class ModelConfig:
             raise ValueError(f"model.dropout must be in [0, 1); got {self.dropout!r}")
         if not self.mlp_ratio > 0:
             raise ValueError(f"model.mlp_ratio must be > 0; got {self.mlp_ratio!r}")
+        if self.meta_token_id is not None and not 0 <= self.meta_token_id < self.vocab_size:
+            raise ValueError(f"model.meta_token_id must be in [0, vocab_size={self.vocab_size}) or None; "
+                             f"got {self.meta_token_id!r}")
+        if self.meta_token_id is None and (self.zero_meta_positions_train or self.zero_meta_positions_eval):
+            raise ValueError("model.zero_meta_positions_train/eval need model.meta_token_id")
         layers = self.layer_attention()
         if len(layers) != self.depth:
             raise ValueError(

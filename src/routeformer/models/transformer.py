@@ -47,8 +47,9 @@ class Block(nn.Module):
         self.mlp = MLP(config.dim, config.mlp_ratio, config.dropout)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, h: Tensor, mask: Tensor | None, positions: Tensor):
-        result = self.attention(self.attention_norm(h), mask=mask, positions=positions)
+    def forward(self, h: Tensor, mask: Tensor | None, positions: Tensor, meta_mask: Tensor | None = None):
+        extra = {"meta_mask": meta_mask} if getattr(self.attention, "reads_meta_mask", False) else {}
+        result = self.attention(self.attention_norm(h), mask=mask, positions=positions, **extra)
         h = h + self.dropout(result.out)
         h = h + self.mlp(self.mlp_norm(h))
         return h, result
@@ -69,25 +70,38 @@ class Transformer(nn.Module):
 
     def forward(
         self, tokens: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None,
-        inputs_embeds: Tensor | None = None,
+        inputs_embeds: Tensor | None = None, meta_mask: Tensor | None = None,
     ) -> BackboneOutput:
-        """tokens long [B, T] (or `inputs_embeds` [B, T, D]) -> hidden states and aux loss."""
+        """tokens long [B, T] (or `inputs_embeds` [B, T, D]) -> hidden states and aux loss.
+
+        `meta_mask` [B, T] marks meta-tokens; by default, where tokens == config.meta_token_id.
+        """
         h = self.token_embedding(tokens) if inputs_embeds is None else inputs_embeds
         batch, length, _ = h.shape
         if positions is None:
             positions = torch.arange(length, device=h.device).expand(batch, length)
+        if meta_mask is None and self.config.meta_token_id is not None and inputs_embeds is None:
+            meta_mask = tokens == self.config.meta_token_id
+        zero_meta = meta_mask is not None and (
+            self.config.zero_meta_positions_train if self.training else self.config.zero_meta_positions_eval)
+        layer_positions = positions
+        if zero_meta and self.config.positions == "rotary":
+            layer_positions = positions.masked_fill(meta_mask, 0)  # angle 0: the identity rotation
         if self.position_embedding is not None:
             if length > self.config.max_seq_len or int(positions.max()) >= self.config.max_seq_len:
                 raise ValueError(
                     f"learned positions go up to model.max_seq_len={self.config.max_seq_len}; "
                     f"got positions up to {int(positions.max())}"
                 )
-            h = h + self.position_embedding(positions)
+            position_embedding = self.position_embedding(positions)
+            if zero_meta:
+                position_embedding = position_embedding.masked_fill(meta_mask[..., None], 0.0)
+            h = h + position_embedding
         h = self.dropout(h)
         aux_loss = h.new_zeros(())
         stats = []
         for block in self.blocks:
-            h, result = block(h, mask, positions)
+            h, result = block(h, mask, layer_positions, meta_mask)
             aux_loss = aux_loss + result.aux_loss
             stats.append(result.stats)
         return BackboneOutput(self.final_norm(h), aux_loss, stats)

@@ -1,0 +1,73 @@
+"""Meta-token injection and loss masking ("Language Modeling with Learned Meta-Tokens", Shah et al.,
+arXiv 2509.16278).
+
+During pre-training the paper inserts the reserved token `_PAUSE_` at random positions at
+density 0.1. The model reads meta-tokens but is never asked to predict one: a target that is a
+meta-token gets label -100 (IGNORE_INDEX). The token after a meta-token is still predicted — from
+the meta-token's position.
+
+Our rule for a window of `seq_len` slots at density ρ: m = round(ρ · seq_len) slots, drawn
+uniformly without replacement per sequence (seeded), hold `_PAUSE_`; the other seq_len − m slots
+hold consecutive real tokens. The window length (what attention costs) stays seq_len; each window
+carries ρ fewer real tokens than a plain one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from routeformer.models.heads import IGNORE_INDEX
+
+DEFAULT_DENSITY = 0.1
+
+
+def check_density(name: str, density: float) -> float:
+    if not 0.0 <= density < 1.0:
+        raise ValueError(f"{name} must be in [0, 1) (the fraction of slots that hold a meta-token); "
+                         f"got {density!r}")
+    return float(density)
+
+
+def meta_count(seq_len: int, density: float) -> int:
+    """How many of `seq_len` slots hold a meta-token at `density` (at most seq_len - 1)."""
+    check_density("density", density)
+    return min(round(density * seq_len), seq_len - 1)
+
+
+def inject_meta_tokens(
+    windows: Tensor, seq_len: int, *, meta_id: int, density: float = DEFAULT_DENSITY,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Inject meta-tokens into windows of real tokens.
+
+    `windows` [B, n + 1]: consecutive real tokens, n = seq_len - meta_count(seq_len, density) (the
+    extra last token is the target of the window's last slot). Returns (inputs [B, seq_len],
+    labels [B, seq_len]): labels[t] is the next slot's token, or -100 where that token is a
+    meta-token.
+    """
+    batch = windows.shape[0]
+    meta = meta_count(seq_len, density)
+    real = seq_len - meta
+    if windows.dim() != 2 or windows.shape[1] != real + 1:
+        raise ValueError(f"windows must have shape [B, {real + 1}] (seq_len - meta-tokens + 1) for "
+                         f"seq_len={seq_len}, density={density}; got {tuple(windows.shape)}")
+    if bool((windows == meta_id).any()):
+        raise ValueError(f"windows already contain the meta-token id {meta_id}")
+    is_meta = torch.zeros(batch, seq_len + 1, dtype=torch.bool)
+    if meta:
+        slots = torch.rand(batch, seq_len, generator=generator).argsort(dim=1)[:, :meta]
+        is_meta[:, :seq_len].scatter_(1, slots, True)
+    stream = torch.full((batch, seq_len + 1), meta_id, dtype=windows.dtype)
+    stream[~is_meta] = windows.reshape(-1)  # each row has exactly real + 1 real slots, in order
+    return stream[:, :-1], meta_labels(stream[:, 1:], meta_id)
+
+
+def meta_labels(targets: Tensor, meta_id: int) -> Tensor:
+    """Next-token targets with every meta-token target replaced by -100 (no loss on predicting one)."""
+    return targets.masked_fill(targets == meta_id, IGNORE_INDEX)
+
+
+def real_windows_per_sequence(seq_len: int, density: float) -> int:
+    """Real tokens per injected window of `seq_len` slots (plus one for the last target)."""
+    return seq_len - meta_count(seq_len, density) + 1

@@ -1,0 +1,166 @@
+"""Meta-attention among meta-token positions (Shah et al., "Language Modeling with Learned
+Meta-Tokens", arXiv 2509.16278), packed.
+
+Axes: B batch, H heads, T length, M packed meta slots (the largest meta count of the batch),
+d head dim.
+
+The layer's output at position i is
+
+    out_i = Attn(q_i; keys j <= i)                              (standard causal attention)
+          + [i is meta] · g_i · Attn(q'_i; meta keys j <= i)    (meta-attention)
+
+where g_i is 1 ("add", the paper's combination) or a learned gate, and q', k', v' are the meta-
+attention's projections (the standard ones when shared). The paper builds the meta-attention with
+a dense T×T mask (meta & meta & causal) and pays ≈1.11× plain attention. We gather the meta
+positions of each sequence into M packed slots, run causal attention among them (O(M²), M ≈ 0.1·T)
+and scatter the result back onto the standard output.
+
+Packing: a stable sort puts each sequence's meta positions first, in order; sequences with fewer
+than M meta-tokens fill their tail with padding slots. Under the causal rule a real slot only reads
+slots before it — all real — so one causal SDPA call over the packed slots needs no padding mask;
+padding slots are dropped (multiplied by 0) when scattering. Non-causal meta-attention masks the
+padding keys.
+
+`meta_token_attention_reference` writes the definition with dense scores; `meta_token_attention_dense_mask`
+is the paper's implementation (two SDPA calls, the second with a T×T mask), kept for the benchmark.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from routeformer.ops._checks import check_qkv
+from routeformer.ops.flops import dense_attention_flops
+from routeformer.ops.full import (
+    allowed_keys,
+    full_attention,
+    full_attention_flops,
+    full_attention_reference,
+    masked_attention_reference,
+    sdpa_allowed,
+)
+
+
+@dataclass
+class MetaPacking:
+    """Where each sequence's meta-tokens are: `index` [B, M] long (sequence positions, meta first in
+    order, then filler positions), `valid` [B, M] bool (True on meta slots), `counts` [B]."""
+
+    index: Tensor
+    valid: Tensor
+    counts: Tensor
+
+    @property
+    def width(self) -> int:
+        return self.index.shape[1]
+
+
+def pack_meta_positions(meta: Tensor, mask: Tensor | None = None) -> MetaPacking:
+    """Pack the meta positions of bool `meta` [B, T] (padding positions, mask False, never count)."""
+    if meta.dtype != torch.bool or meta.dim() != 2:
+        raise ValueError(f"meta must be a bool tensor [B, T] (True at meta-tokens); got "
+                         f"{meta.dtype} {tuple(meta.shape)}")
+    if mask is not None:
+        meta = meta & mask
+    counts = meta.sum(dim=1)
+    width = int(counts.max()) if meta.numel() else 0
+    # A stable sort of (not meta) keeps meta positions first and in sequence order.
+    index = torch.sort((~meta).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+    valid = torch.arange(width, device=meta.device) < counts[:, None]
+    return MetaPacking(index, valid, counts)
+
+
+def gather_rows(t: Tensor, index: Tensor) -> Tensor:
+    """t [B, H, T, d] (or [B, T, D]) at positions index [B, M] -> [B, H, M, d] (or [B, M, D])."""
+    if t.dim() == 3:
+        return t.gather(1, index[..., None].expand(-1, -1, t.shape[-1]))
+    batch, heads, _, dim = t.shape
+    return t.gather(2, index[:, None, :, None].expand(batch, heads, index.shape[1], dim))
+
+
+def scatter_add_rows(base: Tensor, rows: Tensor, packing: MetaPacking) -> Tensor:
+    """base [B, H, T, d] plus the valid packed `rows` [B, H, M, d] at their positions (out of place)."""
+    batch, heads, width, dim = rows.shape
+    rows = rows * packing.valid[:, None, :, None].to(rows.dtype)
+    index = packing.index[:, None, :, None].expand(batch, heads, width, dim)
+    return base.scatter_add(2, index, rows)
+
+
+def attention_among_meta(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, causal: bool) -> Tensor:
+    """Attention among packed meta slots [B, H, M, d]; padding slots (valid False) come last."""
+    if causal:  # real slots precede padding, so causal order never reads a padding key
+        return full_attention(q, k, v, causal=True)
+    return full_attention(q, k, v, mask=valid)
+
+
+def meta_token_attention(
+    q: Tensor, k: Tensor, v: Tensor, packing: MetaPacking, *, mask: Tensor | None = None,
+    causal: bool = True, meta_qkv: tuple[Tensor, Tensor, Tensor] | None = None,
+    meta_gate: Tensor | None = None,
+) -> Tensor:
+    """Standard attention plus packed meta-attention (module docstring), [B, H, T, d] -> [B, H, T, d].
+
+    `packing` is `pack_meta_positions(meta, mask)`. `meta_qkv`: the meta-attention's own q', k', v'
+    at the packed slots [B, H, M, d] (default: the standard q, k, v gathered). `meta_gate`
+    [B, H, M, 1] multiplies the meta-attention output (default: 1, the paper's "add").
+    """
+    check_qkv(q, k, v, mask, causal=causal)
+    _check_packing(packing, q)
+    out = full_attention(q, k, v, mask=mask, causal=causal)
+    if packing.width == 0:
+        return out
+    if meta_qkv is None:
+        meta_qkv = tuple(gather_rows(t, packing.index) for t in (q, k, v))
+    meta_out = attention_among_meta(*meta_qkv, packing.valid, causal)
+    if meta_gate is not None:
+        meta_out = meta_out * meta_gate
+    return scatter_add_rows(out, meta_out, packing)
+
+
+def meta_token_attention_flops(q: Tensor, packing: MetaPacking, *, masked: bool, causal: bool) -> int:
+    """Executed FLOPs: the standard attention plus attention among the M packed slots."""
+    batch, heads, length, dim = q.shape
+    width = packing.width
+    pairs = width * (width + 1) // 2 if causal else width * width
+    return (full_attention_flops(batch, heads, length, length, dim, causal, masked)
+            + dense_attention_flops(batch * heads * pairs, dim))
+
+
+def meta_token_attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, meta: Tensor, *, mask: Tensor | None = None, causal: bool = True,
+    meta_qkv: tuple[Tensor, Tensor, Tensor] | None = None, meta_gate: Tensor | None = None,
+) -> Tensor:
+    """The specification, dense: standard attention plus, at meta rows, attention over the meta keys
+    the causal rule allows. `meta_qkv` and `meta_gate` ([B, H, T, 1]) are full-length here."""
+    standard = full_attention_reference(q, k, v, mask=mask, causal=causal)
+    meta = meta if mask is None else meta & mask
+    allowed = meta[:, None, :, None] & meta[:, None, None, :]
+    if causal:
+        allowed = allowed & torch.ones_like(allowed[0, 0]).tril()
+    meta_out = masked_attention_reference(*(meta_qkv or (q, k, v)), allowed)  # 0 on non-meta rows
+    if meta_gate is not None:
+        meta_out = meta_out * meta_gate
+    return standard + meta_out
+
+
+def meta_token_attention_dense_mask(
+    q: Tensor, k: Tensor, v: Tensor, meta: Tensor, *, mask: Tensor | None = None, causal: bool = True,
+) -> Tensor:
+    """The paper's implementation (shared projections, "add"): a second SDPA call over all T
+    queries and keys with a dense meta mask. Same result as `meta_token_attention`; kept to
+    measure what packing saves."""
+    out = full_attention(q, k, v, mask=mask, causal=causal)
+    meta = meta if mask is None else meta & mask
+    allowed = allowed_keys(q.shape[0], q.shape[2], meta, causal, q.device) & meta[:, None, :, None]
+    return out + sdpa_allowed(q, k, v, allowed)
+
+
+def _check_packing(packing: MetaPacking, q: Tensor) -> None:
+    if packing.index.dim() != 2 or packing.index.shape[0] != q.shape[0]:
+        raise ValueError(f"packing must come from a meta mask of batch {q.shape[0]}; got index "
+                         f"{tuple(packing.index.shape)}")
+    if packing.width and int(packing.index.max()) >= q.shape[2]:
+        raise ValueError(f"packing indexes positions beyond the sequence length {q.shape[2]}")
