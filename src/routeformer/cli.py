@@ -4,7 +4,7 @@
     routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N]
     routeformer sample RUN_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
     routeformer list
-    routeformer bench ops|topk|structural|meta|mita [--lengths 1024 4096 16384] [--repeats 5] [--window 256]
+    routeformer bench ops|topk|structural|meta|mita|meta_tokens [--lengths 1024 4096 16384] [--repeats 5] [--window 256]
                       [--output FILE]
     routeformer reproduce NAME [--quick] [--out DIR]      (routeformer reproduce --list)
 """
@@ -114,6 +114,12 @@ def command_bench(args: argparse.Namespace) -> int:
         return _bench_mita(args, settings)
     print(TABLE_HEADER, flush=True)
     ops = None
+    if args.suite == "meta_tokens":
+        from routeformer.bench.meta_tokens_bench import meta_tokens_op_table
+
+        ops = meta_tokens_op_table(args.batch, args.density)
+        settings.update(density=args.density)
+        settings.pop("window")
     if args.suite == "topk":
         from routeformer.bench.topk_bench import topk_op_table
 
@@ -240,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("list", help="list the registered attention mechanisms and their options")
 
     bench = commands.add_parser("bench", help="speed and memory benchmarks")
-    bench.add_argument("suite", choices=["ops", "topk", "structural", "meta", "mita"])
+    bench.add_argument("suite", choices=["ops", "topk", "structural", "meta", "mita", "meta_tokens"])
     bench.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--window", type=int, default=256)
@@ -253,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sdpa-up-to", type=int, default=65536, help="mita suite: longest T timed for SDPA")
     bench.add_argument("--causal-up-to", type=int, default=65536, help="mita suite: longest causal T")
     bench.add_argument("--routing-dim", type=int, default=16, help="topk suite: routing dim")
+    bench.add_argument("--density", type=float, default=0.1, help="meta_tokens suite: meta-token density")
     bench.add_argument("--output", default=None, help="write a Markdown table (and JSON beside it)")
 
     reproduce = commands.add_parser("reproduce", help="run a reproduced paper experiment")
