@@ -92,3 +92,18 @@ def test_overrides_and_their_errors():
         load_config(None, ["--train.bogus", "3"])
     with pytest.raises(ValueError, match="needs a value"):
         load_config(None, ["--steps"])
+
+
+def test_meta_token_run_resumes_exactly_and_scores_real_characters_only(tmp_path):
+    meta = ["--model.attention", "meta_tokens", "--data.meta_density", "0.2"]
+    whole = train(tiny_config(tmp_path / "whole", *meta), quiet=True)
+    assert whole.model.config.meta_token_id == whole.vocab.pause_id
+    with pytest.raises(Crash):
+        train(tiny_config(tmp_path / "split", *meta), after_step=stop_at(7, Crash()), quiet=True)
+    resumed = train(tiny_config(tmp_path / "split", *meta), quiet=True)
+    assert_same_parameters(whole.model, resumed.model)
+    plain = train(tiny_config(tmp_path / "plain"), quiet=True)
+    # Windows hold 26 real characters + 6 meta-tokens; the loss counts only real targets, so both
+    # runs score (about) every character of the validation text once.
+    assert whole.final_eval["tokens"] % 32 != 0
+    assert 0.98 < whole.final_eval["tokens"] / plain.final_eval["tokens"] < 1.02

@@ -16,6 +16,9 @@ from routeformer.ops._checks import check_positive
 class DataConfig:
     corpus: str = "pydoc"  # see routeformer.data.corpora
     seq_len: int = 128
+    # Meta-tokens: the fraction of each window's slots that hold an injected `_PAUSE_` (training and
+    # evaluation; no loss on predicting one). 0 = none. See data/meta_tokens.py.
+    meta_density: float = 0.0
 
 
 @dataclass
@@ -49,6 +52,9 @@ class RunConfig:
         for name in ("steps", "batch_size", "eval_every", "eval_tokens", "checkpoint_every", "log_every"):
             check_positive(f"train.{name}", getattr(self.train, name))
         check_positive("data.seq_len", self.data.seq_len)
+        from routeformer.data.meta_tokens import check_density
+
+        check_density("data.meta_density", self.data.meta_density)
         if not self.train.lr > 0:
             raise ValueError(f"train.lr must be > 0; got {self.train.lr!r}")
         if not 0 <= self.train.min_lr_ratio <= 1:

@@ -8,21 +8,34 @@ import torch
 from torch import Tensor
 
 from routeformer.data.batches import sequential_batches
-from routeformer.models.heads import CausalLM
+from routeformer.data.meta_tokens import inject_meta_tokens, real_windows_per_sequence
+from routeformer.models.heads import IGNORE_INDEX, CausalLM
 
 
 @torch.no_grad()
 def evaluate_lm(
-    model: CausalLM, ids: Tensor, *, seq_len: int, batch_size: int, max_tokens: int | None = None
+    model: CausalLM, ids: Tensor, *, seq_len: int, batch_size: int, max_tokens: int | None = None,
+    meta_density: float = 0.0, meta_id: int | None = None,
 ) -> dict[str, float]:
-    """Mean next-token loss over non-overlapping windows of `ids` (at most `max_tokens`)."""
+    """Mean next-token loss over non-overlapping windows of `ids` (at most `max_tokens`).
+
+    With `meta_density` > 0, each window of seq_len slots holds meta-tokens `meta_id` at seeded
+    positions (the same on every call) and the loss covers the real tokens only.
+    """
     was_training = model.training
     model.eval()
     total_loss, total_tokens, flops = 0.0, 0, 0.0
-    for inputs, labels in sequential_batches(ids, batch_size, seq_len, max_tokens):
+    injection = torch.Generator().manual_seed(0)
+    real_len = real_windows_per_sequence(seq_len, meta_density) - 1
+    for inputs, labels in sequential_batches(ids, batch_size, real_len, max_tokens):
+        if meta_density > 0:
+            windows = torch.cat([inputs, labels[:, -1:]], dim=1)
+            inputs, labels = inject_meta_tokens(windows, seq_len, meta_id=meta_id, density=meta_density,
+                                                generator=injection)
         result = model(inputs, labels)
-        total_loss += result.loss.item() * labels.numel()
-        total_tokens += labels.numel()
+        counted = int((labels != IGNORE_INDEX).sum())
+        total_loss += result.loss.item() * counted
+        total_tokens += counted
         flops += sum(float(layer.get("flops", 0.0)) for layer in result.stats)
     model.train(was_training)
     loss = total_loss / total_tokens

@@ -20,6 +20,7 @@ import yaml
 
 from routeformer.data.batches import random_batch
 from routeformer.data.corpora import load_corpus
+from routeformer.data.meta_tokens import inject_meta_tokens, real_windows_per_sequence
 from routeformer.data.vocab import CharVocab
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import CausalLM
@@ -76,6 +77,9 @@ def train(
     model_values = {**config.model.to_dict(), "vocab_size": len(vocab)}
     if config.model.positions == "learned":
         model_values["max_seq_len"] = max(config.model.max_seq_len, config.data.seq_len)
+    density = config.data.meta_density
+    if density > 0:
+        model_values["meta_token_id"] = vocab.pause_id
     config.model = ModelConfig.from_dict(model_values)
     train_ids, val_ids = vocab.encode(corpus.train), vocab.encode(corpus.val)
 
@@ -114,6 +118,7 @@ def train(
         })
 
     settings = config.train
+    meta_eval = {"meta_density": density, "meta_id": vocab.pause_id} if density > 0 else {}
     step = start
     began = time.perf_counter()
     model.train()
@@ -123,7 +128,8 @@ def train(
                                  total_steps=settings.steps, min_lr_ratio=settings.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = rate
-            inputs, labels = random_batch(train_ids, settings.batch_size, config.data.seq_len, data_generator)
+            inputs, labels = training_batch(train_ids, settings.batch_size, config.data.seq_len, density,
+                                            vocab, data_generator)
             result = model(inputs, labels)
             optimizer.zero_grad(set_to_none=True)
             result.total_loss.backward()
@@ -135,7 +141,8 @@ def train(
             _after_update(step, settings, result, rate, grad_norm, inputs.numel(), log, progress,
                           quiet, lambda: evaluate_lm(model, val_ids, seq_len=config.data.seq_len,
                                                      batch_size=settings.batch_size,
-                                                     max_tokens=settings.eval_tokens))
+                                                     max_tokens=settings.eval_tokens,
+                                                     **meta_eval))
             if step % settings.checkpoint_every == 0 or step == settings.steps:
                 checkpoint(step)
             if after_step is not None:
@@ -147,7 +154,8 @@ def train(
         raise
     train_seconds = time.perf_counter() - began
 
-    final = evaluate_lm(model, val_ids, seq_len=config.data.seq_len, batch_size=settings.batch_size)
+    final = evaluate_lm(model, val_ids, seq_len=config.data.seq_len, batch_size=settings.batch_size,
+                        **meta_eval)
     log.write({"step": step, "final": True, **{f"val_{k}": v for k, v in final.items()}})
     if not quiet:
         progress.message(
@@ -155,6 +163,19 @@ def train(
             f"bits per character {final['bpc']:.4f}, perplexity {final['ppl']:.3f}"
         )
     return TrainResult(step, final, model, vocab, out_dir, train_seconds)
+
+
+def training_batch(
+    ids: torch.Tensor, batch_size: int, seq_len: int, meta_density: float, vocab: CharVocab,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows of seq_len slots; with meta_density > 0, meta-tokens injected (no loss on them)."""
+    if meta_density == 0:
+        return random_batch(ids, batch_size, seq_len, generator)
+    real = real_windows_per_sequence(seq_len, meta_density) - 1
+    inputs, labels = random_batch(ids, batch_size, real, generator)
+    return inject_meta_tokens(torch.cat([inputs, labels[:, -1:]], dim=1), seq_len, meta_id=vocab.pause_id,
+                              density=meta_density, generator=generator)
 
 
 def _after_update(

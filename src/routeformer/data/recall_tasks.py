@@ -1,0 +1,163 @@
+"""The synthetic recall tasks of "Language Modeling with Learned Meta-Tokens" (Shah et al., 2025):
+List Recall, Segment Counting, Parity and Copying, seeded, with disjoint train/test streams.
+
+Every task is a sequence of `segments` segments followed by `queries` questions; with `meta=True`
+a meta-token `_PAUSE_` (written P) closes every segment — the task-specific injection at segment
+boundaries. Segment names K come from a pool of 32 (distinct within a sequence), so a longer
+sequence (more segments: the length-generalisation test) uses no token unseen in training.
+
+Exact formats (n = segment_length, one token per symbol; "=" is where the answer is asked):
+
+- **list_recall**: segments `K [ a_1 … a_n ] P`, items a from 64 symbols; each query
+  `? K j = a_j` asks for the item at index j (0-based, a number token) of list K.
+- **segment_counting**: segments `K [ a_1 … a_n ] P`, items from 4 symbols; each query
+  `? K s = c` asks how many times symbol s occurs in segment K (c a number token).
+- **parity**: segments `K [ b_1 … b_n ] P`, bits 0/1 (number tokens); each query `? K = p` asks
+  for the parity of the 1s of segment K.
+- **copying**: `segments` segments `[ a_1 … a_n ] P` of items, one of them marked `< a_1 … a_n > P`
+  instead; then `? =` and the marked items: `? = a_1 … a_n`. Every answer token is asked
+  (teacher forcing: the model sees the earlier answer tokens).
+
+Labels: -100 everywhere except where the next token is an answer token, whose label it is (the
+next-token rule of a CausalLM). Without meta-tokens the same sequences are generated, minus P.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from routeformer.models.heads import IGNORE_INDEX
+from routeformer.ops._checks import check_positive
+
+PAD, PAUSE, OPEN, CLOSE, QUERY, ANSWER, MARK_OPEN, MARK_CLOSE = range(8)
+SPECIAL_NAMES = ("<pad>", "_PAUSE_", "[", "]", "?", "=", "<", ">")
+NUMBER_BASE, NUMBERS = 8, 32  # number tokens 0..31 (indices, counts, bits)
+KEY_BASE, KEYS = NUMBER_BASE + NUMBERS, 32  # segment names
+ITEM_BASE, ITEMS = KEY_BASE + KEYS, 64  # content symbols
+VOCAB_SIZE = ITEM_BASE + ITEMS
+COUNTING_SYMBOLS = 4
+
+TASKS = ("list_recall", "segment_counting", "parity", "copying")
+
+
+@dataclass(frozen=True)
+class RecallTask:
+    name: str = "list_recall"
+    segments: int = 8
+    segment_length: int = 4
+    queries: int = 4  # questions per sequence (copying: always one copy of the marked segment)
+    meta: bool = True
+
+    def __post_init__(self) -> None:
+        if self.name not in TASKS:
+            raise ValueError(f"task name must be one of {TASKS}; got {self.name!r}")
+        for field in ("segments", "segment_length", "queries"):
+            check_positive(field, getattr(self, field))
+        if self.segments > KEYS:
+            raise ValueError(f"segments must be <= {KEYS} (the pool of segment names); got {self.segments}")
+        if self.segment_length >= NUMBERS:
+            raise ValueError(f"segment_length must be < {NUMBERS} (counts are number tokens); "
+                             f"got {self.segment_length}")
+
+    def scaled(self, factor: float) -> RecallTask:
+        """The same task with round(factor · segments) segments (longer sequences)."""
+        return RecallTask(self.name, max(1, round(self.segments * factor)), self.segment_length,
+                          self.queries, self.meta)
+
+    def with_meta(self, meta: bool) -> RecallTask:
+        return RecallTask(self.name, self.segments, self.segment_length, self.queries, meta)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per sequence (every sequence of a task has this length)."""
+        n, meta = self.segment_length, int(self.meta)
+        if self.name == "copying":
+            return self.segments * (n + 2 + meta) + 2 + n - 1
+        query = {"list_recall": 5, "segment_counting": 5, "parity": 4}[self.name]
+        return self.segments * (n + 3 + meta) + self.queries * query - 1
+
+
+def recall_batch(task: RecallTask, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """(inputs [B, T] long, labels [B, T] long) for `task`, T = task.seq_len."""
+    check_positive("batch_size", batch_size)
+    rows = [_sequence(task, random.Random(int(torch.randint(2**62, (1,), generator=generator))))
+            for _ in range(batch_size)]
+    tokens = torch.tensor([row[0] for row in rows], dtype=torch.long)
+    answer = torch.tensor([row[1] for row in rows], dtype=torch.bool)
+    inputs = tokens[:, :-1]
+    labels = tokens[:, 1:].masked_fill(~answer[:, 1:], IGNORE_INDEX)
+    return inputs, labels
+
+
+def split_generator(split: str, seed: int) -> torch.Generator:
+    """The random stream of a split: "train" and "test" never share a seed."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test'; got {split!r}")
+    return torch.Generator().manual_seed(2 * seed + (split == "test"))
+
+
+def _sequence(task: RecallTask, rng: random.Random) -> tuple[list[int], list[bool]]:
+    """One sequence (with its final answer token) and which tokens are answers."""
+    tokens: list[int] = []
+    answer: list[bool] = []
+
+    def emit(values, is_answer=False):
+        for value in values:
+            tokens.append(value)
+            answer.append(is_answer)
+
+    n = task.segment_length
+    pause = [PAUSE] if task.meta else []
+    if task.name == "copying":
+        marked = rng.randrange(task.segments)
+        contents = [[ITEM_BASE + rng.randrange(ITEMS) for _ in range(n)] for _ in range(task.segments)]
+        for index, items in enumerate(contents):
+            opener, closer = (MARK_OPEN, MARK_CLOSE) if index == marked else (OPEN, CLOSE)
+            emit([opener, *items, closer, *pause])
+        emit([QUERY, ANSWER])
+        emit(contents[marked], is_answer=True)
+        return tokens, answer
+    keys = rng.sample(range(KEYS), task.segments)
+    symbols = COUNTING_SYMBOLS if task.name == "segment_counting" else ITEMS
+    contents = []
+    for key in keys:
+        if task.name == "parity":
+            items = [NUMBER_BASE + rng.randrange(2) for _ in range(n)]
+        else:
+            items = [ITEM_BASE + rng.randrange(symbols) for _ in range(n)]
+        contents.append(items)
+        emit([KEY_BASE + key, OPEN, *items, CLOSE, *pause])
+    for _ in range(task.queries):
+        segment = rng.randrange(task.segments)
+        items, key = contents[segment], KEY_BASE + keys[segment]
+        if task.name == "list_recall":
+            index = rng.randrange(n)
+            emit([QUERY, key, NUMBER_BASE + index, ANSWER])
+            emit([items[index]], is_answer=True)
+        elif task.name == "segment_counting":
+            symbol = ITEM_BASE + rng.randrange(COUNTING_SYMBOLS)
+            emit([QUERY, key, symbol, ANSWER])
+            emit([NUMBER_BASE + items.count(symbol)], is_answer=True)
+        else:
+            emit([QUERY, key, ANSWER])
+            emit([NUMBER_BASE + sum(item - NUMBER_BASE for item in items) % 2], is_answer=True)
+    return tokens, answer
+
+
+def decode(ids) -> str:
+    """Readable tokens, e.g. 'K3 [ a7 a1 ] _PAUSE_ ? K3 #0 = a7'."""
+    words = []
+    for token in map(int, ids):
+        if token < NUMBER_BASE:
+            words.append(SPECIAL_NAMES[token])
+        elif token < KEY_BASE:
+            words.append(f"#{token - NUMBER_BASE}")
+        elif token < ITEM_BASE:
+            words.append(f"K{token - KEY_BASE}")
+        else:
+            words.append(f"a{token - ITEM_BASE}")
+    return " ".join(words)
