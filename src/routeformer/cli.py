@@ -4,8 +4,8 @@
     routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N]
     routeformer sample RUN_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
     routeformer list
-    routeformer bench ops|topk|structural|meta|mita|meta_tokens [--lengths 1024 4096 16384] [--repeats 5] [--window 256]
-                      [--output FILE]
+    routeformer bench ops|topk|structural|meta|mita|meta_tokens [--lengths 1024 4096 16384]
+                      [--repeats 5] [--window 256] [--output FILE]
     routeformer reproduce NAME [--quick] [--out DIR]      (routeformer reproduce --list)
 """
 

@@ -121,7 +121,8 @@ def test_flops_count_the_packed_pairs():
     packing = pack_meta_positions(meta)
     m = packing.width
     standard = 4 * B * H * T * (T + 1) // 2 * D
-    assert meta_token_attention_flops(q, packing, masked=False, causal=True) == standard + 4 * B * H * m * (m + 1) // 2 * D
+    among_meta = 4 * B * H * m * (m + 1) // 2 * D
+    assert meta_token_attention_flops(q, packing, masked=False, causal=True) == standard + among_meta
 
 
 def test_bad_meta_mask_is_rejected():

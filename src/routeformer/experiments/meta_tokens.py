@@ -69,7 +69,8 @@ class RecallModelSpec:
                 f"{'-zero' if self.zero_train else ''}-s{self.seed}-{self.steps}")
 
     def recall_task(self, factor: float = 1.0) -> RecallTask:
-        base = RecallTask(self.task, segments=SEGMENTS, segment_length=SEGMENT_LENGTH, queries=4, meta=self.meta)
+        base = RecallTask(self.task, segments=SEGMENTS, segment_length=SEGMENT_LENGTH, queries=4,
+                          meta=self.meta)
         return base.scaled(factor)
 
     def model_config(self) -> ModelConfig:
@@ -192,7 +193,8 @@ def length_accuracy(model: CausalLM, spec: RecallModelSpec, factor: float, zero:
         model.config.zero_meta_positions_eval = previous
 
 
-@register_experiment("meta-tokens-length", "length generalisation 1x/1.5x/2x, positions zeroed at meta-tokens or not")
+@register_experiment("meta-tokens-length",
+                     "length generalisation 1x/1.5x/2x, positions zeroed at meta-tokens or not")
 def run_length(out_dir: Path, quick: bool) -> Path:
     tasks, _, steps = _settings(quick)
     cache = _cache_dir(out_dir)
@@ -222,8 +224,9 @@ def run_length(out_dir: Path, quick: bool) -> Path:
         provenance("routeformer reproduce meta-tokens-length" + (" --quick" if quick else "")), "",
         f"Models trained at {SEGMENTS} segments (1×) for {steps} steps (seed 0), evaluated on "
         f"{TEST_SEQUENCES} test sequences with "
-        + ", ".join(str(round(SEGMENTS * f)) for f in LENGTH_FACTORS) + " segments. Learned positions beyond the training length are "
-        "untrained embeddings (the paper's APE setting); rotary positions extrapolate by construction.",
+        + ", ".join(str(round(SEGMENTS * f)) for f in LENGTH_FACTORS)
+        + " segments. Learned positions beyond the training length are untrained embeddings (the "
+        "paper's APE setting); rotary positions extrapolate by construction.",
         "'meta positions at eval = zeroed': no position embedding (learned) / identity rotation (rotary) "
         "at `_PAUSE_` tokens at inference. The paper: generalisation up to 2× only with zeroing.", "",
         table, "",
@@ -235,9 +238,11 @@ def attention_entropy_at_answers(model: CausalLM, inputs: Tensor) -> float:
     """Mean Shannon entropy (nats) of the standard causal attention rows at the positions that ask
     for an answer (the '=' tokens), over layers and heads."""
     captured: list[tuple[Tensor, Tensor]] = []
-    hooks = [block.attention.register_forward_hook(
-        lambda module, args, kwargs, output: captured.append((args[0], kwargs["positions"])), with_kwargs=True)
-        for block in model.backbone.blocks]
+    def keep_input(module, args, kwargs, output):
+        captured.append((args[0], kwargs["positions"]))
+
+    hooks = [block.attention.register_forward_hook(keep_input, with_kwargs=True)
+             for block in model.backbone.blocks]
     try:
         with torch.no_grad():
             model(inputs)
@@ -257,13 +262,15 @@ def attention_entropy_at_answers(model: CausalLM, inputs: Tensor) -> float:
     return float(torch.stack(entropies).mean())
 
 
-@register_experiment("meta-tokens-sharpening", "attention entropy at answer positions with vs without meta-tokens")
+@register_experiment("meta-tokens-sharpening",
+                     "attention entropy at answer positions with vs without meta-tokens")
 def run_sharpening(out_dir: Path, quick: bool) -> Path:
     tasks, _, steps = _settings(quick)
     cache = _cache_dir(out_dir)
     rows, results = [], {}
     for task in tasks:
-        plain_spec, meta_spec = RecallModelSpec(task, False, steps=steps), RecallModelSpec(task, True, steps=steps)
+        plain_spec = RecallModelSpec(task, False, steps=steps)
+        meta_spec = RecallModelSpec(task, True, steps=steps)
         plain, _ = trained_model(cache, plain_spec)
         meta, _ = trained_model(cache, meta_spec)
         with_meta, _ = recall_batch(meta_spec.recall_task(), 256, split_generator("test", 0))
@@ -323,7 +330,8 @@ def caching_similarity(model: CausalLM, inputs: Tensor, span: int, seed: int = 0
     return results
 
 
-@register_experiment("meta-tokens-caching", "cosine of meta-token states to their segment's mean vs random positions")
+@register_experiment("meta-tokens-caching",
+                     "cosine of meta-token states to their segment's mean vs random positions")
 def run_caching(out_dir: Path, quick: bool) -> Path:
     tasks, _, steps = _settings(quick)
     cache = _cache_dir(out_dir)
@@ -384,13 +392,14 @@ def run_lm(out_dir: Path, quick: bool) -> Path:
 
     steps = 60 if quick else 600
     corpus = "pydoc" if quick else "wikitext2"
-    variants = {"no meta-tokens (full)": ("full", 0.0), "meta-tokens ρ=0.1 (meta_tokens)": ("meta_tokens", 0.1)}
+    variants = {"no meta-tokens (full)": ("full", 0.0),
+                "meta-tokens ρ=0.1 (meta_tokens)": ("meta_tokens", 0.1)}
     rows, records = [], {}
     for name, (mechanism, density) in variants.items():
         key = f"{mechanism}-density{density}"
-        record = cached_run(out_dir, key, lambda mechanism=mechanism, density=density, key=key: run_lm_variant(
-            out_dir / "train" / key, mechanism, {}, steps, corpus, seq_len=256, batch_size=16,
-            meta_density=density))
+        record = cached_run(out_dir, key, lambda mechanism=mechanism, density=density, key=key: (
+            run_lm_variant(out_dir / "train" / key, mechanism, {}, steps, corpus, seq_len=256,
+                           batch_size=16, meta_density=density)))
         records[name] = record
         rows.append([name, record["final"]["bpc"], record["final"]["tokens"], record["train_seconds"]])
     table = markdown_table(["variant", "val bits per real character", "real characters scored",
