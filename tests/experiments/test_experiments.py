@@ -1,3 +1,5 @@
+import json
+
 """Experiment plumbing at toy size: registry, resumable runs, one MQAR cell."""
 
 import pytest
@@ -125,3 +127,55 @@ def test_mita_experiments_are_registered_and_train_at_toy_size(tmp_path):
     settings = {"min_length": 20, "max_length": 40, "train": 16, "test": 8, "steps": 2}
     listops = run_listops_variant("mita", {"landmarks": 4, "topk": 4}, settings, seed=0)
     assert 0.0 <= listops["accuracy"] <= 1.0 and 0.0 < listops["majority_accuracy"] <= 1.0
+
+
+def test_meta_token_experiments_run_at_toy_size_and_share_their_models(tmp_path, monkeypatch):
+    import routeformer.experiments.meta_tokens as meta_tokens
+
+    names = {"meta-tokens-tasks", "meta-tokens-length", "meta-tokens-sharpening", "meta-tokens-caching",
+             "meta-tokens-lm"}
+    assert names <= set(list_experiments())
+    monkeypatch.setattr(meta_tokens, "TEST_SEQUENCES", 8)
+    monkeypatch.setattr(meta_tokens, "_settings", lambda quick: (("copying",), (0,), 2))
+    reports = {}
+    for name in ("tasks", "length", "sharpening", "caching"):
+        out = tmp_path / name
+        out.mkdir()
+        reports[name] = getattr(meta_tokens, f"run_{name}")(out, True).read_text()
+    assert "| copying |" in reports["tasks"] and "acc 2.0x" in reports["length"]
+    models = sorted(p.name for p in (tmp_path / "models" / "meta-tokens").glob("*.pt"))
+    # tasks trains the rotary pair; length adds learned ones and the zero-trained variants.
+    assert len(models) == 6, models
+    length = json.loads((tmp_path / "length" / "result.json").read_text())["results"]
+    assert all(0.0 <= value <= 1.0 for entry in length for value in entry["accuracy"].values())
+
+
+def test_answer_accuracy_and_attention_entropy_measure_what_they_say():
+    from routeformer.data.recall_tasks import ANSWER, RecallTask, recall_batch
+    from routeformer.experiments.meta_tokens import (
+        RecallModelSpec,
+        answer_accuracy,
+        attention_entropy_at_answers,
+        caching_similarity,
+    )
+    from routeformer.models.heads import CausalLM
+
+    spec = RecallModelSpec("list_recall", True)
+    torch.manual_seed(0)
+    model = CausalLM(spec.model_config()).eval()
+    inputs, labels = recall_batch(spec.recall_task(), 6, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(inputs).logits
+    asked = labels != -100
+    expected = (logits[asked].argmax(-1) == labels[asked]).float().mean().item()
+    assert answer_accuracy(model, inputs, labels, batch_size=4) == pytest.approx(expected)
+    # Zero query/key projections: every attention row is uniform, entropy ln(i + 1) at position i.
+    for block in model.backbone.blocks:
+        with torch.no_grad():
+            block.attention.qkv_proj.weight[: 2 * model.config.dim].zero_()
+    positions = (inputs == ANSWER).nonzero()[:, 1].float()
+    uniform_entropy = float(torch.log(positions + 1).mean())
+    assert attention_entropy_at_answers(model, inputs) == pytest.approx(uniform_entropy, rel=1e-5)
+    probe = caching_similarity(model, inputs, span=RecallTask().segment_length + 3)
+    assert len(probe) == model.config.depth
+    assert all(-1.0 <= layer[kind] <= 1.0 for layer in probe for kind in ("meta", "random"))
