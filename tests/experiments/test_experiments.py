@@ -1,6 +1,6 @@
-import json
-
 """Experiment plumbing at toy size: registry, resumable runs, one MQAR cell."""
+
+import json
 
 import pytest
 import torch
