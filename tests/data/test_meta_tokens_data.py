@@ -67,3 +67,16 @@ def test_char_vocab_reserves_pause_and_old_vocabularies_keep_their_ids():
     assert old.encode("hello").tolist() == [2, 1, 3, 3, 4]
     with pytest.raises(ValueError, match="_PAUSE_"):
         _ = old.pause_id
+
+
+def test_task_vocabularies_reserve_a_pause_id_their_data_never_uses():
+    from routeformer.data import listops, recall_tasks
+    from routeformer.data.mqar import MQARConfig, mqar_batch
+
+    config = MQARConfig(seq_len=64, pairs=8, vocab_size=64)
+    inputs, _ = mqar_batch(config, 8, torch.Generator().manual_seed(0))
+    assert config.pause_id == 64 and int(inputs.max()) < config.pause_id
+    examples = listops.generate_listops(4, listops.ListOpsConfig(min_length=10, max_length=60), seed=0)
+    assert all(listops.PAUSE not in tokens for tokens, _ in examples)
+    assert listops.VOCAB_SIZE_WITH_PAUSE == listops.PAUSE + 1
+    assert recall_tasks.SPECIAL_NAMES[recall_tasks.PAUSE] == PAUSE

@@ -7,7 +7,9 @@ becomes an operator with probability `operator_probability` (else a digit), an o
 2..`max_args` arguments, and trees are drawn until their token count lies in
 [min_length, max_length] (LRA: depth <= 10, <= 10 arguments, 500..2000 tokens).
 
-Token ids: 0 padding, 1-10 the digits 0-9, 11-14 the operators, 15 the closing bracket.
+Token ids: 0 padding, 1-10 the digits 0-9, 11-14 the operators, 15 the closing bracket; 16 is
+reserved for the meta-token `_PAUSE_` (never generated; a model that reads meta-tokens uses
+VOCAB_SIZE_WITH_PAUSE).
 Batches are right-padded with a bool mask (True = real token).
 """
 
@@ -27,6 +29,8 @@ DIGIT_BASE = 1
 OPERATOR_BASE = 11
 CLOSE = 15
 VOCAB_SIZE = 16
+PAUSE = VOCAB_SIZE  # the meta-token `_PAUSE_` (data/meta_tokens.py)
+VOCAB_SIZE_WITH_PAUSE = VOCAB_SIZE + 1
 NUM_CLASSES = 10
 
 

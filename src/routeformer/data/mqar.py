@@ -6,7 +6,8 @@ Format of one sequence of length T with N key-value pairs and vocabulary V:
     positions 2N .. T-1     filler 0, with the N keys asked again in random order, each as a
                             pair "k_i v_i" at a random even offset (non-overlapping)
 
-Keys are drawn from [1, V/2), values from [V/2, V); token 0 is the filler. Labels are -100
+Keys are drawn from [1, V/2), values from [V/2, V); token 0 is the filler; id V is reserved for
+the meta-token `_PAUSE_` (`MQARConfig.pause_id`; a model that reads it needs V + 1 embeddings). Labels are -100
 everywhere except at each query key, whose label is its value (the next token): the model must
 find the key's earlier occurrence and copy what followed it. Zoology spaces its queries with a
 power law; ours are uniform over the free slots, which makes the average distance to the
@@ -31,6 +32,11 @@ class MQARConfig:
     seq_len: int = 256
     pairs: int = 16
     vocab_size: int = 8192
+
+    @property
+    def pause_id(self) -> int:
+        """The reserved meta-token id (never generated)."""
+        return self.vocab_size
 
     def __post_init__(self) -> None:
         check_positive("seq_len", self.seq_len)
