@@ -28,6 +28,16 @@ def test_train_eval_sample_round_trip(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("def")
 
 
+def test_meta_token_run_trains_and_evaluates_on_real_characters(tmp_path, capsys):
+    run = tmp_path / "meta"
+    assert main(["train", "--config", "tiny", "--out_dir", str(run), "--steps", "4",
+                 "--model.attention", "meta_tokens", "--data.meta_density", "0.1"]) == 0
+    trained = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(["eval", str(run)]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert evaluated["bpc"] == trained["bpc"] and evaluated["tokens"] == trained["tokens"]
+
+
 def test_bad_values_give_a_clear_error_and_exit_2(tmp_path, capsys):
     assert main(["train", "--config", "tiny", "--out_dir", str(tmp_path), "--model.positions", "x"]) == 2
     assert "model.positions must be one of" in capsys.readouterr().err
@@ -74,3 +84,20 @@ def test_bench_meta_times_soft_and_hard_layers(tmp_path, capsys):
     assert hard["hard_fraction"] == 1.0
     assert abs(hard["rows_full"] + hard["rows_linear"] + hard["rows_local"] - 1.0) < 1e-6
     assert hard["flops_vs_full"] < record["routing"][0]["flops_vs_full"]
+
+
+def test_bench_meta_tokens_times_packed_and_dense_mask_against_sdpa(tmp_path):
+    output = tmp_path / "meta_tokens.md"
+    assert main(["bench", "meta_tokens", "--lengths", "200", "--repeats", "1", "--density", "0.2",
+                 "--output", str(output)]) == 0
+    record = json.loads(output.with_suffix(".json").read_text())
+    assert [row["impl"] for row in record["rows"]] == [
+        "sdpa", "meta_tokens packed (ρ=0.2)", "meta_tokens dense mask (ρ=0.2, paper)"]
+    assert record["settings"]["density"] == 0.2
+
+
+def test_bench_meta_tokens_mask_has_the_asked_density():
+    from routeformer.bench.meta_tokens_bench import random_meta_mask
+
+    meta = random_meta_mask(3, 4096, 0.1)
+    assert meta.sum(1).tolist() == [410, 410, 410]

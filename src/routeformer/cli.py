@@ -54,8 +54,10 @@ def command_eval(args: argparse.Namespace) -> int:
     model, vocab, config = load_trained_model(args.checkpoint)
     corpus = load_corpus(args.corpus or config.data.corpus)
     ids = vocab.encode(corpus.val)
+    density = config.data.meta_density  # a meta-token run is scored as it was trained
+    meta = {"meta_density": density, "meta_id": vocab.pause_id} if density > 0 else {}
     result = evaluate_lm(model, ids, seq_len=config.data.seq_len, batch_size=config.train.batch_size,
-                         max_tokens=args.max_tokens)
+                         max_tokens=args.max_tokens, **meta)
     print(json.dumps({"corpus": corpus.name, **result}))
     return 0
 
