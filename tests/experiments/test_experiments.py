@@ -178,4 +178,5 @@ def test_answer_accuracy_and_attention_entropy_measure_what_they_say():
     assert attention_entropy_at_answers(model, inputs) == pytest.approx(uniform_entropy, rel=1e-5)
     probe = caching_similarity(model, inputs, span=RecallTask().segment_length + 3)
     assert len(probe) == model.config.depth
-    assert all(-1.0 <= layer[kind] <= 1.0 for layer in probe for kind in ("meta", "random"))
+    kinds = ("meta", "random", "centred_meta", "centred_random")
+    assert all(-1.0 <= layer[kind] <= 1.0 for layer in probe for kind in kinds)
