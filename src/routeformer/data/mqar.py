@@ -7,8 +7,8 @@ Format of one sequence of length T with N key-value pairs and vocabulary V:
                             pair "k_i v_i" at a random even offset (non-overlapping)
 
 Keys are drawn from [1, V/2), values from [V/2, V); token 0 is the filler; id V is reserved for
-the meta-token `_PAUSE_` (`MQARConfig.pause_id`; a model that reads it needs V + 1 embeddings). Labels are -100
-everywhere except at each query key, whose label is its value (the next token): the model must
+the meta-token `_PAUSE_` (`MQARConfig.pause_id`; a model that reads it needs V + 1 embeddings).
+Labels are -100 everywhere except at each query key, whose label is its value (the next token): the model must
 find the key's earlier occurrence and copy what followed it. Zoology spaces its queries with a
 power law; ours are uniform over the free slots, which makes the average distance to the
 context larger, i.e. the task no easier.
