@@ -65,6 +65,17 @@ def test_separate_projections_and_gate_match_reference(causal):
 
 
 @pytest.mark.parametrize("causal", [True, False])
+def test_fused_training_path_passes_gradcheck(causal):
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 2, 9, 4, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(3))
+    meta = torch.zeros(2, 9, dtype=torch.bool)
+    meta[0, [1, 4, 5, 8]] = True
+    meta[1, [2, 6]] = True
+    packing = pack_meta_positions(meta)
+    assert torch.autograd.gradcheck(lambda *t: meta_token_attention(*t, packing, causal=causal), (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [True, False])
 def test_dense_mask_implementation_matches_reference(causal):
     q, k, v, meta, mask = inputs(grad=False)
     torch.testing.assert_close(meta_token_attention_dense_mask(q, k, v, meta, causal=causal),
