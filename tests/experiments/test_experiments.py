@@ -144,8 +144,10 @@ def test_meta_token_experiments_run_at_toy_size_and_share_their_models(tmp_path,
         reports[name] = getattr(meta_tokens, f"run_{name}")(out, True).read_text()
     assert "| copying |" in reports["tasks"] and "acc 2.0x" in reports["length"]
     models = sorted(p.name for p in (tmp_path / "models" / "meta-tokens").glob("*.pt"))
-    # tasks trains the rotary pair; length adds learned ones and the zero-trained variants.
-    assert len(models) == 6, models
+    # tasks trains the rotary pair; length adds learned ones, the zero-trained variants and (for
+    # copying) the ablation without meta-attention.
+    assert len(models) == 10, models
+    assert any("nometaattn" in name for name in models)
     length = json.loads((tmp_path / "length" / "result.json").read_text())["results"]
     assert all(0.0 <= value <= 1.0 for entry in length for value in entry["accuracy"].values())
 
