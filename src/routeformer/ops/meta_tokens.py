@@ -151,7 +151,8 @@ class _SharedMetaAttention(torch.autograd.Function):
         ctx.graphs = (leaves, standard, packed, among)
         ctx.save_for_backward(index, valid)
         # SDPA's backward reads its output: add the meta rows to a copy.
-        return scatter_add_rows(standard.detach().clone(), among.detach(), MetaPacking(index, valid, None))
+        packing = MetaPacking(index, valid, valid.sum(dim=1))
+        return scatter_add_rows(standard.detach().clone(), among.detach(), packing)
 
     @staticmethod
     def backward(ctx, grad_out):
