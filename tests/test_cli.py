@@ -94,6 +94,7 @@ def test_bench_meta_tokens_times_packed_and_dense_mask_against_sdpa(tmp_path):
     assert [row["impl"] for row in record["rows"]] == [
         "sdpa", "meta_tokens packed (ρ=0.2)", "meta_tokens dense mask (ρ=0.2, paper)"]
     assert record["settings"]["density"] == 0.2
+    assert output.read_text().startswith("# meta_tokens benchmark")
 
 
 def test_bench_meta_tokens_mask_has_the_asked_density():

@@ -147,7 +147,7 @@ def command_bench(args: argparse.Namespace) -> int:
     if args.output:
         output = Path(args.output)
         output.parent.mkdir(parents=True, exist_ok=True)
-        report = markdown_report(rows, settings)
+        report = markdown_report(rows, settings, title=f"{args.suite} benchmark")
         if windows:
             report += "\nexpanding's final windows on the same inputs:\n\n" + WINDOW_HEADER + "\n"
             report += "\n".join(format_window_row(w) for w in windows) + "\n"

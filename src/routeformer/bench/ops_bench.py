@@ -109,10 +109,10 @@ TABLE_HEADER = (
 )
 
 
-def markdown_report(rows: list[OpsRow], settings: dict) -> str:
+def markdown_report(rows: list[OpsRow], settings: dict, title: str = "Ops benchmark") -> str:
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     lines = [
-        "# Ops benchmark",
+        f"# {title}",
         "",
         f"Measured {now} on {machine_description()}.",
         f"Settings: {settings}. Medians of {settings.get('repeats')} alternating repetitions; "
