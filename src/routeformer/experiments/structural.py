@@ -296,7 +296,7 @@ def lm(out_dir: Path, quick: bool) -> Path:
     markdown = "\n\n".join([
         "# structural-lm: character-level LM at T = 512",
         provenance(f"routeformer reproduce structural-lm{' --quick' if quick else ''}"),
-        f"Corpus: {corpus_name}. Model: 2 layers, D=128, 4 heads, learned positions; {steps} steps of "
+        f"Corpus: {corpus_name}. Model: 2 layers, D=128, 4 heads, rotary positions; {steps} steps of "
         "batch 16 x 512, AdamW lr 3e-3, one seed. Bits per character on the whole evaluation split; "
         "attention FLOPs executed per token (full: the fused causal kernel's T(T+1)/2 pairs). "
         "expanding defaults: Beta(1, 9) initial prior, block 64, tol 0.01, max 8 iterations; its "

@@ -185,6 +185,6 @@ def lm(out_dir: Path, quick: bool) -> Path:
     return lm_comparison(
         out_dir, "topk-lm", LM_VARIANTS, steps, quick=quick,
         title="# topk-lm: character-level LM at T = 512",
-        description=f"Model: 2 layers, D=128, 4 heads, learned positions; {steps} steps of batch 16 x 512, "
+        description=f"Model: 2 layers, D=128, 4 heads, rotary positions; {steps} steps of batch 16 x 512, "
         "AdamW lr 3e-3, one seed. Bits per character on the whole evaluation split. Attention FLOPs are "
         "those executed (topk at T=512 runs its dense masked path: `dense_below`).")
