@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from routeformer.data.meta_tokens import inject_meta_tokens, meta_count, real_windows_per_sequence
+from routeformer.data.meta_tokens import inject_meta_tokens, meta_count, real_tokens_per_window
 from routeformer.data.vocab import PAUSE, CharVocab
 
 META = 0
 
 
 def windows(seq_len, density, batch=4):
-    real = real_windows_per_sequence(seq_len, density)
+    real = real_tokens_per_window(seq_len, density) + 1
     return torch.arange(1, batch * real + 1).view(batch, real)
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from routeformer.data.meta_tokens import meta_count
+from routeformer.data.meta_tokens import random_meta_slots
 from routeformer.ops.meta_tokens import (
     meta_token_attention,
     meta_token_attention_dense_mask,
@@ -23,9 +23,7 @@ from routeformer.ops.meta_tokens import (
 
 def random_meta_mask(batch: int, length: int, density: float, seed: int = 0) -> torch.Tensor:
     """bool [B, T] with round(density · T) meta positions per sequence."""
-    gen = torch.Generator().manual_seed(seed)
-    slots = torch.rand(batch, length, generator=gen).argsort(dim=1)[:, :meta_count(length, density)]
-    return torch.zeros(batch, length, dtype=torch.bool).scatter_(1, slots, True)
+    return random_meta_slots(batch, length, density, torch.Generator().manual_seed(seed))
 
 
 def meta_tokens_op_table(batch: int, density: float, dense_mask_up_to: int = 8192

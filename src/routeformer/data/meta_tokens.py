@@ -47,20 +47,38 @@ def inject_meta_tokens(
     meta-token.
     """
     batch = windows.shape[0]
-    meta = meta_count(seq_len, density)
-    real = seq_len - meta
+    real = real_tokens_per_window(seq_len, density)
     if windows.dim() != 2 or windows.shape[1] != real + 1:
         raise ValueError(f"windows must have shape [B, {real + 1}] (seq_len - meta-tokens + 1) for "
                          f"seq_len={seq_len}, density={density}; got {tuple(windows.shape)}")
     if bool((windows == meta_id).any()):
         raise ValueError(f"windows already contain the meta-token id {meta_id}")
     is_meta = torch.zeros(batch, seq_len + 1, dtype=torch.bool)
-    if meta:
-        slots = torch.rand(batch, seq_len, generator=generator).argsort(dim=1)[:, :meta]
-        is_meta[:, :seq_len].scatter_(1, slots, True)
+    is_meta[:, :seq_len] = random_meta_slots(batch, seq_len, density, generator)
     stream = torch.full((batch, seq_len + 1), meta_id, dtype=windows.dtype)
     stream[~is_meta] = windows.reshape(-1)  # each row has exactly real + 1 real slots, in order
     return stream[:, :-1], meta_labels(stream[:, 1:], meta_id)
+
+
+def random_meta_slots(batch: int, seq_len: int, density: float,
+                      generator: torch.Generator | None = None) -> Tensor:
+    """bool [B, seq_len]: meta_count(seq_len, density) slots per row, uniform without replacement."""
+    is_meta = torch.zeros(batch, seq_len, dtype=torch.bool)
+    count = meta_count(seq_len, density)
+    if count:
+        slots = torch.rand(batch, seq_len, generator=generator).argsort(dim=1)[:, :count]
+        is_meta.scatter_(1, slots, True)
+    return is_meta
+
+
+def inject_into_batch(
+    inputs: Tensor, labels: Tensor, seq_len: int, *, meta_id: int, density: float,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`inject_meta_tokens` for a batch of plain windows (inputs, next-token labels) [B, n],
+    n = real_tokens_per_window(seq_len, density)."""
+    return inject_meta_tokens(torch.cat([inputs, labels[:, -1:]], dim=1), seq_len, meta_id=meta_id,
+                              density=density, generator=generator)
 
 
 def meta_labels(targets: Tensor, meta_id: int) -> Tensor:
@@ -68,6 +86,6 @@ def meta_labels(targets: Tensor, meta_id: int) -> Tensor:
     return targets.masked_fill(targets == meta_id, IGNORE_INDEX)
 
 
-def real_windows_per_sequence(seq_len: int, density: float) -> int:
-    """Real tokens per injected window of `seq_len` slots (plus one for the last target)."""
-    return seq_len - meta_count(seq_len, density) + 1
+def real_tokens_per_window(seq_len: int, density: float) -> int:
+    """Real tokens in an injected window of `seq_len` slots (its last target not counted)."""
+    return seq_len - meta_count(seq_len, density)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from routeformer.data.batches import sequential_batches
-from routeformer.data.meta_tokens import inject_meta_tokens, real_windows_per_sequence
+from routeformer.data.meta_tokens import inject_into_batch, real_tokens_per_window
 from routeformer.models.heads import IGNORE_INDEX, CausalLM
 
 
@@ -26,12 +26,11 @@ def evaluate_lm(
     model.eval()
     total_loss, total_tokens, flops = 0.0, 0, 0.0
     injection = torch.Generator().manual_seed(0)
-    real_len = real_windows_per_sequence(seq_len, meta_density) - 1
+    real_len = real_tokens_per_window(seq_len, meta_density)
     for inputs, labels in sequential_batches(ids, batch_size, real_len, max_tokens):
         if meta_density > 0:
-            windows = torch.cat([inputs, labels[:, -1:]], dim=1)
-            inputs, labels = inject_meta_tokens(windows, seq_len, meta_id=meta_id, density=meta_density,
-                                                generator=injection)
+            inputs, labels = inject_into_batch(inputs, labels, seq_len, meta_id=meta_id, density=meta_density,
+                                               generator=injection)
         result = model(inputs, labels)
         counted = int((labels != IGNORE_INDEX).sum())
         total_loss += result.loss.item() * counted

@@ -20,7 +20,7 @@ import yaml
 
 from routeformer.data.batches import random_batch
 from routeformer.data.corpora import load_corpus
-from routeformer.data.meta_tokens import inject_meta_tokens, real_windows_per_sequence
+from routeformer.data.meta_tokens import inject_into_batch, real_tokens_per_window
 from routeformer.data.vocab import CharVocab
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import CausalLM
@@ -172,10 +172,9 @@ def training_batch(
     """Random windows of seq_len slots; with meta_density > 0, meta-tokens injected (no loss on them)."""
     if meta_density == 0:
         return random_batch(ids, batch_size, seq_len, generator)
-    real = real_windows_per_sequence(seq_len, meta_density) - 1
-    inputs, labels = random_batch(ids, batch_size, real, generator)
-    return inject_meta_tokens(torch.cat([inputs, labels[:, -1:]], dim=1), seq_len, meta_id=vocab.pause_id,
-                              density=meta_density, generator=generator)
+    inputs, labels = random_batch(ids, batch_size, real_tokens_per_window(seq_len, meta_density), generator)
+    return inject_into_batch(inputs, labels, seq_len, meta_id=vocab.pause_id, density=meta_density,
+                             generator=generator)
 
 
 def _after_update(
