@@ -115,6 +115,33 @@ class AttentionLayer(nn.Module):
             stats={"flops": torch.tensor(float(flops))},
         )
 
+    # -- cached decoding (CausalLM.generate) -------------------------------------------------
+    # Layers that can decode incrementally set this and define decode_attend (or decode).
+    supports_cache = False
+
+    def decode(self, x: Tensor, *, positions: Tensor, cache: dict, meta_mask: Tensor | None = None) -> Tensor:
+        """Cached incremental forward pass: x [B, t, D] are the next t tokens of a stream whose
+        earlier tokens this layer has seen through `cache` (a dict the layer owns; start with {}).
+        Returns out [B, t, D], equal to the rows of the parallel forward pass over the whole stream.
+        No padding mask: every token of the stream is real."""
+        self.check_decode(x, positions)
+        start = cache.get("length", 0)
+        q, k, v = self.project_qkv(x, positions)
+        heads_out = self.decode_attend(q, k, v, start, cache)
+        cache["length"] = start + x.shape[1]
+        return self.out_proj(self.merge_heads(heads_out, x))
+
+    def decode_attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cache: dict) -> Tensor:
+        """The mechanism, cached: new q, k, v [B, H, t, d] of indices start.. -> heads_out."""
+        raise NotImplementedError(f"{type(self).__name__} has no cached decoding")
+
+    def check_decode(self, x: Tensor, positions: Tensor) -> None:
+        if not self.supports_cache:
+            raise ValueError(f"{type(self).__name__} has no cached decoding (supports_cache=False)")
+        if not self.causal:
+            raise ValueError("cached decoding needs a causal layer (causal=True)")
+        self.check_inputs(x, None, positions)
+
     def extra_repr(self) -> str:
         return (
             f"dim={self.dim}, heads={self.heads}, head_dim={self.head_dim}, causal={self.causal}, "

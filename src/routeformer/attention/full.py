@@ -6,6 +6,7 @@ from torch import Tensor
 
 from routeformer.attention.base import AttentionLayer
 from routeformer.attention.registry import register_attention
+from routeformer.ops.decode import append_keys_values, cached_softmax_attention
 from routeformer.ops.full import full_attention, full_attention_flops
 
 
@@ -13,8 +14,14 @@ from routeformer.ops.full import full_attention, full_attention_flops
 class FullAttention(AttentionLayer):
     """Standard multi-head attention: softmax(q kᵀ / sqrt(d)) v, O(T²) time."""
 
+    supports_cache = True
+
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, int]:
         out = full_attention(q, k, v, mask=mask, causal=self.causal)
         batch, heads, length, dim = q.shape
         flops = full_attention_flops(batch, heads, length, length, dim, self.causal, mask is not None)
         return out, flops
+
+    def decode_attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cache: dict) -> Tensor:
+        k_all, v_all, key_start = append_keys_values(cache, k, v)
+        return cached_softmax_attention(q, k_all, v_all, start, key_start)

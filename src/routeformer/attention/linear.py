@@ -7,12 +7,16 @@ from torch import Tensor
 from routeformer.attention.base import AttentionLayer
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
-from routeformer.ops.linear import DEFAULT_EPS, linear_attention, linear_attention_flops
+from routeformer.ops.decode import linear_attention_step
+from routeformer.ops.linear import DEFAULT_EPS, feature_map, linear_attention, linear_attention_flops
 
 
 @register_attention("linear")
 class LinearAttention(AttentionLayer):
-    """Katharopoulos et al. (2020) linear attention; causal runs chunk by chunk (`chunk` tokens)."""
+    """Katharopoulos et al. (2020) linear attention; causal runs chunk by chunk (`chunk` tokens).
+    Cached decoding carries the d×d state, O(1) per token."""
+
+    supports_cache = True
 
     def __init__(
         self, dim: int, heads: int, causal: bool = True, *, chunk: int = 64,
@@ -29,3 +33,6 @@ class LinearAttention(AttentionLayer):
         batch, heads, length, dim = q.shape
         flops = linear_attention_flops(batch, heads, length, dim, v.shape[-1], self.causal, self.chunk)
         return out, flops
+
+    def decode_attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cache: dict) -> Tensor:
+        return linear_attention_step(feature_map(q), feature_map(k), v, cache, self.eps)

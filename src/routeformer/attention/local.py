@@ -7,13 +7,17 @@ from torch import Tensor
 from routeformer.attention.base import AttentionLayer
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
+from routeformer.ops.decode import append_keys_values, cached_softmax_attention, trim_keys_values
 from routeformer.ops.local import local_attention, local_attention_flops
 
 
 @register_attention("local")
 class LocalAttention(AttentionLayer):
     """Each token attends to `window` tokens: [i - window + 1, i] causal, [i - window, i + window]
-    otherwise. `block` sets the query block length of the blockwise kernel (default min(window, 128))."""
+    otherwise. `block` sets the query block length of the blockwise kernel (default min(window, 128)).
+    Cached decoding keeps only the last window - 1 keys."""
+
+    supports_cache = True
 
     def __init__(
         self, dim: int, heads: int, causal: bool = True, *, window: int = 256,
@@ -32,6 +36,12 @@ class LocalAttention(AttentionLayer):
         batch, heads, length, dim = q.shape
         flops = local_attention_flops(batch, heads, length, dim, self.window, self.causal, self.block)
         return out, flops
+
+    def decode_attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cache: dict) -> Tensor:
+        k_all, v_all, key_start = append_keys_values(cache, k, v)
+        out = cached_softmax_attention(q, k_all, v_all, start, key_start, window=self.window)
+        trim_keys_values(cache, self.window - 1)
+        return out
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", window={self.window}"

@@ -51,6 +51,12 @@ from routeformer.attention.base import AttentionLayer, AttentionOutput
 from routeformer.attention.meta_router import PRIOR_KINDS, BayesianRouter
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
+from routeformer.ops.decode import (
+    append_keys_values,
+    cached_softmax_attention,
+    linear_attention_step,
+    trim_keys_values,
+)
 from routeformer.ops.dirichlet import (
     categorical_entropy,
     dirichlet_entropy,
@@ -58,7 +64,7 @@ from routeformer.ops.dirichlet import (
     normalised_certainty,
 )
 from routeformer.ops.full import full_attention, full_attention_flops
-from routeformer.ops.linear import linear_attention, linear_attention_flops
+from routeformer.ops.linear import DEFAULT_EPS, feature_map, linear_attention, linear_attention_flops
 from routeformer.ops.local import local_attention, local_attention_flops
 from routeformer.ops.routed_rows import (
     full_attention_rows,
@@ -245,6 +251,48 @@ class MetaAttention(AttentionLayer):
         aux_loss = self.elbo_weight * _masked_mean(kl, real) if self.elbo_weight else x.new_zeros(())
         stats = self._stats(concentration, mean, kl, hard, real, flops, rows_computed, eta, x)
         return AttentionOutput(out=out, aux_loss=aux_loss, stats=stats)
+
+    # -- cached decoding ---------------------------------------------------------------------
+    @property
+    def supports_cache(self) -> bool:
+        # The paper's position feature pos / (T - 1) changes every token's routing as T grows, so
+        # only a fixed `position_scale` can be decoded incrementally.
+        return self.router.position_scale is not None
+
+    def decode(self, x: Tensor, *, positions: Tensor, cache: dict, meta_mask: Tensor | None = None) -> Tensor:
+        """Cached decoding (see AttentionLayer.decode), always as at evaluation: posterior-mean
+        weights, hard routing by `eval_eta`. Every expert advances its cache on every token (later
+        tokens may route to it) — keys/values for full, the window's last keys for local, the
+        running state for linear — so a hard-routed token skips only the unchosen experts' outputs.
+        Needs `position_scale`: the default pos / (T - 1) feature depends on the final length."""
+        if not self.supports_cache:
+            raise ValueError("meta: cached decoding needs position_scale (e.g. the training length); the "
+                             "default position feature pos / (T - 1) changes with every new token")
+        self.check_decode(x, positions)
+        start = cache.get("length", 0)
+        concentration = self.router(x, positions)
+        weights = concentration / concentration.sum(-1, keepdim=True)
+        if self.eval_eta is not None:
+            hard = self.certainty(concentration) >= self.eval_eta
+            one_hot = F.one_hot(weights.argmax(-1), len(EXPERTS)).to(weights.dtype)
+            weights = torch.where(hard[..., None], one_hot, weights)
+        out, keys_values = x.new_zeros(x.shape), {}
+        for index, name in enumerate(EXPERTS):
+            k, v = self._keys_values(index, x, positions, keys_values)
+            q = self._queries(index, x, positions)
+            expert_cache = cache.setdefault(name, {})
+            if name == "linear":
+                phi_q, phi_k = feature_map(q), feature_map(k)
+                heads_out = linear_attention_step(phi_q, phi_k, v, expert_cache, DEFAULT_EPS)
+            else:
+                window = self.window if name == "local" else None
+                k_all, v_all, key_start = append_keys_values(expert_cache, k, v)
+                heads_out = cached_softmax_attention(q, k_all, v_all, start, key_start, window=window)
+                if window is not None:
+                    trim_keys_values(expert_cache, window - 1)
+            out = out + weights[..., index, None] * self.expert_out[index](self.merge_heads(heads_out, x))
+        cache["length"] = start + x.shape[1]
+        return out
 
     @torch.no_grad()
     def _stats(self, concentration, mean, kl, hard, real, flops, rows_computed, eta, x) -> dict[str, Tensor]:

@@ -23,10 +23,12 @@ encodings at meta positions are zeroed (or not) by the backbone; see models/tran
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from routeformer.attention.base import AttentionLayer, AttentionOutput
 from routeformer.attention.registry import register_attention
+from routeformer.ops.decode import allowed_cached, append_keys_values, cached_softmax_attention
 from routeformer.ops.meta_tokens import (
     gather_rows,
     meta_token_attention,
@@ -42,6 +44,7 @@ PROJECTION_KINDS = ("shared", "separate")
 class MetaTokensAttention(AttentionLayer):
     # The backbone hands this layer the meta-token mask (layers without the flag never see it).
     reads_meta_mask = True
+    supports_cache = True
 
     def __init__(
         self, dim: int, heads: int, causal: bool = True, *, combine: str = "add",
@@ -86,6 +89,39 @@ class MetaTokensAttention(AttentionLayer):
             stats={"flops": torch.tensor(float(flops)),
                    "meta_fraction": torch.tensor(float(packing.counts.sum()) / max(real, 1))},
         )
+
+    def decode(self, x: Tensor, *, positions: Tensor, cache: dict, meta_mask: Tensor | None = None) -> Tensor:
+        """Cached decoding (see AttentionLayer.decode). The cache keeps every token's keys/values and
+        whether it is a meta-token; a new meta-token's meta-attention reads the cached meta keys (its
+        own projections' keys, for "separate", kept for every token) through a mask — O(L) per
+        token, like the standard attention beside it."""
+        self.check_decode(x, positions)
+        batch, length, _ = x.shape
+        if meta_mask is None:
+            meta_mask = torch.zeros(batch, length, dtype=torch.bool, device=x.device)
+        start = cache.get("length", 0)
+        q, k, v = self.project_qkv(x, positions)
+        k_all, v_all, _ = append_keys_values(cache, k, v)
+        heads_out = cached_softmax_attention(q, k_all, v_all, start, 0)
+        meta_keys = torch.cat([cache["meta"], meta_mask], dim=1) if "meta" in cache else meta_mask
+        cache["meta"], cache["length"] = meta_keys, start + length
+        if self.meta_qkv_proj is not None:
+            q, k, v = self._project_rows(x, positions)
+            k, v, _ = append_keys_values(cache, k, v, prefix="meta_")
+        else:
+            k, v = k_all, v_all
+        if bool(meta_mask.any()):
+            device = x.device
+            causal = allowed_cached(torch.arange(start, start + length, device=device),
+                                    torch.arange(start + length, device=device))
+            # Meta queries read meta keys only; other rows get the causal mask (never empty) and
+            # their meta output is dropped below.
+            allowed = causal & (meta_keys[:, None, :] | ~meta_mask[:, :, None])
+            meta_out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+            if self.gate_proj is not None:
+                meta_out = meta_out * self.gate_proj(x).sigmoid().transpose(1, 2)[..., None]
+            heads_out = heads_out + meta_out * meta_mask[:, None, :, None].to(meta_out.dtype)
+        return self.out_proj(self.merge_heads(heads_out, x))
 
     def _project_rows(self, rows: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         batch, width, _ = rows.shape

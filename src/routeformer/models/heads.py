@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from routeformer.models.cache import DecodeCache
 from routeformer.models.config import ModelConfig
 from routeformer.models.transformer import Transformer
 
@@ -46,15 +47,17 @@ class CausalLM(nn.Module):
 
     def forward(
         self, tokens: Tensor, labels: Tensor | None = None, *, mask: Tensor | None = None,
-        positions: Tensor | None = None, logits_at_labels: bool = False,
+        positions: Tensor | None = None, logits_at_labels: bool = False, cache: DecodeCache | None = None,
     ) -> ModelOutput:
         """`labels[b, t]` is the target for position t (already shifted); -100 is ignored.
+        `cache`: incremental decoding — `tokens` continue the stream the cache has seen
+        (models/cache.py); the logits equal those rows of the parallel pass over the whole stream.
 
         `logits_at_labels=True` projects onto the vocabulary only where a label is set and returns
         those logits flattened [N, V] (in label order): tasks with sparse labels, such as
         associative recall, skip the largest matmul of the model elsewhere.
         """
-        result = self.backbone(tokens, mask=mask, positions=positions)
+        result = self.backbone(tokens, mask=mask, positions=positions, cache=cache)
         if logits_at_labels:
             if labels is None:
                 raise ValueError("logits_at_labels=True needs labels")
@@ -73,30 +76,57 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def generate(
         self, tokens: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-        top_k: int | None = None, generator: torch.Generator | None = None,
+        top_k: int | None = None, generator: torch.Generator | None = None, use_cache: bool | None = None,
     ) -> Tensor:
-        """Sample `max_new_tokens` tokens after `tokens` [B, T] (the context is re-read each step,
-        cropped to model.max_seq_len)."""
+        """Sample `max_new_tokens` tokens after `tokens` [B, T].
+
+        With a cache (`use_cache=True`, or None = whenever it can), the prompt is read once and each
+        new token costs one step against the cached keys/values/state; the mechanisms with one are
+        full, gated, local, linear, meta (with position_scale) and meta_tokens, and learned positions
+        cap the stream at
+        model.max_seq_len. Without, the context (cropped to model.max_seq_len) is re-read each step.
+        """
         if not temperature >= 0:
             raise ValueError(f"temperature must be >= 0; got {temperature!r}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be a positive integer or None; got {top_k!r}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0; got {max_new_tokens!r}")
+        fits = (self.config.positions != "learned"
+                or tokens.shape[1] + max_new_tokens <= self.config.max_seq_len)
+        can_cache = self.backbone.supports_cache() and fits
+        if use_cache and not can_cache:
+            raise ValueError("use_cache=True: " + (
+                "learned positions stop at model.max_seq_len; the prompt plus max_new_tokens exceed it"
+                if self.backbone.supports_cache() else
+                "some layers have no cached decoding (full, gated, local, linear, meta with position_scale, "
+                "and meta_tokens have)"))
+        use_cache = can_cache if use_cache is None else use_cache
         was_training = self.training
         self.eval()
+        cache = DecodeCache() if use_cache else None
+        step_input = tokens
         for _ in range(max_new_tokens):
-            context = tokens[:, -self.config.max_seq_len :]
-            logits = self(context).logits[:, -1].float()
-            if temperature == 0:
-                next_token = logits.argmax(dim=-1, keepdim=True)
+            if cache is None:
+                logits = self(tokens[:, -self.config.max_seq_len:]).logits[:, -1].float()
             else:
-                logits = logits / temperature
-                if top_k is not None:
-                    threshold = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < threshold, float("-inf"))
-                next_token = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+                logits = self(step_input, cache=cache).logits[:, -1].float()
+            next_token = self._sample(logits, temperature, top_k, generator)
             tokens = torch.cat([tokens, next_token], dim=1)
+            step_input = next_token
         self.train(was_training)
         return tokens
+
+    @staticmethod
+    def _sample(logits: Tensor, temperature: float, top_k: int | None,
+                generator: torch.Generator | None) -> Tensor:
+        if temperature == 0:
+            return logits.argmax(dim=-1, keepdim=True)
+        logits = logits / temperature
+        if top_k is not None:
+            threshold = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
+            logits = logits.masked_fill(logits < threshold, float("-inf"))
+        return torch.multinomial(logits.softmax(-1), 1, generator=generator)
 
 
 class SequenceClassifier(nn.Module):

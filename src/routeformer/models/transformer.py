@@ -11,6 +11,8 @@ import torch
 from torch import Tensor, nn
 
 from routeformer.attention import build_attention
+from routeformer.attention.base import AttentionOutput
+from routeformer.models.cache import DecodeCache
 from routeformer.models.config import ModelConfig
 
 
@@ -47,9 +49,14 @@ class Block(nn.Module):
         self.mlp = MLP(config.dim, config.mlp_ratio, config.dropout)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, h: Tensor, mask: Tensor | None, positions: Tensor, meta_mask: Tensor | None = None):
+    def forward(self, h: Tensor, mask: Tensor | None, positions: Tensor, meta_mask: Tensor | None = None,
+                cache: dict | None = None):
         extra = {"meta_mask": meta_mask} if getattr(self.attention, "reads_meta_mask", False) else {}
-        result = self.attention(self.attention_norm(h), mask=mask, positions=positions, **extra)
+        if cache is not None:  # incremental decoding: the layer reads and extends its cache
+            out = self.attention.decode(self.attention_norm(h), positions=positions, cache=cache, **extra)
+            result = AttentionOutput(out, h.new_zeros(()), {})
+        else:
+            result = self.attention(self.attention_norm(h), mask=mask, positions=positions, **extra)
         h = h + self.dropout(result.out)
         h = h + self.mlp(self.mlp_norm(h))
         return h, result
@@ -71,15 +78,22 @@ class Transformer(nn.Module):
     def forward(
         self, tokens: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None,
         inputs_embeds: Tensor | None = None, meta_mask: Tensor | None = None,
+        cache: DecodeCache | None = None,
     ) -> BackboneOutput:
         """tokens long [B, T] (or `inputs_embeds` [B, T, D]) -> hidden states and aux loss.
 
         `meta_mask` [B, T] marks meta-tokens; by default, where tokens == config.meta_token_id.
+        `cache`: incremental decoding (see models/cache.py): these T tokens follow the
+        `cache.length` tokens already seen, and the hidden states equal the parallel pass's rows.
         """
         h = self.token_embedding(tokens) if inputs_embeds is None else inputs_embeds
         batch, length, _ = h.shape
+        offset = 0
+        if cache is not None:
+            self.check_cache(cache, mask)
+            offset = cache.length
         if positions is None:
-            positions = torch.arange(length, device=h.device).expand(batch, length)
+            positions = torch.arange(offset, offset + length, device=h.device).expand(batch, length)
         if meta_mask is None and self.config.meta_token_id is not None and inputs_embeds is None:
             meta_mask = tokens == self.config.meta_token_id
         zero_meta = meta_mask is not None and (
@@ -100,11 +114,31 @@ class Transformer(nn.Module):
         h = self.dropout(h)
         aux_loss = h.new_zeros(())
         stats = []
-        for block in self.blocks:
-            h, result = block(h, mask, layer_positions, meta_mask)
+        for index, block in enumerate(self.blocks):
+            layer_cache = None if cache is None else cache.layers[index]
+            h, result = block(h, mask, layer_positions, meta_mask, layer_cache)
             aux_loss = aux_loss + result.aux_loss
             stats.append(result.stats)
+        if cache is not None:
+            cache.length += length
         return BackboneOutput(self.final_norm(h), aux_loss, stats)
+
+    def supports_cache(self) -> bool:
+        """Whether every layer can decode incrementally (CausalLM.generate's cached path)."""
+        return all(block.attention.supports_cache for block in self.blocks)
+
+    def check_cache(self, cache: DecodeCache, mask: Tensor | None) -> None:
+        if not self.supports_cache():
+            missing = sorted({type(block.attention).__name__ for block in self.blocks
+                              if not block.attention.supports_cache})
+            raise ValueError(f"cache: layers {missing} have no cached decoding; the mechanisms with one are "
+                             "full, gated, local, linear, meta (with position_scale) and meta_tokens")
+        if mask is not None:
+            raise ValueError("cache: cached decoding takes no padding mask (every token is real)")
+        if not cache.layers:
+            cache.layers.extend({} for _ in self.blocks)
+        elif len(cache.layers) != len(self.blocks):
+            raise ValueError(f"cache holds {len(cache.layers)} layers; this model has {len(self.blocks)}")
 
 
 def init_weights(module: nn.Module) -> None:
