@@ -1,5 +1,7 @@
 """The `routeformer` command.
 
+    routeformer compare [--quick] [--mechanisms NAME ...] [--tasks lm mqar listops] [--corpus SPEC]
+                        [--out DIR] [--no-bench]
     routeformer train [--config NAME|PATH] [--fresh] [--key value ...]
     routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N]
     routeformer sample RUN_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
@@ -31,6 +33,20 @@ def resolve_config(name_or_path: str) -> Path:
         return bundled
     names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
     raise ValueError(f"config {name_or_path!r} is neither a file nor a bundled config; bundled: {names}")
+
+
+def command_compare(args: argparse.Namespace) -> int:
+    from routeformer.experiments.compare import run_compare
+
+    try:
+        report = run_compare(args.out, mechanisms=args.mechanisms, tasks=args.tasks, quick=args.quick,
+                             corpus=args.corpus, bench=not args.no_bench)
+    except KeyboardInterrupt:
+        print("interrupted: run the same command again to resume", file=sys.stderr)
+        return 130
+    print(report.read_text())
+    print(f"wrote {report.parent}/ (report.md, result.json, PNGs)")
+    return 0
 
 
 def command_train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -223,6 +239,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="routeformer", description="Routed attention for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
 
+    compare = commands.add_parser(
+        "compare", help="every mechanism on the same tasks and budget, one report",
+        description="Train every registered mechanism (or --mechanisms) on the same tasks (char LM at "
+                    "T=256, MQAR at T=512, ListOps) with one model size and budget, measure quality, "
+                    "executed attention FLOPs, time and memory, and write report.md + result.json + "
+                    "PNGs. Finished (task, mechanism) runs are kept: run it again to resume.")
+    compare.add_argument("--quick", action="store_true",
+                         help="a reduced budget (under 10 minutes on 2 cores)")
+    compare.add_argument("--mechanisms", nargs="+", default=None,
+                         help="subset of `routeformer list` (default: all)")
+    compare.add_argument("--tasks", nargs="+", default=None,
+                         help="subset of lm mqar listops (default: all)")
+    compare.add_argument("--corpus", default="pydoc",
+                         help="LM corpus (default: the embedded pydoc; wikitext2 for WikiText-2 text)")
+    compare.add_argument("--out", default="runs/compare", help="output directory (default: runs/compare)")
+    compare.add_argument("--no-bench", action="store_true", help="skip the layer time/memory benchmark")
+
     train = commands.add_parser(
         "train", help="train a character-level language model",
         description="Train a char-level LM. Extra --key value pairs override the config "
@@ -280,8 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return command_train(args, extra)
-        handlers = {"eval": command_eval, "sample": command_sample, "list": command_list,
-                    "bench": command_bench, "reproduce": command_reproduce}
+        handlers = {"compare": command_compare, "eval": command_eval, "sample": command_sample,
+                    "list": command_list, "bench": command_bench, "reproduce": command_reproduce}
         return handlers[args.command](args)
     except ValueError as error:
         print(f"routeformer: error: {error}", file=sys.stderr)

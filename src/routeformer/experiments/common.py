@@ -26,9 +26,9 @@ def run_lm_variant(
     out_dir: Path, mechanism: str, options: dict, steps: int, corpus: str,
     layer_stats: tuple[str, ...] = (), *, seq_len: int = 512, batch_size: int = 16, seed: int = 0,
     log_stats: tuple[str, ...] = (), after_training: Callable[[Any], dict[str, Any]] | None = None,
-    meta_density: float = 0.0,
+    meta_density: float = 0.0, dim: int = 128, mlp_ratio: float = 4.0, eval_tokens: int = 32768,
 ) -> dict[str, Any]:
-    """Train the char-LM of the LM experiments (2 layers, D=128, 4 heads; T=512 and batch 16 unless
+    """Train the char-LM of the LM experiments (2 layers, 4 heads; D=128, T=512 and batch 16 unless
     told) with one mechanism; resumes from out_dir's checkpoint. `layer_stats`: attention stats to
     average over the layers on 4 validation sequences after training (e.g. expanding's
     `window_mean`); `log_stats`: attention stats logged during training (their history is returned);
@@ -40,13 +40,14 @@ def run_lm_variant(
     from routeformer.train.loop import train
 
     config = RunConfig(
-        model=ModelConfig(dim=128, depth=2, heads=4, attention=mechanism,
+        model=ModelConfig(dim=dim, depth=2, heads=4, mlp_ratio=mlp_ratio, attention=mechanism,
                           attention_options={mechanism: options} if options else {},
                           max_seq_len=seq_len),
         data=DataConfig(corpus=corpus, seq_len=seq_len, meta_density=meta_density),
         train=TrainConfig(steps=steps, batch_size=batch_size, lr=3e-3, warmup_steps=min(100, steps // 5),
-                          eval_every=max(1, steps // 4), eval_tokens=32768, log_every=max(1, steps // 20),
-                          checkpoint_every=max(1, steps // 10), seed=seed, log_stats=list(log_stats)),
+                          eval_every=max(1, steps // 4), eval_tokens=eval_tokens,
+                          log_every=max(1, steps // 20), checkpoint_every=max(1, steps // 10), seed=seed,
+                          log_stats=list(log_stats)),
         out_dir=str(out_dir),
     )
     result = train(config, quiet=True)  # resumes from out_dir/checkpoint.pt if interrupted

@@ -14,6 +14,7 @@ runs); the budget experiment also keeps its trained weights under out_dir/models
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -238,7 +239,10 @@ def listops_settings(quick: bool) -> dict[str, Any]:
 
 
 def run_listops_variant(mechanism: str, options: dict[str, Any], settings: dict[str, Any],
-                        seed: int) -> dict[str, Any]:
+                        seed: int, after_training: Callable[..., dict[str, Any]] | None = None
+                        ) -> dict[str, Any]:
+    """Train and test one ListOps classifier (2 layers, D=64, 4 heads, mean pooling, non-causal).
+    `after_training(model, test_examples)` adds its own entries to the record."""
     from routeformer.data.listops import (
         NUM_CLASSES as LISTOPS_CLASSES,
     )
@@ -284,9 +288,12 @@ def run_listops_variant(mechanism: str, options: dict[str, Any], settings: dict[
                          forward=lambda m, inputs, labels: m(inputs[0], labels, mask=inputs[1]),
                          log=lambda line: log(f"  {line}"))
     majority = max(sum(1 for _, label in test_examples if label == c) for c in range(LISTOPS_CLASSES))
-    return {"mechanism": mechanism, "options": options, "seed": seed, "settings": settings,
-            "train_seconds": history.train_seconds, "history": history.evals,
-            "majority_accuracy": majority / len(test_examples), **history.final}
+    record = {"mechanism": mechanism, "options": options, "seed": seed, "settings": settings,
+              "train_seconds": history.train_seconds, "history": history.evals,
+              "majority_accuracy": majority / len(test_examples), **history.final}
+    if after_training is not None:
+        record.update(after_training(model, test_examples))
+    return record
 
 
 def _listops_verdict(records: dict[str, dict], majority: float) -> str:

@@ -76,3 +76,32 @@ def line_plot(
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def scatter_plot(
+    path: Path, points: dict[str, tuple[float, float]], highlighted: set[str], *, xlabel: str, ylabel: str,
+    title: str,
+) -> Path | None:
+    """One labelled point per name (x, y), `highlighted` ones filled and joined in x order (a Pareto
+    front); returns None (and writes nothing) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    figure, axes = plt.subplots(figsize=(6.4, 4.2))
+    for name, (x, y) in points.items():
+        on_front = name in highlighted
+        axes.scatter([x], [y], s=30, color="C0" if on_front else "none", edgecolors="C0")
+        axes.annotate(name, (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    front = sorted(points[name] for name in highlighted)
+    if len(front) > 1:
+        axes.plot([x for x, _ in front], [y for _, y in front], color="C0", alpha=0.5, linestyle="--")
+    axes.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,15 +69,19 @@ def mqar_accuracy(model: CausalLM, task: MQARConfig, sequences: int, seed: int) 
 
 def run_mqar_variant(
     length: int, mechanism: str, options: dict, steps: int, seed: int, *, eval_sequences: int = 256,
-    test_sequences: int = 1024,
+    test_sequences: int = 1024, task: MQARConfig | None = None, batch_size: int = 32, dim: int = MQAR_DIM,
+    mlp_ratio: float = 4.0, after_training: Callable[[CausalLM, MQARConfig], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    task = MQARConfig(seq_len=length, pairs=MQAR_PAIRS[length], vocab_size=8192)
-    config = ModelConfig(vocab_size=task.vocab_size, dim=MQAR_DIM, depth=2, heads=4, attention=mechanism,
-                         attention_options={mechanism: options} if options else {},
+    """Train and test one MQAR model (2 layers, 4 heads, learned positions). `task` defaults to
+    the experiment's (MQAR_PAIRS[length] pairs, vocabulary 8192); `after_training(model, task)`
+    adds its own entries to the record."""
+    task = task or MQARConfig(seq_len=length, pairs=MQAR_PAIRS[length], vocab_size=8192)
+    config = ModelConfig(vocab_size=task.vocab_size, dim=dim, depth=2, heads=4, mlp_ratio=mlp_ratio,
+                         attention=mechanism, attention_options={mechanism: options} if options else {},
                          positions="learned", max_seq_len=length, tie_embeddings=False)
     torch.manual_seed(seed)
     model = CausalLM(config)
-    train_config = TaskTrainConfig(steps=steps, batch_size=32, lr=1e-3, eval_every=max(1, steps // 8),
+    train_config = TaskTrainConfig(steps=steps, batch_size=batch_size, lr=1e-3, eval_every=max(1, steps // 8),
                                    seed=seed)
     history = train_task(
         model, lambda batch, gen: mqar_batch(task, batch, gen),
@@ -88,9 +93,12 @@ def run_mqar_variant(
     with torch.no_grad():
         inputs, _ = mqar_batch(task, 8, torch.Generator().manual_seed(1))
         flops = sum(float(s["flops"]) for s in model.eval().backbone(inputs).stats) / inputs.numel()
-    return {"length": length, "mechanism": mechanism, "options": options, "steps": steps,
-            "history": history.evals, "final": final, "train_seconds": history.train_seconds,
-            "attention_flops_per_token": flops}
+    record = {"length": length, "mechanism": mechanism, "options": options, "steps": steps,
+              "history": history.evals, "final": final, "train_seconds": history.train_seconds,
+              "attention_flops_per_token": flops}
+    if after_training is not None:
+        record.update(after_training(model, task))
+    return record
 
 
 @register_experiment("topk-mqar", "multi-query associative recall: full/local/linear/topk, accuracy "
