@@ -6,7 +6,7 @@
     routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N]
     routeformer sample RUN_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
     routeformer list
-    routeformer bench ops|topk|structural|meta|mita|meta_tokens [--lengths 1024 4096 16384]
+    routeformer bench ops|topk|structural|meta|mita|meta_tokens|compile [--lengths 1024 4096 16384]
                       [--repeats 5] [--window 256] [--output FILE]
     routeformer reproduce NAME [--quick] [--out DIR]      (routeformer reproduce --list)
 """
@@ -128,6 +128,8 @@ def command_bench(args: argparse.Namespace) -> int:
                 "causal": True, "window": args.window, "repeats": args.repeats}
     if args.suite == "meta":
         return _bench_meta(args, settings)
+    if args.suite == "compile":
+        return _bench_compile(args)
     if args.suite == "mita":
         return _bench_mita(args, settings)
     print(TABLE_HEADER, flush=True)
@@ -170,6 +172,43 @@ def command_bench(args: argparse.Namespace) -> int:
         output.write_text(report)
         output.with_suffix(".json").write_text(json.dumps(
             {"settings": settings, "rows": rows_as_dicts(rows), "expanding_windows": windows}, indent=2))
+        print(f"wrote {output} and {output.with_suffix('.json')}")
+    return 0
+
+
+def _bench_compile(args: argparse.Namespace) -> int:
+    import datetime
+
+    from routeformer.attention import list_attentions
+    from routeformer.bench.compile_bench import HEADER, bench_compile
+    from routeformer.bench.timing import machine_description
+    from routeformer.experiments.compare import BENCH_OPTIONS
+
+    mechanisms = sorted(list_attentions(), key=lambda name: name != "full")
+    print(HEADER, flush=True)
+    rows = []
+    for length in args.lengths:
+        print(f"T = {length}", flush=True)
+        rows += bench_compile(mechanisms, length, repeats=args.repeats, dim=args.dim, heads=args.heads,
+                              options=BENCH_OPTIONS)
+    if args.output:
+        from routeformer.bench.compile_bench import format_row
+
+        output = Path(args.output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+        lines = ["# torch.compile benchmark", "",
+                 f"Measured {now} on {machine_description()}. Command: `routeformer bench compile "
+                 f"--lengths {' '.join(map(str, args.lengths))} --repeats {args.repeats}`. Causal layers, "
+                 f"D={args.dim}, {args.heads} heads, B=1; local/meta windows 256, top-k 64 keys, MiTA 64 "
+                 "landmarks of 64 keys, meta-token density 0.1. Graphs/breaks: `torch._dynamo.explain` of "
+                 "one inference forward. Compile s: the first compiled forward and forward + backward. "
+                 f"Times: medians of {args.repeats} alternating repetitions, eager vs compiled "
+                 "(default inductor backend) in the same process.", ""]
+        for length in args.lengths:
+            lines += [f"T = {length}:", "", HEADER, *[format_row(r) for r in rows if r["T"] == length], ""]
+        output.write_text("\n".join(lines))
+        output.with_suffix(".json").write_text(json.dumps({"rows": rows}, indent=2))
         print(f"wrote {output} and {output.with_suffix('.json')}")
     return 0
 
@@ -281,14 +320,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("list", help="list the registered attention mechanisms and their options")
 
     bench = commands.add_parser("bench", help="speed and memory benchmarks")
-    bench.add_argument("suite", choices=["ops", "topk", "structural", "meta", "mita", "meta_tokens"])
+    bench.add_argument("suite", choices=["ops", "topk", "structural", "meta", "mita", "meta_tokens",
+                                         "compile"])
     bench.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--window", type=int, default=256)
     bench.add_argument("--batch", type=int, default=1)
     bench.add_argument("--heads", type=int, default=4)
     bench.add_argument("--head-dim", type=int, default=64)
-    bench.add_argument("--dim", type=int, default=256, help="meta suite: model dim D")
+    bench.add_argument("--dim", type=int, default=256, help="meta and compile suites: model dim D")
     bench.add_argument("--topk", type=int, default=64, help="topk: keys per query; mita: keys per expert")
     bench.add_argument("--landmarks", type=int, default=64, help="mita suite: landmarks (experts)")
     bench.add_argument("--sdpa-up-to", type=int, default=65536, help="mita suite: longest T timed for SDPA")

@@ -55,12 +55,12 @@ class CompareBudget:
     repeats: int
 
 
-QUICK = CompareBudget("quick", lm_steps=150, mqar_steps=100, listops_steps=100, batch_size=8,
-                      mqar_test_sequences=256, listops_lengths=(50, 200), listops_examples=(1000, 200),
+QUICK = CompareBudget("quick", lm_steps=150, mqar_steps=60, listops_steps=100, batch_size=8,
+                      mqar_test_sequences=128, listops_lengths=(50, 200), listops_examples=(1000, 200),
                       bench_lengths=(256, 1024, 4096), repeats=3)
-FULL = CompareBudget("full", lm_steps=1000, mqar_steps=1000, listops_steps=600, batch_size=16,
+FULL = CompareBudget("full", lm_steps=600, mqar_steps=600, listops_steps=400, batch_size=16,
                      mqar_test_sequences=1024, listops_lengths=(100, 400), listops_examples=(4000, 500),
-                     bench_lengths=(1024, 4096, 16384), repeats=5)
+                     bench_lengths=(1024, 4096, 16384), repeats=3)
 
 
 def options_for(mechanism: str, seq_len: int) -> dict[str, Any]:
@@ -160,8 +160,8 @@ def run_mqar(mechanism: str, budget: CompareBudget) -> dict[str, Any]:
 
     task = MQARConfig(seq_len=MQAR_SEQ_LEN, pairs=16, vocab_size=256)
     options = options_for(mechanism, MQAR_SEQ_LEN)
-    record = run_mqar_variant(MQAR_SEQ_LEN, mechanism, options, budget.mqar_steps, seed=0, eval_sequences=128,
-                              test_sequences=budget.mqar_test_sequences,
+    record = run_mqar_variant(MQAR_SEQ_LEN, mechanism, options, budget.mqar_steps, seed=0, eval_sequences=64,
+                              test_sequences=budget.mqar_test_sequences, evals=4,
                               task=task, batch_size=budget.batch_size, dim=MODEL_DIM, mlp_ratio=MLP_RATIO,
                               after_training=costs)
     return {**record, "quality": record["final"]["accuracy"]}
@@ -259,12 +259,14 @@ TASK_QUALITY = {"lm": ("bits/char", False), "mqar": ("accuracy", True), "listops
 def run_compare(
     out_dir: str | Path = "runs/compare", *, mechanisms: Sequence[str] | None = None,
     tasks: Sequence[str] | None = None, quick: bool = False, corpus: str = "pydoc", bench: bool = True,
+    budget: CompareBudget | None = None,
 ) -> Path:
-    """Run the comparison described in the module docstring; returns the report's path."""
+    """Run the comparison described in the module docstring; returns the report's path.
+    `budget` overrides the QUICK / FULL presets (tests run a toy one)."""
     from routeformer.data.corpora import load_corpus
 
     mechanisms, tasks = check_selection(mechanisms, tasks)
-    budget = QUICK if quick else FULL
+    budget = budget or (QUICK if quick else FULL)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     corpus_name = load_corpus(corpus).name if "lm" in tasks else None

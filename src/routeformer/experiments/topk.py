@@ -71,18 +71,19 @@ def run_mqar_variant(
     length: int, mechanism: str, options: dict, steps: int, seed: int, *, eval_sequences: int = 256,
     test_sequences: int = 1024, task: MQARConfig | None = None, batch_size: int = 32, dim: int = MQAR_DIM,
     mlp_ratio: float = 4.0, after_training: Callable[[CausalLM, MQARConfig], dict[str, Any]] | None = None,
+    evals: int = 8,
 ) -> dict[str, Any]:
     """Train and test one MQAR model (2 layers, 4 heads, learned positions). `task` defaults to
     the experiment's (MQAR_PAIRS[length] pairs, vocabulary 8192); `after_training(model, task)`
-    adds its own entries to the record."""
+    adds its own entries to the record; `evals` evaluations on `eval_sequences` during training."""
     task = task or MQARConfig(seq_len=length, pairs=MQAR_PAIRS[length], vocab_size=8192)
     config = ModelConfig(vocab_size=task.vocab_size, dim=dim, depth=2, heads=4, mlp_ratio=mlp_ratio,
                          attention=mechanism, attention_options={mechanism: options} if options else {},
                          positions="learned", max_seq_len=length, tie_embeddings=False)
     torch.manual_seed(seed)
     model = CausalLM(config)
-    train_config = TaskTrainConfig(steps=steps, batch_size=batch_size, lr=1e-3, eval_every=max(1, steps // 8),
-                                   seed=seed)
+    train_config = TaskTrainConfig(steps=steps, batch_size=batch_size, lr=1e-3,
+                                   eval_every=max(1, steps // evals), seed=seed)
     history = train_task(
         model, lambda batch, gen: mqar_batch(task, batch, gen),
         lambda m: mqar_accuracy(m, task, eval_sequences, seed=10_000 + seed), train_config,

@@ -37,6 +37,9 @@ class TrainConfig:
     checkpoint_every: int = 100
     log_every: int = 50
     seed: int = 0
+    # "cpu", "cuda" (cuda:LOCAL_RANK under torchrun) or "auto". Under torchrun, batch_size is the
+    # global batch, split across the processes (train/distributed.py).
+    device: str = "cpu"
     # Attention stats to log (averaged over the layers that report them), e.g. ["kl", "projected_cost"].
     log_stats: list[str] = field(default_factory=list)
 
@@ -59,6 +62,8 @@ class RunConfig:
             raise ValueError(f"train.lr must be > 0; got {self.train.lr!r}")
         if not 0 <= self.train.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1]; got {self.train.min_lr_ratio!r}")
+        if self.train.device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"train.device must be 'cpu', 'cuda' or 'auto'; got {self.train.device!r}")
         if self.train.warmup_steps < 0 or self.train.grad_clip < 0:
             raise ValueError("train.warmup_steps and train.grad_clip must be >= 0")
 

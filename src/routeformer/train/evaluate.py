@@ -31,8 +31,9 @@ def evaluate_lm(
         if meta_density > 0:
             inputs, labels = inject_into_batch(inputs, labels, seq_len, meta_id=meta_id, density=meta_density,
                                                generator=injection)
-        result = model(inputs, labels)
-        counted = int((labels != IGNORE_INDEX).sum())
+        device = model.lm_head.weight.device
+        result = model(inputs.to(device), labels.to(device))
+        counted = int((labels != IGNORE_INDEX).sum())  # labels stay on the CPU
         total_loss += result.loss.item() * counted
         total_tokens += counted
         flops += sum(float(layer.get("flops", 0.0)) for layer in result.stats)

@@ -4,6 +4,8 @@ A run lives in `config.out_dir`: `config.yaml`, `metrics.jsonl`, `checkpoint.pt`
 whose directory holds a checkpoint resumes it (unless `resume=False`); the resumed run is
 bit-identical to one that was never interrupted, because the checkpoint carries the model,
 optimizer, step, vocabulary and the state of every random generator the loop uses.
+
+Under `torchrun` the same loop runs DistributedDataParallel (see train/distributed.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ from routeformer.models.config import ModelConfig
 from routeformer.models.heads import CausalLM
 from routeformer.train.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from routeformer.train.config import RunConfig
+from routeformer.train.distributed import (
+    check_shardable,
+    finish_distributed,
+    init_distributed,
+    local_shard,
+    mean_over_ranks,
+    resolve_device,
+)
 from routeformer.train.evaluate import evaluate_lm
 from routeformer.train.progress import MetricsLog, Progress
 from routeformer.train.schedule import learning_rate
@@ -67,7 +77,20 @@ def train(
 
     `after_step(step)` is called after each optimizer step (tests use it to interrupt a run).
     A KeyboardInterrupt saves a checkpoint at the last completed step before propagating.
+    Under torchrun, only rank 0 returns a `final_eval` (the others return None).
     """
+    context = init_distributed(config.train.device)
+    try:
+        return _train(config, resume, after_step, quiet, context)
+    finally:
+        finish_distributed(context)
+
+
+def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | None, quiet: bool,
+           context) -> TrainResult:
+    check_shardable(config.train.batch_size, context)
+    device = resolve_device(config.train.device, context)
+    quiet = quiet or not context.is_main
     out_dir = Path(config.out_dir)
     checkpoint_path = out_dir / CHECKPOINT_NAME
     state = load_checkpoint(checkpoint_path) if resume and checkpoint_path.exists() else None
@@ -84,7 +107,7 @@ def train(
     train_ids, val_ids = vocab.encode(corpus.train), vocab.encode(corpus.val)
 
     torch.manual_seed(config.train.seed)
-    model = CausalLM(config.model)
+    model = CausalLM(config.model).to(device)
     optimizer = build_optimizer(model, config)
     data_generator = torch.Generator().manual_seed(config.train.seed)
     start = 0
@@ -94,20 +117,34 @@ def train(
         data_generator.set_state(state["rng"]["data"])
         torch.set_rng_state(state["rng"]["torch"])
         start = state["step"]
+    if context.rank:  # ranks other than 0 draw their own dropout / routing samples
+        torch.manual_seed(config.train.seed + context.rank + 1000 * start)
+    trained = model
+    if context.enabled:
+        from torch.nn.parallel import DistributedDataParallel
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    log = MetricsLog(out_dir / "metrics.jsonl", resume_step=start if state else None)
+        # Routed layers may leave a parameter without gradient in a step (an expert no token chose).
+        trained = DistributedDataParallel(model, find_unused_parameters=True)
+
+    if context.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    log = None
+    if context.is_main:
+        log = MetricsLog(out_dir / "metrics.jsonl", resume_step=start if state else None)
     progress = Progress(config.train.steps, start)
     if not quiet:
         parameters = sum(p.numel() for p in model.parameters())
         progress.message(
             f"routeformer: {corpus.name}, {len(vocab)} symbols, {len(train_ids):,} training chars; "
             f"model {parameters / 1e6:.2f}M parameters, attention {config.model.attention}"
+            + (f"; {context.world_size} processes" if context.enabled else "")
             + (f"; resuming at step {start}" if state else "")
         )
 
     def checkpoint(step: int) -> None:
+        if not context.is_main:
+            return
         save_checkpoint(checkpoint_path, {
             "step": step,
             "model": model.state_dict(),
@@ -130,7 +167,8 @@ def train(
                 group["lr"] = rate
             inputs, labels = training_batch(train_ids, settings.batch_size, config.data.seq_len, density,
                                             vocab, data_generator)
-            result = model(inputs, labels)
+            inputs, labels = local_shard(inputs, context).to(device), local_shard(labels, context).to(device)
+            result = trained(inputs, labels)
             optimizer.zero_grad(set_to_none=True)
             result.total_loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -138,11 +176,11 @@ def train(
             )
             optimizer.step()
             step += 1
-            _after_update(step, settings, result, rate, grad_norm, inputs.numel(), log, progress,
-                          quiet, lambda: evaluate_lm(model, val_ids, seq_len=config.data.seq_len,
-                                                     batch_size=settings.batch_size,
-                                                     max_tokens=settings.eval_tokens,
-                                                     **meta_eval))
+            _after_update(step, settings, result, rate, grad_norm, inputs.numel() * context.world_size, log,
+                          progress, quiet, context,
+                          lambda: evaluate_lm(model, val_ids, seq_len=config.data.seq_len,
+                                              batch_size=settings.batch_size, max_tokens=settings.eval_tokens,
+                                              **meta_eval))
             if step % settings.checkpoint_every == 0 or step == settings.steps:
                 checkpoint(step)
             if after_step is not None:
@@ -153,6 +191,8 @@ def train(
             progress.message(f"interrupted: checkpoint saved at step {step}; run again to resume")
         raise
     train_seconds = time.perf_counter() - began
+    if not context.is_main:
+        return TrainResult(step, None, model, vocab, out_dir, train_seconds)
 
     final = evaluate_lm(model, val_ids, seq_len=config.data.seq_len, batch_size=settings.batch_size,
                         **meta_eval)
@@ -178,15 +218,19 @@ def training_batch(
 
 
 def _after_update(
-    step: int, settings, result, rate: float, grad_norm, tokens: int, log: MetricsLog,
-    progress: Progress, quiet: bool, run_eval: Callable[[], dict[str, float]],
+    step: int, settings, result, rate: float, grad_norm, tokens: int, log: MetricsLog | None,
+    progress: Progress, quiet: bool, context, run_eval: Callable[[], dict[str, float]],
 ) -> None:
     record: dict[str, Any] | None = None
     if step % settings.log_every == 0 or step == settings.steps:
+        # Every rank joins the reductions; only rank 0 (which has the log) writes.
+        losses = mean_over_ranks(torch.stack([result.loss.detach(), result.aux_loss.detach()]), context)
+        if log is None:
+            return
         record = {
             "step": step,
-            "loss": result.loss.item(),
-            "aux_loss": result.aux_loss.item(),
+            "loss": losses[0].item(),
+            "aux_loss": losses[1].item(),
             "lr": rate,
             "grad_norm": float(grad_norm),
         }
@@ -194,6 +238,8 @@ def _after_update(
             values = [float(layer[key]) for layer in result.stats if key in layer]
             if values:
                 record[f"attn_{key}"] = sum(values) / len(values)
+    if log is None:
+        return
     if step % settings.eval_every == 0:
         record = record or {"step": step}
         record.update({f"val_{k}": v for k, v in run_eval().items()})

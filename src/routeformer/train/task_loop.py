@@ -71,6 +71,7 @@ def train_task(
         optimizer.step()
         if step % config.eval_every == 0 or step == config.steps:
             history.train_seconds += time.perf_counter() - began
+            model.eval()  # the step loop puts it back in train mode
             record = {"step": step, "train_loss": result.loss.item(),
                       "aux_loss": result.aux_loss.item(), **evaluate(model)}
             history.evals.append(record)

@@ -1,0 +1,106 @@
+"""`routeformer bench compile`: every mechanism under `torch.compile` — graph breaks, compile time,
+and the speedup over eager, forward (inference) and forward + backward, in one process.
+
+Graph breaks come from `torch._dynamo.explain` on the layer's forward. A break splits the hot path
+into several compiled graphs with Python in between; data-dependent shapes (how many rows an expert
+gets, how many meta-tokens a sequence holds) are the usual cause.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from routeformer.bench.timing import median_times
+
+HEADER = ("| mechanism | graphs | breaks | compile s | forward eager ms | compiled ms | speedup | "
+          "fwd+bwd eager ms | compiled ms | speedup | first break |\n|" + "---|" * 11)
+
+
+def _layer_inputs(mechanism: str, length: int, dim: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    from routeformer.bench.meta_tokens_bench import random_meta_mask
+
+    torch.manual_seed(0)
+    x = torch.randn(1, length, dim)
+    extra = {"meta_mask": random_meta_mask(1, length, 0.1)} if mechanism == "meta_tokens" else {}
+    return x, extra
+
+
+def graph_breaks(layer: torch.nn.Module, x: torch.Tensor, extra: dict[str, Any]) -> dict[str, Any]:
+    """Graphs, breaks and the first break's reason of one forward call, traced by dynamo."""
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(layer)(x, **extra)
+    reasons = [str(getattr(reason, "reason", reason)).splitlines()[0] for reason in explanation.break_reasons]
+    return {"graphs": explanation.graph_count, "breaks": explanation.graph_break_count,
+            "first_break": reasons[0] if reasons else ""}
+
+
+def bench_compile(
+    mechanisms: Sequence[str], length: int = 1024, repeats: int = 5, dim: int = 256, heads: int = 4,
+    options: dict[str, dict[str, Any]] | None = None, progress: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """One row per mechanism (causal layer, B=1, `length` tokens); see the module docstring."""
+    rows = []
+    for mechanism in mechanisms:
+        rows.append(_bench_one(mechanism, length, repeats, dim, heads, (options or {}).get(mechanism, {})))
+        progress(format_row(rows[-1]))
+    torch._dynamo.reset()
+    return rows
+
+
+def _bench_one(mechanism: str, length: int, repeats: int, dim: int, heads: int,
+               options: dict[str, Any]) -> dict[str, Any]:
+    from routeformer.attention import build_attention
+
+    layer = build_attention(mechanism, dim=dim, heads=heads, causal=True, **options)
+    x, extra = _layer_inputs(mechanism, length, dim)
+    x_grad = x.clone().requires_grad_()
+    row: dict[str, Any] = {"mechanism": mechanism, "T": length, **graph_breaks(layer.eval(), x, extra)}
+    torch._dynamo.reset()
+    compiled = torch.compile(layer)
+
+    def forward(module: torch.nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            layer.eval()
+            with torch.no_grad():
+                module(x, **extra)
+        return run
+
+    def forward_backward(module: torch.nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            layer.train()
+            x_grad.grad = None
+            result = module(x_grad, **extra)
+            (result.out.square().mean() + result.aux_loss).backward()
+        return run
+
+    try:
+        began = time.perf_counter()
+        forward(compiled)()
+        forward_backward(compiled)()
+        row["compile_s"] = time.perf_counter() - began
+        fwd = median_times({"eager": forward(layer), "compiled": forward(compiled)}, repeats)
+        both = median_times({"eager": forward_backward(layer), "compiled": forward_backward(compiled)},
+                            repeats)
+    except Exception as error:  # noqa: BLE001 - a mechanism that fails to compile is a result to report
+        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        return row
+    row.update(forward_eager_ms=1000 * fwd["eager"], forward_compiled_ms=1000 * fwd["compiled"],
+               forward_speedup=fwd["eager"] / fwd["compiled"], fwd_bwd_eager_ms=1000 * both["eager"],
+               fwd_bwd_compiled_ms=1000 * both["compiled"],
+               fwd_bwd_speedup=both["eager"] / both["compiled"])
+    return row
+
+
+def format_row(row: dict[str, Any]) -> str:
+    head = f"| {row['mechanism']} | {row['graphs']} | {row['breaks']} | "
+    if "error" in row:
+        return head + f"failed: {row['error']} |" + " |" * 6 + f" {row['first_break'][:120]} |"
+    return head + " | ".join([
+        f"{row['compile_s']:.1f}", f"{row['forward_eager_ms']:.2f}", f"{row['forward_compiled_ms']:.2f}",
+        f"{row['forward_speedup']:.2f}x", f"{row['fwd_bwd_eager_ms']:.2f}",
+        f"{row['fwd_bwd_compiled_ms']:.2f}", f"{row['fwd_bwd_speedup']:.2f}x",
+        row["first_break"][:120]]) + " |"

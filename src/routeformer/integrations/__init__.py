@@ -1,0 +1,1 @@
+"""Bridges to other libraries (optional dependencies, imported on use)."""
