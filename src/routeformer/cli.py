@@ -6,7 +6,7 @@
     routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N]
     routeformer sample RUN_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
     routeformer list
-    routeformer bench ops|topk|structural|meta|mita|meta_tokens|compile [--lengths 1024 4096 16384]
+    routeformer bench ops|topk|structural|meta|mita|meta_tokens|compile|generate [--lengths 1024 4096 16384]
                       [--repeats 5] [--window 256] [--output FILE]
     routeformer reproduce NAME [--quick] [--out DIR]      (routeformer reproduce --list)
 """
@@ -57,8 +57,9 @@ def command_train(args: argparse.Namespace, overrides: list[str]) -> int:
         result = train(config, resume=not args.fresh)
     except KeyboardInterrupt:
         return 130
-    print(json.dumps({"out_dir": str(result.out_dir), "steps": result.step,
-                      "train_seconds": round(result.train_seconds, 1), **result.final_eval}))
+    if result.final_eval is not None:  # under torchrun, rank 0 alone evaluates and reports
+        print(json.dumps({"out_dir": str(result.out_dir), "steps": result.step,
+                          "train_seconds": round(result.train_seconds, 1), **result.final_eval}))
     return 0
 
 
@@ -130,6 +131,8 @@ def command_bench(args: argparse.Namespace) -> int:
         return _bench_meta(args, settings)
     if args.suite == "compile":
         return _bench_compile(args)
+    if args.suite == "generate":
+        return _bench_generate(args)
     if args.suite == "mita":
         return _bench_mita(args, settings)
     print(TABLE_HEADER, flush=True)
@@ -172,6 +175,34 @@ def command_bench(args: argparse.Namespace) -> int:
         output.write_text(report)
         output.with_suffix(".json").write_text(json.dumps(
             {"settings": settings, "rows": rows_as_dicts(rows), "expanding_windows": windows}, indent=2))
+        print(f"wrote {output} and {output.with_suffix('.json')}")
+    return 0
+
+
+def _bench_generate(args: argparse.Namespace) -> int:
+    import datetime
+
+    from routeformer.bench.generate_bench import HEADER, bench_generation, format_row
+    from routeformer.bench.timing import machine_description
+
+    print(HEADER, flush=True)
+    rows = bench_generation(contexts=args.lengths, new_tokens=args.new_tokens, repeats=args.repeats,
+                            progress=lambda line: print(line, flush=True))
+    if args.output:
+        output = Path(args.output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+        output.write_text("\n".join([
+            "# Generation with and without the decoding cache", "",
+            f"Measured {now} on {machine_description()}. Command: `routeformer bench generate --lengths "
+            f"{' '.join(map(str, args.lengths))} --new-tokens {args.new_tokens} --repeats {args.repeats}`. "
+            "CausalLM with D=256, 4 layers, 4 heads, rotary positions, vocabulary 256, untrained; B=1; "
+            f"greedy decoding of {args.new_tokens} tokens after a random prompt of `context` tokens; "
+            "tokens/s = new tokens / the whole generate call (prompt included), medians of "
+            f"{args.repeats} alternating repetitions. local window 256; meta window 256 with "
+            "position_scale 4096; meta_tokens with a meta-token every 10 prompt positions.", "",
+            HEADER, *[format_row(row) for row in rows], ""]))
+        output.with_suffix(".json").write_text(json.dumps({"rows": rows}, indent=2))
         print(f"wrote {output} and {output.with_suffix('.json')}")
     return 0
 
@@ -321,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="speed and memory benchmarks")
     bench.add_argument("suite", choices=["ops", "topk", "structural", "meta", "mita", "meta_tokens",
-                                         "compile"])
+                                         "compile", "generate"])
     bench.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--window", type=int, default=256)
@@ -335,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--causal-up-to", type=int, default=65536, help="mita suite: longest causal T")
     bench.add_argument("--routing-dim", type=int, default=16, help="topk suite: routing dim")
     bench.add_argument("--density", type=float, default=0.1, help="meta_tokens suite: meta-token density")
+    bench.add_argument("--new-tokens", type=int, default=32, help="generate suite: tokens to sample")
     bench.add_argument("--output", default=None, help="write a Markdown table (and JSON beside it)")
 
     reproduce = commands.add_parser("reproduce", help="run a reproduced paper experiment")

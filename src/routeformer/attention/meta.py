@@ -154,7 +154,11 @@ class MetaAttention(AttentionLayer):
 
     # -- experts ---------------------------------------------------------------------------
     def _split_heads(self, y: Tensor) -> Tensor:  # [B, L, H·d] -> [B, H, L, d]
-        return y.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
+        heads = y.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
+        # Under torch.compile (AOT autograd) the linear expert's backward hands this view a gradient
+        # whose strides differ from the traced ones and the backward view fails; a contiguous copy
+        # avoids it. Eager mode keeps the free view.
+        return heads.contiguous() if torch.compiler.is_compiling() else heads
 
     def _projection(self, index: int, part: slice) -> tuple[Tensor, Tensor | None]:
         """(weight, bias) rows `part` of expert `index`'s Q/K/V projection (the shared one if any)."""

@@ -43,6 +43,9 @@ def bench_compile(
     options: dict[str, dict[str, Any]] | None = None, progress: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
     """One row per mechanism (causal layer, B=1, `length` tokens); see the module docstring."""
+    import logging
+
+    logging.getLogger("torch._dynamo").setLevel(logging.ERROR)  # breaks are reported in the table
     rows = []
     for mechanism in mechanisms:
         rows.append(_bench_one(mechanism, length, repeats, dim, heads, (options or {}).get(mechanism, {})))
