@@ -130,3 +130,14 @@ def test_cache_errors():
         learned.generate(stream()[:, :30 - LENGTH + 20], 20, use_cache=True)
     with pytest.raises(ValueError, match="padding mask"):
         learned(stream(), cache=DecodeCache(), mask=torch.ones(2, LENGTH, dtype=torch.bool))
+
+
+def test_generation_bench_reports_both_paths():
+    from routeformer.bench.generate_bench import bench_generation, format_row
+
+    rows = bench_generation(["full", "linear"], contexts=(12,), new_tokens=3, repeats=1,
+                            progress=lambda _: None)
+    assert [(r["mechanism"], r["context"]) for r in rows] == [("full", 12), ("linear", 12)]
+    for row in rows:
+        assert row["same_tokens"] and row["cached_tokens_per_s"] > 0 and row["reread_tokens_per_s"] > 0
+        assert format_row(row).startswith(f"| {row['mechanism']} | 12 | 3 |")
