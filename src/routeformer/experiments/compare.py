@@ -282,6 +282,10 @@ def run_compare(
         records[task][mechanism] = cached_run(
             out, key, lambda task=task, mechanism=mechanism, key=key: _run_job(
                 task, mechanism, budget, corpus, out / "train" / key))
+        record = records[task][mechanism]
+        log(f"  {task} / {mechanism}: {TASK_QUALITY[task][0]} {record['quality']:.4g}, "
+            f"{record['attention_flops_per_token']:.3g} attention FLOPs/token, trained in "
+            f"{record['train_seconds']:.0f} s")
     bench_rows = []
     if bench:
         log(f"compare: layer benchmark at T = {list(budget.bench_lengths)}")

@@ -50,17 +50,25 @@ def provenance(command: str) -> str:
     return f"Measured {now} on {machine_description()}. Command: `{command}`."
 
 
-def line_plot(
-    path: Path, series: dict[str, tuple[Sequence[float], Sequence[float]]], *, xlabel: str, ylabel: str,
-    title: str, logx: bool = False, logy: bool = False,
-) -> Path | None:
-    """One PNG with a line per series; returns None (and writes nothing) without matplotlib."""
+def _pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def line_plot(
+    path: Path, series: dict[str, tuple[Sequence[float], Sequence[float]]], *, xlabel: str, ylabel: str,
+    title: str, logx: bool = False, logy: bool = False,
+) -> Path | None:
+    """One PNG with a line per series; returns None (and writes nothing) without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
         return None
     figure, axes = plt.subplots(figsize=(6.4, 4.2))
     for label, (xs, ys) in series.items():
@@ -84,12 +92,8 @@ def scatter_plot(
 ) -> Path | None:
     """One labelled point per name (x, y), `highlighted` ones filled and joined in x order (a Pareto
     front); returns None (and writes nothing) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return None
     figure, axes = plt.subplots(figsize=(6.4, 4.2))
     for name, (x, y) in points.items():
