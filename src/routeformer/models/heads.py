@@ -82,9 +82,10 @@ class CausalLM(nn.Module):
 
         With a cache (`use_cache=True`, or None = whenever it can), the prompt is read once and each
         new token costs one step against the cached keys/values/state; the mechanisms with one are
-        full, gated, local, linear, meta (with position_scale) and meta_tokens, and learned positions
-        cap the stream at
-        model.max_seq_len. Without, the context (cropped to model.max_seq_len) is re-read each step.
+        full, gated, local, linear, meta (with position_scale) and meta_tokens. The cache keeps the
+        whole stream (rotary positions keep counting past model.max_seq_len; learned positions
+        cannot, so there the cache needs prompt + new tokens <= model.max_seq_len). Without a cache,
+        the context, cropped to model.max_seq_len, is re-read at every step.
         """
         if not temperature >= 0:
             raise ValueError(f"temperature must be >= 0; got {temperature!r}")

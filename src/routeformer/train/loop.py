@@ -29,6 +29,7 @@ from routeformer.models.heads import CausalLM
 from routeformer.train.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from routeformer.train.config import RunConfig
 from routeformer.train.distributed import (
+    DistributedContext,
     check_shardable,
     finish_distributed,
     init_distributed,
@@ -87,7 +88,7 @@ def train(
 
 
 def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | None, quiet: bool,
-           context) -> TrainResult:
+           context: DistributedContext) -> TrainResult:
     check_shardable(config.train.batch_size, context)
     device = resolve_device(config.train.device, context)
     quiet = quiet or not context.is_main
@@ -126,11 +127,10 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
         # Routed layers may leave a parameter without gradient in a step (an expert no token chose).
         trained = DistributedDataParallel(model, find_unused_parameters=True)
 
+    log = None  # rank 0 alone writes the run directory
     if context.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    log = None
-    if context.is_main:
         log = MetricsLog(out_dir / "metrics.jsonl", resume_step=start if state else None)
     progress = Progress(config.train.steps, start)
     if not quiet:
@@ -219,7 +219,7 @@ def training_batch(
 
 def _after_update(
     step: int, settings, result, rate: float, grad_norm, tokens: int, log: MetricsLog | None,
-    progress: Progress, quiet: bool, context, run_eval: Callable[[], dict[str, float]],
+    progress: Progress, quiet: bool, context: DistributedContext, run_eval: Callable[[], dict[str, float]],
 ) -> None:
     record: dict[str, Any] | None = None
     if step % settings.log_every == 0 or step == settings.steps:
