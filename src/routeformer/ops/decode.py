@@ -50,6 +50,9 @@ def cached_softmax_attention(
 ) -> Tensor:
     """softmax(q kᵀ / sqrt(d)) v for q [B, H, t, d] of indices query_start.. over k, v [B, H, L, d]
     of indices key_start.., under the causal (and window) rule."""
+    if window is None and query_start == key_start and q.shape[2] == k.shape[2]:
+        # A prefill (the queries are all the keys): SDPA's causal kernel, no T×T mask built.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1)
     device = q.device
     query_index = torch.arange(query_start, query_start + q.shape[2], device=device)
     key_index = torch.arange(key_start, key_start + k.shape[2], device=device)
