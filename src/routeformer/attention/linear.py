@@ -7,7 +7,7 @@ from torch import Tensor
 from routeformer.attention.base import AttentionLayer
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
-from routeformer.ops.decode import linear_attention_step
+from routeformer.ops.decode import linear_attention_step, start_linear_state
 from routeformer.ops.linear import DEFAULT_EPS, feature_map, linear_attention, linear_attention_flops
 
 
@@ -35,4 +35,7 @@ class LinearAttention(AttentionLayer):
         return out, flops
 
     def decode_attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cache: dict) -> Tensor:
+        if "state" not in cache:  # a prefill: the chunked kernel (a step is quadratic in its tokens)
+            start_linear_state(feature_map(k), v, cache)
+            return self.attend(q, k, v, None)[0]
         return linear_attention_step(feature_map(q), feature_map(k), v, cache, self.eps)

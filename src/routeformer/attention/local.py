@@ -38,8 +38,12 @@ class LocalAttention(AttentionLayer):
         return out, flops
 
     def decode_attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cache: dict) -> Tensor:
-        k_all, v_all, key_start = append_keys_values(cache, k, v)
-        out = cached_softmax_attention(q, k_all, v_all, start, key_start, window=self.window)
+        if "k" not in cache:  # a prefill: the blockwise kernel, not a T×T mask
+            out = self.attend(q, k, v, None)[0]
+            append_keys_values(cache, k, v)
+        else:
+            k_all, v_all, key_start = append_keys_values(cache, k, v)
+            out = cached_softmax_attention(q, k_all, v_all, start, key_start, window=self.window)
         trim_keys_values(cache, self.window - 1)
         return out
 

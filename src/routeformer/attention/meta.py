@@ -55,6 +55,7 @@ from routeformer.ops.decode import (
     append_keys_values,
     cached_softmax_attention,
     linear_attention_step,
+    start_linear_state,
     trim_keys_values,
 )
 from routeformer.ops.dirichlet import (
@@ -285,15 +286,21 @@ class MetaAttention(AttentionLayer):
             k, v = self._keys_values(index, x, positions, keys_values)
             q = self._queries(index, x, positions)
             expert_cache = cache.setdefault(name, {})
-            if name == "linear":
+            window = self.window if name == "local" else None
+            if not expert_cache:  # a prefill: the expert's parallel kernel, then its cache
+                heads_out = self._dense(index, q, k, v, None)[0]
+                if name == "linear":
+                    start_linear_state(feature_map(k), v, expert_cache)
+                else:
+                    append_keys_values(expert_cache, k, v)
+            elif name == "linear":
                 phi_q, phi_k = feature_map(q), feature_map(k)
                 heads_out = linear_attention_step(phi_q, phi_k, v, expert_cache, DEFAULT_EPS)
             else:
-                window = self.window if name == "local" else None
                 k_all, v_all, key_start = append_keys_values(expert_cache, k, v)
                 heads_out = cached_softmax_attention(q, k_all, v_all, start, key_start, window=window)
-                if window is not None:
-                    trim_keys_values(expert_cache, window - 1)
+            if window is not None:
+                trim_keys_values(expert_cache, window - 1)
             out = out + weights[..., index, None] * self.expert_out[index](self.merge_heads(heads_out, x))
         cache["length"] = start + x.shape[1]
         return out

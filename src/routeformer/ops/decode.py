@@ -62,6 +62,12 @@ def cached_softmax_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
 
 
+def start_linear_state(phi_k: Tensor, v: Tensor, cache: dict) -> None:
+    """The running state after a prefill computed by the chunked parallel op."""
+    cache["state"] = phi_k.transpose(-1, -2) @ v
+    cache["normaliser"] = phi_k.sum(dim=2)
+
+
 def linear_attention_step(
     phi_q: Tensor, phi_k: Tensor, v: Tensor, cache: dict, eps: float,
 ) -> Tensor:
