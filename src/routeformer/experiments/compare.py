@@ -292,7 +292,13 @@ def run_compare(
         bench_rows = cached_run(out, f"{budget.name}-bench-{'-'.join(mechanisms)}", lambda: {
             "rows": bench_layers(mechanisms, budget.bench_lengths, budget.repeats)})["rows"]
     log(f"compare: done in {time.perf_counter() - began:.0f} s")
-    return write_compare_report(out, records, bench_rows, budget, corpus_name, quick)
+    every_mechanism = set(check_selection(None, None)[0])
+    command = "routeformer compare" + "".join([
+        " --quick" if quick else "",
+        f" --tasks {' '.join(tasks)}" if tasks != list(TASKS) else "",
+        f" --mechanisms {' '.join(mechanisms)}" if set(mechanisms) != every_mechanism else "",
+        f" --corpus {corpus}" if corpus != "pydoc" else "", "" if bench else " --no-bench"])
+    return write_compare_report(out, records, bench_rows, budget, corpus_name, command)
 
 
 def _run_job(
@@ -305,13 +311,14 @@ def _run_job(
 
 def write_compare_report(
     out: Path, records: dict[str, dict[str, dict[str, Any]]], bench_rows: list[dict[str, Any]],
-    budget: CompareBudget, corpus_name: str | None, quick: bool,
+    budget: CompareBudget, corpus_name: str | None, command: str,
 ) -> Path:
     from routeformer.experiments.report import line_plot, scatter_plot
 
     sections = [
         "# routeformer compare",
-        provenance(f"routeformer compare{' --quick' if quick else ''}"),
+        provenance(command) + " Step times, inference times and memory were measured right after each "
+        "run trained; the date is when this report was written.",
         f"Budget `{budget.name}`: one model size for every mechanism (2 layers, D={MODEL_DIM}, 4 heads, "
         f"MLP ratio {MLP_RATIO}), batch {budget.batch_size}, AdamW; LM {budget.lm_steps} steps at "
         f"T={LM_SEQ_LEN} on {corpus_name}; MQAR {budget.mqar_steps} steps at T={MQAR_SEQ_LEN} (16 pairs, "
