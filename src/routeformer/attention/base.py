@@ -133,7 +133,8 @@ class AttentionLayer(nn.Module):
 
     def decode_attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cache: dict) -> Tensor:
         """The mechanism, cached: new q, k, v [B, H, t, d] of indices start.. -> heads_out."""
-        raise NotImplementedError(f"{type(self).__name__} has no cached decoding")
+        # Unreachable through decode(): check_decode rejects layers with supports_cache = False.
+        raise TypeError(f"{type(self).__name__} sets supports_cache but defines no decode_attend()")
 
     def check_decode(self, x: Tensor, positions: Tensor) -> None:
         if not self.supports_cache:
