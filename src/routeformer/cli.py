@@ -180,10 +180,8 @@ def command_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_generate(args: argparse.Namespace) -> int:
-    import datetime
-
     from routeformer.bench.generate_bench import HEADER, bench_generation, format_row
-    from routeformer.bench.timing import machine_description
+    from routeformer.experiments.report import provenance
 
     print(HEADER, flush=True)
     rows = bench_generation(contexts=args.lengths, new_tokens=args.new_tokens, repeats=args.repeats,
@@ -191,12 +189,12 @@ def _bench_generate(args: argparse.Namespace) -> int:
     if args.output:
         output = Path(args.output)
         output.parent.mkdir(parents=True, exist_ok=True)
-        now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+        command = (f"routeformer bench generate --lengths {' '.join(map(str, args.lengths))} "
+                   f"--new-tokens {args.new_tokens} --repeats {args.repeats}")
         output.write_text("\n".join([
             "# Generation with and without the decoding cache", "",
-            f"Measured {now} on {machine_description()}. Command: `routeformer bench generate --lengths "
-            f"{' '.join(map(str, args.lengths))} --new-tokens {args.new_tokens} --repeats {args.repeats}`. "
-            "CausalLM with D=256, 4 layers, 4 heads, rotary positions, vocabulary 256, untrained; B=1; "
+            provenance(command) + " CausalLM with D=256, 4 layers, 4 heads, rotary positions, vocabulary "
+            "256, untrained; B=1; "
             f"greedy decoding of {args.new_tokens} tokens after a random prompt of `context` tokens; "
             "tokens/s = new tokens / the whole generate call (prompt included), medians of "
             f"{args.repeats} alternating repetitions. local window 256; meta window 256 with "
@@ -208,12 +206,10 @@ def _bench_generate(args: argparse.Namespace) -> int:
 
 
 def _bench_compile(args: argparse.Namespace) -> int:
-    import datetime
-
     from routeformer.attention import list_attentions
-    from routeformer.bench.compile_bench import HEADER, bench_compile
-    from routeformer.bench.timing import machine_description
+    from routeformer.bench.compile_bench import HEADER, bench_compile, format_row
     from routeformer.experiments.compare import BENCH_OPTIONS
+    from routeformer.experiments.report import provenance
 
     mechanisms = sorted(list_attentions(), key=lambda name: name != "full")
     print(HEADER, flush=True)
@@ -223,14 +219,12 @@ def _bench_compile(args: argparse.Namespace) -> int:
         rows += bench_compile(mechanisms, length, repeats=args.repeats, dim=args.dim, heads=args.heads,
                               options=BENCH_OPTIONS)
     if args.output:
-        from routeformer.bench.compile_bench import format_row
-
         output = Path(args.output)
         output.parent.mkdir(parents=True, exist_ok=True)
-        now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+        lengths = " ".join(map(str, args.lengths))
+        command = f"routeformer bench compile --lengths {lengths} --repeats {args.repeats}"
         lines = ["# torch.compile benchmark", "",
-                 f"Measured {now} on {machine_description()}. Command: `routeformer bench compile "
-                 f"--lengths {' '.join(map(str, args.lengths))} --repeats {args.repeats}`. Causal layers, "
+                 provenance(command) + " Causal layers, "
                  f"D={args.dim}, {args.heads} heads, B=1; local/meta windows 256, top-k 64 keys, MiTA 64 "
                  "landmarks of 64 keys, meta-token density 0.1. Graphs/breaks: `torch._dynamo.explain` of "
                  "one inference forward. Compile s: the first compiled forward and forward + backward. "

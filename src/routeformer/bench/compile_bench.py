@@ -20,15 +20,6 @@ HEADER = ("| mechanism | graphs | breaks | compile s | forward eager ms | compil
           "fwd+bwd eager ms | compiled ms | speedup | first break |\n|" + "---|" * 11)
 
 
-def _layer_inputs(mechanism: str, length: int, dim: int) -> tuple[torch.Tensor, dict[str, Any]]:
-    from routeformer.bench.meta_tokens_bench import random_meta_mask
-
-    torch.manual_seed(0)
-    x = torch.randn(1, length, dim)
-    extra = {"meta_mask": random_meta_mask(1, length, 0.1)} if mechanism == "meta_tokens" else {}
-    return x, extra
-
-
 def graph_breaks(layer: torch.nn.Module, x: torch.Tensor, extra: dict[str, Any]) -> dict[str, Any]:
     """Graphs, breaks and the first break's reason of one forward call, traced by dynamo."""
     torch._dynamo.reset()
@@ -57,37 +48,22 @@ def bench_compile(
 def _bench_one(mechanism: str, length: int, repeats: int, dim: int, heads: int,
                options: dict[str, Any]) -> dict[str, Any]:
     from routeformer.attention import build_attention
+    from routeformer.bench.layer_calls import layer_forward, layer_forward_backward, layer_inputs
 
     layer = build_attention(mechanism, dim=dim, heads=heads, causal=True, **options)
-    x, extra = _layer_inputs(mechanism, length, dim)
-    x_grad = x.clone().requires_grad_()
+    x, extra = layer_inputs(layer, length)
     row: dict[str, Any] = {"mechanism": mechanism, "T": length, **graph_breaks(layer.eval(), x, extra)}
     torch._dynamo.reset()
     compiled = torch.compile(layer)
-
-    def forward(module: torch.nn.Module) -> Callable[[], None]:
-        def run() -> None:
-            layer.eval()
-            with torch.no_grad():
-                module(x, **extra)
-        return run
-
-    def forward_backward(module: torch.nn.Module) -> Callable[[], None]:
-        def run() -> None:
-            layer.train()
-            x_grad.grad = None
-            result = module(x_grad, **extra)
-            (result.out.square().mean() + result.aux_loss).backward()
-        return run
-
     try:
         began = time.perf_counter()
-        forward(compiled)()
-        forward_backward(compiled)()
+        layer_forward(compiled, x, extra)()
+        layer_forward_backward(compiled, x, extra)()
         row["compile_s"] = time.perf_counter() - began
-        fwd = median_times({"eager": forward(layer), "compiled": forward(compiled)}, repeats)
-        both = median_times({"eager": forward_backward(layer), "compiled": forward_backward(compiled)},
-                            repeats)
+        fwd = median_times({"eager": layer_forward(layer, x, extra),
+                            "compiled": layer_forward(compiled, x, extra)}, repeats)
+        both = median_times({"eager": layer_forward_backward(layer, x, extra),
+                             "compiled": layer_forward_backward(compiled, x, extra)}, repeats)
     except Exception as error:  # noqa: BLE001 - a mechanism that fails to compile is a result to report
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
         return row

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from routeformer.bench.timing import median_times
+from routeformer.models.cache import CACHED_MECHANISMS
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import CausalLM
 
-CACHED_MECHANISMS = ("full", "gated", "local", "linear", "meta", "meta_tokens")
 # meta decodes incrementally only with a fixed position scale (see MetaAttention.decode).
 GENERATE_OPTIONS = {"local": {"window": 256}, "meta": {"window": 256, "position_scale": 4096.0}}
 HEADER = ("| mechanism | context | new tokens | cached tok/s | re-read tok/s | speedup | "

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from routeformer.bench.layer_calls import META_DENSITY
 from routeformer.experiments.common import log
 from routeformer.experiments.report import cached_run, markdown_table, provenance, write_result
 
@@ -37,8 +38,8 @@ LM_SEQ_LEN = 256
 MQAR_SEQ_LEN = 512
 MODEL_DIM = 64
 MLP_RATIO = 2.0
+MQAR_PAIRS, MQAR_VOCAB = 16, 256  # values come from the upper half of the vocabulary
 LM_ONLY = ("meta_tokens",)  # mechanisms that need injected meta-tokens
-META_DENSITY = 0.1
 
 
 @dataclass(frozen=True)
@@ -65,9 +66,7 @@ FULL = CompareBudget("full", lm_steps=600, mqar_steps=600, listops_steps=400, ba
 
 def options_for(mechanism: str, seq_len: int) -> dict[str, Any]:
     """The length-dependent budgets of the module docstring; every other option at its default."""
-    if mechanism == "local":
-        return {"window": seq_len // 4}
-    if mechanism == "meta":
+    if mechanism in ("local", "meta"):  # meta: the window of its local expert
         return {"window": seq_len // 4}
     if mechanism == "topk":
         return {"topk": seq_len // 8}
@@ -158,7 +157,7 @@ def run_mqar(mechanism: str, budget: CompareBudget) -> dict[str, Any]:
         inputs, labels = mqar_batch(task, budget.batch_size, torch.Generator().manual_seed(1))
         return measure_costs(model, lambda: model(inputs, labels, logits_at_labels=True), budget.repeats)
 
-    task = MQARConfig(seq_len=MQAR_SEQ_LEN, pairs=16, vocab_size=256)
+    task = MQARConfig(seq_len=MQAR_SEQ_LEN, pairs=MQAR_PAIRS, vocab_size=MQAR_VOCAB)
     options = options_for(mechanism, MQAR_SEQ_LEN)
     record = run_mqar_variant(MQAR_SEQ_LEN, mechanism, options, budget.mqar_steps, seed=0, eval_sequences=64,
                               test_sequences=budget.mqar_test_sequences, evals=4,
@@ -203,38 +202,18 @@ def bench_layers(mechanisms: Sequence[str], lengths: Sequence[int], repeats: int
 
 def _bench_length(names: Sequence[str], length: int, repeats: int) -> list[dict[str, Any]]:
     from routeformer.attention import build_attention
-    from routeformer.bench.meta_tokens_bench import random_meta_mask
+    from routeformer.bench.layer_calls import layer_forward, layer_forward_backward, layer_inputs
     from routeformer.bench.timing import median_times, peak_memory_mib
 
-    torch.manual_seed(0)
-    dim = 256
-    x = torch.randn(1, length, dim)
-    x_grad = x.clone().requires_grad_()
-    layers = {m: build_attention(m, dim=dim, heads=4, causal=True, **BENCH_OPTIONS.get(m, {})) for m in names}
-    extra = {m: ({"meta_mask": random_meta_mask(1, length, META_DENSITY)}
-                 if getattr(layers[m], "reads_meta_mask", False) else {}) for m in names}
-
-    def forward(m: str) -> Callable[[], None]:
-        def run() -> None:
-            layers[m].eval()
-            with torch.no_grad():
-                layers[m](x, **extra[m])
-        return run
-
-    def forward_backward(m: str) -> Callable[[], None]:
-        def run() -> None:
-            layers[m].train()
-            layers[m].zero_grad(set_to_none=True)
-            x_grad.grad = None
-            result = layers[m](x_grad, **extra[m])
-            (result.out.square().mean() + result.aux_loss).backward()
-        return run
-
-    fwd = median_times({m: forward(m) for m in names}, repeats)
-    fwd_bwd = median_times({m: forward_backward(m) for m in names}, repeats)
+    layers = {m: build_attention(m, dim=256, heads=4, causal=True, **BENCH_OPTIONS.get(m, {})) for m in names}
+    inputs = {m: layer_inputs(layers[m], length) for m in names}
+    forward = {m: layer_forward(layers[m], *inputs[m]) for m in names}
+    forward_backward = {m: layer_forward_backward(layers[m], *inputs[m]) for m in names}
+    fwd = median_times(forward, repeats)
+    fwd_bwd = median_times(forward_backward, repeats)
     return [{"T": length, "mechanism": m, "forward_ms": 1000 * fwd[m], "fwd_bwd_ms": 1000 * fwd_bwd[m],
              "forward_vs_full": fwd[m] / fwd["full"], "fwd_bwd_vs_full": fwd_bwd[m] / fwd_bwd["full"],
-             "fwd_bwd_peak_mib": peak_memory_mib(forward_backward(m))} for m in names]
+             "fwd_bwd_peak_mib": peak_memory_mib(forward_backward[m])} for m in names]
 
 
 def pareto_front(points: dict[str, tuple[float, float]], higher_is_better: bool) -> set[str]:
@@ -321,9 +300,10 @@ def write_compare_report(
         "run trained; the date is when this report was written.",
         f"Budget `{budget.name}`: one model size for every mechanism (2 layers, D={MODEL_DIM}, 4 heads, "
         f"MLP ratio {MLP_RATIO}), batch {budget.batch_size}, AdamW; LM {budget.lm_steps} steps at "
-        f"T={LM_SEQ_LEN} on {corpus_name}; MQAR {budget.mqar_steps} steps at T={MQAR_SEQ_LEN} (16 pairs, "
-        f"vocabulary 256); ListOps {budget.listops_steps} steps on {budget.listops_lengths[0]}-"
-        f"{budget.listops_lengths[1]}-token expressions. One seed. Local windows T/4, top-k T/8 keys, "
+        f"T={LM_SEQ_LEN} on {corpus_name}; MQAR {budget.mqar_steps} steps at T={MQAR_SEQ_LEN} "
+        f"({MQAR_PAIRS} pairs, vocabulary {MQAR_VOCAB}); ListOps {budget.listops_steps} steps on "
+        f"{budget.listops_lengths[0]}-{budget.listops_lengths[1]}-token expressions. One seed. "
+        "Local windows T/4, top-k T/8 keys, "
         "MiTA 16 landmarks of T/8 keys; `meta_tokens` runs on the LM only (meta-token density 0.1). "
         "FLOPs: attention FLOPs the layers executed, per token. Step and inference times are medians "
         f"of {budget.repeats} repetitions on one batch; peak MiB is the extra memory of one training step. "
@@ -381,9 +361,10 @@ def write_compare_report(
 
 def _chance_note(task: str, by_mechanism: dict[str, dict[str, Any]]) -> str:
     majority = max(r.get("majority_accuracy", 0.0) for r in by_mechanism.values())
-    chance = 1 / 128 if task == "mqar" else majority
+    values = MQAR_VOCAB // 2
+    chance = 1 / values if task == "mqar" else majority
     best = max(r["quality"] for r in by_mechanism.values())
-    what = "guessing among the 128 values" if task == "mqar" else "always answering the majority class"
+    what = f"guessing among the {values} values" if task == "mqar" else "always answering the majority class"
     if best <= chance + 0.02:
         return (f"No mechanism learned {task} at this budget: the best accuracy ({best:.3f}) is within "
                 f"0.02 of {what} ({chance:.3f}); this table compares costs, not quality.")

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from routeformer.models.cache import DecodeCache
+from routeformer.models.cache import CACHED_DESCRIPTION, DecodeCache
 from routeformer.models.config import ModelConfig
 from routeformer.models.transformer import Transformer
 
@@ -100,8 +100,7 @@ class CausalLM(nn.Module):
             raise ValueError("use_cache=True: " + (
                 "learned positions stop at model.max_seq_len; the prompt plus max_new_tokens exceed it"
                 if self.backbone.supports_cache() else
-                "some layers have no cached decoding (full, gated, local, linear, meta with position_scale, "
-                "and meta_tokens have)"))
+                f"some layers have no cached decoding (these mechanisms have: {CACHED_DESCRIPTION})"))
         use_cache = can_cache if use_cache is None else use_cache
         was_training = self.training
         self.eval()

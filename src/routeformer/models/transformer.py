@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from routeformer.attention import build_attention
 from routeformer.attention.base import AttentionOutput
-from routeformer.models.cache import DecodeCache
+from routeformer.models.cache import CACHED_DESCRIPTION, DecodeCache
 from routeformer.models.config import ModelConfig
 
 
@@ -132,7 +132,7 @@ class Transformer(nn.Module):
             missing = sorted({type(block.attention).__name__ for block in self.blocks
                               if not block.attention.supports_cache})
             raise ValueError(f"cache: layers {missing} have no cached decoding; the mechanisms with one are "
-                             "full, gated, local, linear, meta (with position_scale) and meta_tokens")
+                             f"{CACHED_DESCRIPTION}")
         if mask is not None:
             raise ValueError("cache: cached decoding takes no padding mask (every token is real)")
         if not cache.layers:
