@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from routeformer.ops import row_chunks
 from routeformer.ops.full import full_attention
 from routeformer.ops.linear import linear_attention
 from routeformer.ops.local import local_attention
@@ -15,6 +16,7 @@ from routeformer.ops.routed_rows import (
     local_attention_rows_reference,
     select_rows,
 )
+from routeformer.ops.row_chunks import chunk_starts
 
 B, H, D = 2, 3, 8
 
@@ -34,7 +36,7 @@ def inputs(length, seed, routed=(0.4, 0.8), masked=False):
 
 CASES = {
     "full": (full_attention_rows, full_attention_rows_reference, {"chunk": 5}, {}),
-    "local": (local_attention_rows, local_attention_rows_reference, {"window": 6, "block": 4}, {"window": 6}),
+    "local": (local_attention_rows, local_attention_rows_reference, {"window": 6, "chunk": 4}, {"window": 6}),
     "linear": (linear_attention_rows, linear_attention_rows_reference, {"chunk": 5}, {}),
 }
 
@@ -114,3 +116,40 @@ def test_rows_reject_mismatched_shapes():
     with pytest.raises(ValueError, match="mask must have shape"):
         local_attention_rows(gather_rows(q, rows), k, v, rows, valid, window=3,
                              mask=torch.ones(B, 4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("name", ["full", "local"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_rows_without_the_flash_kernel_match_reference(name, causal, monkeypatch):
+    """The per-chunk SDPA fallback (GPU, bf16) equals the reference too, forward and backward."""
+    monkeypatch.setattr(row_chunks, "_kernel_fits", lambda q, v: False)
+    fast, reference, fast_options, reference_options = CASES[name]
+    q, k, v, rows, valid, mask = inputs(23, seed=5, masked=True)
+    q_rows = gather_rows(q, rows).requires_grad_()
+    out, _ = fast(q_rows, k, v, rows, valid, mask=mask, causal=causal, **fast_options)
+    expected = reference(q_rows, k, v, rows, valid, mask=mask, causal=causal, **reference_options)
+    real = valid[:, None, :, None]
+    torch.testing.assert_close(out * real, expected * real)
+    grad, = torch.autograd.grad((out * real).sum(), q_rows)
+    expected_grad, = torch.autograd.grad((expected * real).sum(), q_rows)
+    torch.testing.assert_close(grad, expected_grad)
+
+
+@pytest.mark.parametrize("name", ["full", "local"])
+def test_rows_with_every_key_masked_return_zeros_and_no_nan(name):
+    fast, _, options, _ = CASES[name]
+    q, k, v, rows, valid, _ = inputs(17, seed=2)
+    mask = torch.ones(B, 17, dtype=torch.bool)
+    mask[1] = False  # batch row 1 has no real key at all
+    q_rows = gather_rows(q, rows).requires_grad_()
+    out, _ = fast(q_rows, k, v, rows, valid, mask=mask, causal=True, **options)
+    assert out[1].abs().max() == 0 and torch.isfinite(out).all()
+    grad, = torch.autograd.grad(out.sum(), q_rows)
+    assert grad[1].abs().max() == 0 and torch.isfinite(grad).all()
+
+
+def test_chunks_of_sparse_rows_stay_within_a_bucket():
+    positions = torch.tensor([[0, 1, 2, 3, 9, 10, 30, 31, 32]])
+    assert chunk_starts(positions, chunk=3, bucket=None) == [0, 3, 6]
+    # Buckets of 8 positions: [0..3] | [9, 10] | [30, 31] | [32]; then at most 3 rows per chunk.
+    assert chunk_starts(positions, chunk=3, bucket=8) == [0, 3, 4, 6, 8]

@@ -1,7 +1,7 @@
 """The experts evaluated at selected query rows only (the hard-routing paths of `meta`).
 
-Axes: B batch, H heads, T length, M selected rows, d head dim (e value dim), N blocks,
-C packed rows per block, S key slots per block.
+Axes: B batch, H heads, T length, M selected rows, d head dim (e value dim), N chunks,
+C packed rows per chunk.
 
 Hard routing sends each token to one expert, so an expert must answer for a subset of the query
 rows while reading every key the causal rule allows. Each op here takes the whole key/value
@@ -10,12 +10,11 @@ positions `rows` [B, M] (ascending) and `valid` [B, M] (batch rows select differ
 M is the largest count and the tail of a shorter row is padding). out_rows [B, H, M, e] equals
 the dense op's output at those positions; padding slots return zeros. Cost scales with M, not T:
 
-- `full_attention_rows`: causal rows are cut into chunks of `chunk` consecutive selected rows; a
-  chunk reads only the keys up to its last row (SDPA with a bool mask), so M rows cost ≈ M·T/2
-  pairs, as their share of causal full attention.
-- `local_attention_rows`: the rows are packed block by block (C = the most rows any block
-  selected) and attend to their block's neighbour keys through `blockwise_sdpa`:
-  N·C·S pairs instead of the dense op's T·S.
+- `full_attention_rows` and `local_attention_rows`: the selected rows are cut into chunks of
+  `chunk` consecutive rows; a chunk reads one contiguous key range — up to its last row (full),
+  or from its first row's window start to its last row's window end (local) — as a view of k
+  and v, through SDPA with a bool mask. M causal rows cost ≈ M·T/2 pairs (full), their share of
+  causal attention; local rows cost ≈ M·(window + the chunk's spread) pairs.
 - `linear_attention_rows`: the chunk states Σ φ(k) vᵀ still come from every position (that is the
   running state a query needs); the per-row work — intra-chunk quadratic form and the read of the
   prefix state — is done for the packed rows only.
@@ -33,9 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops._checks import check_positive
-from routeformer.ops.block_attention import blockwise_sdpa
 from routeformer.ops.flops import dense_attention_flops, matmul_flops
-from routeformer.ops.full import full_attention, masked_attention_reference, sdpa_allowed
+from routeformer.ops.full import full_attention, masked_attention_reference
 from routeformer.ops.linear import (
     DEFAULT_EPS,
     exclusive_chunk_prefix,
@@ -43,7 +41,8 @@ from routeformer.ops.linear import (
     linear_attention,
     masked_features,
 )
-from routeformer.ops.local import _block_span, _in_window, _neighbour_blocks, default_block
+from routeformer.ops.local import _in_window
+from routeformer.ops.row_chunks import rows_attention_by_chunks
 
 # Position given to an empty packed slot: outside every window, so the slot reads nothing.
 _EMPTY_POSITION = -(1 << 40)
@@ -79,7 +78,11 @@ def _check_rows(
         raise ValueError(f"mask must have shape [B, T] = {(k.shape[0], k.shape[2])}; got {tuple(mask.shape)}")
 
 
-# -- full ---------------------------------------------------------------------------------------
+# -- full and local: chunks of consecutive rows over one key range (row_chunks.py) ------------
+def _causal_rule(offset: Tensor) -> Tensor:
+    return offset <= 0
+
+
 def full_attention_rows(
     q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, *, mask: Tensor | None = None,
     causal: bool = True, scale: float | None = None, chunk: int = 256,
@@ -89,30 +92,36 @@ def full_attention_rows(
     check_positive("chunk", chunk)
     batch, heads, count, dim = q_rows.shape
     length, value_dim = k.shape[2], v.shape[-1]
-    real = valid[:, None, :, None].to(q_rows.dtype)
     if not causal:  # every row reads every key: the dense op with the rows as its queries
         out = full_attention(q_rows, k, v, mask=mask, causal=False, scale=scale)
-        return out * real, batch * heads * dense_attention_flops(count * length, dim, value_dim)
-    key_positions = torch.arange(length, device=k.device)
-    parts, flops = [], 0
-    # Padding slots sit at position 0: they read key 0 only and are zeroed at the end.
-    last_rows = rows.masked_fill(~valid, 0)
-    for start in range(0, count, chunk):
-        chunk_rows = last_rows[:, start:start + chunk]
-        limit = int(chunk_rows.max()) + 1  # the chunk's last row: no key after it is read
-        allowed = (key_positions[None, None, :limit] <= chunk_rows[:, :, None])[:, None]
-        chunk_q, chunk_k, chunk_v = q_rows[:, :, start:start + chunk], k[:, :, :limit], v[:, :, :limit]
-        if mask is None:  # every row reads at least key 0: no empty-row handling needed
-            parts.append(F.scaled_dot_product_attention(chunk_q, chunk_k, chunk_v, attn_mask=allowed,
-                                                        scale=scale))
-        else:
-            allowed = allowed & mask[:, None, None, :limit]
-            parts.append(sdpa_allowed(chunk_q, chunk_k, chunk_v, allowed, scale))
-        flops += batch * heads * dense_attention_flops(chunk_rows.shape[1] * limit, dim, value_dim)
-    return torch.cat(parts, dim=2) * real, flops
+        return out * valid[:, None, :, None].to(out.dtype), batch * heads * dense_attention_flops(
+            count * length, dim, value_dim)
+    # A chunk reads the keys up to its last row: M rows cost ≈ M·T/2 pairs.
+    return rows_attention_by_chunks(q_rows, k, v, rows, valid, mask, scale=scale, chunk=chunk,
+                                    key_range=lambda first, last: (0, last + 1),
+                                    rule=lambda keys, rows: keys <= rows)
 
 
-# -- packing rows by block (local and linear) ---------------------------------------------------
+def local_attention_rows(
+    q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, *, window: int,
+    mask: Tensor | None = None, causal: bool = True, scale: float | None = None, chunk: int = 64,
+) -> tuple[Tensor, int]:
+    """Sliding-window attention ([i − window + 1, i] causal, [i − window, i + window] otherwise) of
+    the selected rows -> (out_rows, executed FLOPs)."""
+    _check_rows(q_rows, k, v, rows, valid, mask)
+    check_positive("window", window)
+    check_positive("chunk", chunk)
+    before, after = (window - 1, 0) if causal else (window, window)
+    # A chunk reads from its first row's window start to its last row's window end; it spans
+    # at most `window` positions of rows, so sparse rows never make it read much more than
+    # twice their windows.
+    return rows_attention_by_chunks(
+        q_rows, k, v, rows, valid, mask, scale=scale, chunk=chunk,
+        key_range=lambda first, last: (first - before, last + after + 1),
+        rule=lambda keys, rows: _in_window(keys - rows, window, causal), bucket=window)
+
+
+# -- packing rows by chunk (linear) ---------------------------------------------------
 @dataclass
 class _Packing:
     slots: Tensor  # long [B, M]: flat index of each row in the packed [N·C] layout (N·C = discard)
@@ -157,36 +166,6 @@ def _pad_to_blocks(x: Tensor, block: int) -> Tensor:
     return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
-# -- local --------------------------------------------------------------------------------------
-def local_attention_rows(
-    q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, *, window: int,
-    mask: Tensor | None = None, causal: bool = True, scale: float | None = None, block: int | None = None,
-) -> tuple[Tensor, int]:
-    """Sliding-window attention ([i − window + 1, i] causal, [i − window, i + window] otherwise) of
-    the selected rows -> (out_rows, executed FLOPs)."""
-    _check_rows(q_rows, k, v, rows, valid, mask)
-    check_positive("window", window)
-    block = default_block(window) if block is None else block
-    check_positive("block", block)
-    batch, heads, _, dim = q_rows.shape
-    length = k.shape[2]
-    blocks = -(-length // block)
-    span = _block_span(window, block)
-    packing = _pack_by_block(rows, valid, block, blocks)
-    key_valid = torch.ones(batch, length, dtype=torch.bool, device=k.device) if mask is None else mask
-    key_valid = F.pad(key_valid, (0, blocks * block - length), value=False)
-    key_valid = _neighbour_blocks(key_valid, block, span, causal, fill=False)  # [B, N, S]
-    keys, values = (_neighbour_blocks(_pad_to_blocks(t, block), block, span, causal) for t in (k, v))
-    slots = keys.shape[3]
-    key_positions = (torch.arange(blocks, device=k.device)[:, None] - span) * block + torch.arange(
-        slots, device=k.device)[None, :]  # [N, S]
-    offsets = key_positions[None, :, None, :] - packing.positions[:, :, :, None]  # [B, N, C, S]
-    allowed = _in_window(offsets, window, causal) & key_valid[:, :, None, :]
-    out = blockwise_sdpa(packing.pack(q_rows), keys, values, allowed[:, None], scale)
-    flops = batch * heads * dense_attention_flops(blocks * packing.per_block * slots, dim, v.shape[-1])
-    return packing.unpack(out), flops
-
-
 # -- linear -------------------------------------------------------------------------------------
 def linear_attention_rows(
     q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, *, mask: Tensor | None = None,
@@ -227,10 +206,6 @@ def linear_attention_rows(
 
 
 # -- references ---------------------------------------------------------------------------------
-def _causal_rule(offset: Tensor) -> Tensor:
-    return offset <= 0
-
-
 def _any_key(offset: Tensor) -> Tensor:
     return torch.ones_like(offset, dtype=torch.bool)
 
