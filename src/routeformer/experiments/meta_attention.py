@@ -357,13 +357,14 @@ def routing_map(run_dir: Path, path: Path, characters: int = 640, width: int = 8
 
 # -- long context (the falsifiability criterion) ------------------------------------------------
 def _forward_seconds(
-    models: dict[str, torch.nn.Module], inputs: torch.Tensor, repeats: int
+    models: dict[str, torch.nn.Module], inputs: dict[str, torch.Tensor], repeats: int
 ) -> dict[str, float]:
-    """Median forward seconds per model, alternating the models (one warm-up round)."""
+    """Median forward seconds per model on its `inputs`, alternating the models (one warm-up round)."""
     from routeformer.bench.ops_bench import forward_call
     from routeformer.bench.timing import median_times
 
-    return median_times({name: forward_call(model, (inputs,)) for name, model in models.items()}, repeats)
+    return median_times({name: forward_call(model, (inputs[name],)) for name, model in models.items()},
+                        repeats)
 
 
 @register_experiment("meta-attention-long",
@@ -377,6 +378,10 @@ def run_long(out_dir: Path, quick: bool) -> Path:
         "full": ("full", {}),
         "meta bayesian (hard-trained)": ("meta", hard_training),
         "meta prior-free (hard-trained)": ("meta", {**hard_training, "prior": "none", "elbo_weight": 0.0}),
+        # One Q/K/V projection for the three experts (the preprint's option): the separate experts'
+        # K/V projections over every position are what the skipped attention has to pay for.
+        "meta prior-free (hard-trained, shared qkv)": ("meta", {
+            **hard_training, "prior": "none", "elbo_weight": 0.0, "share_qkv": True}),
     }
     runs = {}
     for name, (mechanism, options) in variants.items():
@@ -387,23 +392,27 @@ def run_long(out_dir: Path, quick: bool) -> Path:
             log_stats=("hard_fraction", "projected_cost", "kl") if m == "meta" else ()))
     from routeformer.train.checkpoint import load_trained_model
 
-    models, vocab = {}, None
+    # Each model reads the text through its own vocabulary (runs trained by different versions can
+    # differ, e.g. by the meta-token character).
+    models, ids = {}, {}
+    text = load_corpus("wikitext2").val
     for name in variants:
         models[name], vocab, _ = load_trained_model(out_dir / "train" / run_key(name.replace(" ", "-")))
-    ids = vocab.encode(load_corpus("wikitext2").val)
+        ids[name] = vocab.encode(text)
     eval_tokens = 4 * eval_len if quick else 16 * eval_len
     measured = {}
     settings = [("full", None)] + [(name, eta) for name in list(variants)[1:] for eta in (None, 0.25, 0.0)]
     for name, eta in settings:
         for layer in meta_layers(models[name]):
             layer.eval_eta = eta
-        metrics = evaluate_lm(models[name], ids, seq_len=eval_len, batch_size=1, max_tokens=eval_tokens)
-        routing = routing_stats(models[name], ids, eval_len, 1, batches=2) if name != "full" else {}
+        metrics = evaluate_lm(models[name], ids[name], seq_len=eval_len, batch_size=1, max_tokens=eval_tokens)
+        routing = routing_stats(models[name], ids[name], eval_len, 1, batches=2) if name != "full" else {}
         measured[(name, eta)] = {**metrics, "routing": routing}
     for name in list(variants)[1:]:
         for layer in meta_layers(models[name]):
             layer.eval_eta = 0.0
-    seconds = _forward_seconds(models, ids[:eval_len].view(1, eval_len), repeats=3 if quick else 5)
+    seconds = _forward_seconds(models, {name: ids[name][:eval_len].view(1, eval_len) for name in models},
+                               repeats=3 if quick else 5)
     full = measured[("full", None)]
     rows = []
     for (name, eta), metrics in measured.items():
@@ -433,7 +442,7 @@ def run_long(out_dir: Path, quick: bool) -> Path:
         "# Meta-Attention at long context: the preprint's falsifiability criterion", "",
         provenance(command), "",
         f"Char-LM (D=128, 2 layers, 4 heads, rotary), trained at T={train_len}, batch {batch}, {steps} steps "
-        f"on {load_corpus('wikitext2').name}. Both meta models: local window {window}, trained with hard "
+        f"on {load_corpus('wikitext2').name}. The meta models: local window {window}, trained with hard "
         "routing whose threshold η falls linearly from 1 (all soft) to 0 (all hard) over the run; router "
         f"position feature = position / {train_len}. Evaluated at T={eval_len} on {eval_tokens:,} test "
         "characters (batch 1).", "",
