@@ -13,8 +13,9 @@ the dense op's output at those positions; padding slots return zeros. Cost scale
 - `full_attention_rows` and `local_attention_rows`: the selected rows are cut into chunks of
   `chunk` consecutive rows; a chunk reads one contiguous key range — up to its last row (full),
   or from its first row's window start to its last row's window end (local) — as a view of k
-  and v, through SDPA with a bool mask. M causal rows cost ≈ M·T/2 pairs (full), their share of
-  causal attention; local rows cost ≈ M·(window + the chunk's spread) pairs.
+  and v, through the CPU flash kernel under a mask (row_chunks.py). M causal rows cost ≈ M·T/2
+  pairs (full), their share of causal attention; local rows cost ≈ M·(window + the chunk's
+  spread) pairs.
 - `linear_attention_rows`: the chunk states Σ φ(k) vᵀ still come from every position (that is the
   running state a query needs); the per-row work — intra-chunk quadratic form and the read of the
   prefix state — is done for the packed rows only.
@@ -79,10 +80,6 @@ def _check_rows(
 
 
 # -- full and local: chunks of consecutive rows over one key range (row_chunks.py) ------------
-def _causal_rule(offset: Tensor) -> Tensor:
-    return offset <= 0
-
-
 def full_attention_rows(
     q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, *, mask: Tensor | None = None,
     causal: bool = True, scale: float | None = None, chunk: int = 256,
@@ -121,7 +118,7 @@ def local_attention_rows(
         rule=lambda keys, rows: _in_window(keys - rows, window, causal), bucket=window)
 
 
-# -- packing rows by chunk (linear) ---------------------------------------------------
+# -- packing rows by chunk (linear) ------------------------------------------------------------
 @dataclass
 class _Packing:
     slots: Tensor  # long [B, M]: flat index of each row in the packed [N·C] layout (N·C = discard)
@@ -206,6 +203,10 @@ def linear_attention_rows(
 
 
 # -- references ---------------------------------------------------------------------------------
+def _causal_rule(offset: Tensor) -> Tensor:
+    return offset <= 0
+
+
 def _any_key(offset: Tensor) -> Tensor:
     return torch.ones_like(offset, dtype=torch.bool)
 
