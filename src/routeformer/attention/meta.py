@@ -203,6 +203,8 @@ class MetaAttention(AttentionLayer):
     def _expert(self, index: int, x: Tensor, positions: Tensor, mask: Tensor | None, route: Tensor | None,
                 weight: Tensor, cache: dict, out: Tensor) -> tuple[Tensor, int, int]:
         """out + weight_i · E_i(x) on the expert's rows, executed FLOPs, rows computed."""
+        if route is not None and not bool(route.any()):  # no token chose this expert: skip its K/V too
+            return out, 0, 0
         k, v = self._keys_values(index, x, positions, cache)
         if route is None or bool(route.all()):
             q = self._queries(index, x, positions)
@@ -210,8 +212,6 @@ class MetaAttention(AttentionLayer):
             y = self.expert_out[index](self.merge_heads(heads_out, x))
             return out + weight[..., None] * y, flops, x.shape[0] * x.shape[1]
         rows, valid = select_rows(route)
-        if rows.shape[1] == 0:
-            return out, 0, 0
         # Whole rows of the flattened [B·T, D] tensors: index_select / index_add copy rows, where
         # gather / scatter_add with an expanded index work element by element (3-5x slower here).
         batch, length, width = x.shape
