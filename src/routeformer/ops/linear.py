@@ -39,16 +39,6 @@ def masked_features(q: Tensor, k: Tensor, mask: Tensor | None) -> tuple[Tensor, 
     return phi_q, phi_k
 
 
-def with_ones_column(v: Tensor) -> Tensor:
-    """[..., e] -> [..., e + 1]: the values with a column of ones (see `normalise`)."""
-    return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
-
-
-def normalise(numerator_and_norm: Tensor, eps: float) -> Tensor:
-    """[..., e + 1] products with `with_ones_column` values -> numerator / (normaliser + eps)."""
-    return numerator_and_norm[..., :-1] / (numerator_and_norm[..., -1:] + eps)
-
-
 def linear_attention(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None, causal: bool = False,
     chunk: int = 64, eps: float = DEFAULT_EPS,
@@ -77,16 +67,19 @@ def _causal_chunked(phi_q: Tensor, phi_k: Tensor, v: Tensor, chunk: int, eps: fl
     phi_k = phi_k.reshape(batch, heads, chunks, chunk, dim)
     v = v.reshape(batch, heads, chunks, chunk, value_dim)
 
-    # A ones column on the values carries the normaliser through the same products: the last
-    # output column is Σ phi(q)·phi(k), so no separate sums or prefix of phi(k) are needed.
-    v = with_ones_column(v)
-
     # Within a chunk: the masked quadratic form.
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
     scores = (phi_q @ phi_k.transpose(-1, -2)).masked_fill(~causal, 0.0)  # [B, H, N, C, C]
+    numerator = scores @ v
+    denominator = scores.sum(dim=-1, keepdim=True)
+
     # Across chunks: state of all chunks strictly before each chunk (exclusive prefix sum).
-    prior_states = exclusive_chunk_prefix(phi_k.transpose(-1, -2) @ v)  # [B, H, N, d, e + 1]
-    out = normalise(scores @ v + phi_q @ prior_states, eps)
+    prior_states = exclusive_chunk_prefix(phi_k.transpose(-1, -2) @ v)  # [B, H, N, d, e]
+    prior_norms = exclusive_chunk_prefix(phi_k.sum(dim=3))  # [B, H, N, d]
+    numerator = numerator + phi_q @ prior_states
+    denominator = denominator + (phi_q * prior_norms[:, :, :, None, :]).sum(dim=-1, keepdim=True)
+
+    out = numerator / (denominator + eps)
     return out.reshape(batch, heads, chunks * chunk, value_dim)[:, :, :length]
 
 

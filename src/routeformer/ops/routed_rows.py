@@ -41,8 +41,6 @@ from routeformer.ops.linear import (
     feature_map,
     linear_attention,
     masked_features,
-    normalise,
-    with_ones_column,
 )
 from routeformer.ops.local import _in_window
 from routeformer.ops.row_chunks import rows_attention_by_chunks
@@ -183,16 +181,20 @@ def linear_attention_rows(
     chunks = -(-length // chunk)
     packing = _pack_by_block(rows, valid, chunk, chunks)
     phi_k = _pad_to_blocks(phi_k, chunk).unflatten(2, (chunks, chunk))  # [B, H, N, c, d]
-    # The ones column carries the normaliser through the same products (linear.normalise).
-    values = _pad_to_blocks(with_ones_column(v), chunk).unflatten(2, (chunks, chunk))
+    values = _pad_to_blocks(v, chunk).unflatten(2, (chunks, chunk))
     packed_q = packing.pack(phi_q)  # [B, H, N, C, d]; empty slots are zero, so they read nothing
     # Within the row's chunk: keys at or before it (float mask: multiply, no masked_fill).
     key_positions = torch.arange(chunks * chunk, device=k.device).view(chunks, chunk)
     causal_mask = (key_positions[None, :, None, :] <= packing.positions[:, :, :, None]).to(phi_q.dtype)
     scores = (packed_q @ phi_k.transpose(-1, -2)) * causal_mask[:, None]
+    numerator = scores @ values
+    denominator = scores.sum(dim=-1, keepdim=True)
     # Before the chunk: the exclusive prefix of chunk states, from every position.
     prior_states = exclusive_chunk_prefix(phi_k.transpose(-1, -2) @ values)
-    out = packing.unpack(normalise(scores @ values + packed_q @ prior_states, eps))
+    prior_norms = exclusive_chunk_prefix(phi_k.sum(dim=3))
+    numerator = numerator + packed_q @ prior_states
+    denominator = denominator + (packed_q * prior_norms[:, :, :, None, :]).sum(-1, keepdim=True)
+    out = packing.unpack(numerator / (denominator + eps))
     per_block = packing.per_block
     flops = (chunks * (matmul_flops(per_block, dim, chunk) + matmul_flops(per_block, chunk, value_dim))
              + chunks * matmul_flops(dim, chunk, value_dim)
