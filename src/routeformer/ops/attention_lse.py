@@ -73,6 +73,13 @@ class _FlashWithLse(torch.autograd.Function):
         return grad_q[..., :-1], grad_k[..., :-1], grad_v[..., :-1], None, None, None
 
 
+def flash_kernel_fits(q: Tensor, v: Tensor) -> bool:
+    """Whether PyTorch's CPU flash kernel (and its backward) can run these tensors: CPU, fp32/fp64,
+    one head size for q, k and v."""
+    return (_KERNEL is not None and _KERNEL_BACKWARD is not None and q.device.type == "cpu"
+            and q.dtype in (torch.float32, torch.float64) and q.shape[-1] == v.shape[-1])
+
+
 def attention_with_lse(
     q: Tensor, k: Tensor, v: Tensor, *, bias: Tensor | None = None, causal: bool = False,
     scale: float | None = None, use_kernel: bool = True,
@@ -83,9 +90,7 @@ def attention_with_lse(
         if tensor.dim() != 4:
             raise ValueError(f"{name} must have shape [B, H, L, d]; got {tuple(tensor.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    kernel_fits = q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and (
-        q.shape[-1] == v.shape[-1])  # the kernel takes one head size for q, k and v
-    if use_kernel and _KERNEL is not None and kernel_fits:
+    if use_kernel and flash_kernel_fits(q, v):
         if bias is not None:
             bias = bias.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]).contiguous()
         return _FlashWithLse.apply(q.contiguous(), k.contiguous(), v.contiguous(), bias, causal, scale)

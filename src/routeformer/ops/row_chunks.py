@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from routeformer.ops.attention_lse import _KERNEL, _KERNEL_BACKWARD, MASKED
+from routeformer.ops.attention_lse import _KERNEL, _KERNEL_BACKWARD, MASKED, flash_kernel_fits
 from routeformer.ops.flops import dense_attention_flops
 from routeformer.ops.full import sdpa_allowed
 
@@ -81,11 +81,6 @@ class _ChunkedFlash(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None, None
 
 
-def _kernel_fits(q: Tensor, v: Tensor) -> bool:
-    return (_KERNEL is not None and _KERNEL_BACKWARD is not None and q.device.type == "cpu"
-            and q.dtype in (torch.float32, torch.float64) and q.shape[-1] == v.shape[-1])
-
-
 def rows_attention_by_chunks(
     q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, mask: Tensor | None, *,
     scale: float | None, chunk: int, key_range: KeyRange, rule: Rule, bucket: int | None = None,
@@ -117,7 +112,7 @@ def rows_attention_by_chunks(
         allowed_masks.append(allowed[:, None])  # [B, 1, rows, keys]
         flops += batch * heads * dense_attention_flops((stop - start) * (hi - lo), dim, value_dim)
     real = valid[:, None, :, None]
-    if not _kernel_fits(q_rows, v):
+    if not flash_kernel_fits(q_rows, v):
         parts = [sdpa_allowed(q_rows[:, :, start:stop], k[:, :, lo:hi], v[:, :, lo:hi], allowed, scale)
                  for (start, stop, lo, hi), allowed in zip(plan, allowed_masks, strict=True)]
         return torch.cat(parts, dim=2) * real.to(q_rows.dtype), flops
