@@ -182,3 +182,32 @@ def test_answer_accuracy_and_attention_entropy_measure_what_they_say():
     assert len(probe) == model.config.depth
     kinds = ("meta", "random", "centred_meta", "centred_random")
     assert all(-1.0 <= layer[kind] <= 1.0 for layer in probe for kind in kinds)
+
+
+@pytest.mark.parametrize("options", [{}, {"identity": True}, {"form": "authors"}])
+def test_chain_attention_reads_the_multihop_path_weights(options):
+    """The reported weights are the mean path matrix the layer applies, taken from the op's
+    dense reference with V = I (any form, identity path or not)."""
+    from routeformer.experiments.structural import chain_attention
+    from routeformer.models.regressor import SequenceRegressor
+    from routeformer.ops.multihop import multihop_attention_reference, path_settings
+
+    torch.manual_seed(0)
+    length, dim = 6, 8
+    model = SequenceRegressor(["multihop"], dim, dim, 2, causal=False,
+                              attention_options={"multihop": options}).eval()
+    x = torch.randn(3, length, dim)
+    positions = torch.tensor([[0, 1], [2, 4], [3, 1]])
+    got = chain_attention(model, x, positions)
+    layer = model.layers[0]
+    with torch.no_grad():
+        hidden = model.hidden_states(x)[0][-1]
+        q, k, _ = layer.project_qkv(hidden, torch.arange(length).expand(3, length))
+        eye = torch.eye(length).expand(3, 1, length, length)
+        paths = multihop_attention_reference(q, k, eye, form=layer.form, identity=layer.identity)[:, 0]
+    identity, weight = path_settings(layer.form, layer.identity, layer.hops)
+    mean_paths = paths / weight / (layer.hops + int(identity))  # the sum of the paths, averaged
+    last = mean_paths[:, -1]
+    rows = torch.arange(3)
+    assert got["weight_x0"] == pytest.approx(float(last[rows, positions[:, 0]].mean()), abs=1e-6)
+    assert got["weight_x1"] == pytest.approx(float(last[rows, positions[:, 1]].mean()), abs=1e-6)

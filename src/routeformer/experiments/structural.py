@@ -26,13 +26,18 @@ from routeformer.experiments.common import log, run_key, run_lm_variants
 from routeformer.experiments.registry import register_experiment
 from routeformer.experiments.report import cached_run, line_plot, markdown_table, provenance, write_result
 from routeformer.models.regressor import SequenceRegressor
+from routeformer.ops.multihop import path_settings
 from routeformer.train.task_loop import TaskTrainConfig, layer_stat, train_task
 
 TEST_SEQUENCES = 2048
-MULTIHOP_MODELS = {
-    "self-attention x1": ["full"],
-    "self-attention x2": ["full", "full"],
-    "multihop x1": ["multihop"],
+# name -> (one attention layer per depth, multihop options). The last two rows check whether the
+# multihop result depends on the path form: the zero-hop path added, or the authors' own form.
+MULTIHOP_MODELS: dict[str, tuple[list[str], dict[str, Any]]] = {
+    "self-attention x1": (["full"], {}),
+    "self-attention x2": (["full", "full"], {}),
+    "multihop x1": (["multihop"], {}),
+    "multihop x1 (+ identity path)": (["multihop"], {"identity": True}),
+    "multihop x1 (authors form)": (["multihop"], {"form": "authors"}),
 }
 
 
@@ -40,9 +45,12 @@ def _test_split(task: StructuralTask, weights: StructuralWeights, make_batch, se
     return make_batch(task, weights, TEST_SEQUENCES, torch.Generator().manual_seed(seed))
 
 
-def _attention_matrix(layer, hidden: Tensor) -> Tensor:
-    """P [B, T, T] of a single-head softmax layer, from its own projections."""
+def _attention_matrix(layer, hidden: Tensor, swap: bool = False) -> Tensor:
+    """P [B, T, T] of a single-head softmax layer, from its own projections (`swap`: q and k
+    exchange roles, the authors' multihop form)."""
     q, k, _ = layer.project_qkv(hidden, torch.arange(hidden.shape[1]).expand(hidden.shape[:2]))
+    if swap:
+        q, k = k, q
     scores = (q @ k.transpose(-1, -2))[:, 0] * q.shape[-1] ** -0.5
     if layer.causal:
         scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
@@ -51,13 +59,22 @@ def _attention_matrix(layer, hidden: Tensor) -> Tensor:
 
 def chain_attention(model: SequenceRegressor, x: Tensor, positions: Tensor) -> dict[str, float]:
     """Mean weight the last node (x2) puts on x0 and on x1. Self-attention: the last layer's P;
-    multihop: its path weights (P + P²) / 2, whose row sums to one like P's."""
+    multihop: the mean of its path matrices, (P + P²) / 2 or (I + P + P²) / 3 with the identity
+    path; rows sum to one like P's."""
     with torch.no_grad():
         inputs, _, _, _ = model.hidden_states(x)
         layer, hidden = model.layers[-1], inputs[-1]
-        probs = _attention_matrix(layer, hidden)
         if getattr(layer, "attention_name", "") == "multihop":
-            probs = (probs + probs @ probs) / 2
+            hop = _attention_matrix(layer, hidden, swap=layer.form == "authors")
+            identity, _ = path_settings(layer.form, layer.identity, layer.hops)
+            power = torch.eye(hop.shape[-1]).expand_as(hop)
+            paths = [power] if identity else []
+            for _ in range(layer.hops):
+                power = hop @ power
+                paths.append(power)
+            probs = sum(paths) / len(paths)
+        else:
+            probs = _attention_matrix(layer, hidden)
         last = probs[:, -1]  # [B, T]
         rows = torch.arange(x.shape[0])
         return {"weight_x0": float(last[rows, positions[:, 0]].mean()),
@@ -70,7 +87,9 @@ def run_multihop_model(name: str, task: StructuralTask, steps: int, seed: int) -
     torch.manual_seed(seed)
     # Non-causal: the nodes are a shuffled set, so x0 may sit after x1; a causal mask would cut the
     # x1 -> x0 hop for half the sequences (the paper's graph has no order).
-    model = SequenceRegressor(MULTIHOP_MODELS[name], task.dim, task.dim, task.target_dim, causal=False)
+    mechanisms, options = MULTIHOP_MODELS[name]
+    model = SequenceRegressor(mechanisms, task.dim, task.dim, task.target_dim, causal=False,
+                              attention_options={"multihop": options})
 
     def evaluate(m) -> dict[str, Any]:
         with torch.no_grad():

@@ -50,7 +50,7 @@ def check_multihop_options(hops: int, form: str, causal: bool) -> None:
         )
 
 
-def _path_settings(form: str, identity: bool | None, hops: int) -> tuple[bool, float]:
+def path_settings(form: str, identity: bool | None, hops: int) -> tuple[bool, float]:
     """(include the zero-hop path, weight of each path): the paper sums, the authors average."""
     identity = (form == "authors") if identity is None else identity
     weight = 1.0 / (hops + int(identity)) if form == "authors" else 1.0
@@ -67,7 +67,7 @@ def multihop_attention(
     """
     check_qkv(q, k, v, mask, causal=True)  # paths chain tokens: queries and keys share one axis
     check_multihop_options(hops, form, causal)
-    identity, weight = _path_settings(form, identity, hops)
+    identity, weight = path_settings(form, identity, hops)
     # The authors' P̃ is ordinary attention with the roles of q and k exchanged.
     reader, written = (q, k) if form == "paper" else (k, q)
     hop, total = v, (v if identity else None)
@@ -84,7 +84,7 @@ def multihop_attention_reference(
     """The specification: P as a dense matrix, (Σ Pʰ) V by explicit matrix powers."""
     check_qkv(q, k, v, mask, causal=True)
     check_multihop_options(hops, form, causal)
-    identity, weight = _path_settings(form, identity, hops)
+    identity, weight = path_settings(form, identity, hops)
     batch, _, length, _ = q.shape
     eye = torch.eye(length, dtype=v.dtype, device=v.device)
     if form == "paper":
