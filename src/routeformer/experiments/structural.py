@@ -152,8 +152,9 @@ def multihop(out_dir: Path, quick: bool) -> Path:
         f"(model dim {task.dim}). {steps} steps of batch 128, AdamW lr 3e-3; test MSE on "
         f"{TEST_SEQUENCES} held-out sequences; seeds {seeds} (each seed also draws W_r and W_y).",
         "Attention on x0 / x1: mean weight of the last node (x2) in the last layer; for multihop the "
-        "path weights (P + P²)/2, whose rows sum to one like P's. Uniform attention would put "
-        f"{1 / task.length:.3f} on each position.",
+        "mean of its path matrices, (P + P²)/2, or (I + P + P²)/3 with the identity path (the authors' "
+        "form has it, with P's query and key roles exchanged), whose rows sum to one like P's. "
+        f"Uniform attention would put {1 / task.length:.3f} on each position.",
         f"Predicting 0 gives test MSE {baseline:.3f} (mean over seeds); the target is an exact "
         "function of x0 and x1, so 0 is attainable.",
         markdown_table(["model", "test MSE (mean)", "best seed", "worst seed", "attention on x0",
