@@ -26,7 +26,7 @@ from routeformer.experiments.common import log, run_key, run_lm_variants
 from routeformer.experiments.registry import register_experiment
 from routeformer.experiments.report import cached_run, line_plot, markdown_table, provenance, write_result
 from routeformer.models.regressor import SequenceRegressor
-from routeformer.ops.multihop import path_settings
+from routeformer.ops.multihop import multihop_attention_reference, path_settings
 from routeformer.train.task_loop import TaskTrainConfig, layer_stat, train_task
 
 TEST_SEQUENCES = 2048
@@ -45,16 +45,25 @@ def _test_split(task: StructuralTask, weights: StructuralWeights, make_batch, se
     return make_batch(task, weights, TEST_SEQUENCES, torch.Generator().manual_seed(seed))
 
 
-def _attention_matrix(layer, hidden: Tensor, swap: bool = False) -> Tensor:
-    """P [B, T, T] of a single-head softmax layer, from its own projections (`swap`: q and k
-    exchange roles, the authors' multihop form)."""
+def _attention_matrix(layer, hidden: Tensor) -> Tensor:
+    """P [B, T, T] of a single-head softmax layer, from its own projections."""
     q, k, _ = layer.project_qkv(hidden, torch.arange(hidden.shape[1]).expand(hidden.shape[:2]))
-    if swap:
-        q, k = k, q
     scores = (q @ k.transpose(-1, -2))[:, 0] * q.shape[-1] ** -0.5
     if layer.causal:
         scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
     return scores.softmax(dim=-1)
+
+
+def _mean_path_matrix(layer, hidden: Tensor) -> Tensor:
+    """[B, T, T] mean of a single-head multihop layer's path matrices (any form): the op's dense
+    reference with V = I gives them summed, each times the form's path weight."""
+    q, k, _ = layer.project_qkv(hidden, torch.arange(hidden.shape[1]).expand(hidden.shape[:2]))
+    batch, length = hidden.shape[:2]
+    eye = torch.eye(length, dtype=q.dtype).expand(batch, 1, length, length)
+    paths = multihop_attention_reference(q, k, eye, hops=layer.hops, identity=layer.identity, form=layer.form,
+                                         causal=layer.causal)[:, 0]
+    identity, weight = path_settings(layer.form, layer.identity, layer.hops)
+    return paths / (weight * (layer.hops + int(identity)))
 
 
 def chain_attention(model: SequenceRegressor, x: Tensor, positions: Tensor) -> dict[str, float]:
@@ -65,14 +74,7 @@ def chain_attention(model: SequenceRegressor, x: Tensor, positions: Tensor) -> d
         inputs, _, _, _ = model.hidden_states(x)
         layer, hidden = model.layers[-1], inputs[-1]
         if getattr(layer, "attention_name", "") == "multihop":
-            hop = _attention_matrix(layer, hidden, swap=layer.form == "authors")
-            identity, _ = path_settings(layer.form, layer.identity, layer.hops)
-            power = torch.eye(hop.shape[-1]).expand_as(hop)
-            paths = [power] if identity else []
-            for _ in range(layer.hops):
-                power = hop @ power
-                paths.append(power)
-            probs = sum(paths) / len(paths)
+            probs = _mean_path_matrix(layer, hidden)
         else:
             probs = _attention_matrix(layer, hidden)
         last = probs[:, -1]  # [B, T]
