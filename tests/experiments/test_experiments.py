@@ -211,3 +211,18 @@ def test_chain_attention_reads_the_multihop_path_weights(options):
     rows = torch.arange(3)
     assert got["weight_x0"] == pytest.approx(float(last[rows, positions[:, 0]].mean()), abs=1e-6)
     assert got["weight_x1"] == pytest.approx(float(last[rows, positions[:, 1]].mean()), abs=1e-6)
+
+
+def test_mqar_grid_writes_its_report_and_skips_finished_runs(tmp_path, monkeypatch):
+    from routeformer.data.mqar import MQARConfig
+    from routeformer.experiments import topk as topk_experiments
+
+    variants = {"full": ("full", {}),
+                "topk(K=2,distill)": ("topk", {"topk": 2, "routing_learning": "distill"})}
+    grid = topk_experiments.MQARGrid(tasks={16: MQARConfig(seq_len=16, pairs=2, vocab_size=16)}, steps=2,
+                                     batch_size=2, variants=lambda length: variants, note="a toy task")
+    text = topk_experiments._run_mqar_grid(tmp_path, "toy-mqar", False, grid).read_text()
+    assert "a toy task" in text and "| 16 | 2 | topk(K=2,distill) |" in text
+    monkeypatch.setattr(topk_experiments, "run_mqar_variant", lambda *args, **kw: pytest.fail("retrained"))
+    topk_experiments._run_mqar_grid(tmp_path, "toy-mqar", False, grid)
+    assert "topk-mqar-small" in list_experiments()

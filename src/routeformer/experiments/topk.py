@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,41 +103,96 @@ def run_mqar_variant(
     return record
 
 
+@dataclass(frozen=True)
+class MQARGrid:
+    """One MQAR experiment: the tasks per length, the training budget and the variants per length."""
+    tasks: dict[int, MQARConfig]
+    steps: int
+    batch_size: int
+    variants: Callable[[int], dict[str, tuple[str, dict[str, Any]]]]
+    note: str
+
+
+def _paper_grid(quick: bool) -> MQARGrid:
+    lengths = [256] if quick else [256, 512, 1024]
+    return MQARGrid(
+        tasks={n: MQARConfig(seq_len=n, pairs=MQAR_PAIRS[n], vocab_size=8192) for n in lengths},
+        steps=300 if quick else 1500, batch_size=32,
+        variants=lambda length: mqar_variants(length, quick),
+        note="the issue's setting (vocabulary 8192)")
+
+
+SMALL_MQAR = MQARConfig(seq_len=64, pairs=8, vocab_size=64)
+
+
+def small_mqar_variants(length: int) -> dict[str, tuple[str, dict[str, Any]]]:
+    """The control mechanisms and top-k at K = T/8 with each routing-learning option."""
+    variants: dict[str, tuple[str, dict[str, Any]]] = {
+        "full": ("full", {}), f"local(w={length // 4})": ("local", {"window": length // 4}),
+        "linear": ("linear", {}),
+    }
+    for learning in ("score_bias", "distill", "none"):
+        variants[f"topk(K={length // 8},{learning})"] = (
+            "topk", {"topk": length // 8, "routing_learning": learning})
+    return variants
+
+
+def _small_grid(quick: bool) -> MQARGrid:
+    return MQARGrid(
+        tasks={SMALL_MQAR.seq_len: SMALL_MQAR}, steps=400 if quick else 2000, batch_size=64,
+        variants=small_mqar_variants,
+        note=("a CPU-sized task that full attention does learn within the budget (T = 64, 8 pairs, "
+              "vocabulary 64: 32 keys, 32 values, chance 1/32), to compare the routing-learning "
+              "options where the issue's setting learns nothing at CPU budgets"))
+
+
 @register_experiment("topk-mqar", "multi-query associative recall: full/local/linear/topk, accuracy "
                      "and routing recall over training")
 def mqar(out_dir: Path, quick: bool) -> Path:
-    lengths = [256] if quick else [256, 512, 1024]
-    steps = 300 if quick else 1500
+    return _run_mqar_grid(out_dir, "topk-mqar", quick, _paper_grid(quick))
+
+
+@register_experiment("topk-mqar-small", "MQAR at T=64, vocabulary 64 (learnable on a CPU): the "
+                     "routing-learning options of topk against full/local/linear")
+def mqar_small(out_dir: Path, quick: bool) -> Path:
+    return _run_mqar_grid(out_dir, "topk-mqar-small", quick, _small_grid(quick))
+
+
+def _run_mqar_grid(out_dir: Path, name: str, quick: bool, grid: MQARGrid) -> Path:
     records = {}
-    for length in lengths:
-        for name, (mechanism, options) in mqar_variants(length, quick).items():
-            key = run_key(f"T{length}-{name}")
-            _log(f"topk-mqar: {key}")
-            records[(length, name)] = cached_run(
+    for length, task in grid.tasks.items():
+        for variant, (mechanism, options) in grid.variants(length).items():
+            key = run_key(f"T{length}-{variant}")
+            _log(f"{name}: {key}")
+            records[(length, variant)] = cached_run(
                 out_dir, key,
-                lambda length=length, mechanism=mechanism, options=options:
-                    run_mqar_variant(length, mechanism, options, steps, seed=0),
+                lambda length=length, task=task, mechanism=mechanism, options=options:
+                    run_mqar_variant(length, mechanism, options, grid.steps, seed=0, task=task,
+                                     batch_size=grid.batch_size),
             )
     rows, curves_acc, curves_recall = [], {}, {}
-    for (length, name), record in records.items():
+    for (length, variant), record in records.items():
         final = record["final"]
-        rows.append([length, MQAR_PAIRS[length], name, final["accuracy"], final.get("routing_recall", "-"),
-                     record["attention_flops_per_token"], round(record["train_seconds"], 1)])
+        rows.append([length, grid.tasks[length].pairs, variant, final["accuracy"],
+                     final.get("routing_recall", "-"), record["attention_flops_per_token"],
+                     round(record["train_seconds"], 1)])
         steps_axis = [e["step"] for e in record["history"]]
-        curves_acc[f"T={length} {name}"] = (steps_axis, [e["accuracy"] for e in record["history"]])
+        curves_acc[f"T={length} {variant}"] = (steps_axis, [e["accuracy"] for e in record["history"]])
         if "routing_recall" in final:
-            curves_recall[f"T={length} {name}"] = (
+            curves_recall[f"T={length} {variant}"] = (
                 steps_axis, [e["routing_recall"] for e in record["history"]]
             )
     line_plot(out_dir / "mqar_accuracy.png", curves_acc, xlabel="step", ylabel="query accuracy",
-              title="MQAR accuracy over training")
+              title=f"{name}: accuracy over training")
     line_plot(out_dir / "mqar_routing_recall.png", curves_recall, xlabel="step",
-              ylabel="routing recall (dense attention mass inside R_i)", title="topk routing recall")
+              ylabel="routing recall (dense attention mass inside R_i)", title=f"{name}: topk routing recall")
+    vocab = sorted({task.vocab_size for task in grid.tasks.values()})
     markdown = "\n\n".join([
-        "# topk-mqar: multi-query associative recall",
-        provenance(f"routeformer reproduce topk-mqar{' --quick' if quick else ''}"),
-        f"Model: 2 layers, D={MQAR_DIM}, 4 heads, learned positions, vocabulary 8192; {steps} steps of "
-        "batch 32, AdamW lr 1e-3; accuracy on 1024 fresh test sequences (seed 0, one seed per cell). "
+        f"# {name}: multi-query associative recall",
+        provenance(f"routeformer reproduce {name}{' --quick' if quick else ''}"),
+        f"Task: {grid.note}. Model: 2 layers, D={MQAR_DIM}, 4 heads, learned positions, vocabulary "
+        f"{'/'.join(map(str, vocab))}; {grid.steps} steps of batch {grid.batch_size}, AdamW lr 1e-3; "
+        "accuracy on 1024 fresh test sequences (seed 0, one seed per cell). "
         "Routing recall: fraction of the dense attention mass inside the routed set, on 16 sampled "
         "queries per layer, averaged over layers.",
         markdown_table(["T", "pairs", "mechanism", "accuracy", "routing recall", "attention FLOPs/token",
