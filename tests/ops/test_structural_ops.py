@@ -103,6 +103,24 @@ def test_expanding_matches_reference(causal, length, block, padded, prior):
         assert fast_grads[3].abs().sum() > 0 and fast_grads[4].abs().sum() > 0, "the prior must learn"
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("gather_below", [0.0, 1.01])
+def test_expanding_steps_by_block_rows_or_gathered_queries_agree(monkeypatch, causal, gather_below):
+    """An inference step runs over whole block rows or over the gathered going-on queries (when
+    few go on); forcing either path everywhere gives the reference's result."""
+    import routeformer.ops.expanding as expanding_module
+
+    monkeypatch.setattr(expanding_module, "_GATHER_BELOW", gather_below)
+    q, k, v, mask = make_inputs(90, padded=True, seed=3)
+    alpha, beta = (torch.tensor(values, dtype=torch.float64) for values in PRIORS["wide"])
+    fast = expanding_attention(q, k, v, alpha, beta, causal=causal, mask=mask, block=16)
+    reference, horizon, iterations = expanding_attention_reference(
+        q, k, v, alpha, beta, causal=causal, mask=mask)
+    assert iterations.max() > 2, "the inputs must take several steps"
+    assert torch.equal(fast.horizon, horizon) and torch.equal(fast.iterations, iterations)
+    torch.testing.assert_close(fast.out, reference, atol=1e-10, rtol=1e-10)
+
+
 def test_expanding_fp32_matches_fp64():
     q, k, v, mask = make_inputs(70, padded=True, dtype=torch.float32)
     alpha, beta = torch.tensor([1.0, 1.0, 1.0]), torch.tensor([9.0, 3.0, 30.0])
