@@ -10,7 +10,7 @@ from routeformer.ops import (
     multihop_attention,
     multihop_attention_reference,
 )
-from routeformer.ops.expanding import geometric_horizon
+from routeformer.ops.expanding import _STEP_FLOPS_PER_ENTRY, geometric_horizon
 
 
 def make_inputs(length, padded, seed=0, batch=2, heads=3, dim=8, dtype=torch.float64):
@@ -208,6 +208,7 @@ def test_expanding_reports_executed_flops():
     result = expanding_attention(q, k, v, alpha, beta, block=8)
     dim = q.shape[-1]
     assert result.value_pairs >= result.scored_pairs
-    assert result.flops == 2 * dim * (result.scored_pairs + result.value_pairs) + 6 * result.step_entries
+    scores_and_values = 2 * dim * (result.scored_pairs + result.value_pairs)
+    assert result.flops == scores_and_values + _STEP_FLOPS_PER_ENTRY * result.step_entries
     # The final softmax alone covers every query over a band at least as wide as its horizon.
     assert result.step_entries >= 2 * 3 * 64 * int(result.horizon.max())

@@ -52,8 +52,8 @@ _GROUP_ELEMENTS = 1 << 20
 _EXCLUDED = 1e30
 # An inference step gathers the going-on queries once fewer than this fraction of all go on.
 _GATHER_BELOW = 0.5
-# Elementwise work per (query, key) entry of one inference step: scale, prior, mask, exp, sum, δ·p.
-_STEP_FLOPS_PER_ENTRY = 6
+# Elementwise work per (query, key) entry of one inference step: prior, mask, exp, sum, δ·p.
+_STEP_FLOPS_PER_ENTRY = 5
 
 
 @dataclass
@@ -117,19 +117,21 @@ class _Rings:
     """
 
     def __init__(self, q: Tensor, k: Tensor, valid: Tensor, block: int, causal: bool,
-                 check_keys: bool) -> None:
+                 check_keys: bool, scale: float) -> None:
         batch, heads, length, dim = q.shape
         self.block, self.causal, self.check_keys = block, causal, check_keys
         self.blocks = length // block
         self.rows = batch * heads * self.blocks
-        self.q = q.reshape(self.rows, block, dim)
+        self.q = (q * scale).reshape(self.rows, block, dim)  # the cache holds scaled products
         self.k = k.reshape(self.rows, block, dim)
+        # Padded by `blocks` block rows on both sides: ring o's keys for all rows are one slice.
+        self.k_padded = F.pad(self.k, (0, 0, 0, 0, self.blocks, self.blocks))
         self.key_valid = valid[:, None, :].expand(batch, heads, length).reshape(self.rows, block)
         self.block_of_row = torch.arange(self.rows, device=q.device) % self.blocks
         slot = torch.arange(block, device=q.device)
         self.slot_offset = slot[:, None] - slot[None, :]  # query slot a - key slot c
         self.offsets: list[int] = []  # ring order of the band
-        self.scores: dict[int, Tensor] = {}  # ring -> [R, b, b] q·k products (unscaled)
+        self.scores: dict[int, Tensor] = {}  # ring -> [R, b, b] q·k·scale products
         self.computed: dict[int, Tensor] = {}  # ring -> bool [R]
         self.scored_pairs = 0
 
@@ -156,9 +158,22 @@ class _Rings:
                     self.scores[offset] = self.q.new_zeros(self.rows, self.block, self.block)
                     self.computed[offset] = torch.zeros_like(need)
                     layout_changed = True
-                new_rows = (need & ~self.computed[offset]).nonzero().squeeze(1)
-                if new_rows.numel() == 0:
+                new = need & ~self.computed[offset]
+                count = int(new.sum())
+                if count == 0:
                     continue
+                if 2 * count >= self.rows and not bool(self.computed[offset].any()):
+                    # Most rows need this ring and none has it: one product over all rows, from a
+                    # slice of the keys instead of a gathered copy. Rows with no key block there
+                    # score another sequence's keys, which their horizon (<= context) or the key
+                    # mask excludes.
+                    first = self.blocks - offset
+                    torch.bmm(self.q, self.k_padded[first:first + self.rows].transpose(1, 2),
+                              out=self.scores[offset])
+                    self.computed[offset].fill_(True)
+                    self.scored_pairs += self.rows * self.block * self.block
+                    continue
+                new_rows = new.nonzero().squeeze(1)
                 products = torch.bmm(self.q[new_rows], self.k[new_rows - offset].transpose(1, 2))
                 self.scores[offset].index_copy_(0, new_rows, products)
                 self.computed[offset][new_rows] = True
@@ -191,10 +206,10 @@ class _Rings:
             self.key_penalty = torch.zeros(key_valid.shape, dtype=self.q.dtype, device=key_valid.device)
             self.key_penalty.masked_fill_(~key_valid, -_EXCLUDED)
 
-    def probabilities(self, rows: slice, horizon: Tensor, log_decay: Tensor, scale: float) -> Tensor:
+    def probabilities(self, rows: slice, horizon: Tensor, log_decay: Tensor) -> Tensor:
         """[g, b, W] softmax of `logits`; with invalid keys a (padded) query may see none, and its
         row is zeros, not NaN."""
-        logits = self.logits(rows, horizon, log_decay, scale)
+        logits = self.logits(rows, horizon, log_decay)
         return _softmax_rows(logits) if self.check_keys else logits.softmax(dim=-1)
 
     def ring_keys(self, rows: slice, slot: int) -> slice:
@@ -213,11 +228,11 @@ class _Rings:
         group = max(1, _GROUP_ELEMENTS // (self.block * self.width))
         return [slice(start, min(start + group, self.rows)) for start in range(0, self.rows, group)]
 
-    def logits(self, rows: slice, horizon: Tensor, log_decay: Tensor, scale: float) -> Tensor:
+    def logits(self, rows: slice, horizon: Tensor, log_decay: Tensor) -> Tensor:
         """[g, b, W] scores·scale + δ·log(1 - q) for block rows `rows`; keys outside the
         horizon (or invalid) get a penalty <= -_EXCLUDED / 2. `horizon`, `log_decay`: [g, b]."""
         parts = [self.scores[offset][rows] for offset in self.offsets]
-        logits = torch.cat(parts, dim=2).mul_(scale)  # cat made a fresh tensor: scale it in place
+        logits = torch.cat(parts, dim=2)  # a fresh tensor: the terms below are added in place
         logits.addcmul_(self.prior_distance, log_decay[..., None].to(logits.dtype))
         # min(0, H - 1/2 - reach): 0 inside the horizon, <= -1/2 outside.
         beyond = (horizon[..., None].to(logits.dtype) - 0.5 - self.reach_float).clamp_(max=0.0)
@@ -226,8 +241,7 @@ class _Rings:
             logits.add_(self.key_penalty[rows, None, :])
         return logits
 
-    def mean_distance(self, going_on: Tensor, horizon: Tensor, log_decay: Tensor,
-                      scale: float) -> tuple[Tensor, int]:
+    def mean_distance(self, going_on: Tensor, horizon: Tensor, log_decay: Tensor) -> tuple[Tensor, int]:
         """E_p[δ] of every query that goes on ([R, b], zeros elsewhere), and the (query, key) entries
         touched. While most queries go on, whole block rows are processed; once fewer than
         `_GATHER_BELOW` of them do, only the going-on queries are (gathered), so a few stragglers
@@ -238,7 +252,7 @@ class _Rings:
             for rows in self.row_groups():
                 if not bool(going_on[rows].any()):
                     continue
-                probs = self.logits(rows, horizon[rows], log_decay[rows], scale).softmax(-1)
+                probs = self.logits(rows, horizon[rows], log_decay[rows]).softmax(-1)
                 # Rows of padded queries may be meaningless here; they never go on.
                 mean[rows] = (probs * self.prior_distance).sum(dim=-1)
                 entries += probs.numel()
@@ -248,17 +262,16 @@ class _Rings:
         flat_mean, flat_horizon, flat_decay = mean.view(-1), horizon.view(-1), log_decay.view(-1)
         for start in range(0, queries.numel(), chunk):
             some = queries[start:start + chunk]
-            logits, prior = self._query_logits(some, flat_horizon[some], flat_decay[some], scale)
+            logits, prior = self._query_logits(some, flat_horizon[some], flat_decay[some])
             flat_mean[some] = (logits.softmax(-1).mul_(prior)).sum(dim=-1)
             entries += logits.numel()
         return mean, entries
 
-    def _query_logits(self, queries: Tensor, horizon: Tensor, log_decay: Tensor,
-                      scale: float) -> tuple[Tensor, Tensor]:
+    def _query_logits(self, queries: Tensor, horizon: Tensor, log_decay: Tensor) -> tuple[Tensor, Tensor]:
         """`logits` for single queries (flat indices into [R·b]): [n, W], and their prior δ [n, W]."""
         slots = queries % self.block
         parts = [self.scores[offset].view(-1, self.block).index_select(0, queries) for offset in self.offsets]
-        logits = torch.cat(parts, dim=1).mul_(scale)
+        logits = torch.cat(parts, dim=1)
         prior = self.prior_distance.index_select(0, slots)
         logits.addcmul_(prior, log_decay[:, None].to(logits.dtype))
         # max(0, reach - (H - 1/2)) = -min(0, H - 1/2 - reach), built in the gathered tensor.
@@ -294,7 +307,7 @@ class _BandAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, log_decay, rings, horizon, scale):  # q, k [R, b, d], v [R, b, e]
         values = rings.pad_rows(v)  # a Function's forward runs without autograd: no detach needed
-        out = torch.cat([rings.apply(rings.probabilities(rows, horizon[rows], log_decay[rows], scale),
+        out = torch.cat([rings.apply(rings.probabilities(rows, horizon[rows], log_decay[rows]),
                                      values, rows) for rows in rings.row_groups()], dim=0)
         ctx.save_for_backward(q, k, values, log_decay, horizon, out)
         ctx.rings, ctx.scale = rings, scale
@@ -310,7 +323,7 @@ class _BandAttention(torch.autograd.Function):
         grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
         grad_decay = torch.empty_like(log_decay)
         for rows in rings.row_groups():
-            probs = rings.probabilities(rows, horizon[rows], log_decay[rows], scale)
+            probs = rings.probabilities(rows, horizon[rows], log_decay[rows])
             grad_rows = grad_out[rows]
             # Softmax backward: d logits = p (dp - Σ p dp), and Σ_j p_j dp_j = dout · out.
             row_dot = (grad_rows * out[rows]).sum(dim=-1, keepdim=True)
@@ -374,7 +387,7 @@ def expanding_attention(
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
         valid = F.pad(valid, (0, pad), value=False)
     masked = mask is not None
-    rings = _Rings(q.detach(), k.detach(), valid, block, causal, check_keys=masked or not causal)
+    rings = _Rings(q.detach(), k.detach(), valid, block, causal, check_keys=masked or not causal, scale=scale)
     shape = (rings.rows, block)
     positions = torch.arange(blocks * block, device=q.device)
     context = _context(positions, length, causal).view(1, 1, -1).expand(batch, heads, -1).reshape(shape)
@@ -402,7 +415,7 @@ def expanding_attention(
         if bool(going_on.any()):
             with torch.no_grad():  # the inference steps pass no gradient (module docstring)
                 log_decay = _log_decay(alpha_t, beta_t)
-                mean_distance, entries = rings.mean_distance(going_on, horizon, log_decay, scale)
+                mean_distance, entries = rings.mean_distance(going_on, horizon, log_decay)
             step_entries += entries
             expected_distance_sum += torch.where(going_on, mean_distance, 0.0)
             steps += going_on.long()
