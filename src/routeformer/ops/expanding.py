@@ -20,9 +20,11 @@ Fast path. The sequence is cut into blocks of b queries; a block's keys are orga
 ring o holds the key block o blocks back (o < 0: ahead). The q·k products of ring o are computed
 for a block row only once some query of the block needs them (its horizon reaches that ring) and
 are kept for every later iteration (one [R, b, b] tensor per ring), so keys beyond the block's
-largest horizon are never scored. Each iteration runs a masked softmax only on block rows with a
-query still iterating. The final pass recomputes that softmax with gradients and applies it to
-the values ring by ring.
+largest horizon are never scored. Each iteration runs a masked softmax over the block rows with a
+query still iterating or, once fewer than half the queries iterate, over those queries alone
+(gathered). The final pass, one autograd function, applies the last softmax to the values ring by
+ring; its backward rebuilds the probabilities from the cache and adds the key and value gradients
+in place, ring by ring.
 
 Gradients: to q, k, v through the final softmax, and to α, β through the prior of the final step,
 with α_T = α + (steps taken) and β_T = β + Σ_t E_t[δ]; the E_t[δ] of the mean-field iterations are
