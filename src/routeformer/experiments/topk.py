@@ -35,18 +35,22 @@ MQAR_DIM = 64
 LOCAL_WINDOW = 64
 
 
-def mqar_variants(length: int, quick: bool) -> dict[str, tuple[str, dict[str, Any]]]:
-    """name -> (mechanism, options). The full grid at the shortest length, the K = 32 row beyond."""
+def _controls_and_topk(window: int, ks: tuple[int, ...]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """name -> (mechanism, options): full, local(window), linear, then topk at each K with each
+    routing-learning option."""
     variants: dict[str, tuple[str, dict[str, Any]]] = {
-        "full": ("full", {}),
-        f"local(w={LOCAL_WINDOW})": ("local", {"window": LOCAL_WINDOW}),
-        "linear": ("linear", {}),
+        "full": ("full", {}), f"local(w={window})": ("local", {"window": window}), "linear": ("linear", {}),
     }
-    ks = (32,) if quick else ((8, 32, 64) if length == 256 else (32,))
     for k in ks:
         for learning in ("score_bias", "distill", "none"):
             variants[f"topk(K={k},{learning})"] = ("topk", {"topk": k, "routing_learning": learning})
     return variants
+
+
+def mqar_variants(length: int, quick: bool) -> dict[str, tuple[str, dict[str, Any]]]:
+    """The full grid at the shortest length, the K = 32 row beyond."""
+    ks = (32,) if quick else ((8, 32, 64) if length == 256 else (32,))
+    return _controls_and_topk(LOCAL_WINDOW, ks)
 
 
 def mqar_accuracy(model: CausalLM, task: MQARConfig, sequences: int, seed: int) -> dict[str, float]:
@@ -126,15 +130,8 @@ SMALL_MQAR = MQARConfig(seq_len=64, pairs=8, vocab_size=64)
 
 
 def small_mqar_variants(length: int) -> dict[str, tuple[str, dict[str, Any]]]:
-    """The control mechanisms and top-k at K = T/8 with each routing-learning option."""
-    variants: dict[str, tuple[str, dict[str, Any]]] = {
-        "full": ("full", {}), f"local(w={length // 4})": ("local", {"window": length // 4}),
-        "linear": ("linear", {}),
-    }
-    for learning in ("score_bias", "distill", "none"):
-        variants[f"topk(K={length // 8},{learning})"] = (
-            "topk", {"topk": length // 8, "routing_learning": learning})
-    return variants
+    """The controls (local window T/4) and top-k at K = T/8 with each routing-learning option."""
+    return _controls_and_topk(length // 4, (length // 8,))
 
 
 def _small_grid(quick: bool) -> MQARGrid:

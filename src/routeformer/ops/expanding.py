@@ -110,6 +110,20 @@ def _check_prior(alpha: Tensor, beta: Tensor, heads: int) -> None:
             raise ValueError(f"{name} must be positive (a Beta concentration); got {value.tolist()}")
 
 
+def _add_prior(logits: Tensor, prior: Tensor, reach: Tensor, horizon: Tensor, log_decay: Tensor,
+               key_penalty: Tensor | None) -> Tensor:
+    """In place: logits + δ·log(1 - q), keys beyond the horizon (or invalid) pushed to
+    <= -_EXCLUDED / 2. `prior`, `reach` broadcast to `logits` [..., W]; `horizon`, `log_decay`
+    are per query ([...])."""
+    logits.addcmul_(prior, log_decay[..., None].to(logits.dtype))
+    # min(0, H - 1/2 - reach): 0 inside the horizon, <= -1/2 outside.
+    beyond = (horizon[..., None].to(logits.dtype) - 0.5 - reach).clamp_(max=0.0)
+    logits.add_(beyond, alpha=_EXCLUDED)
+    if key_penalty is not None:
+        logits.add_(key_penalty)
+    return logits
+
+
 class _Rings:
     """Block-row layout, the cache of computed ring scores, and the band they form.
 
@@ -235,13 +249,8 @@ class _Rings:
         horizon (or invalid) get a penalty <= -_EXCLUDED / 2. `horizon`, `log_decay`: [g, b]."""
         parts = [self.scores[offset][rows] for offset in self.offsets]
         logits = torch.cat(parts, dim=2)  # a fresh tensor: the terms below are added in place
-        logits.addcmul_(self.prior_distance, log_decay[..., None].to(logits.dtype))
-        # min(0, H - 1/2 - reach): 0 inside the horizon, <= -1/2 outside.
-        beyond = (horizon[..., None].to(logits.dtype) - 0.5 - self.reach_float).clamp_(max=0.0)
-        logits.add_(beyond, alpha=_EXCLUDED)
-        if self.key_penalty is not None:
-            logits.add_(self.key_penalty[rows, None, :])
-        return logits
+        penalty = None if self.key_penalty is None else self.key_penalty[rows, None, :]
+        return _add_prior(logits, self.prior_distance, self.reach_float, horizon, log_decay, penalty)
 
     def mean_distance(self, going_on: Tensor, horizon: Tensor, log_decay: Tensor) -> tuple[Tensor, int]:
         """E_p[δ] of every query that goes on ([R, b], zeros elsewhere), and the (query, key) entries
@@ -275,12 +284,10 @@ class _Rings:
         parts = [self.scores[offset].view(-1, self.block).index_select(0, queries) for offset in self.offsets]
         logits = torch.cat(parts, dim=1)
         prior = self.prior_distance.index_select(0, slots)
-        logits.addcmul_(prior, log_decay[:, None].to(logits.dtype))
-        # max(0, reach - (H - 1/2)) = -min(0, H - 1/2 - reach), built in the gathered tensor.
-        outside = self.reach_float.index_select(0, slots).sub_(horizon[:, None].to(logits.dtype) - 0.5)
-        logits.add_(outside.clamp_(min=0.0), alpha=-_EXCLUDED)
-        if self.key_penalty is not None:
-            logits.add_(self.key_penalty.index_select(0, queries // self.block))
+        penalty = self.key_penalty
+        if penalty is not None:
+            penalty = penalty.index_select(0, queries // self.block)
+        _add_prior(logits, prior, self.reach_float.index_select(0, slots), horizon, log_decay, penalty)
         return logits, prior
 
     def ring(self, band: Tensor, slot: int) -> Tensor:
