@@ -9,19 +9,26 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.bench.timing import machine_description
+from routeformer.train.task_loop import resumable_training, training_checkpoints
 
 
 def cached_run(out_dir: Path, key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Return the stored record of run `key`, or compute and store it (atomically): a killed
-    experiment picks up after its last finished run."""
-    path = out_dir / "runs" / f"{key}.json"
+    experiment picks up after its last finished run, and within the unfinished run after the last
+    evaluation of its `train_task` calls (`train.task_loop.resumable_training`); those checkpoints
+    are deleted once the record is stored."""
+    runs = out_dir / "runs"
+    path = runs / f"{key}.json"
     if path.exists():
         return json.loads(path.read_text())
-    record = compute()
+    with resumable_training(runs, key):
+        record = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".json.partial")
     partial.write_text(json.dumps(record, indent=1))
     os.replace(partial, path)
+    for checkpoint in training_checkpoints(runs, key):
+        checkpoint.unlink()
     return record
 
 

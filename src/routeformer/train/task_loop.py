@@ -1,17 +1,31 @@
 """A short training loop for synthetic tasks (recall, counting, ...): AdamW, warmup + cosine,
-clipping, periodic evaluation. Runs last minutes, so they restart rather than resume; experiments
-resume at the granularity of finished runs (`experiments.report.cached_run`)."""
+clipping, periodic evaluation.
+
+Resuming: inside `resumable_training(directory, key)` (which `experiments.report.cached_run` opens
+around every run) each `train_task` call writes a checkpoint at every evaluation — model,
+optimizer, step, history, the batch generator's and torch's RNG states — to
+`<directory>/<key>.train<n>.pt`, n counting the calls in the block, and a later call with the same
+n resumes from it: an interrupted experiment re-runs nothing but the steps after its last
+evaluation, and ends with the same weights and history as an uninterrupted one. A finished call
+resumes as finished (its final weights loaded), so a run that trains several models in turn
+skips the finished ones. Outside such a block nothing is written.
+"""
 
 from __future__ import annotations
 
+import glob
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from routeformer.train.checkpoint import load_checkpoint, save_checkpoint
 from routeformer.train.loop import weight_decay_groups
 from routeformer.train.schedule import learning_rate
 
@@ -35,6 +49,50 @@ class TaskHistory:
     final: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class _Resumable:
+    directory: Path
+    key: str
+    calls: int = 0
+
+    def next_path(self) -> Path:
+        path = self.directory / f"{self.key}.train{self.calls}.pt"
+        self.calls += 1
+        return path
+
+
+_RESUMABLE: ContextVar[_Resumable | None] = ContextVar("routeformer_resumable_training", default=None)
+
+
+@contextmanager
+def resumable_training(directory: str | Path, key: str) -> Iterator[None]:
+    """Checkpoint and resume every `train_task` call inside the block (see the module docstring)."""
+    token = _RESUMABLE.set(_Resumable(Path(directory), key))
+    try:
+        yield
+    finally:
+        _RESUMABLE.reset(token)
+
+
+def training_checkpoints(directory: str | Path, key: str) -> list[Path]:
+    """The checkpoint files `resumable_training(directory, key)` has written."""
+    return sorted(Path(directory).glob(f"{glob.escape(key)}.train*.pt"))
+
+
+def _resume(path: Path, config: TaskTrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
+            generator: torch.Generator) -> tuple[int, TaskHistory]:
+    """(first step to run, history so far) from the checkpoint at `path`, restored in place."""
+    state = load_checkpoint(path)
+    if state["config"] != asdict(config):
+        raise ValueError(f"checkpoint {str(path)!r} was written with another training config "
+                         f"({state['config']}, now {asdict(config)}); delete it to start this run afresh")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    generator.set_state(state["rng"]["batches"])
+    torch.set_rng_state(state["rng"]["torch"])
+    return state["step"] + 1, state["history"]
+
+
 def layer_stat(stats: list[dict[str, Tensor]], key: str) -> float | None:
     """Mean of one per-layer diagnostic over the layers that report it."""
     values = [float(layer[key]) for layer in stats if key in layer]
@@ -54,9 +112,15 @@ def train_task(
     generator = torch.Generator().manual_seed(config.seed)
     forward = forward or (lambda m, inputs, labels: m(inputs, labels))
     optimizer = torch.optim.AdamW(weight_decay_groups(model, config.weight_decay), lr=config.lr)
-    history = TaskHistory()
+    history, first_step = TaskHistory(), 1
+    resumable = _RESUMABLE.get()
+    checkpoint = None if resumable is None else resumable.next_path()
+    if checkpoint is not None and checkpoint.exists():
+        first_step, history = _resume(checkpoint, config, model, optimizer, generator)
+        if log:
+            log(f"resumed from {checkpoint.name} after step {first_step - 1}")
     began = time.perf_counter()
-    for step in range(1, config.steps + 1):
+    for step in range(first_step, config.steps + 1):
         rate = learning_rate(step - 1, lr=config.lr, warmup_steps=config.warmup_steps,
                              total_steps=config.steps, min_lr_ratio=0.1)
         for group in optimizer.param_groups:
@@ -78,6 +142,12 @@ def train_task(
             if log:
                 log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                              for k, v in record.items()))
+            if checkpoint is not None:  # after evaluating: the RNG state includes what it drew
+                save_checkpoint(checkpoint, {
+                    "config": asdict(config), "step": step, "history": history,
+                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "rng": {"batches": generator.get_state(), "torch": torch.get_rng_state()},
+                })
             began = time.perf_counter()
     history.final = history.evals[-1]
     return history

@@ -1,0 +1,112 @@
+"""The synthetic-task loop resumes an interrupted run exactly, inside `resumable_training`."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from routeformer.experiments.report import cached_run
+from routeformer.train.task_loop import (
+    TaskTrainConfig,
+    resumable_training,
+    train_task,
+    training_checkpoints,
+)
+
+
+class _Interrupted(RuntimeError):
+    pass
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    # Dropout draws from torch's global RNG, so an exact resume must restore it too.
+    return nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _batches(fail_at_call: int | None = None):
+    calls = []
+
+    def make_batch(batch_size, generator):
+        calls.append(None)
+        if fail_at_call is not None and len(calls) == fail_at_call:
+            raise _Interrupted("killed")
+        inputs = torch.randn(batch_size, 4, generator=generator)
+        return inputs, inputs.sum(dim=1, keepdim=True).sin()
+
+    return make_batch, calls
+
+
+def _forward(model, inputs, labels):
+    loss = (model(inputs) - labels).pow(2).mean()
+    return SimpleNamespace(total_loss=loss, loss=loss, aux_loss=torch.zeros(()))
+
+
+def _evaluate(model):
+    # Draws from the global RNG on purpose: the checkpoint is written after evaluating.
+    probe = torch.randn(8, 4)
+    with torch.no_grad():
+        return {"probe": float(model(probe).sum())}
+
+
+CONFIG = TaskTrainConfig(steps=7, batch_size=8, lr=1e-2, warmup_steps=2, eval_every=2, seed=3)
+
+
+def _train(directory, key, fail_at_call=None, config=CONFIG):
+    model = _model()
+    make_batch, calls = _batches(fail_at_call)
+    with resumable_training(directory, key):
+        history = train_task(model, make_batch, _evaluate, config, forward=_forward)
+    return model, history, calls
+
+
+def test_an_interrupted_run_resumes_to_the_same_weights_and_history(tmp_path):
+    reference, reference_history, _ = _train(tmp_path / "straight", "run")
+    with pytest.raises(_Interrupted):
+        _train(tmp_path / "killed", "run", fail_at_call=6)  # dies in step 6, after the step-4 evaluation
+    saved = training_checkpoints(tmp_path / "killed", "run")
+    assert [path.name for path in saved] == ["run.train0.pt"]
+    resumed, history, calls = _train(tmp_path / "killed", "run")
+    assert len(calls) == CONFIG.steps - 4, "the resumed run must start after the last evaluation"
+    for ours, theirs in zip(resumed.state_dict().values(), reference.state_dict().values(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert history.evals == reference_history.evals
+    assert [record["step"] for record in history.evals] == [2, 4, 6, 7]
+    # A finished run resumes as finished: its final weights, no step taken.
+    again, _, calls = _train(tmp_path / "killed", "run")
+    assert calls == []
+    torch.testing.assert_close(again[0].weight, reference[0].weight, rtol=0, atol=0)
+
+
+def test_without_resumable_training_nothing_is_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    make_batch, _ = _batches()
+    train_task(_model(), make_batch, _evaluate, CONFIG, forward=_forward)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_of_another_config_is_refused(tmp_path):
+    with pytest.raises(_Interrupted):
+        _train(tmp_path, "run", fail_at_call=4)
+    changed = TaskTrainConfig(**{**CONFIG.__dict__, "lr": 5e-3})
+    with pytest.raises(ValueError, match="another training config"):
+        _train(tmp_path, "run", config=changed)
+
+
+def test_cached_run_resumes_its_training_and_then_deletes_the_checkpoints(tmp_path):
+    def compute(fail_at_call=None):
+        model = _model()
+        make_batch, calls = _batches(fail_at_call)
+        first = train_task(model, make_batch, _evaluate, CONFIG, forward=_forward)
+        second = train_task(_model(), _batches()[0], _evaluate, CONFIG, forward=_forward)
+        return {"first": first.final, "second": second.final, "steps_run": len(calls)}
+
+    with pytest.raises(_Interrupted):
+        cached_run(tmp_path, "cell", lambda: compute(fail_at_call=5))
+    assert len(training_checkpoints(tmp_path / "runs", "cell")) == 1
+    record = cached_run(tmp_path, "cell", compute)
+    assert record["steps_run"] == CONFIG.steps - 4
+    assert training_checkpoints(tmp_path / "runs", "cell") == []
+    straight = cached_run(tmp_path / "other", "cell", compute)
+    assert straight["first"] == record["first"] and straight["second"] == record["second"]
