@@ -1,5 +1,8 @@
 """Top-k routing and gathered attention against their dense references."""
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -13,12 +16,42 @@ from routeformer.ops import (
     routed_attention_reference,
 )
 from routeformer.ops.gathered import slot_membership
+from routeformer.ops.native import native_kernels
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def implementation(request, monkeypatch):
+    """Every test runs twice: on the fused C kernels (ops/native) and on the PyTorch ops."""
+    if request.param == "torch":
+        monkeypatch.setenv("ROUTEFORMER_NATIVE", "0")
+    elif native_kernels(torch.zeros(1)) is None:
+        if shutil.which(os.environ.get("CC") or "cc") is not None:
+            pytest.fail("a C compiler exists but the native kernels did not load (see the warning)")
+        pytest.skip("no C compiler: the native kernels are unavailable here")
+    return request.param
 
 
 def routing_inputs(length, heads=3, dim=4, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(2, heads, length, dim, generator=gen),
             torch.randn(2, heads, length, dim, generator=gen))
+
+
+def expected_scored(implementation, length, causal, group, block, rows=2 * 3):
+    """Routing products each implementation executes: query blocks score whole key groups (tiles)
+    up to the block's last query (causal) or all keys; the C kernel always scores whole tiles."""
+    if implementation == "native":
+        lib = native_kernels(torch.zeros(1))
+        group, block = lib.route_topk_chunk(), lib.route_topk_query_tile()
+        padded = -(-length // group) * group
+        per_block = [block * (min(-(-(start + block) // group) * group, padded) if causal else padded)
+                     for start in range(0, length, block)]
+    else:
+        padded = -(-length // group) * group
+        per_block = [(min(length, start + block) - start)
+                     * (min(padded, -(-min(length, start + block) // group) * group) if causal else padded)
+                     for start in range(0, length, block)]
+    return rows * sum(per_block)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -28,7 +61,7 @@ def routing_inputs(length, heads=3, dim=4, seed=0):
      (65, 3, 0, 0, 2, 7)],
 )
 def test_route_topk_selects_the_reference_set(
-    causal, length, topk, local_window, global_tokens, group, block
+    implementation, causal, length, topk, local_window, global_tokens, group, block
 ):
     route_q, route_k = routing_inputs(length)
     key_mask = torch.ones(2, length, dtype=torch.bool)
@@ -43,7 +76,7 @@ def test_route_topk_selects_the_reference_set(
     reference = route_topk_reference(route_q, route_k, topk, causal=causal, key_mask=key_mask,
                                      local_window=local_window, global_tokens=global_tokens)
     assert torch.equal(member, reference)
-    assert scored <= 2 * 3 * length * (length + group) and scored > 0
+    assert scored == expected_scored(implementation, length, causal, group, block)
 
 
 def test_causal_routing_takes_every_key_when_fewer_than_k_are_eligible():
@@ -133,3 +166,30 @@ def test_bad_routing_arguments_raise_value_errors():
         route_topk(route_q, route_k, 2, key_mask=torch.ones(2, 8))
     with pytest.raises(ValueError, match="index must be a long tensor"):
         routed_attention(route_q, route_k, route_k, torch.zeros(2, 3, 8, 2), torch.ones(2, 3, 8, 2).bool())
+
+
+def test_routed_attention_reads_a_routing_shared_by_all_heads():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 70, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    shared_q, shared_k = (torch.randn(2, 1, 70, 4, generator=gen) for _ in range(2))
+    index, valid, _ = route_topk(shared_q, shared_k, 9, causal=True, local_window=2)
+    index, valid = index.expand(2, 3, 70, -1), valid.expand(2, 3, 70, -1)  # head stride 0
+    out, _ = routed_attention(q, k, v, index, valid)
+    torch.testing.assert_close(out, routed_attention_reference(q, k, v, index, valid))
+
+
+def test_native_kernels_fall_back_to_pytorch_with_a_warning_when_compiling_fails(tmp_path, monkeypatch):
+    from routeformer.ops import native
+
+    monkeypatch.delenv("ROUTEFORMER_NATIVE", raising=False)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("ROUTEFORMER_CACHE_DIR", str(tmp_path / "cache"))
+    native._load.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="run in PyTorch"):
+            assert native_kernels(torch.zeros(1)) is None
+        route_q, route_k = routing_inputs(20)
+        index, valid, _ = route_topk(route_q, route_k, 3)  # the PyTorch path
+        assert torch.equal(slot_membership(index, valid, 20), route_topk_reference(route_q, route_k, 3))
+    finally:
+        native._load.cache_clear()

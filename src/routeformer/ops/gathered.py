@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from routeformer.ops.full import masked_attention_reference
+from routeformer.ops.native import native_kernels, pointer, suffix
 
 DEFAULT_BLOCK = 64  # small blocks keep the gathered keys in cache: measured fastest
 
@@ -47,11 +48,37 @@ def _gather(rows_source: Tensor, rows: Tensor, shape: tuple[int, ...]) -> Tensor
     return rows_source.index_select(0, rows).view(*shape, rows_source.shape[-1])
 
 
+def _routed_attention_native(native, q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: Tensor,
+                             scale: float) -> tuple[Tensor, Tensor]:
+    """The forward by the fused C kernel (ops/native): (out, lse), as the PyTorch loop computes them."""
+    batch, heads, length, dim = q.shape
+    slots = index.shape[-1]
+    # The kernel reads row (b, h) of index and valid at b·stride(0) + h·stride(1) (0 when every
+    # head shares one routing), each row's slots contiguous.
+    if index.stride()[2:] != (slots, 1) or valid.stride() != index.stride():
+        index, valid = index.contiguous(), valid.contiguous()
+    q = q.contiguous()
+    out = q.new_empty(batch, heads, length, v.shape[-1])
+    lse = q.new_empty(batch, heads, length)
+    getattr(native, f"routed_attention_{suffix(q.dtype)}")(
+        pointer(q), pointer(k), pointer(v), index.data_ptr(), valid.data_ptr(), batch, heads, length,
+        k.shape[2], dim, v.shape[-1], slots, index.stride(0), index.stride(1), scale, pointer(out),
+        pointer(lse), torch.get_num_threads())
+    return out, lse
+
+
 class _RoutedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, index, valid, scale, block):
         batch, heads, length, _ = q.shape
         num_keys, slots = k.shape[2], index.shape[-1]
+        native = native_kernels(q, k, v)
+        if native is not None and q.dtype == k.dtype == v.dtype and slots <= native.route_topk_max_slots():
+            out, lse = _routed_attention_native(native, q, k, v, index, valid, scale)
+            ctx.save_for_backward(q, k, v, index, valid, out, lse)
+            ctx.scale, ctx.block = scale, block
+            ctx.mark_non_differentiable(lse)
+            return out, lse
         k_rows = k.reshape(batch * heads * num_keys, -1)
         v_rows = v.reshape(batch * heads * num_keys, -1)
         out = q.new_empty(batch, heads, length, v.shape[-1])

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from routeformer.ops._checks import check_positive
+from routeformer.ops.native import native_kernels, pointer, suffix
 
 DEFAULT_ROUTING_BLOCK = 64
 DEFAULT_GROUP = 32
@@ -114,6 +115,11 @@ def route_topk(
     batch, heads, length, _ = route_q.shape
     num_keys = route_k.shape[2]
     slots = routing_slots(topk, local_window, global_tokens, num_keys)
+    native = native_kernels(route_q, route_k)
+    if native is not None and route_q.dtype == route_k.dtype and slots <= native.route_topk_max_slots() \
+            and route_q.shape[-1] <= native.route_topk_max_dim():
+        return _route_topk_native(native, route_q, route_k, slots, causal, key_mask, local_window,
+                                  global_tokens)
     padded_keys = math.ceil(num_keys / group) * group
     keys_t = torch.zeros(batch, heads, route_k.shape[-1], padded_keys, dtype=route_k.dtype,
                          device=route_k.device)
@@ -157,6 +163,28 @@ def route_topk(
             index[:, :, start:stop, take:] = 0
             valid[:, :, start:stop, take:] = False
     return index, valid, scored
+
+
+def _route_topk_native(
+    native, route_q: Tensor, route_k: Tensor, slots: int, causal: bool, key_mask: Tensor | None,
+    local_window: int, global_tokens: int,
+) -> tuple[Tensor, Tensor, int]:
+    """`route_topk` by the fused C kernel (ops/native): same contract; forced keys first in a row."""
+    batch, heads, length, dim = route_q.shape
+    num_keys = route_k.shape[2]
+    queries = route_q.contiguous()
+    # [B, R, r, S'] zero-padded to whole chunks: the kernel scores along keys, a chunk at a time.
+    stride = -(-num_keys // native.route_topk_chunk()) * native.route_topk_chunk()
+    keys_t = route_k.new_zeros(batch, heads, dim, stride)
+    keys_t[..., :num_keys] = route_k.transpose(-1, -2)
+    mask = None if key_mask is None else key_mask.to(torch.uint8).contiguous()
+    index = torch.empty(batch, heads, length, slots, dtype=torch.long)
+    valid = torch.empty(batch, heads, length, slots, dtype=torch.uint8)
+    scored = getattr(native, f"route_topk_{suffix(queries.dtype)}")(
+        pointer(queries), pointer(keys_t), pointer(mask), batch * heads, heads, length, num_keys, stride,
+        dim, slots, int(causal), local_window, global_tokens, pointer(index), pointer(valid),
+        torch.get_num_threads())
+    return index, valid.view(torch.bool), int(scored)
 
 
 def route_topk_reference(

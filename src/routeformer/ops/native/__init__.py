@@ -1,0 +1,121 @@
+"""Optional fused CPU kernels (C, compiled once per machine, called through ctypes).
+
+`topk_kernels.c` holds the routing selection and the gathered attention forward of the `topk`
+layer. On first use it is compiled with the system C compiler (`$CC`, else `cc`) with -O3,
+-march=native and OpenMP into a cache directory (`$ROUTEFORMER_CACHE_DIR`, else
+~/.cache/routeformer), keyed by the source, the flags and the CPU; later processes load the
+cached library (~1 s to compile, no PyTorch headers involved).
+
+Every kernel has a PyTorch twin in `routeformer.ops` that is the reference in the tests and the
+fallback: `native_kernels()` returns None — and the ops run in PyTorch — when
+`ROUTEFORMER_NATIVE=0`, under `torch.compile`, on a machine with no C compiler (one warning), or for tensors the kernels
+do not take (not CPU, not float32/float64).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("topk_kernels.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_INT, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiled for: the CPU model and flags (a shared cache directory may
+    serve several machines)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "".join(line for line in lines if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    configured = os.environ.get("ROUTEFORMER_CACHE_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "routeformer"
+
+
+def _compile(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes never load a half-written file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=300)
+        os.replace(built, target)
+
+
+def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
+    for name in ("route_topk_f32", "route_topk_f64"):
+        function = getattr(library, name)
+        function.restype = _INT
+        function.argtypes = [_PTR, _PTR, _PTR, *[_INT] * 7, ctypes.c_int, _INT, _INT, _PTR, _PTR,
+                             ctypes.c_int]
+    for name in ("routed_attention_f32", "routed_attention_f64"):
+        function = getattr(library, name)
+        function.restype = None
+        function.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, *[_INT] * 9, ctypes.c_double, _PTR, _PTR,
+                             ctypes.c_int]
+    library.route_topk_max_slots.restype = _INT
+    library.route_topk_max_dim.restype = _INT
+    library.route_topk_chunk.restype = _INT
+    library.route_topk_query_tile.restype = _INT
+    return library
+
+
+@cache
+def _load() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        warnings.warn("routeformer: no C compiler found; the topk ops run in PyTorch (slower). "
+                      "Install one (cc/gcc) or set ROUTEFORMER_NATIVE=0 to silence this.", stacklevel=3)
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode()
+                         + _cpu_signature().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"routeformer_native_{key}.so"
+    try:
+        if not target.exists():
+            _compile(compiler, target)
+        return _declare(ctypes.CDLL(str(target)))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", "") or str(error)
+        warnings.warn(f"routeformer: compiling the native topk kernels failed; the ops run in PyTorch "
+                      f"(slower). Set ROUTEFORMER_NATIVE=0 to silence this. {detail[-2000:]}",
+                      stacklevel=3)
+        return None
+
+
+def native_kernels(*tensors: Tensor) -> ctypes.CDLL | None:
+    """The loaded kernel library if it can serve these tensors, else None (use the PyTorch path)."""
+    # Under torch.compile the PyTorch ops are traced instead: a ctypes call writing into tensors
+    # is invisible to the compiler.
+    if os.environ.get("ROUTEFORMER_NATIVE", "1") == "0" or torch.compiler.is_compiling():
+        return None
+    if any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64) for t in tensors):
+        return None
+    return _load()
+
+
+def pointer(tensor: Tensor | None) -> int | None:
+    """The data address of a contiguous tensor, for a ctypes call (None for NULL)."""
+    if tensor is None:
+        return None
+    assert tensor.is_contiguous(), "native kernels take contiguous tensors"
+    return tensor.data_ptr()
+
+
+def suffix(dtype: torch.dtype) -> str:
+    return "f32" if dtype == torch.float32 else "f64"

@@ -1,0 +1,299 @@
+/* Fused CPU kernels for top-k routed attention (ADSR): routing selection and the gathered
+ * attention forward. Loaded by routeformer/ops/native/__init__.py (compiled once per machine with
+ * the system C compiler, called through ctypes); the PyTorch code in topk_routing.py and
+ * gathered.py is the reference they are tested against, and the fallback.
+ *
+ * Why: in eager PyTorch the routing scores of one block of queries are written to memory, then
+ * read again by amax, topk (~5 ns per value on this CPU) and gathers. Here each block of QB
+ * queries scores V keys at a time in registers and keeps a running top-m per query in a min-heap;
+ * a vectorised test drops a tile unless some score beats its query's heap minimum, which after
+ * the first few hundred keys is rare. Nothing of size T x S exists, no score is stored, and the
+ * memory traffic is the keys, once per block.
+ *
+ * Layouts (all contiguous, row-major): rq [BR, T, r]; rkt [BR, r, stride] (keys transposed, so
+ * the score loop runs over keys with unit stride; zero-padded to stride = S rounded up to V); key_mask [B, S] (1 = real key) or NULL; outputs
+ * index [BR, T, slots] (int64) and valid [BR, T, slots] (uint8). Batch of row bh: bh / R.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* A tile of QB queries x V keys is scored in registers: each key vector load feeds QB
+ * multiply-adds. 6 x 16 was the fastest measured on AVX-512 (AMD EPYC): 42-46 G multiply-adds/s
+ * per core against 12 for 8 x 16, which runs out of registers. */
+#define QB 6
+#define V 16
+#define MAX_SLOTS 1024
+
+/* Candidate buffer of one query: every eligible key scoring above `threshold` is appended; when
+ * the buffer is full, a quickselect keeps its m best and raises the threshold to the m-th best
+ * score. Keys dropped on the way had m better ones, so the m best overall stay in the buffer. This
+ * costs a store per candidate, where a heap costs a sift (measured 2x slower end to end). */
+#define DEFINE_SELECT(T_)                                                                          \
+/* Reorder so that the m largest scores come first (unordered); returns the m-th largest. */      \
+static T_ keep_best_##T_(T_ *score, int64_t *key, int64_t n, int64_t m) {                          \
+    int64_t lo = 0, hi = n - 1;                                                                    \
+    while (lo < hi) {                                                                              \
+        int64_t mid = lo + (hi - lo) / 2;                                                          \
+        T_ x = score[lo], y = score[mid], z = score[hi];                                           \
+        T_ pivot = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));          \
+        int64_t i = lo, j = hi;                                                                    \
+        while (i <= j) { /* descending: larger scores to the left */                               \
+            while (score[i] > pivot) i++;                                                          \
+            while (score[j] < pivot) j--;                                                          \
+            if (i <= j) {                                                                          \
+                T_ s = score[i]; score[i] = score[j]; score[j] = s;                                \
+                int64_t k = key[i]; key[i] = key[j]; key[j] = k;                                   \
+                i++; j--;                                                                          \
+            }                                                                                      \
+        }                                                                                          \
+        if (m - 1 <= j) hi = j;                                                                    \
+        else if (m - 1 >= i) lo = i;                                                               \
+        else break;                                                                                \
+    }                                                                                              \
+    T_ least = score[0];                                                                           \
+    for (int64_t e = 1; e < m; e++) least = score[e] < least ? score[e] : least;                   \
+    return least;                                                                                  \
+}
+
+DEFINE_SELECT(float)
+DEFINE_SELECT(double)
+
+static inline int is_forced(int64_t i, int64_t j, int64_t local_window, int64_t global_tokens) {
+    return (j <= i && j > i - local_window) || j < global_tokens;
+}
+
+/* Scores of the QB queries against V consecutive keys (keys_at[d * stride + c]) into tile, and per
+ * query the bitmask of scores above its threshold. */
+#define DEFINE_TILE(T_)                                                                            \
+static inline void score_tile_##T_(T_ query[QB][64], const T_ *keys_at, int64_t stride,           \
+                                   int64_t dim, const T_ *threshold, T_ tile[QB][V],               \
+                                   uint32_t hits[QB]) {                                            \
+    for (int a = 0; a < QB; a++)                                                                   \
+        for (int c = 0; c < V; c++) tile[a][c] = 0;                                                \
+    for (int64_t d = 0; d < dim; d++) {                                                            \
+        const T_ *key_row = keys_at + d * stride;                                                  \
+        for (int a = 0; a < QB; a++)                                                               \
+            for (int c = 0; c < V; c++) tile[a][c] += query[a][d] * key_row[c];                    \
+    }                                                                                              \
+    for (int a = 0; a < QB; a++) {                                                                 \
+        uint32_t bits = 0;                                                                         \
+        for (int c = 0; c < V; c++) bits |= (uint32_t)(tile[a][c] > threshold[a]) << c;            \
+        hits[a] = bits;                                                                            \
+    }                                                                                              \
+}
+
+DEFINE_TILE(double)
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* The same with AVX-512 registers: six accumulators, one key load per six multiply-adds, and the
+ * comparison straight into a mask (the generic loops spill the tile to the stack). */
+static inline void score_tile_float(float query[QB][64], const float *keys_at, int64_t stride,
+                                    int64_t dim, const float *threshold, float tile[QB][V],
+                                    uint32_t hits[QB]) {
+    __m512 acc[QB];
+#pragma GCC unroll 8
+    for (int a = 0; a < QB; a++) acc[a] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d++) {
+        __m512 key = _mm512_loadu_ps(keys_at + d * stride);
+#pragma GCC unroll 8
+        for (int a = 0; a < QB; a++) acc[a] = _mm512_fmadd_ps(_mm512_set1_ps(query[a][d]), key, acc[a]);
+    }
+#pragma GCC unroll 8
+    for (int a = 0; a < QB; a++) {
+        _mm512_storeu_ps(tile[a], acc[a]);
+        hits[a] = _mm512_cmp_ps_mask(acc[a], _mm512_set1_ps(threshold[a]), _CMP_GT_OQ);
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* AVX2: each query's V = 16 scores in two 8-wide registers (12 accumulators of the 16). */
+static inline void score_tile_float(float query[QB][64], const float *keys_at, int64_t stride,
+                                    int64_t dim, const float *threshold, float tile[QB][V],
+                                    uint32_t hits[QB]) {
+    __m256 low[QB], high[QB];
+#pragma GCC unroll 8
+    for (int a = 0; a < QB; a++) low[a] = high[a] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d++) {
+        __m256 key_low = _mm256_loadu_ps(keys_at + d * stride);
+        __m256 key_high = _mm256_loadu_ps(keys_at + d * stride + 8);
+#pragma GCC unroll 8
+        for (int a = 0; a < QB; a++) {
+            __m256 q = _mm256_broadcast_ss(&query[a][d]);
+            low[a] = _mm256_fmadd_ps(q, key_low, low[a]);
+            high[a] = _mm256_fmadd_ps(q, key_high, high[a]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int a = 0; a < QB; a++) {
+        _mm256_storeu_ps(tile[a], low[a]);
+        _mm256_storeu_ps(tile[a] + 8, high[a]);
+        __m256 bound = _mm256_set1_ps(threshold[a]);
+        hits[a] = (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(low[a], bound, _CMP_GT_OQ))
+                  | (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(high[a], bound, _CMP_GT_OQ)) << 8;
+    }
+}
+#else
+DEFINE_TILE(float)
+#endif
+
+/* One block of queries [i0, i0 + nq) of routing row bh. rkt rows have `stride` >= keys entries,
+ * zero-padded to a multiple of V, so a tile is always scored whole. */
+#define DEFINE_ROUTE(NAME, T_)                                                                     \
+static void NAME##_block(const T_ *rq, const T_ *rkt, const uint8_t *mask, int64_t keys,          \
+                         int64_t stride, int64_t dim, int64_t slots, int causal,                   \
+                         int64_t local_window, int64_t global_tokens, int64_t i0, int64_t nq,      \
+                         int64_t *index, uint8_t *valid, T_ *buffer_scores, int64_t *buffer_keys,  \
+                         int64_t buffer) {                                                         \
+    T_ query[QB][64];                                                                              \
+    int64_t count[QB], cap[QB]; /* candidates held, routed slots (slots minus forced keys) */      \
+    int64_t forced[QB];                                                                            \
+    int64_t end = causal ? i0 + nq : keys; /* keys this block can read */                        \
+    for (int64_t a = 0; a < QB; a++)                                                               \
+        for (int64_t d = 0; d < dim; d++) query[a][d] = a < nq ? rq[(i0 + a) * dim + d] : 0;       \
+    for (int64_t a = 0; a < nq; a++) {                                                             \
+        int64_t i = i0 + a, taken = 0;                                                             \
+        int64_t *row_index = index + i * slots;                                                    \
+        /* Forced keys (window, global) that are eligible take their slots first. */               \
+        int64_t first = local_window > 0 ? (i - local_window + 1 > 0 ? i - local_window + 1 : 0) : i + 1; \
+        for (int64_t j = 0; j < global_tokens && j < keys && taken < slots; j++)                   \
+            if ((!causal || j <= i) && (!mask || mask[j]) && !(j <= i && j >= first))              \
+                row_index[taken++] = j;                                                            \
+        for (int64_t j = first; j <= i && j < keys && taken < slots; j++)                          \
+            if (!mask || mask[j]) row_index[taken++] = j;                                          \
+        forced[a] = taken;                                                                         \
+        cap[a] = slots - taken;                                                                    \
+        count[a] = 0;                                                                              \
+    }                                                                                              \
+    T_ threshold[QB]; /* a key is a candidate of query a only with a score above it */           \
+    for (int64_t a = 0; a < QB; a++)                                                               \
+        threshold[a] = a < nq && cap[a] > 0 ? -INFINITY : INFINITY;                               \
+    for (int64_t j0 = 0; j0 < end; j0 += V) {                                                      \
+        T_ tile[QB][V];                                                                            \
+        uint32_t hits[QB]; /* bit c: tile[a][c] beats threshold[a] */                             \
+        score_tile_##T_(query, rkt + j0, stride, dim, threshold, tile, hits);                      \
+        for (int64_t a = 0; a < nq; a++) {                                                         \
+            T_ *buffer_score = buffer_scores + a * buffer;                                         \
+            int64_t *buffer_key = buffer_keys + a * buffer, i = i0 + a;                            \
+            for (uint32_t bits = hits[a]; bits; bits &= bits - 1) {                                \
+                int c = __builtin_ctz(bits);                                                       \
+                int64_t j = j0 + c;                                                                \
+                /* Re-test: a flush earlier in this tile may have raised the threshold. */        \
+                if (!(tile[a][c] > threshold[a]) || j >= keys || (causal && j > i)) continue;     \
+                if ((mask && !mask[j]) || is_forced(i, j, local_window, global_tokens)) continue;  \
+                buffer_score[count[a]] = tile[a][c];                                               \
+                buffer_key[count[a]++] = j;                                                        \
+                if (count[a] == buffer) {                                                          \
+                    threshold[a] = keep_best_##T_(buffer_score, buffer_key, buffer, cap[a]);       \
+                    count[a] = cap[a];                                                             \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    for (int64_t a = 0; a < nq; a++) {                                                             \
+        int64_t i = i0 + a, filled = forced[a];                                                    \
+        int64_t *row_index = index + i * slots, *buffer_key = buffer_keys + a * buffer;           \
+        uint8_t *row_valid = valid + i * slots;                                                    \
+        if (count[a] > cap[a])                                                                     \
+            keep_best_##T_(buffer_scores + a * buffer, buffer_key, count[a], cap[a]);              \
+        for (int64_t e = 0; e < count[a] && e < cap[a]; e++) row_index[filled++] = buffer_key[e];  \
+        for (int64_t e = 0; e < filled; e++) row_valid[e] = 1;                                     \
+        for (int64_t e = filled; e < slots; e++) { row_index[e] = 0; row_valid[e] = 0; }          \
+    }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
+int64_t NAME(const T_ *rq, const T_ *rkt, const uint8_t *key_mask, int64_t rows, int64_t heads,   \
+             int64_t length, int64_t keys, int64_t stride, int64_t dim, int64_t slots, int causal, \
+             int64_t local_window, int64_t global_tokens, int64_t *index, uint8_t *valid,          \
+             int threads) {                                                                        \
+    int64_t blocks = (length + QB - 1) / QB, scored = 0;                                           \
+    _Pragma("omp parallel num_threads(threads) reduction(+:scored)")                               \
+    {                                                                                              \
+        /* Per query: 4 slots of candidates (a flush every >= 3·slots candidates). */           \
+        int64_t buffer = 4 * slots + V;                                                            \
+        T_ *buffer_scores = malloc(sizeof(T_) * QB * buffer);                                      \
+        int64_t *buffer_keys = malloc(sizeof(int64_t) * QB * buffer);                              \
+        _Pragma("omp for schedule(dynamic, 4)")                                                    \
+        for (int64_t task = 0; task < rows * blocks; task++) {                                     \
+            int64_t bh = task / blocks, i0 = (task % blocks) * QB;                                 \
+            int64_t nq = length - i0 < QB ? length - i0 : QB;                                      \
+            const uint8_t *mask = key_mask ? key_mask + (bh / heads) * keys : NULL;               \
+            NAME##_block(rq + bh * length * dim, rkt + bh * dim * stride, mask, keys, stride, dim, \
+                         slots, causal, local_window, global_tokens, i0, nq,                       \
+                         index + bh * length * slots, valid + bh * length * slots,                 \
+                         buffer_scores, buffer_keys, buffer);                                      \
+            /* Executed products: all QB rows of the tile, keys up to a whole tile. */            \
+            scored += QB * (causal ? (i0 + nq + V - 1) / V * V : stride);                          \
+        }                                                                                          \
+        free(buffer_scores);                                                                       \
+        free(buffer_keys);                                                                         \
+    }                                                                                              \
+    return scored;                                                                                 \
+}
+
+DEFINE_ROUTE(route_topk_f32, float)
+DEFINE_ROUTE(route_topk_f64, double)
+
+/* Largest slot count (per-thread heap buffers, per-row logits) and routing dim (query tile). */
+int64_t route_topk_max_slots(void) { return MAX_SLOTS; }
+int64_t route_topk_max_dim(void) { return 64; }
+
+/* out[bh, t] = softmax over valid slots of (q · k[index]) * scale, applied to v[index]; lse the
+ * log-sum-exp of the valid logits (-inf for a row with none, whose output is zeros).
+ * q [BH, T, d], k [BH, S, d], v [BH, S, e]; index/valid of row (b, h) start at
+ * b * index_batch_stride + h * index_head_stride (the head stride is 0 when all heads share one
+ * routing), each row of K slots contiguous. */
+#define DEFINE_ATTEND(NAME, T_, EXP, LOG)                                                          \
+void NAME(const T_ *q, const T_ *k, const T_ *v, const int64_t *index, const uint8_t *valid,      \
+          int64_t batch, int64_t heads, int64_t length, int64_t keys, int64_t dim,                 \
+          int64_t value_dim, int64_t slots, int64_t index_batch_stride,                            \
+          int64_t index_head_stride, double scale, T_ *out, T_ *lse, int threads) {               \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                              \
+    for (int64_t row = 0; row < batch * heads * length; row++) {                                  \
+        int64_t bh = row / length, t = row % length;                                               \
+        int64_t b = bh / heads, h = bh % heads;                                                    \
+        int64_t offset = b * index_batch_stride + h * index_head_stride + t * slots;              \
+        const int64_t *row_index = index + offset;                                                 \
+        const uint8_t *row_valid = valid + offset;                                                 \
+        const T_ *query = q + row * dim;                                                           \
+        const T_ *key_base = k + bh * keys * dim, *value_base = v + bh * keys * value_dim;         \
+        T_ logits[MAX_SLOTS];                                                                           \
+        T_ best = -INFINITY;                                                                       \
+        for (int64_t e = 0; e < slots; e++) {                                                      \
+            if (!row_valid[e]) { logits[e] = -INFINITY; continue; }                               \
+            const T_ *key = key_base + row_index[e] * dim;                                         \
+            /* Eight partial sums: a vertical vector sum, where one running sum is a chain of     \
+             * dependent adds the compiler may not reorder. */                                     \
+            T_ part[8] = {0, 0, 0, 0, 0, 0, 0, 0}, dot = 0;                                        \
+            int64_t c = 0;                                                                         \
+            for (; c + 8 <= dim; c += 8)                                                           \
+                for (int u = 0; u < 8; u++) part[u] += query[c + u] * key[c + u];                  \
+            for (; c < dim; c++) dot += query[c] * key[c];                                         \
+            for (int u = 0; u < 8; u++) dot += part[u];                                            \
+            logits[e] = dot * (T_)scale;                                                           \
+            if (logits[e] > best) best = logits[e];                                                \
+        }                                                                                          \
+        T_ *result = out + row * value_dim;                                                        \
+        for (int64_t c = 0; c < value_dim; c++) result[c] = 0;                                     \
+        if (best == -INFINITY) { lse[row] = -INFINITY; continue; }                                 \
+        T_ total = 0;                                                                              \
+        for (int64_t e = 0; e < slots; e++) {                                                      \
+            if (!row_valid[e]) continue;                                                           \
+            T_ weight = EXP(logits[e] - best);                                                     \
+            total += weight;                                                                       \
+            const T_ *value = value_base + row_index[e] * value_dim;                               \
+            for (int64_t c = 0; c < value_dim; c++) result[c] += weight * value[c];                \
+        }                                                                                          \
+        for (int64_t c = 0; c < value_dim; c++) result[c] /= total;                                \
+        lse[row] = best + LOG(total);                                                              \
+    }                                                                                              \
+}
+
+DEFINE_ATTEND(routed_attention_f32, float, expf, logf)
+DEFINE_ATTEND(routed_attention_f64, double, exp, log)
+
+/* Keys per scoring tile: the routing keys must be zero-padded to a multiple of it. */
+int64_t route_topk_chunk(void) { return V; }
+/* Queries per scoring tile. */
+int64_t route_topk_query_tile(void) { return QB; }
