@@ -8,8 +8,8 @@ cached library (~1 s to compile, no PyTorch headers involved).
 
 Every kernel has a PyTorch twin in `routeformer.ops` that is the reference in the tests and the
 fallback: `native_kernels()` returns None — and the ops run in PyTorch — when
-`ROUTEFORMER_NATIVE=0`, under `torch.compile`, on a machine with no C compiler (one warning), or for tensors the kernels
-do not take (not CPU, not float32/float64).
+`ROUTEFORMER_NATIVE=0`, under `torch.compile`, on a machine with no C compiler (one warning), or
+for tensors the kernels do not take (not CPU, not float32/float64).
 """
 
 from __future__ import annotations
