@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops._checks import check_positive
@@ -173,10 +174,11 @@ def _route_topk_native(
     batch, heads, length, dim = route_q.shape
     num_keys = route_k.shape[2]
     queries = route_q.contiguous()
-    # [B, R, r, S'] zero-padded to whole chunks: the kernel scores along keys, a chunk at a time.
-    stride = -(-num_keys // native.route_topk_chunk()) * native.route_topk_chunk()
-    keys_t = route_k.new_zeros(batch, heads, dim, stride)
-    keys_t[..., :num_keys] = route_k.transpose(-1, -2)
+    # [B, R, S' / V, r, V]: tiles of V keys, each transposed (see the kernel's layout note).
+    tile = native.route_topk_chunk()
+    stride = -(-num_keys // tile) * tile
+    keys_t = F.pad(route_k, (0, 0, 0, stride - num_keys)).unflatten(2, (stride // tile, tile))
+    keys_t = keys_t.transpose(-1, -2).contiguous()
     mask = None if key_mask is None else key_mask.to(torch.uint8).contiguous()
     index = torch.empty(batch, heads, length, slots, dtype=torch.long)
     valid = torch.empty(batch, heads, length, slots, dtype=torch.uint8)
