@@ -8,7 +8,7 @@ cached library (~1 s to compile, no PyTorch headers involved).
 
 Every kernel has a PyTorch twin in `routeformer.ops` that is the reference in the tests and the
 fallback: `native_kernels()` returns None — and the ops run in PyTorch — when
-`ROUTEFORMER_NATIVE=0`, under `torch.compile`, on a machine with no C compiler (one warning), or
+`ROUTEFORMER_NATIVE=0` or inside `native_enabled(False)`, under `torch.compile`, on a machine with no C compiler (one warning), or
 for tensors the kernels do not take (not CPU, not float32/float64).
 """
 
@@ -22,6 +22,9 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import cache
 from pathlib import Path
 
@@ -29,6 +32,7 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("topk_kernels.c")
+_ENABLED: ContextVar[bool] = ContextVar("routeformer_native_enabled", default=True)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _INT, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -98,11 +102,23 @@ def _load() -> ctypes.CDLL | None:
         return None
 
 
+@contextmanager
+def native_enabled(enabled: bool) -> Iterator[None]:
+    """Within the block, the ops use the native kernels (when they can) or never use them; e.g. to
+    time the PyTorch path beside the native one."""
+    token = _ENABLED.set(enabled)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
 def native_kernels(*tensors: Tensor) -> ctypes.CDLL | None:
     """The loaded kernel library if it can serve these tensors, else None (use the PyTorch path)."""
     # Under torch.compile the PyTorch ops are traced instead: a ctypes call writing into tensors
     # is invisible to the compiler.
-    if os.environ.get("ROUTEFORMER_NATIVE", "1") == "0" or torch.compiler.is_compiling():
+    if not _ENABLED.get() or os.environ.get("ROUTEFORMER_NATIVE", "1") == "0" \
+            or torch.compiler.is_compiling():
         return None
     if any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64) for t in tensors):
         return None
