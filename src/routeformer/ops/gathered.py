@@ -67,6 +67,23 @@ def _routed_attention_native(native, q: Tensor, k: Tensor, v: Tensor, index: Ten
     return out, lse
 
 
+def _routed_attention_backward_native(native, q: Tensor, k: Tensor, v: Tensor, index: Tensor,
+                                      valid: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
+                                      scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward by the fused C kernel: (grad_q, grad_k, grad_v), as the PyTorch loop computes them."""
+    batch, heads, length, dim = q.shape
+    slots = index.shape[-1]
+    if index.stride()[2:] != (slots, 1) or valid.stride() != index.stride():
+        index, valid = index.contiguous(), valid.contiguous()
+    q, out, lse, grad_out = (t.contiguous() for t in (q, out, lse, grad_out))
+    grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    getattr(native, f"routed_attention_backward_{suffix(q.dtype)}")(
+        pointer(q), pointer(k), pointer(v), index.data_ptr(), valid.data_ptr(), pointer(out), pointer(lse),
+        pointer(grad_out), batch, heads, length, k.shape[2], dim, v.shape[-1], slots, index.stride(0),
+        index.stride(1), scale, pointer(grad_q), pointer(grad_k), pointer(grad_v), torch.get_num_threads())
+    return grad_q, grad_k, grad_v
+
+
 class _RoutedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, index, valid, scale, block):
@@ -107,6 +124,10 @@ class _RoutedAttention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, index, valid, out, lse = ctx.saved_tensors
         scale, block = ctx.scale, ctx.block
+        native = native_kernels(q, k, v)
+        if native is not None and q.dtype == k.dtype == v.dtype == grad_out.dtype:
+            grads = _routed_attention_backward_native(native, q, k, v, index, valid, out, lse, grad_out, scale)
+            return (*grads, None, None, None, None)
         batch, heads, length, _ = q.shape
         num_keys, slots = k.shape[2], index.shape[-1]
         k_rows = k.reshape(batch * heads * num_keys, -1)

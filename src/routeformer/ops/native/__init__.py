@@ -73,6 +73,10 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
         function.restype = None
         function.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, *[_INT] * 9, ctypes.c_double, _PTR, _PTR,
                              ctypes.c_int]
+    for name in ("routed_attention_backward_f32", "routed_attention_backward_f64"):
+        function = getattr(library, name)
+        function.restype = None
+        function.argtypes = [*[_PTR] * 8, *[_INT] * 9, ctypes.c_double, _PTR, _PTR, _PTR, ctypes.c_int]
     library.route_topk_max_slots.restype = _INT
     library.route_topk_max_dim.restype = _INT
     library.route_topk_chunk.restype = _INT

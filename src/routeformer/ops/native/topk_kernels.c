@@ -306,3 +306,55 @@ DEFINE_ATTEND(routed_attention_f64, double, exp, log)
 int64_t route_topk_chunk(void) { return V; }
 /* Queries per scoring tile. */
 int64_t route_topk_query_tile(void) { return QB; }
+
+/* The backward of routed_attention (same layouts): grad_q [BH, T, d]; grad_k [BH, S, d] and
+ * grad_v [BH, S, e] must be zero on entry. Rows are recomputed from lse (no stored
+ * probabilities): p = exp(q·k·scale − lse), dv += p·dout, ds = p·(dout·v − dout·out)·scale,
+ * dq = Σ ds·k, dk += ds·q. Threads split the (batch, head) rows, so each key and value gradient
+ * row has one writer and no atomics are needed. */
+#define DEFINE_ATTEND_BACKWARD(NAME, T_, EXP)                                                      \
+static inline T_ NAME##_dot(const T_ *x, const T_ *y, int64_t n) {                                 \
+    T_ part[8] = {0, 0, 0, 0, 0, 0, 0, 0}, total = 0;                                              \
+    int64_t c = 0;                                                                                 \
+    for (; c + 8 <= n; c += 8)                                                                     \
+        for (int u = 0; u < 8; u++) part[u] += x[c + u] * y[c + u];                                \
+    for (; c < n; c++) total += x[c] * y[c];                                                       \
+    for (int u = 0; u < 8; u++) total += part[u];                                                  \
+    return total;                                                                                  \
+}                                                                                                  \
+                                                                                                   \
+void NAME(const T_ *q, const T_ *k, const T_ *v, const int64_t *index, const uint8_t *valid,      \
+          const T_ *out, const T_ *lse, const T_ *grad_out, int64_t batch, int64_t heads,          \
+          int64_t length, int64_t keys, int64_t dim, int64_t value_dim, int64_t slots,             \
+          int64_t index_batch_stride, int64_t index_head_stride, double scale, T_ *grad_q,         \
+          T_ *grad_k, T_ *grad_v, int threads) {                                                   \
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1)")                          \
+    for (int64_t bh = 0; bh < batch * heads; bh++) {                                               \
+        int64_t b = bh / heads, h = bh % heads;                                                    \
+        const T_ *key_base = k + bh * keys * dim, *value_base = v + bh * keys * value_dim;         \
+        T_ *grad_key_base = grad_k + bh * keys * dim, *grad_value_base = grad_v + bh * keys * value_dim; \
+        for (int64_t t = 0; t < length; t++) {                                                     \
+            int64_t row = bh * length + t;                                                         \
+            int64_t offset = b * index_batch_stride + h * index_head_stride + t * slots;          \
+            const T_ *query = q + row * dim, *dout = grad_out + row * value_dim;                   \
+            T_ *grad_query = grad_q + row * dim;                                                   \
+            for (int64_t c = 0; c < dim; c++) grad_query[c] = 0;                                   \
+            if (lse[row] == -INFINITY) continue; /* no valid slot: no gradient */                 \
+            T_ delta = NAME##_dot(dout, out + row * value_dim, value_dim);                         \
+            for (int64_t e = 0; e < slots; e++) {                                                  \
+                if (!valid[offset + e]) continue;                                                  \
+                int64_t j = index[offset + e];                                                     \
+                const T_ *key = key_base + j * dim, *value = value_base + j * value_dim;           \
+                T_ p = EXP(NAME##_dot(query, key, dim) * (T_)scale - lse[row]);                    \
+                T_ ds = p * (NAME##_dot(dout, value, value_dim) - delta) * (T_)scale;              \
+                T_ *grad_value = grad_value_base + j * value_dim, *grad_key = grad_key_base + j * dim; \
+                for (int64_t c = 0; c < value_dim; c++) grad_value[c] += p * dout[c];              \
+                for (int64_t c = 0; c < dim; c++) grad_query[c] += ds * key[c];                    \
+                for (int64_t c = 0; c < dim; c++) grad_key[c] += ds * query[c];                    \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+}
+
+DEFINE_ATTEND_BACKWARD(routed_attention_backward_f32, float, expf)
+DEFINE_ATTEND_BACKWARD(routed_attention_backward_f64, double, exp)
