@@ -248,6 +248,13 @@ DEFINE_ROUTE(route_topk_f64, double)
 int64_t route_topk_max_slots(void) { return MAX_SLOTS; }
 int64_t route_topk_max_dim(void) { return 64; }
 
+/* Ask for a row of n values some slots ahead: the rows of the gathered keys and values are
+ * scattered over a K/V of megabytes, and waiting for each one stalls the loop. */
+#define PREFETCH_AHEAD 8
+static inline void prefetch_row(const void *row, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)row + at);
+}
+
 /* out[bh, t] = softmax over valid slots of (q · k[index]) * scale, applied to v[index]; lse the
  * log-sum-exp of the valid logits (-inf for a row with none, whose output is zeros).
  * q [BH, T, d], k [BH, S, d], v [BH, S, e]; index/valid of row (b, h) start at
@@ -270,6 +277,8 @@ void NAME(const T_ *q, const T_ *k, const T_ *v, const int64_t *index, const uin
         T_ logits[MAX_SLOTS];                                                                           \
         T_ best = -INFINITY;                                                                       \
         for (int64_t e = 0; e < slots; e++) {                                                      \
+            if (e + PREFETCH_AHEAD < slots)                                                        \
+                prefetch_row(key_base + row_index[e + PREFETCH_AHEAD] * dim, dim * sizeof(T_));    \
             if (!row_valid[e]) { logits[e] = -INFINITY; continue; }                               \
             const T_ *key = key_base + row_index[e] * dim;                                         \
             /* Eight partial sums: a vertical vector sum, where one running sum is a chain of     \
@@ -288,6 +297,9 @@ void NAME(const T_ *q, const T_ *k, const T_ *v, const int64_t *index, const uin
         if (best == -INFINITY) { lse[row] = -INFINITY; continue; }                                 \
         T_ total = 0;                                                                              \
         for (int64_t e = 0; e < slots; e++) {                                                      \
+            if (e + PREFETCH_AHEAD < slots)                                                        \
+                prefetch_row(value_base + row_index[e + PREFETCH_AHEAD] * value_dim,               \
+                             value_dim * sizeof(T_));                                              \
             if (!row_valid[e]) continue;                                                           \
             T_ weight = EXP(logits[e] - best);                                                     \
             total += weight;                                                                       \
@@ -342,6 +354,13 @@ void NAME(const T_ *q, const T_ *k, const T_ *v, const int64_t *index, const uin
             if (lse[row] == -INFINITY) continue; /* no valid slot: no gradient */                 \
             T_ delta = NAME##_dot(dout, out + row * value_dim, value_dim);                         \
             for (int64_t e = 0; e < slots; e++) {                                                  \
+                if (e + PREFETCH_AHEAD < slots) {                                                  \
+                    int64_t ahead = index[offset + e + PREFETCH_AHEAD];                            \
+                    prefetch_row(key_base + ahead * dim, dim * sizeof(T_));                        \
+                    prefetch_row(value_base + ahead * value_dim, value_dim * sizeof(T_));          \
+                    prefetch_row(grad_key_base + ahead * dim, dim * sizeof(T_));                   \
+                    prefetch_row(grad_value_base + ahead * value_dim, value_dim * sizeof(T_));     \
+                }                                                                                  \
                 if (!valid[offset + e]) continue;                                                  \
                 int64_t j = index[offset + e];                                                     \
                 const T_ *key = key_base + j * dim, *value = value_base + j * value_dim;           \
