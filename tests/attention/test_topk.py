@@ -5,6 +5,7 @@ import torch
 
 from routeformer.attention import build_attention
 from routeformer.ops.full import masked_attention_reference
+from routeformer.ops.native import native_kernels
 
 DIM, HEADS = 32, 4
 
@@ -154,3 +155,17 @@ def test_dense_short_path_equals_the_gathered_path(learning):
 def test_bad_options_raise_value_errors(options, message):
     with pytest.raises(ValueError, match=message):
         make(**options)
+
+
+def test_dense_path_limit_follows_the_implementation_unless_set():
+    from routeformer.attention.topk import DENSE_BELOW_NATIVE, DENSE_BELOW_TORCH
+    from routeformer.ops.native import native_enabled
+
+    q = torch.randn(1, 2, 8, 4)
+    with native_enabled(False):
+        assert make(topk=4).dense_limit(q, q, q) == DENSE_BELOW_TORCH
+        assert make(topk=4, dense_below=7).dense_limit(q, q, q) == 7
+    expected = DENSE_BELOW_NATIVE if native_kernels(q) is not None else DENSE_BELOW_TORCH
+    assert make(topk=4).dense_limit(q, q, q) == expected
+    with pytest.raises(ValueError, match="dense_below"):
+        make(topk=4, dense_below=-1)

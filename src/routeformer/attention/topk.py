@@ -27,7 +27,9 @@ tokens are always read), `shared_routing` (one routing space for all heads inste
 head), `router_hidden` (a GELU MLP router instead of a linear one). Forced keys come on top of the
 K routed ones. `dense_below`: with at most this many keys the routed set is applied as a mask to
 one SDPA call (on CPU, per-query gathers cost more than the dense product at short lengths); the
-function is the same, and `flops` then counts the T x S work actually done. 0 always gathers.
+function is the same, and `flops` then counts the T x S work actually done. 0 always gathers; the
+default (None) uses the measured crossover: 256 keys with the native kernels of ops/native, 1024
+with the PyTorch ops.
 
 stats: `routing_recall` (fraction of the dense attention mass inside R_i, on `recall_queries`
 evenly spaced queries), `head_overlap` (mean Jaccard overlap of R_i between pairs of heads),
@@ -47,9 +49,14 @@ from routeformer.attention.base import AttentionLayer, AttentionOutput
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
 from routeformer.ops.gathered import gathered_dot, routed_attention, slot_membership
+from routeformer.ops.native import native_kernels
 from routeformer.ops.topk_routing import DEFAULT_ROUTING_BLOCK, add_random_slots, route_topk
 
 ROUTING_LEARNING = ("score_bias", "distill", "none")
+# Longest key count for which the dense masked path beats gathering (layer fwd+bwd, B=4, D=128,
+# 2 cores, 2026-11-22): the native kernels gather faster from 512 keys (420 vs 490 ms), the
+# PyTorch ops from ~1024.
+DENSE_BELOW_NATIVE, DENSE_BELOW_TORCH = 256, 1024
 
 
 class Router(nn.Module):
@@ -88,7 +95,7 @@ class TopKAttention(AttentionLayer):
         temperature: float = 1.0, entropy_weight: float = 0.0, exploration: float = 0.0,
         global_tokens: int = 0, local_window: int = 0, shared_routing: bool = False,
         router_hidden: int = 0, recall_queries: int = 16, block: int = DEFAULT_ROUTING_BLOCK,
-        dense_below: int = 1024, **common,
+        dense_below: int | None = None, **common,
     ) -> None:
         super().__init__(dim, heads, causal, **common)
         check_positive("topk", topk)
@@ -102,7 +109,7 @@ class TopKAttention(AttentionLayer):
             raise ValueError(f"exploration must be a fraction in [0, 1); got {exploration}")
         for name, value in (("global_tokens", global_tokens), ("local_window", local_window),
                             ("router_hidden", router_hidden), ("recall_queries", recall_queries),
-                            ("dense_below", dense_below)):
+                            ("dense_below", 0 if dense_below is None else dense_below)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
         if distill_weight < 0:
@@ -118,6 +125,13 @@ class TopKAttention(AttentionLayer):
         routing_heads = 1 if shared_routing else heads
         self.router = Router(dim, routing_heads, routing_dim, router_hidden,
                              frozen=routing_learning == "none")
+
+    def dense_limit(self, q: Tensor, k: Tensor, v: Tensor) -> int:
+        """`dense_below`, or when it is None the measured crossover for these tensors: 256 keys
+        when the native kernels serve them, 1024 for the PyTorch ops (docs/results/topk.md)."""
+        if self.dense_below is not None:
+            return self.dense_below
+        return DENSE_BELOW_NATIVE if native_kernels(q, k, v) is not None else DENSE_BELOW_TORCH
 
     def forward(
         self, x: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None
@@ -146,7 +160,7 @@ class TopKAttention(AttentionLayer):
         else:
             q_att, k_att = q, k
         num_keys = k.shape[2]
-        if num_keys <= self.dense_below:
+        if num_keys <= self.dense_limit(q_att, k_att, v):
             # Short sequences: one masked SDPA over the routed-set mask beats per-query gathers
             # (gathers run at ~1-2 GFLOP/s on CPU). Same function, executed cost T x S.
             allowed = slot_membership(head_index, head_valid, num_keys)

@@ -90,7 +90,9 @@ class _RoutedAttention(torch.autograd.Function):
         batch, heads, length, _ = q.shape
         num_keys, slots = k.shape[2], index.shape[-1]
         native = native_kernels(q, k, v)
-        if native is not None and q.dtype == k.dtype == v.dtype and slots <= native.route_topk_max_slots():
+        # The backward follows the forward's choice (e.g. inside native_enabled(False) for both).
+        ctx.native = native is not None and q.dtype == k.dtype == v.dtype
+        if ctx.native and slots <= native.route_topk_max_slots():
             out, lse = _routed_attention_native(native, q, k, v, index, valid, scale)
             ctx.save_for_backward(q, k, v, index, valid, out, lse)
             ctx.scale, ctx.block = scale, block
@@ -124,9 +126,10 @@ class _RoutedAttention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, index, valid, out, lse = ctx.saved_tensors
         scale, block = ctx.scale, ctx.block
-        native = native_kernels(q, k, v)
-        if native is not None and q.dtype == k.dtype == v.dtype == grad_out.dtype:
-            grads = _routed_attention_backward_native(native, q, k, v, index, valid, out, lse, grad_out, scale)
+        native = native_kernels(q, k, v) if ctx.native else None
+        if native is not None and grad_out.dtype == q.dtype:
+            grads = _routed_attention_backward_native(native, q, k, v, index, valid, out, lse, grad_out,
+                                                      scale)
             return (*grads, None, None, None, None)
         batch, heads, length, _ = q.shape
         num_keys, slots = k.shape[2], index.shape[-1]

@@ -8,8 +8,9 @@ cached library (~1 s to compile, no PyTorch headers involved).
 
 Every kernel has a PyTorch twin in `routeformer.ops` that is the reference in the tests and the
 fallback: `native_kernels()` returns None — and the ops run in PyTorch — when
-`ROUTEFORMER_NATIVE=0` or inside `native_enabled(False)`, under `torch.compile`, on a machine with no C compiler (one warning), or
-for tensors the kernels do not take (not CPU, not float32/float64).
+`ROUTEFORMER_NATIVE=0` or inside `native_enabled(False)`, under `torch.compile`, on a machine
+with no C compiler (one warning), or for tensors the kernels do not take (not CPU, not
+float32/float64).
 """
 
 from __future__ import annotations
@@ -121,8 +122,9 @@ def native_kernels(*tensors: Tensor) -> ctypes.CDLL | None:
     """The loaded kernel library if it can serve these tensors, else None (use the PyTorch path)."""
     # Under torch.compile the PyTorch ops are traced instead: a ctypes call writing into tensors
     # is invisible to the compiler.
-    if not _ENABLED.get() or os.environ.get("ROUTEFORMER_NATIVE", "1") == "0" \
-            or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # first: nothing below is traced
+        return None
+    if not _ENABLED.get() or os.environ.get("ROUTEFORMER_NATIVE", "1") == "0":
         return None
     if any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64) for t in tensors):
         return None
