@@ -1,10 +1,10 @@
 """Optional fused CPU kernels (C, compiled once per machine, called through ctypes).
 
-`topk_kernels.c` holds the routing selection and the gathered attention forward of the `topk`
-layer. On first use it is compiled with the system C compiler (`$CC`, else `cc`) with -O3,
--march=native and OpenMP into a cache directory (`$ROUTEFORMER_CACHE_DIR`, else
-~/.cache/routeformer), keyed by the source, the flags and the CPU; later processes load the
-cached library (~1 s to compile, no PyTorch headers involved).
+`topk_kernels.c` holds the routing selection and the gathered attention (forward and backward)
+of the `topk` layer. On first use it is compiled with the system C compiler (`$CC`, else `cc`)
+with -O3, -march=native and OpenMP into a cache directory (`$ROUTEFORMER_CACHE_DIR`, else
+~/.cache/routeformer, else the temporary directory), keyed by the source, the flags and the CPU;
+later processes load the cached library (~1 s to compile, no PyTorch headers involved).
 
 Every kernel has a PyTorch twin in `routeformer.ops` that is the reference in the tests and the
 fallback: `native_kernels()` returns None — and the ops run in PyTorch — when
@@ -94,17 +94,23 @@ def _load() -> ctypes.CDLL | None:
         return None
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode()
                          + _cpu_signature().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"routeformer_native_{key}.so"
-    try:
-        if not target.exists():
-            _compile(compiler, target)
-        return _declare(ctypes.CDLL(str(target)))
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", "") or str(error)
-        warnings.warn(f"routeformer: compiling the native topk kernels failed; the ops run in PyTorch "
-                      f"(slower). Set ROUTEFORMER_NATIVE=0 to silence this. {detail[-2000:]}",
-                      stacklevel=3)
-        return None
+    error: Exception | None = None
+    # A read-only home (some CI runners) falls back to the temporary directory.
+    for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"routeformer-{os.getuid()}"):
+        target = directory / f"routeformer_native_{key}.so"
+        try:
+            if not target.exists():
+                _compile(compiler, target)
+            return _declare(ctypes.CDLL(str(target)))
+        except subprocess.SubprocessError as failed:  # the compiler itself failed: no retry
+            error = failed
+            break
+        except OSError as failed:
+            error = failed
+    detail = getattr(error, "stderr", "") or str(error)
+    warnings.warn(f"routeformer: compiling the native topk kernels failed; the ops run in PyTorch "
+                  f"(slower). Set ROUTEFORMER_NATIVE=0 to silence this. {detail[-2000:]}", stacklevel=3)
+    return None
 
 
 @contextmanager

@@ -1,5 +1,5 @@
 /* Fused CPU kernels for top-k routed attention (ADSR): routing selection and the gathered
- * attention forward. Loaded by routeformer/ops/native/__init__.py (compiled once per machine with
+ * attention, forward and backward. Loaded by routeformer/ops/native/__init__.py (compiled once per machine with
  * the system C compiler, called through ctypes); the PyTorch code in topk_routing.py and
  * gathered.py is the reference they are tested against, and the fallback.
  *
@@ -7,8 +7,8 @@
  * read again by amax, topk (~5 ns per value on this CPU) and gathers. Here each block of QB
  * queries scores V keys at a time in registers and keeps, per query, a buffer of candidates that
  * beat a running threshold (the m-th best score seen at the last flush); a vectorised test drops
- * a tile unless some score beats it, which after the first few hundred keys is rare. Nothing of size T x S exists, no score is stored, and the
- * memory traffic is the keys, once per block.
+ * a tile unless some score beats it, which after the first few hundred keys is rare. Nothing of
+ * size T x S exists, no score is stored, and the memory traffic is the keys, once per block.
  *
  * Layouts (all contiguous, row-major): rq [BR, T, r]; rkt [BR, stride / V, r, V]: the keys in
  * tiles of V, each tile transposed (r rows of V keys) and contiguous, zero-padded to stride = S
@@ -32,7 +32,8 @@
  * the buffer is full, a quickselect keeps its m best and raises the threshold to the m-th best
  * score. Keys dropped on the way had m better ones, so the m best overall stay in the buffer. This
  * costs a store per candidate; a min-heap (an exact threshold, half the candidates, but a sift
- * per candidate) was measured 10-15% slower end to end. */
+ * per candidate) was measured 10-15% slower end to end, and so were a sampled-pivot flush that
+ * skips the exact select and a ping-pong select on scores alone. */
 #define DEFINE_SELECT(T_)                                                                          \
 /* Reorder so that the m largest scores come first (unordered); returns the m-th largest.         \
  * Quickselect with a branchless partition: the comparisons are unpredictable, and a              \
