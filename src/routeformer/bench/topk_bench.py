@@ -5,8 +5,8 @@ vectors, then `routed_attention` over the K selected keys (plain logits, as with
 routing_learning="distill"/"none"; "score_bias" adds r dims to each gathered key). Routing
 vectors are fixed inputs drawn once per length, like q, k, v. Causal, B = 1.
 Two implementations of the op: the default (the fused C kernels of ops/native for routing and the
-attention forward, when a C compiler is present) and, up to `pytorch_up_to`, the PyTorch ops
-alone ("torch ops"). Backward is PyTorch in both.
+attention forward and backward, when a C compiler is present) and, up to `pytorch_up_to`, the
+PyTorch ops alone ("torch ops").
 """
 
 from __future__ import annotations

@@ -220,8 +220,8 @@ def speed(out_dir: Path, quick: bool) -> Path:
         f"Causal, B=1, H=4, d=64, routing dim 16, K=64, fp32. Medians of {repeats} alternating "
         "repetitions; speedup = SDPA time / topk time in the same process; lengths above 16384 "
         "are timed forward only. Peak MiB = extra resident memory of one call. `topk` runs the "
-        "fused C kernels of ops/native for routing and the attention forward when a C compiler "
-        "is present (backward in PyTorch); `torch ops` is the same op in PyTorch alone.",
+        "fused C kernels of ops/native (routing, attention forward and backward) when a C "
+        "compiler is present; `torch ops` is the same op in PyTorch alone.",
         TABLE_HEADER + "\n" + "\n".join(format_row(row) for row in rows),
         "Forward crossover (first measured length where topk beats SDPA): "
         + (str(crossover) if crossover else "none among the measured lengths") + ".",
