@@ -1,8 +1,5 @@
 """Top-k routing and gathered attention against their dense references."""
 
-import os
-import shutil
-
 import pytest
 import torch
 
@@ -19,16 +16,9 @@ from routeformer.ops.gathered import slot_membership
 from routeformer.ops.native import native_kernels
 
 
-@pytest.fixture(autouse=True, params=["native", "torch"])
-def implementation(request, monkeypatch):
-    """Every test runs twice: on the fused C kernels (ops/native) and on the PyTorch ops."""
-    if request.param == "torch":
-        monkeypatch.setenv("ROUTEFORMER_NATIVE", "0")
-    elif native_kernels(torch.zeros(1)) is None:
-        if shutil.which(os.environ.get("CC") or "cc") is not None:
-            pytest.fail("a C compiler exists but the native kernels did not load (see the warning)")
-        pytest.skip("no C compiler: the native kernels are unavailable here")
-    return request.param
+@pytest.fixture(autouse=True)
+def every_test_on_both(implementation):
+    """Every test here runs twice: on the fused C kernels (ops/native) and on the PyTorch ops."""
 
 
 def routing_inputs(length, heads=3, dim=4, seed=0):

@@ -1,10 +1,12 @@
 """Optional fused CPU kernels (C, compiled once per machine, called through ctypes).
 
 `topk_kernels.c` holds the routing selection and the gathered attention (forward and backward)
-of the `topk` layer. On first use it is compiled with the system C compiler (`$CC`, else `cc`)
-with -O3, -march=native and OpenMP into a cache directory (`$ROUTEFORMER_CACHE_DIR`, else
-~/.cache/routeformer, else the temporary directory), keyed by the source, the flags and the CPU;
-later processes load the cached library (~1 s to compile, no PyTorch headers involved).
+of the `topk` layer, `expanding_kernels.c` the inference steps and the final pass (forward and
+backward) of causal expanding attention. On first use they are compiled with the system C
+compiler (`$CC`, else `cc`) with -O3, -march=native and OpenMP into one library in a cache
+directory (`$ROUTEFORMER_CACHE_DIR`, else ~/.cache/routeformer, else the temporary directory),
+keyed by the sources, the flags and the CPU; later processes load the cached library (~2 s to
+compile, no PyTorch headers involved).
 
 Every kernel has a PyTorch twin in `routeformer.ops` that is the reference in the tests and the
 fallback: `native_kernels()` returns None — and the ops run in PyTorch — when
@@ -32,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("topk_kernels.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("topk_kernels.c", "expanding_kernels.c"))
 _ENABLED: ContextVar[bool] = ContextVar("routeformer_native_enabled", default=True)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _INT, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -58,7 +60,7 @@ def _compile(compiler: str, target: Path) -> None:
     # Build beside the target and rename: concurrent processes never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True,
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], check=True,
                        capture_output=True, text=True, timeout=300)
         os.replace(built, target)
 
@@ -78,6 +80,17 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
         function = getattr(library, name)
         function.restype = None
         function.argtypes = [*[_PTR] * 8, *[_INT] * 9, ctypes.c_double, _PTR, _PTR, _PTR, ctypes.c_int]
+    for suffix_ in ("f32", "f64"):
+        infer = getattr(library, f"expanding_infer_{suffix_}")
+        infer.restype = None
+        infer.argtypes = [*[_PTR] * 4, *[_INT] * 4, ctypes.c_double, _INT, ctypes.c_double, *[_PTR] * 4,
+                          ctypes.c_int]
+        attend = getattr(library, f"expanding_attend_{suffix_}")
+        attend.restype = None
+        attend.argtypes = [*[_PTR] * 5, *[_INT] * 4, ctypes.c_double, _PTR, ctypes.c_int]
+        backward = getattr(library, f"expanding_attend_backward_{suffix_}")
+        backward.restype = None
+        backward.argtypes = [*[_PTR] * 7, *[_INT] * 4, ctypes.c_double, *[_PTR] * 4, ctypes.c_int]
     library.route_topk_max_slots.restype = _INT
     library.route_topk_max_dim.restype = _INT
     library.route_topk_chunk.restype = _INT
@@ -92,7 +105,8 @@ def _load() -> ctypes.CDLL | None:
         warnings.warn("routeformer: no C compiler found; the topk ops run in PyTorch (slower). "
                       "Install one (cc/gcc) or set ROUTEFORMER_NATIVE=0 to silence this.", stacklevel=3)
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode()
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    key = hashlib.sha256(sources + " ".join((compiler, *FLAGS)).encode()
                          + _cpu_signature().encode()).hexdigest()[:16]
     error: Exception | None = None
     # A read-only home (some CI runners) falls back to the temporary directory.

@@ -1,0 +1,194 @@
+/* Fused CPU kernels for causal expanding attention (ops/expanding.py), one query at a time.
+ *
+ * Why: the PyTorch fast path runs each mean-field step as ~ten elementwise passes over a band of
+ * block rows, rounded up to 64-key rings and to the block's largest horizon. Per query, the work
+ * the paper counts — scores of the keys inside the horizon, reused across steps, one softmax per
+ * step — fits in a loop over a buffer of at most T scores, with no band and no padding.
+ *
+ * Semantics (the reference, expanding_attention_reference, causal, no key padding): per query i,
+ * with context i + 1,
+ *   for t in 0 .. max_iters - 1 while active:
+ *     H = clamp(ceil(log(tol) / log1p(-min(q_t, 1 - 1e-7))), 1, i + 1),  q_t = a / (a + b)
+ *     stop = (t > 0 and H <= previous) or H >= i + 1 or t == max_iters - 1
+ *     if not stop: a += 1, b += E_p[δ] with p = softmax over δ < H of s_δ·scale + δ·log(b / (a + b))
+ *     previous = H, active = not stop
+ * The final horizon H and the counts (steps, Σ E[δ]) come back; the final pass
+ * (expanding_attend_*) runs with log_decay computed in PyTorch from the learnable α, β.
+ * Layouts: q, k [BH, T, d], v [BH, T, e], alpha/beta per head [H], contiguous.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define PREFETCH_AHEAD 8
+
+static inline void prefetch_row(const void *row, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)row + at);
+}
+
+#define DEFINE_EXPANDING(SUFFIX, T_, LOG, LOG1P, EXP, CEIL)                                        \
+/* Eight partial sums, one vector register: consecutive dots are independent, so their chains   \
+ * overlap. (Thirty-two sums spilled to the stack: 3x slower.) */                                  \
+static inline T_ dot_##SUFFIX(const T_ *x, const T_ *y, int64_t n) {                               \
+    T_ part[8] = {0, 0, 0, 0, 0, 0, 0, 0}, total = 0;                                              \
+    int64_t c = 0;                                                                                 \
+    for (; c + 8 <= n; c += 8)                                                                     \
+        for (int u = 0; u < 8; u++) part[u] += x[c + u] * y[c + u];                                \
+    for (; c < n; c++) total += x[c] * y[c];                                                       \
+    for (int u = 0; u < 8; u++) total += part[u];                                                  \
+    return total;                                                                                  \
+}                                                                                                  \
+                                                                                                   \
+static inline int64_t horizon_##SUFFIX(T_ a, T_ b, T_ log_tol, int64_t context) {                  \
+    T_ q = a / (a + b);                                                                            \
+    const T_ cap = (T_)(1.0 - 1e-7);                                                               \
+    T_ h = CEIL(log_tol / LOG1P(-(q < cap ? q : cap)));                                            \
+    if (!(h >= 1)) h = 1;                                                                          \
+    return h < (T_)context ? (int64_t)h : context;                                                 \
+}                                                                                                  \
+                                                                                                   \
+/* logits[δ] = s[δ]·scale + δ·log_decay for δ < h, turned into unnormalised probabilities;      \
+ * returns their sum. */                                                                           \
+/* w = exp(w - shift) (all arguments <= 0), returns Σ w. */                                     \
+static inline T_ exp_shifted_##SUFFIX(T_ *w, int64_t h, T_ shift) {                                \
+    T_ total = 0;                                                                                  \
+    for (int64_t d = 0; d < h; d++) { w[d] = EXP(w[d] - shift); total += w[d]; }                   \
+    return total;                                                                                  \
+}                                                                                                  \
+                                                                                                   \
+static inline T_ weights_##SUFFIX(const T_ *s, int64_t h, T_ scale, T_ log_decay, T_ *w) {         \
+    T_ best = -INFINITY;                                                                           \
+    for (int64_t d = 0; d < h; d++) {                                                              \
+        w[d] = s[d] * scale + (T_)d * log_decay;                                                   \
+        best = w[d] > best ? w[d] : best;                                                          \
+    }                                                                                              \
+    return exp_shifted_##SUFFIX(w, h, best);                                                       \
+}                                                                                                  \
+                                                                                                   \
+/* The inference steps. Outputs per query: horizon, steps, distance_sum; counts[0] the q·k      \
+ * products computed, counts[1] the softmax entries of the steps. */                               \
+void expanding_infer_##SUFFIX(const T_ *q, const T_ *k, const T_ *alpha, const T_ *beta,           \
+                              int64_t rows, int64_t heads, int64_t length, int64_t dim, double tol,\
+                              int64_t max_iters, double scale, int64_t *horizon_out,              \
+                              int64_t *steps_out, T_ *distance_out, int64_t *counts, int threads) { \
+    int64_t scored = 0, entries = 0;                                                               \
+    const T_ log_tol = (T_)log(tol);                                                               \
+    _Pragma("omp parallel num_threads(threads) reduction(+:scored, entries)")                      \
+    {                                                                                              \
+        T_ *s = malloc(sizeof(T_) * length), *w = malloc(sizeof(T_) * length);                     \
+        _Pragma("omp for schedule(dynamic, 16)")                                                   \
+        for (int64_t row = 0; row < rows * length; row++) {                                        \
+            int64_t bh = row / length, i = row % length, context = i + 1;                          \
+            const T_ *query = q + row * dim, *key_base = k + bh * length * dim;                    \
+            const T_ alpha_start = alpha[bh % heads], beta_start = beta[bh % heads];               \
+            T_ distance_sum = 0;                                                                   \
+            int64_t steps = 0, previous = 0, computed = 0, h = 1;                                  \
+            for (int64_t t = 0; t < max_iters; t++) {                                              \
+                /* As the reference forms them: prior + counts, not running sums. */              \
+                T_ a = alpha_start + (T_)steps, b = beta_start + distance_sum;                     \
+                h = horizon_##SUFFIX(a, b, log_tol, context);                                      \
+                int stop = (t > 0 && h <= previous) || h >= context || t == max_iters - 1;         \
+                previous = h;                                                                      \
+                if (stop) break;                                                                   \
+                for (; computed < h; computed++) { /* scores are kept for later steps */          \
+                    if (computed + PREFETCH_AHEAD < context)                                       \
+                        prefetch_row(key_base + (i - computed - PREFETCH_AHEAD) * dim, dim * sizeof(T_)); \
+                    s[computed] = dot_##SUFFIX(query, key_base + (i - computed) * dim, dim);       \
+                }                                                                                  \
+                T_ total = weights_##SUFFIX(s, h, (T_)scale, LOG(b) - LOG(a + b), w);              \
+                T_ mean = 0;                                                                       \
+                for (int64_t d = 0; d < h; d++) mean += w[d] * (T_)d;                              \
+                entries += h;                                                                      \
+                distance_sum += mean / total;                                                      \
+                steps++;                                                                           \
+            }                                                                                      \
+            scored += computed; /* the final pass scores its h keys again */                  \
+            horizon_out[row] = h;                                                                  \
+            steps_out[row] = steps;                                                                \
+            distance_out[row] = distance_sum;                                                      \
+        }                                                                                          \
+        free(s);                                                                                   \
+        free(w);                                                                                   \
+    }                                                                                              \
+    counts[0] = scored;                                                                            \
+    counts[1] = entries;                                                                           \
+}                                                                                                  \
+                                                                                                   \
+/* The final pass: out[i] = Σ_{δ < H_i} p_δ v[i - δ], p = softmax(s·scale + δ·log_decay[i]). */  \
+void expanding_attend_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, const T_ *log_decay,         \
+                               const int64_t *horizon, int64_t rows, int64_t length, int64_t dim,  \
+                               int64_t value_dim, double scale, T_ *out, int threads) {            \
+    _Pragma("omp parallel num_threads(threads)")                                                   \
+    {                                                                                              \
+        T_ *s = malloc(sizeof(T_) * length), *w = malloc(sizeof(T_) * length);                     \
+        _Pragma("omp for schedule(dynamic, 16)")                                                   \
+        for (int64_t row = 0; row < rows * length; row++) {                                        \
+            int64_t bh = row / length, i = row % length, h = horizon[row];                         \
+            const T_ *query = q + row * dim, *key_base = k + bh * length * dim;                    \
+            const T_ *value_base = v + bh * length * value_dim;                                    \
+            for (int64_t d = 0; d < h; d++) {                                                      \
+                if (d + PREFETCH_AHEAD < h)                                                        \
+                    prefetch_row(key_base + (i - d - PREFETCH_AHEAD) * dim, dim * sizeof(T_));     \
+                s[d] = dot_##SUFFIX(query, key_base + (i - d) * dim, dim);                         \
+            }                                                                                      \
+            T_ total = weights_##SUFFIX(s, h, (T_)scale, log_decay[row], w);                       \
+            T_ *result = out + row * value_dim;                                                    \
+            for (int64_t c = 0; c < value_dim; c++) result[c] = 0;                                 \
+            for (int64_t d = 0; d < h; d++) {                                                      \
+                const T_ *value = value_base + (i - d) * value_dim;                                \
+                T_ p = w[d] / total;                                                               \
+                for (int64_t c = 0; c < value_dim; c++) result[c] += p * value[c];                 \
+            }                                                                                      \
+        }                                                                                          \
+        free(s);                                                                                   \
+        free(w);                                                                                   \
+    }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
+/* Its backward: grad_q [BH, T, d], grad_log_decay [BH, T]; grad_k, grad_v zero on entry. Threads \
+ * split the (batch, head) rows, so every key and value gradient row has one writer. */            \
+void expanding_attend_backward_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, const T_ *log_decay,\
+                                        const int64_t *horizon, const T_ *out, const T_ *grad_out, \
+                                        int64_t rows, int64_t length, int64_t dim,                 \
+                                        int64_t value_dim, double scale, T_ *grad_q, T_ *grad_k,   \
+                                        T_ *grad_v, T_ *grad_log_decay, int threads) {             \
+    _Pragma("omp parallel num_threads(threads)")                                                   \
+    {                                                                                              \
+        T_ *s = malloc(sizeof(T_) * length), *w = malloc(sizeof(T_) * length);                     \
+        _Pragma("omp for schedule(dynamic, 1)")                                                    \
+        for (int64_t bh = 0; bh < rows; bh++) {                                                    \
+            const T_ *key_base = k + bh * length * dim, *value_base = v + bh * length * value_dim;\
+            T_ *grad_key_base = grad_k + bh * length * dim;                                        \
+            T_ *grad_value_base = grad_v + bh * length * value_dim;                                \
+            for (int64_t i = 0; i < length; i++) {                                                 \
+                int64_t row = bh * length + i, h = horizon[row];                                   \
+                const T_ *query = q + row * dim, *dout = grad_out + row * value_dim;               \
+                for (int64_t d = 0; d < h; d++)                                                    \
+                    s[d] = dot_##SUFFIX(query, key_base + (i - d) * dim, dim);                     \
+                T_ total = weights_##SUFFIX(s, h, (T_)scale, log_decay[row], w);                   \
+                T_ delta = dot_##SUFFIX(dout, out + row * value_dim, value_dim);                   \
+                T_ *grad_query = grad_q + row * dim, grad_decay = 0;                               \
+                for (int64_t c = 0; c < dim; c++) grad_query[c] = 0;                               \
+                for (int64_t d = 0; d < h; d++) {                                                  \
+                    int64_t j = i - d;                                                             \
+                    T_ p = w[d] / total;                                                           \
+                    T_ ds = p * (dot_##SUFFIX(dout, value_base + j * value_dim, value_dim) - delta); \
+                    grad_decay += ds * (T_)d;                                                      \
+                    T_ *grad_value = grad_value_base + j * value_dim;                              \
+                    for (int64_t c = 0; c < value_dim; c++) grad_value[c] += p * dout[c];          \
+                    T_ scaled = ds * (T_)scale;                                                    \
+                    const T_ *key = key_base + j * dim;                                            \
+                    T_ *grad_key = grad_key_base + j * dim;                                        \
+                    for (int64_t c = 0; c < dim; c++) grad_query[c] += scaled * key[c];            \
+                    for (int64_t c = 0; c < dim; c++) grad_key[c] += scaled * query[c];            \
+                }                                                                                  \
+                grad_log_decay[row] = grad_decay;                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        free(s);                                                                                   \
+        free(w);                                                                                   \
+    }                                                                                              \
+}
+
+DEFINE_EXPANDING(f32, float, logf, log1pf, expf, ceilf)
+DEFINE_EXPANDING(f64, double, log, log1p, exp, ceil)
