@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("topk_kernels.c", "expanding_kernels.c"))
+HEADER = Path(__file__).with_name("common.h")  # included by both
 _ENABLED: ContextVar[bool] = ContextVar("routeformer_native_enabled", default=True)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _INT, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -105,7 +106,7 @@ def _load() -> ctypes.CDLL | None:
         warnings.warn("routeformer: no C compiler found; the topk ops run in PyTorch (slower). "
                       "Install one (cc/gcc) or set ROUTEFORMER_NATIVE=0 to silence this.", stacklevel=3)
         return None
-    sources = b"".join(source.read_bytes() for source in SOURCES)
+    sources = b"".join(source.read_bytes() for source in (*SOURCES, HEADER))
     key = hashlib.sha256(sources + " ".join((compiler, *FLAGS)).encode()
                          + _cpu_signature().encode()).hexdigest()[:16]
     error: Exception | None = None

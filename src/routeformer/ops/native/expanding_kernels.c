@@ -20,25 +20,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define PREFETCH_AHEAD 8
-
-static inline void prefetch_row(const void *row, int64_t bytes) {
-    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)row + at);
-}
+#include "common.h"
 
 #define DEFINE_EXPANDING(SUFFIX, T_, LOG, LOG1P, EXP, CEIL)                                        \
-/* Eight partial sums, one vector register: consecutive dots are independent, so their chains   \
- * overlap. (Thirty-two sums spilled to the stack: 3x slower.) */                                  \
-static inline T_ dot_##SUFFIX(const T_ *x, const T_ *y, int64_t n) {                               \
-    T_ part[8] = {0, 0, 0, 0, 0, 0, 0, 0}, total = 0;                                              \
-    int64_t c = 0;                                                                                 \
-    for (; c + 8 <= n; c += 8)                                                                     \
-        for (int u = 0; u < 8; u++) part[u] += x[c + u] * y[c + u];                                \
-    for (; c < n; c++) total += x[c] * y[c];                                                       \
-    for (int u = 0; u < 8; u++) total += part[u];                                                  \
-    return total;                                                                                  \
-}                                                                                                  \
-                                                                                                   \
 static inline int64_t horizon_##SUFFIX(T_ a, T_ b, T_ log_tol, int64_t context) {                  \
     T_ q = a / (a + b);                                                                            \
     const T_ cap = (T_)(1.0 - 1e-7);                                                               \
@@ -93,7 +77,7 @@ void expanding_infer_##SUFFIX(const T_ *q, const T_ *k, const T_ *alpha, const T
                 for (; computed < h; computed++) { /* scores are kept for later steps */          \
                     if (computed + PREFETCH_AHEAD < context)                                       \
                         prefetch_row(key_base + (i - computed - PREFETCH_AHEAD) * dim, dim * sizeof(T_)); \
-                    s[computed] = dot_##SUFFIX(query, key_base + (i - computed) * dim, dim);       \
+                    s[computed] = dot_##T_(query, key_base + (i - computed) * dim, dim);       \
                 }                                                                                  \
                 T_ total = weights_##SUFFIX(s, h, (T_)scale, LOG(b) - LOG(a + b), w);              \
                 T_ mean = 0;                                                                       \
@@ -129,7 +113,7 @@ void expanding_attend_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, const T_ *
             for (int64_t d = 0; d < h; d++) {                                                      \
                 if (d + PREFETCH_AHEAD < h)                                                        \
                     prefetch_row(key_base + (i - d - PREFETCH_AHEAD) * dim, dim * sizeof(T_));     \
-                s[d] = dot_##SUFFIX(query, key_base + (i - d) * dim, dim);                         \
+                s[d] = dot_##T_(query, key_base + (i - d) * dim, dim);                         \
             }                                                                                      \
             T_ total = weights_##SUFFIX(s, h, (T_)scale, log_decay[row], w);                       \
             T_ *result = out + row * value_dim;                                                    \
@@ -164,15 +148,15 @@ void expanding_attend_backward_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, c
                 int64_t row = bh * length + i, h = horizon[row];                                   \
                 const T_ *query = q + row * dim, *dout = grad_out + row * value_dim;               \
                 for (int64_t d = 0; d < h; d++)                                                    \
-                    s[d] = dot_##SUFFIX(query, key_base + (i - d) * dim, dim);                     \
+                    s[d] = dot_##T_(query, key_base + (i - d) * dim, dim);                     \
                 T_ total = weights_##SUFFIX(s, h, (T_)scale, log_decay[row], w);                   \
-                T_ delta = dot_##SUFFIX(dout, out + row * value_dim, value_dim);                   \
+                T_ delta = dot_##T_(dout, out + row * value_dim, value_dim);                   \
                 T_ *grad_query = grad_q + row * dim, grad_decay = 0;                               \
                 for (int64_t c = 0; c < dim; c++) grad_query[c] = 0;                               \
                 for (int64_t d = 0; d < h; d++) {                                                  \
                     int64_t j = i - d;                                                             \
                     T_ p = w[d] / total;                                                           \
-                    T_ ds = p * (dot_##SUFFIX(dout, value_base + j * value_dim, value_dim) - delta); \
+                    T_ ds = p * (dot_##T_(dout, value_base + j * value_dim, value_dim) - delta); \
                     grad_decay += ds * (T_)d;                                                      \
                     T_ *grad_value = grad_value_base + j * value_dim;                              \
                     for (int64_t c = 0; c < value_dim; c++) grad_value[c] += p * dout[c];          \

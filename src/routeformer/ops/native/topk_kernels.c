@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common.h"
+
 /* A tile of QB queries x V keys is scored in registers: each key vector load feeds QB
  * multiply-adds. 6 x 16 was the fastest measured on AVX-512 (AMD EPYC): 42-46 G multiply-adds/s
  * per core against 12 for 8 x 16, which runs out of registers. */
@@ -249,13 +251,6 @@ DEFINE_ROUTE(route_topk_f64, double)
 int64_t route_topk_max_slots(void) { return MAX_SLOTS; }
 int64_t route_topk_max_dim(void) { return 64; }
 
-/* Ask for a row of n values some slots ahead: the rows of the gathered keys and values are
- * scattered over a K/V of megabytes, and waiting for each one stalls the loop. */
-#define PREFETCH_AHEAD 8
-static inline void prefetch_row(const void *row, int64_t bytes) {
-    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)row + at);
-}
-
 /* out[bh, t] = softmax over valid slots of (q · k[index]) * scale, applied to v[index]; lse the
  * log-sum-exp of the valid logits (-inf for a row with none, whose output is zeros).
  * q [BH, T, d], k [BH, S, d], v [BH, S, e]; index/valid of row (b, h) start at
@@ -282,14 +277,7 @@ void NAME(const T_ *q, const T_ *k, const T_ *v, const int64_t *index, const uin
                 prefetch_row(key_base + row_index[e + PREFETCH_AHEAD] * dim, dim * sizeof(T_));    \
             if (!row_valid[e]) { logits[e] = -INFINITY; continue; }                               \
             const T_ *key = key_base + row_index[e] * dim;                                         \
-            /* Eight partial sums: a vertical vector sum, where one running sum is a chain of     \
-             * dependent adds the compiler may not reorder. */                                     \
-            T_ part[8] = {0, 0, 0, 0, 0, 0, 0, 0}, dot = 0;                                        \
-            int64_t c = 0;                                                                         \
-            for (; c + 8 <= dim; c += 8)                                                           \
-                for (int u = 0; u < 8; u++) part[u] += query[c + u] * key[c + u];                  \
-            for (; c < dim; c++) dot += query[c] * key[c];                                         \
-            for (int u = 0; u < 8; u++) dot += part[u];                                            \
+            T_ dot = dot_##T_(query, key, dim);                                                    \
             logits[e] = dot * (T_)scale;                                                           \
             if (logits[e] > best) best = logits[e];                                                \
         }                                                                                          \
@@ -326,16 +314,6 @@ int64_t route_topk_query_tile(void) { return QB; }
  * dq = Σ ds·k, dk += ds·q. Threads split the (batch, head) rows, so each key and value gradient
  * row has one writer and no atomics are needed. */
 #define DEFINE_ATTEND_BACKWARD(NAME, T_, EXP)                                                      \
-static inline T_ NAME##_dot(const T_ *x, const T_ *y, int64_t n) {                                 \
-    T_ part[8] = {0, 0, 0, 0, 0, 0, 0, 0}, total = 0;                                              \
-    int64_t c = 0;                                                                                 \
-    for (; c + 8 <= n; c += 8)                                                                     \
-        for (int u = 0; u < 8; u++) part[u] += x[c + u] * y[c + u];                                \
-    for (; c < n; c++) total += x[c] * y[c];                                                       \
-    for (int u = 0; u < 8; u++) total += part[u];                                                  \
-    return total;                                                                                  \
-}                                                                                                  \
-                                                                                                   \
 void NAME(const T_ *q, const T_ *k, const T_ *v, const int64_t *index, const uint8_t *valid,      \
           const T_ *out, const T_ *lse, const T_ *grad_out, int64_t batch, int64_t heads,          \
           int64_t length, int64_t keys, int64_t dim, int64_t value_dim, int64_t slots,             \
@@ -353,7 +331,7 @@ void NAME(const T_ *q, const T_ *k, const T_ *v, const int64_t *index, const uin
             T_ *grad_query = grad_q + row * dim;                                                   \
             for (int64_t c = 0; c < dim; c++) grad_query[c] = 0;                                   \
             if (lse[row] == -INFINITY) continue; /* no valid slot: no gradient */                 \
-            T_ delta = NAME##_dot(dout, out + row * value_dim, value_dim);                         \
+            T_ delta = dot_##T_(dout, out + row * value_dim, value_dim);                         \
             for (int64_t e = 0; e < slots; e++) {                                                  \
                 if (e + PREFETCH_AHEAD < slots) {                                                  \
                     int64_t ahead = index[offset + e + PREFETCH_AHEAD];                            \
@@ -365,8 +343,8 @@ void NAME(const T_ *q, const T_ *k, const T_ *v, const int64_t *index, const uin
                 if (!valid[offset + e]) continue;                                                  \
                 int64_t j = index[offset + e];                                                     \
                 const T_ *key = key_base + j * dim, *value = value_base + j * value_dim;           \
-                T_ p = EXP(NAME##_dot(query, key, dim) * (T_)scale - lse[row]);                    \
-                T_ ds = p * (NAME##_dot(dout, value, value_dim) - delta) * (T_)scale;              \
+                T_ p = EXP(dot_##T_(query, key, dim) * (T_)scale - lse[row]);                    \
+                T_ ds = p * (dot_##T_(dout, value, value_dim) - delta) * (T_)scale;              \
                 T_ *grad_value = grad_value_base + j * value_dim, *grad_key = grad_key_base + j * dim; \
                 for (int64_t c = 0; c < value_dim; c++) grad_value[c] += p * dout[c];              \
                 for (int64_t c = 0; c < dim; c++) grad_query[c] += ds * key[c];                    \
