@@ -183,3 +183,14 @@ def test_native_kernels_fall_back_to_pytorch_with_a_warning_when_compiling_fails
         assert torch.equal(slot_membership(index, valid, 20), route_topk_reference(route_q, route_k, 3))
     finally:
         native._load.cache_clear()
+
+
+def test_non_causal_routing_of_fewer_queries_than_keys():
+    """The decoding shape: a few new queries routed over a longer key cache."""
+    gen = torch.Generator().manual_seed(6)
+    route_q, route_k = torch.randn(2, 3, 5, 4, generator=gen), torch.randn(2, 3, 90, 4, generator=gen)
+    key_mask = torch.ones(2, 90, dtype=torch.bool)
+    key_mask[0, 80:] = False
+    index, valid, _ = route_topk(route_q, route_k, 7, causal=False, key_mask=key_mask, global_tokens=2)
+    reference = route_topk_reference(route_q, route_k, 7, causal=False, key_mask=key_mask, global_tokens=2)
+    assert torch.equal(slot_membership(index, valid, 90), reference)
