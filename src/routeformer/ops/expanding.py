@@ -57,10 +57,11 @@ _EXCLUDED = 1e30
 _GATHER_BELOW = 0.5
 # The C kernels of ops/native (causal, no key padding) run one query at a time, reading each key
 # once per query where the band path reads it once per block of queries: they win while windows
-# are short and lose when they are wide. Measured 2026-11-22 (B=1, H=4, d=64, 2 cores), fwd vs
-# SDPA, native / band: T=4096 Beta(1,9) (window ~46) 3.1x / 1.3x; T=4096 Beta(1,99) (window
-# ~430) 0.55x / 0.6x, fwd+bwd 0.73x / 0.91x; T=16384 Beta(1,99) 1.6x / 2.0x. So they run when the
-# prior's starting horizon (mean over heads) is at most this.
+# are short and lose when they are wide. Measured 2026-11-22 (B=1, H=4, d=64, 2 cores), forward:
+# T=4096 Beta(1,9) (window ~46) 2.97x SDPA native against 1.26x band; T=4096 Beta(1,99) (window
+# ~430) 155 ms native against 143 ms band (fwd+bwd 0.73x against 0.91x SDPA); T=16384
+# Beta(1,99) 1.6x against 2.0x. So they run when the prior's starting horizon (mean over heads)
+# is at most this (docs/results/structural.md).
 _NATIVE_UP_TO_HORIZON = 256
 # Elementwise work per (query, key) entry of one inference step: prior, mask, exp, sum, δ·p.
 _STEP_FLOPS_PER_ENTRY = 5
