@@ -150,6 +150,58 @@ static inline void score_tile_float(float query[QB][64], const float *keys_at,
 DEFINE_TILE(float)
 #endif
 
+/* Append the scores tile_row[c] and keys j0 + c of the set bits c of `bits` to a candidate
+ * buffer holding `count`; returns the new count. The buffer must have V free entries. */
+#define DEFINE_APPEND(T_)                                                                          \
+static inline int64_t append_hits_##T_(T_ *score, int64_t *key, int64_t count, const T_ *tile_row, \
+                                       uint32_t bits, int64_t j0) {                                \
+    for (; bits; bits &= bits - 1) {                                                               \
+        int c = __builtin_ctz(bits);                                                               \
+        score[count] = tile_row[c];                                                                \
+        key[count++] = j0 + c;                                                                     \
+    }                                                                                              \
+    return count;                                                                                  \
+}
+
+DEFINE_APPEND(double)
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* AVX2: each 8-key half of the tile is compressed with a permutation looked up by its 8-bit mask
+ * and stored whole (the unused tail is overwritten later): no branch per key, where the loop
+ * above mispredicts on every unpredictable bit. */
+static int32_t compress_lut[256][8];
+
+static void init_compress_lut(void) {
+    for (int mask = 0; mask < 256; mask++) {
+        int filled = 0;
+        for (int lane = 0; lane < 8; lane++)
+            if (mask & (1 << lane)) compress_lut[mask][filled++] = lane;
+        for (; filled < 8; filled++) compress_lut[mask][filled] = 0;
+    }
+}
+
+static inline int64_t append_hits_float(float *score, int64_t *key, int64_t count,
+                                        const float *tile_row, uint32_t bits, int64_t j0) {
+    for (int half = 0; half < 2; half++) {
+        uint32_t mask = (bits >> (8 * half)) & 0xFF;
+        if (!mask) continue;
+        __m256i lanes = _mm256_loadu_si256((const __m256i *)compress_lut[mask]);
+        __m256 values = _mm256_permutevar8x32_ps(_mm256_loadu_ps(tile_row + 8 * half), lanes);
+        _mm256_storeu_ps(score + count, values);
+        __m256i base = _mm256_set1_epi64x(j0 + 8 * half);
+        __m256i low = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(lanes)), base);
+        __m256i high = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_extracti128_si256(lanes, 1)), base);
+        _mm256_storeu_si256((__m256i *)(key + count), low);
+        _mm256_storeu_si256((__m256i *)(key + count + 4), high);
+        count += __builtin_popcount(mask);
+    }
+    return count;
+}
+#else
+static void init_compress_lut(void) {}
+DEFINE_APPEND(float)
+#endif
+
 /* One block of queries [i0, i0 + nq) of routing row bh; rkt holds `stride` >= keys keys (whole
  * tiles, zero-padded). */
 #define DEFINE_ROUTE(NAME, T_)                                                                     \
@@ -179,6 +231,7 @@ static void NAME##_block(const T_ *rq, const T_ *rkt, const uint8_t *mask, int64
         count[a] = 0;                                                                              \
     }                                                                                              \
     T_ threshold[QB]; /* a key is a candidate of query a only with a score above it */           \
+    int simple = !mask && local_window == 0 && global_tokens == 0; /* every hit is a candidate */ \
     for (int64_t a = 0; a < QB; a++)                                                               \
         threshold[a] = a < nq && cap[a] > 0 ? -INFINITY : INFINITY;                               \
     for (int64_t j0 = 0; j0 < end; j0 += V) {                                                      \
@@ -186,20 +239,28 @@ static void NAME##_block(const T_ *rq, const T_ *rkt, const uint8_t *mask, int64
         uint32_t hits[QB]; /* bit c: tile[a][c] beats threshold[a] */                             \
         score_tile_##T_(query, rkt + j0 * dim, dim, threshold, tile, hits);                        \
         for (int64_t a = 0; a < nq; a++) {                                                         \
+            uint32_t bits = hits[a];                                                               \
+            if (!bits) continue;                                                                   \
             T_ *buffer_score = buffer_scores + a * buffer;                                         \
             int64_t *buffer_key = buffer_keys + a * buffer, i = i0 + a;                            \
-            for (uint32_t bits = hits[a]; bits; bits &= bits - 1) {                                \
-                int c = __builtin_ctz(bits);                                                       \
-                int64_t j = j0 + c;                                                                \
-                /* Re-test: a flush earlier in this tile may have raised the threshold. */        \
-                if (!(tile[a][c] > threshold[a]) || j >= keys || (causal && j > i)) continue;     \
-                if ((mask && !mask[j]) || is_forced(i, j, local_window, global_tokens)) continue;  \
-                buffer_score[count[a]] = tile[a][c];                                               \
-                buffer_key[count[a]++] = j;                                                        \
-                if (count[a] == buffer) {                                                          \
-                    threshold[a] = keep_best_##T_(buffer_score, buffer_key, buffer, cap[a]);       \
-                    count[a] = cap[a];                                                             \
+            /* Keys past the sequence or (causal) after query i: clear their bits. */             \
+            int64_t last = causal && i < keys - 1 ? i : keys - 1;                                  \
+            if (last < j0 + V - 1)                                                                 \
+                bits &= last < j0 ? 0u : (uint32_t)((1ull << (last - j0 + 1)) - 1);               \
+            if (simple) {                                                                          \
+                count[a] = append_hits_##T_(buffer_score, buffer_key, count[a], tile[a], bits, j0); \
+            } else {                                                                               \
+                for (; bits; bits &= bits - 1) {                                                   \
+                    int64_t j = j0 + __builtin_ctz(bits);                                          \
+                    if ((mask && !mask[j]) || is_forced(i, j, local_window, global_tokens)) continue; \
+                    buffer_score[count[a]] = tile[a][j - j0];                                      \
+                    buffer_key[count[a]++] = j;                                                    \
                 }                                                                                  \
+            }                                                                                      \
+            /* The buffer keeps V spare entries beyond 4·slots, so a tile never overflows it. */  \
+            if (count[a] >= buffer - V) {                                                          \
+                threshold[a] = keep_best_##T_(buffer_score, buffer_key, count[a], cap[a]);         \
+                count[a] = cap[a];                                                                 \
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
@@ -220,6 +281,7 @@ int64_t NAME(const T_ *rq, const T_ *rkt, const uint8_t *key_mask, int64_t rows,
              int64_t local_window, int64_t global_tokens, int64_t *index, uint8_t *valid,          \
              int threads) {                                                                        \
     int64_t blocks = (length + QB - 1) / QB, scored = 0;                                           \
+    init_compress_lut(); /* before the threads: they only read it */                              \
     _Pragma("omp parallel num_threads(threads) reduction(+:scored)")                               \
     {                                                                                              \
         /* Per query: 4 slots of candidates (a flush every >= 3·slots candidates). */           \
