@@ -48,21 +48,25 @@ def _gather(rows_source: Tensor, rows: Tensor, shape: tuple[int, ...]) -> Tensor
     return rows_source.index_select(0, rows).view(*shape, rows_source.shape[-1])
 
 
+def _kernel_layout(index: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """index and valid as the kernels read them: row (b, h) at b·stride(0) + h·stride(1) (0 when
+    every head shares one routing), each row's slots contiguous, the same strides for both."""
+    if index.stride()[2:] != (index.shape[-1], 1) or valid.stride() != index.stride():
+        return index.contiguous(), valid.contiguous()
+    return index, valid
+
+
 def _routed_attention_native(native, q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: Tensor,
                              scale: float) -> tuple[Tensor, Tensor]:
     """The forward by the fused C kernel (ops/native): (out, lse), as the PyTorch loop computes them."""
     batch, heads, length, dim = q.shape
-    slots = index.shape[-1]
-    # The kernel reads row (b, h) of index and valid at b·stride(0) + h·stride(1) (0 when every
-    # head shares one routing), each row's slots contiguous.
-    if index.stride()[2:] != (slots, 1) or valid.stride() != index.stride():
-        index, valid = index.contiguous(), valid.contiguous()
+    index, valid = _kernel_layout(index, valid)
     q = q.contiguous()
     out = q.new_empty(batch, heads, length, v.shape[-1])
     lse = q.new_empty(batch, heads, length)
     getattr(native, f"routed_attention_{suffix(q.dtype)}")(
         pointer(q), pointer(k), pointer(v), index.data_ptr(), valid.data_ptr(), batch, heads, length,
-        k.shape[2], dim, v.shape[-1], slots, index.stride(0), index.stride(1), scale, pointer(out),
+        k.shape[2], dim, v.shape[-1], index.shape[-1], index.stride(0), index.stride(1), scale, pointer(out),
         pointer(lse), torch.get_num_threads())
     return out, lse
 
@@ -72,15 +76,14 @@ def _routed_attention_backward_native(native, q: Tensor, k: Tensor, v: Tensor, i
                                       scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """The backward by the fused C kernel: (grad_q, grad_k, grad_v), as the PyTorch loop computes them."""
     batch, heads, length, dim = q.shape
-    slots = index.shape[-1]
-    if index.stride()[2:] != (slots, 1) or valid.stride() != index.stride():
-        index, valid = index.contiguous(), valid.contiguous()
+    index, valid = _kernel_layout(index, valid)
     q, out, lse, grad_out = (t.contiguous() for t in (q, out, lse, grad_out))
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
     getattr(native, f"routed_attention_backward_{suffix(q.dtype)}")(
         pointer(q), pointer(k), pointer(v), index.data_ptr(), valid.data_ptr(), pointer(out), pointer(lse),
-        pointer(grad_out), batch, heads, length, k.shape[2], dim, v.shape[-1], slots, index.stride(0),
-        index.stride(1), scale, pointer(grad_q), pointer(grad_k), pointer(grad_v), torch.get_num_threads())
+        pointer(grad_out), batch, heads, length, k.shape[2], dim, v.shape[-1], index.shape[-1],
+        index.stride(0), index.stride(1), scale, pointer(grad_q), pointer(grad_k), pointer(grad_v),
+        torch.get_num_threads())
     return grad_q, grad_k, grad_v
 
 
