@@ -103,8 +103,9 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
 def _load() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        warnings.warn("routeformer: no C compiler found; the topk and expanding ops run in PyTorch (slower). "
-                      "Install one (cc/gcc) or set ROUTEFORMER_NATIVE=0 to silence this.", stacklevel=3)
+        warnings.warn("routeformer: no C compiler found; the topk and expanding ops run in PyTorch "
+                      "(slower). Install one (cc/gcc) or set ROUTEFORMER_NATIVE=0 to silence this.",
+                      stacklevel=3)
         return None
     sources = b"".join(source.read_bytes() for source in (*SOURCES, HEADER))
     key = hashlib.sha256(sources + " ".join((compiler, *FLAGS)).encode()
@@ -123,8 +124,9 @@ def _load() -> ctypes.CDLL | None:
         except OSError as failed:
             error = failed
     detail = getattr(error, "stderr", "") or str(error)
-    warnings.warn(f"routeformer: compiling the native kernels failed; the topk and expanding ops run in PyTorch "
-                  f"(slower). Set ROUTEFORMER_NATIVE=0 to silence this. {detail[-2000:]}", stacklevel=3)
+    warnings.warn("routeformer: compiling the native kernels failed; the topk and expanding ops run in "
+                  f"PyTorch (slower). Set ROUTEFORMER_NATIVE=0 to silence this. {detail[-2000:]}",
+                  stacklevel=3)
     return None
 
 
