@@ -24,6 +24,24 @@ def test_chain_batch_hides_x0_x1_and_puts_x2_last():
     assert len(set(positions[:, 0].tolist())) > 5
 
 
+def _cross_covariance_x2_x0(task: StructuralTask) -> float:
+    weights = StructuralWeights.sample(task, seed=0)
+    x, _, positions = chain_batch(task, weights, 20000, torch.Generator().manual_seed(4))
+    x0 = x[torch.arange(x.shape[0]), positions[:, 0]]
+    return float((x[:, -1].T @ x0 / x.shape[0]).abs().max())
+
+
+def test_nilpotent_relation_hides_x0_from_x2():
+    task = StructuralTask(length=8, dim=8, rank=4, noise=1.0, nilpotent=True)
+    relation = StructuralWeights.sample(task, seed=0).relation
+    assert torch.linalg.matrix_rank(relation) == 4
+    torch.testing.assert_close(torch.linalg.svdvals(relation)[:4], torch.ones(4))
+    torch.testing.assert_close(relation @ relation, torch.zeros(8, 8), atol=1e-6, rtol=0)
+    # x2 = g W_r ε1 + ε2: no covariance with x0, where a generic low-rank W_r leaves W_r² x0 in x2.
+    assert _cross_covariance_x2_x0(task) < 0.05
+    assert _cross_covariance_x2_x0(StructuralTask(length=8, dim=8, rank=4, noise=1.0)) > 0.2
+
+
 def test_recency_distance_is_geometric_with_mean_one_over_p():
     task = StructuralTask(length=512, dim=4, rank=4, target_dim=2, noise=0.0, recency=8.0)
     weights = StructuralWeights.sample(task, seed=0)
@@ -49,6 +67,7 @@ def test_batches_are_reproducible_from_the_generator_seed():
     ({"dim": 0}, "dim must be a positive integer"),
     ({"recency": 0.5}, "recency"),
     ({"noise": -1.0}, "noise must be >= 0"),
+    ({"dim": 8, "rank": 5, "nilpotent": True}, "nilpotent=True needs 2 \\* rank <= dim"),
 ])
 def test_bad_task_options_raise(options, message):
     with pytest.raises(ValueError, match=message):

@@ -6,7 +6,10 @@ of the chain at its last node, which sits at the last position of the sequence.
 - `chain_batch` (Figure 2, multi-hop): x1 = W_r x0 + ε, x2 = W_r x1 + ε with a low-rank W_r;
   x0, x1 and T - 3 noise vectors are shuffled over positions 0..T-2, x2 is at T-1, and the target
   is y = W_y (x1 + x0). Since W_r is low rank, x1 keeps only part of x0: the read-out needs x0
-  itself, and x0 is found from x2 only through x1 (two hops).
+  itself. The paper wants x0 to be reachable from x2 only through x1 (two hops). A generic
+  low-rank W_r does not give that: x2 = W_r² x0 + ..., so one hop from x2 can still match x0.
+  `nilpotent=True` draws W_r with W_r² = 0 (W_r = U Vᵀ, U ⊥ V orthonormal), so
+  x2 = W_r ε₁ + ε₂ carries no information about x0 at all; with it the premise holds exactly.
 - `recency_batch` (Figure 3, expanding): x2 = W_r x1 + ε, y = W_y x1; x1 sits δ positions before
   x2 with δ ~ Geometric(p) on {1, 2, ...} (mean 1/p, clipped to the context), every other position
   holds noise.
@@ -33,6 +36,8 @@ class StructuralTask:
     target_dim: int = 4  # dimension of y
     noise: float = 0.1  # std of the chain's additive noise ε
     recency: float = 8.0  # recency task: mean distance 1/p of x1 before x2
+    # chain task: W_r² = 0, so x2 tells nothing about x0 (needs 2·rank <= dim; see the module doc)
+    nilpotent: bool = False
 
     def __post_init__(self) -> None:
         for name in ("length", "dim", "rank", "target_dim"):
@@ -43,6 +48,9 @@ class StructuralTask:
             raise ValueError(f"noise must be >= 0; got {self.noise}")
         if not self.recency >= 1:
             raise ValueError(f"recency (mean distance 1/p) must be >= 1; got {self.recency}")
+        if self.nilpotent and 2 * self.rank > self.dim:
+            raise ValueError(f"nilpotent=True needs 2 * rank <= dim (W_r's row and column spaces must be "
+                             f"orthogonal); got rank={self.rank}, dim={self.dim}")
 
 
 @dataclass
@@ -54,9 +62,13 @@ class StructuralWeights:
     def sample(cls, task: StructuralTask, seed: int) -> StructuralWeights:
         gen = torch.Generator().manual_seed(seed)
         rank = min(task.rank, task.dim)
-        left, right = torch.randn(task.dim, rank, generator=gen), torch.randn(task.dim, rank, generator=gen)
-        relation = left @ right.T
-        relation = relation / torch.linalg.matrix_norm(relation, ord=2)
+        if task.nilpotent:  # U Vᵀ with orthonormal U ⊥ V: every singular value 1 and W_r² = 0
+            basis = torch.linalg.qr(torch.randn(task.dim, 2 * rank, generator=gen)).Q
+            relation = basis[:, :rank] @ basis[:, rank:].T
+        else:
+            left = torch.randn(task.dim, rank, generator=gen)
+            relation = left @ torch.randn(task.dim, rank, generator=gen).T
+            relation = relation / torch.linalg.matrix_norm(relation, ord=2)
         readout = torch.randn(task.target_dim, task.dim, generator=gen) / task.dim ** 0.5
         return cls(relation, readout)
 

@@ -119,20 +119,27 @@ def zero_prediction_mse(
     return float(_test_split(task, weights, make_batch, seed=2000 + seed)[1][:sequences].square().mean())
 
 
-@register_experiment("structural-multihop", "Figure 2: one/two self-attention layers vs one multihop "
-                     "layer on the two-hop chain task")
-def multihop(out_dir: Path, quick: bool) -> Path:
-    task = StructuralTask(length=16, dim=16, rank=4, target_dim=4, noise=0.1)
-    steps = 400 if quick else 2000
-    seeds = [0] if quick else [0, 1, 2]
+# The two chain tasks: the generic low-rank W_r the first runs used (x2 still carries x0 through
+# W_r², so one hop can find x0), and the nilpotent W_r (W_r² = 0) under which the paper's premise —
+# x0 is reachable from x2 only through x1 — holds exactly (data/structural.py).
+CHAIN_TASKS: dict[str, tuple[str, StructuralTask]] = {
+    "nilpotent": ("W_r nilpotent (W_r² = 0): x2 carries nothing about x0",
+                  StructuralTask(length=16, dim=32, rank=16, target_dim=4, noise=1.0, nilpotent=True)),
+    "generic": ("W_r generic low rank: x2 = W_r² x0 + ... still points at x0",
+                StructuralTask(length=16, dim=16, rank=4, target_dim=4, noise=0.1)),
+}
+
+
+def _chain_study(out_dir: Path, variant: str, task: StructuralTask, steps: int, seeds: list[int]):
+    """(table rows, mean test-loss curves, predict-0 MSE) of every MULTIHOP_MODELS entry on one task."""
+    prefix = "" if variant == "generic" else f"{variant}-"  # the generic runs kept their first keys
     records: dict[str, list[dict]] = {}
     for name in MULTIHOP_MODELS:
         for seed in seeds:
-            key = run_key(f"{name.replace(' ', '')}-seed{seed}")
+            key = run_key(f"{prefix}{name.replace(' ', '')}-seed{seed}")
             log(f"structural-multihop: {key}")
             records.setdefault(name, []).append(cached_run(
                 out_dir, key, lambda name=name, seed=seed: run_multihop_model(name, task, steps, seed)))
-    baseline = _mean([zero_prediction_mse(task, chain_batch, seed) for seed in seeds])
     rows, curves = [], {}
     for name, runs in records.items():
         losses = [r["final"]["test_loss"] for r in runs]
@@ -142,32 +149,52 @@ def multihop(out_dir: Path, quick: bool) -> Path:
         steps_axis = [e["step"] for e in runs[0]["history"]]
         curves[name] = (steps_axis, [_mean([r["history"][i]["test_loss"] for r in runs])
                                      for i in range(len(steps_axis))])
-    line_plot(out_dir / "multihop_test_loss.png", curves, xlabel="step", ylabel="test MSE",
-              title="two-hop chain task (mean over seeds)", logy=True)
+    return rows, curves, _mean([zero_prediction_mse(task, chain_batch, seed) for seed in seeds])
+
+
+@register_experiment("structural-multihop", "Figure 2: one/two self-attention layers vs one multihop "
+                     "layer on the two-hop chain task")
+def multihop(out_dir: Path, quick: bool) -> Path:
+    steps = 400 if quick else 2000
+    seeds = [0] if quick else [0, 1, 2]
+    headers = ["model", "test MSE (mean)", "best seed", "worst seed", "attention on x0", "attention on x1"]
+    sections, result = [], {"steps": steps, "seeds": seeds, "tasks": {}}
+    for variant, (title, task) in CHAIN_TASKS.items():
+        rows, curves, baseline = _chain_study(out_dir, variant, task, steps, seeds)
+        plot = f"multihop_test_loss_{variant}.png"
+        line_plot(out_dir / plot, curves, xlabel="step", ylabel="test MSE",
+                  title=f"two-hop chain, {variant} W_r (mean over seeds)", logy=True)
+        sections += [
+            f"## {title}",
+            f"T={task.length} nodes of dimension {task.dim}; rank(W_r) = {task.rank}, noise std "
+            f"{task.noise}. Predicting 0 gives test MSE {baseline:.3f} (mean over seeds); the target "
+            "is an exact function of x0 and x1, so 0 is attainable.",
+            markdown_table(headers, rows),
+            f"Plot: `{plot}`.",
+        ]
+        result["tasks"][variant] = {
+            "task": task.__dict__, "zero_prediction_mse": baseline,
+            "rows": [dict(zip(["model", "test_mse", "best", "worst", "weight_x0", "weight_x1"], row,
+                              strict=True)) for row in rows]}
     markdown = "\n\n".join([
         "# structural-multihop: the two-hop chain task (paper Figure 2)",
         provenance(f"routeformer reproduce structural-multihop{' --quick' if quick else ''}"),
-        f"Task: T={task.length} nodes of dimension {task.dim}; x1 = W_r x0 + e, x2 = W_r x1 + e "
-        f"(rank(W_r) = {task.rank}, noise std {task.noise}); x0, x1 and noise shuffled over positions "
-        f"0..T-2, x2 last; target y = W_y (x0 + x1) (dim {task.target_dim}) read at x2. Models: "
-        "linear embedding, single-head non-causal attention layers with residuals, linear read-out "
-        f"(model dim {task.dim}). {steps} steps of batch 128, AdamW lr 3e-3; test MSE on "
-        f"{TEST_SEQUENCES} held-out sequences; seeds {seeds} (each seed also draws W_r and W_y).",
+        "Task: x1 = g W_r x0 + e, x2 = g W_r x1 + e (g = sqrt(d / rank), e ~ N(0, noise² I)); x0, x1 "
+        "and N(0, I) noise nodes shuffled over positions 0..T-2, x2 last; target y = W_y (x0 + x1) "
+        "(dim 4) read at x2. Models: linear embedding, single-head non-causal attention layers with "
+        f"residuals, linear read-out (model dim = d). {steps} steps of batch 128, AdamW lr 3e-3; test "
+        f"MSE on {TEST_SEQUENCES} held-out sequences; seeds {seeds} (each seed also draws W_r and W_y).",
         "Attention on x0 / x1: mean weight of the last node (x2) in the last layer; for multihop the "
         "mean of its path matrices, (P + P²)/2, or (I + P + P²)/3 with the identity path (the authors' "
         "form has it, with P's query and key roles exchanged), whose rows sum to one like P's. "
-        f"Uniform attention would put {1 / task.length:.3f} on each position.",
-        f"Predicting 0 gives test MSE {baseline:.3f} (mean over seeds); the target is an exact "
-        "function of x0 and x1, so 0 is attainable.",
-        markdown_table(["model", "test MSE (mean)", "best seed", "worst seed", "attention on x0",
-                        "attention on x1"], rows),
+        f"Uniform attention would put {1 / 16:.3f} on each position.",
         "Paper's claim: one multihop layer approaches two self-attention layers; one self-attention "
-        "layer cannot, and self-attention favours a single position while multihop balances two.",
-        "Plot: `multihop_test_loss.png`.",
+        "layer cannot, and self-attention favours a single position while multihop balances two. "
+        "The paper makes W_r low rank 'such that performance on the task requires paying attention "
+        "to both x1 and x0'; only the nilpotent W_r guarantees that (x2 = g W_r e1 + e2 is "
+        "independent of x0), a generic low-rank one does not.",
+        *sections,
     ])
-    result = {"task": task.__dict__, "steps": steps, "seeds": seeds, "zero_prediction_mse": baseline,
-              "rows": [dict(zip(["model", "test_mse", "best", "worst", "weight_x0", "weight_x1"], row,
-                                strict=True)) for row in rows]}
     return write_result(out_dir, result, markdown)
 
 
