@@ -46,6 +46,7 @@ from torch.autograd.function import once_differentiable
 
 from routeformer.ops._checks import check_positive, check_qkv
 from routeformer.ops.native import native_kernels, pointer, suffix
+from routeformer.ops.native.band import NativeBandAttention
 
 DEFAULT_BLOCK = 64
 # Band entries per row group (~4 MB in fp32).
@@ -363,37 +364,6 @@ class _BandAttention(torch.autograd.Function):
         return grad_q, grad_keys[unpad], grad_values[unpad], grad_decay, None, None, None
 
 
-class _NativeBandAttention(torch.autograd.Function):
-    """The final pass by the C kernels of ops/native (causal, no key padding): per query, softmax
-    over its own horizon of q·k·scale + δ·log_decay, applied to v; differentiable in q, k, v and
-    log_decay like `_BandAttention`. Tensors are [B·H, T, ·] and contiguous."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, log_decay, horizon, scale, native):
-        rows, length, dim = q.shape
-        out = q.new_empty(rows, length, v.shape[-1])
-        getattr(native, f"expanding_attend_{suffix(q.dtype)}")(
-            pointer(q), pointer(k), pointer(v), pointer(log_decay), pointer(horizon), rows, length, dim,
-            v.shape[-1], scale, pointer(out), torch.get_num_threads())
-        ctx.save_for_backward(q, k, v, log_decay, horizon, out)
-        ctx.scale, ctx.native = scale, native
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        q, k, v, log_decay, horizon, out = ctx.saved_tensors
-        rows, length, dim = q.shape
-        grad_out = grad_out.contiguous()
-        grad_q, grad_log_decay = torch.empty_like(q), torch.empty_like(log_decay)
-        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
-        getattr(ctx.native, f"expanding_attend_backward_{suffix(q.dtype)}")(
-            pointer(q), pointer(k), pointer(v), pointer(log_decay), pointer(horizon), pointer(out),
-            pointer(grad_out), rows, length, dim, v.shape[-1], ctx.scale, pointer(grad_q),
-            pointer(grad_k), pointer(grad_v), pointer(grad_log_decay), torch.get_num_threads())
-        return grad_q, grad_k, grad_v, grad_log_decay, None, None, None
-
-
 def _expanding_native(
     native, q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, tol: float, max_iters: int,
     scale: float,
@@ -415,7 +385,7 @@ def _expanding_native(
     per_query = (lambda per_head: per_head.to(q.dtype).view(1, heads, 1).expand(batch, heads, length)
                  .reshape(rows, length))
     log_decay = _log_decay(per_query(alpha) + steps, per_query(beta) + distance_sum).contiguous()
-    out = _NativeBandAttention.apply(q_rows, k_rows, v_rows, log_decay, horizon, scale, native)
+    out = NativeBandAttention.apply(q_rows, k_rows, v_rows, log_decay, horizon, scale, native)
     value_pairs = int(horizon.sum())
     scored_pairs = int(counts[0]) + value_pairs  # the final pass scores its keys again
     step_entries = int(counts[1]) + value_pairs

@@ -1,8 +1,11 @@
 """Optional fused CPU kernels (C, compiled once per machine, called through ctypes).
 
 `topk_kernels.c` holds the routing selection and the gathered attention (forward and backward)
-of the `topk` layer, `expanding_kernels.c` the inference steps and the final pass (forward and
-backward) of causal expanding attention. On first use they are compiled with the system C
+of the `topk` layer; `expanding_kernels.c` the inference steps of causal expanding attention and
+its final pass's backward; `band_kernels.c` a query-blocked banded softmax pass, the final pass's
+forward and the local expert of hard-routed `meta` at inference; `linear_rows_kernels.c` the
+linear expert of hard-routed `meta` at its selected rows (forward and backward). `band.py` and
+`linear_rows.py` wrap the last two for the ops. On first use they are compiled with the system C
 compiler (`$CC`, else `cc`) with -O3, -march=native and OpenMP into one library in a cache
 directory (`$ROUTEFORMER_CACHE_DIR`, else ~/.cache/routeformer, else the temporary directory),
 keyed by the sources, the flags and the CPU; later processes load the cached library (~2 s to
@@ -34,8 +37,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("topk_kernels.c", "expanding_kernels.c"))
-HEADER = Path(__file__).with_name("common.h")  # included by both
+KERNEL_FILES = ("topk_kernels.c", "expanding_kernels.c", "band_kernels.c", "linear_rows_kernels.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in KERNEL_FILES)
+HEADER = Path(__file__).with_name("common.h")
 _ENABLED: ContextVar[bool] = ContextVar("routeformer_native_enabled", default=True)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _INT, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -86,12 +90,19 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
         infer.restype = None
         infer.argtypes = [*[_PTR] * 4, *[_INT] * 4, ctypes.c_double, _INT, ctypes.c_double, *[_PTR] * 4,
                           ctypes.c_int]
-        attend = getattr(library, f"expanding_attend_{suffix_}")
-        attend.restype = None
-        attend.argtypes = [*[_PTR] * 5, *[_INT] * 4, ctypes.c_double, _PTR, ctypes.c_int]
         backward = getattr(library, f"expanding_attend_backward_{suffix_}")
         backward.restype = None
         backward.argtypes = [*[_PTR] * 7, *[_INT] * 4, ctypes.c_double, *[_PTR] * 4, ctypes.c_int]
+        band = getattr(library, f"band_attend_{suffix_}")
+        band.restype = None
+        band.argtypes = [*[_PTR] * 6, *[_INT] * 6, ctypes.c_double, _PTR, ctypes.c_int]
+        linear_rows = getattr(library, f"linear_rows_{suffix_}")
+        linear_rows.restype = None
+        linear_rows.argtypes = [*[_PTR] * 5, *[_INT] * 6, ctypes.c_double, _PTR, ctypes.c_int]
+        linear_rows_backward = getattr(library, f"linear_rows_backward_{suffix_}")
+        linear_rows_backward.restype = None
+        linear_rows_backward.argtypes = [*[_PTR] * 7, *[_INT] * 6, ctypes.c_double, *[_PTR] * 4,
+                                         ctypes.c_int]
     library.route_topk_max_slots.restype = _INT
     library.route_topk_max_dim.restype = _INT
     library.route_topk_chunk.restype = _INT
@@ -103,8 +114,8 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
 def _load() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        warnings.warn("routeformer: no C compiler found; the topk and expanding ops run in PyTorch "
-                      "(slower). Install one (cc/gcc) or set ROUTEFORMER_NATIVE=0 to silence this.",
+        warnings.warn("routeformer: no C compiler found; the topk, expanding and meta row ops run in "
+                      "PyTorch (slower). Install one (cc/gcc) or set ROUTEFORMER_NATIVE=0 to silence this.",
                       stacklevel=3)
         return None
     sources = b"".join(source.read_bytes() for source in (*SOURCES, HEADER))
@@ -124,8 +135,8 @@ def _load() -> ctypes.CDLL | None:
         except OSError as failed:
             error = failed
     detail = getattr(error, "stderr", "") or str(error)
-    warnings.warn("routeformer: compiling the native kernels failed; the topk and expanding ops run in "
-                  f"PyTorch (slower). Set ROUTEFORMER_NATIVE=0 to silence this. {detail[-2000:]}",
+    warnings.warn("routeformer: compiling the native kernels failed; the topk, expanding and meta row ops "
+                  f"run in PyTorch (slower). Set ROUTEFORMER_NATIVE=0 to silence this. {detail[-2000:]}",
                   stacklevel=3)
     return None
 

@@ -12,8 +12,9 @@
  *     stop = (t > 0 and H <= previous) or H >= i + 1 or t == max_iters - 1
  *     if not stop: a += 1, b += E_p[δ] with p = softmax over δ < H of s_δ·scale + δ·log(b / (a + b))
  *     previous = H, active = not stop
- * The final horizon H and the counts (steps, Σ E[δ]) come back; the final pass
- * (expanding_attend_*) runs with log_decay computed in PyTorch from the learnable α, β.
+ * The final horizon H and the counts (steps, Σ E[δ]) come back; the final pass (band_attend_* in
+ * band_kernels.c, and its backward here) runs with log_decay computed in PyTorch from the
+ * learnable α, β.
  * Layouts: q, k [BH, T, d], v [BH, T, e], alpha/beta per head [H], contiguous.
  */
 #include <math.h>
@@ -98,38 +99,8 @@ void expanding_infer_##SUFFIX(const T_ *q, const T_ *k, const T_ *alpha, const T
     counts[1] = entries;                                                                           \
 }                                                                                                  \
                                                                                                    \
-/* The final pass: out[i] = Σ_{δ < H_i} p_δ v[i - δ], p = softmax(s·scale + δ·log_decay[i]). */  \
-void expanding_attend_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, const T_ *log_decay,         \
-                               const int64_t *horizon, int64_t rows, int64_t length, int64_t dim,  \
-                               int64_t value_dim, double scale, T_ *out, int threads) {            \
-    _Pragma("omp parallel num_threads(threads)")                                                   \
-    {                                                                                              \
-        T_ *s = malloc(sizeof(T_) * length), *w = malloc(sizeof(T_) * length);                     \
-        _Pragma("omp for schedule(dynamic, 16)")                                                   \
-        for (int64_t row = 0; row < rows * length; row++) {                                        \
-            int64_t bh = row / length, i = row % length, h = horizon[row];                         \
-            const T_ *query = q + row * dim, *key_base = k + bh * length * dim;                    \
-            const T_ *value_base = v + bh * length * value_dim;                                    \
-            for (int64_t d = 0; d < h; d++) {                                                      \
-                if (d + PREFETCH_AHEAD < h)                                                        \
-                    prefetch_row(key_base + (i - d - PREFETCH_AHEAD) * dim, dim * sizeof(T_));     \
-                s[d] = dot_##T_(query, key_base + (i - d) * dim, dim);                         \
-            }                                                                                      \
-            T_ total = weights_##SUFFIX(s, h, (T_)scale, log_decay[row], w);                       \
-            T_ *result = out + row * value_dim;                                                    \
-            for (int64_t c = 0; c < value_dim; c++) result[c] = 0;                                 \
-            for (int64_t d = 0; d < h; d++) {                                                      \
-                const T_ *value = value_base + (i - d) * value_dim;                                \
-                T_ p = w[d] / total;                                                               \
-                for (int64_t c = 0; c < value_dim; c++) result[c] += p * value[c];                 \
-            }                                                                                      \
-        }                                                                                          \
-        free(s);                                                                                   \
-        free(w);                                                                                   \
-    }                                                                                              \
-}                                                                                                  \
-                                                                                                   \
-/* Its backward: grad_q [BH, T, d], grad_log_decay [BH, T]; grad_k, grad_v zero on entry. Threads \
+/* The final pass's backward (the forward is band_attend in band_kernels.c, query-blocked):      \
+ * grad_q [BH, T, d], grad_log_decay [BH, T]; grad_k, grad_v zero on entry. Threads \
  * split the (batch, head) rows, so every key and value gradient row has one writer. */            \
 void expanding_attend_backward_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, const T_ *log_decay,\
                                         const int64_t *horizon, const T_ *out, const T_ *grad_out, \

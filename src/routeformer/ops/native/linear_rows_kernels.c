@@ -1,0 +1,149 @@
+/* Fused CPU kernels for causal linear attention evaluated at selected query rows (the hard-routed
+ * linear expert of `meta`, ops/routed_rows.py: linear_attention_rows).
+ *
+ * Why: the PyTorch path packs the rows by chunk, builds chunk states and prefix sums and runs
+ * small batched products, ~20 passes of bookkeeping for ~2·T·d·e useful multiply-adds. Here one
+ * sweep per (batch, head) row carries the running state and reads it at each selected row.
+ *
+ * Semantics, per (batch, head) row, features already applied (phi = elu + 1, padded keys zeroed):
+ *   S_i = Σ_{j <= i} phi_k[j] v[j]ᵀ [d, e],   z_i = Σ_{j <= i} phi_k[j] [d]
+ *   out[m] = phi_q[m]ᵀ S_p / (phi_q[m] · z_p + eps),   p = positions[b, m]
+ * for the valid slots m (ascending positions); invalid slots return zeros.
+ * Backward, with den = phi_q·z + eps, g_num = g / den, g_den = −(g · out) / den:
+ *   d phi_q[m] = S_p g_num + z_p g_den                        (a forward sweep)
+ *   R_j = Σ_{m: p_m >= j} phi_q[m] g_numᵀ,  r_j = Σ phi_q[m] g_den
+ *   d phi_k[j] = R_j v[j] + r_j,   d v[j] = R_jᵀ phi_k[j]     (a backward sweep)
+ * Layouts: phi_q [BH, M, d], phi_k [BH, T, d], v [BH, T, e], positions and valid [B, M]; threads
+ * split the (batch, head) rows, each with its own d×e state.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#define DEFINE_LINEAR_ROWS(SUFFIX, T_)                                                             \
+/* state[c][:] += a[c] · x[:] for every c < d (a rank-one update of a [d, e] matrix). */         \
+static inline void rank_one_##SUFFIX(T_ *state, const T_ *a, const T_ *x, int64_t dim,            \
+                                     int64_t value_dim) {                                          \
+    for (int64_t c = 0; c < dim; c++) {                                                            \
+        T_ *line = state + c * value_dim, scale = a[c];                                            \
+        for (int64_t u = 0; u < value_dim; u++) line[u] += scale * x[u];                           \
+    }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
+/* y[:] = aᵀ state (a [d], state [d, e]). */                                                       \
+static inline void read_state_##SUFFIX(const T_ *state, const T_ *a, int64_t dim,                 \
+                                       int64_t value_dim, T_ *y) {                                 \
+    memset(y, 0, sizeof(T_) * value_dim);                                                          \
+    for (int64_t c = 0; c < dim; c++) {                                                            \
+        const T_ *line = state + c * value_dim;                                                    \
+        T_ scale = a[c];                                                                           \
+        for (int64_t u = 0; u < value_dim; u++) y[u] += scale * line[u];                           \
+    }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
+/* out [BH, M, e]: one sweep over the keys up to the last valid row. */                           \
+void linear_rows_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v, const int64_t *positions, \
+                          const uint8_t *valid, int64_t rows, int64_t queries, int64_t heads,      \
+                          int64_t length, int64_t dim, int64_t value_dim, double eps, T_ *out,     \
+                          int threads) {                                                           \
+    _Pragma("omp parallel num_threads(threads)")                                                   \
+    {                                                                                              \
+        T_ *state = malloc(sizeof(T_) * dim * value_dim), *norm = malloc(sizeof(T_) * dim);        \
+        _Pragma("omp for schedule(dynamic, 1)")                                                    \
+        for (int64_t bh = 0; bh < rows; bh++) {                                                    \
+            const int64_t *where = positions + (bh / heads) * queries;                             \
+            const uint8_t *real = valid + (bh / heads) * queries;                                  \
+            const T_ *keys = phi_k + bh * length * dim, *values = v + bh * length * value_dim;     \
+            memset(state, 0, sizeof(T_) * dim * value_dim);                                        \
+            memset(norm, 0, sizeof(T_) * dim);                                                     \
+            int64_t m = 0;                                                                         \
+            for (int64_t j = 0; j < length && m < queries; j++) {                                  \
+                rank_one_##SUFFIX(state, keys + j * dim, values + j * value_dim, dim, value_dim);  \
+                for (int64_t c = 0; c < dim; c++) norm[c] += keys[j * dim + c];                    \
+                for (; m < queries && (!real[m] || where[m] <= j); m++) {                          \
+                    T_ *result = out + (bh * queries + m) * value_dim;                             \
+                    if (!real[m]) { memset(result, 0, sizeof(T_) * value_dim); continue; }         \
+                    const T_ *query = phi_q + (bh * queries + m) * dim;                            \
+                    read_state_##SUFFIX(state, query, dim, value_dim, result);                     \
+                    T_ inverse = (T_)1 / (dot_##T_(query, norm, dim) + (T_)eps);               \
+                    for (int64_t u = 0; u < value_dim; u++) result[u] *= inverse;                  \
+                }                                                                                  \
+            }                                                                                      \
+            for (; m < queries; m++) /* positions past the end: cannot happen for valid rows */  \
+                memset(out + (bh * queries + m) * value_dim, 0, sizeof(T_) * value_dim);           \
+        }                                                                                          \
+        free(state);                                                                               \
+        free(norm);                                                                                \
+    }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
+/* grad_phi_q [BH, M, d], grad_phi_k [BH, T, d], grad_v [BH, T, e] are written in full;             \
+ * scratch [BH, M, e + 1] holds g_num and g_den between the two sweeps. */                         \
+void linear_rows_backward_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v,                 \
+                                   const int64_t *positions, const uint8_t *valid, const T_ *out,  \
+                                   const T_ *grad_out, int64_t rows, int64_t queries,              \
+                                   int64_t heads, int64_t length, int64_t dim, int64_t value_dim,  \
+                                   double eps, T_ *grad_phi_q, T_ *grad_phi_k, T_ *grad_v,         \
+                                   T_ *scratch, int threads) {                                     \
+    _Pragma("omp parallel num_threads(threads)")                                                   \
+    {                                                                                              \
+        T_ *state = malloc(sizeof(T_) * dim * value_dim), *norm = malloc(sizeof(T_) * dim);        \
+        _Pragma("omp for schedule(dynamic, 1)")                                                    \
+        for (int64_t bh = 0; bh < rows; bh++) {                                                    \
+            const int64_t *where = positions + (bh / heads) * queries;                             \
+            const uint8_t *real = valid + (bh / heads) * queries;                                  \
+            const T_ *keys = phi_k + bh * length * dim, *values = v + bh * length * value_dim;     \
+            T_ *parts = scratch + bh * queries * (value_dim + 1);                                  \
+            memset(state, 0, sizeof(T_) * dim * value_dim);                                       \
+            memset(norm, 0, sizeof(T_) * dim);                                                     \
+            memset(grad_phi_q + bh * queries * dim, 0, sizeof(T_) * queries * dim);                \
+            memset(parts, 0, sizeof(T_) * queries * (value_dim + 1));                              \
+            int64_t m = 0;                                                                         \
+            /* Forward sweep: g_num, g_den and d phi_q from the state at each row. */             \
+            for (int64_t j = 0; j < length && m < queries; j++) {                                  \
+                rank_one_##SUFFIX(state, keys + j * dim, values + j * value_dim, dim, value_dim);  \
+                for (int64_t c = 0; c < dim; c++) norm[c] += keys[j * dim + c];                    \
+                for (; m < queries && (!real[m] || where[m] <= j); m++) {                          \
+                    if (!real[m]) continue;                                                        \
+                    int64_t slot = bh * queries + m;                                               \
+                    const T_ *query = phi_q + slot * dim, *g = grad_out + slot * value_dim;        \
+                    T_ inverse = (T_)1 / (dot_##T_(query, norm, dim) + (T_)eps);               \
+                    T_ *g_num = parts + m * (value_dim + 1);                                       \
+                    for (int64_t u = 0; u < value_dim; u++) g_num[u] = g[u] * inverse;             \
+                    T_ g_den = -dot_##T_(g, out + slot * value_dim, value_dim) * inverse;      \
+                    g_num[value_dim] = g_den;                                                      \
+                    T_ *grad_query = grad_phi_q + slot * dim;                                      \
+                    for (int64_t c = 0; c < dim; c++)                                              \
+                        grad_query[c] = dot_##T_(state + c * value_dim, g_num, value_dim)      \
+                                        + norm[c] * g_den;                                         \
+                }                                                                                  \
+            }                                                                                      \
+            /* Backward sweep: R (in state) and r (in norm) over the rows at or after key j. */  \
+            memset(state, 0, sizeof(T_) * dim * value_dim);                                       \
+            memset(norm, 0, sizeof(T_) * dim);                                                     \
+            m = queries - 1;                                                                       \
+            for (int64_t j = length - 1; j >= 0; j--) {                                            \
+                for (; m >= 0 && (!real[m] || where[m] >= j); m--) {                               \
+                    if (!real[m]) continue;                                                        \
+                    const T_ *query = phi_q + (bh * queries + m) * dim;                            \
+                    const T_ *g_num = parts + m * (value_dim + 1);                                 \
+                    rank_one_##SUFFIX(state, query, g_num, dim, value_dim);                        \
+                    for (int64_t c = 0; c < dim; c++) norm[c] += query[c] * g_num[value_dim];      \
+                }                                                                                  \
+                const T_ *key = keys + j * dim;                                                    \
+                T_ *grad_key = grad_phi_k + (bh * length + j) * dim;                               \
+                for (int64_t c = 0; c < dim; c++)                                                  \
+                    grad_key[c] = dot_##T_(state + c * value_dim, values + j * value_dim,      \
+                                               value_dim) + norm[c];                               \
+                read_state_##SUFFIX(state, key, dim, value_dim, grad_v + (bh * length + j) * value_dim); \
+            }                                                                                      \
+        }                                                                                          \
+        free(state);                                                                               \
+        free(norm);                                                                                \
+    }                                                                                              \
+}
+
+DEFINE_LINEAR_ROWS(f32, float)
+DEFINE_LINEAR_ROWS(f64, double)
