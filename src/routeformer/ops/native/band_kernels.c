@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common.h"
+
 #define BQ 6
 #define BV 16
 
@@ -36,7 +38,6 @@ static inline void band_tile_##T_(const T_ *query, int64_t dim, const T_ *keys_a
 
 DEFINE_BAND_TILE(double)
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 /* AVX2: the BQ x 16 scores in 12 accumulators (the generic loops keep the tile in memory). */
 static inline void band_tile_float(const float *query, int64_t dim, const float *keys_at, float tile[BQ][BV]) {
     __m256 low[BQ], high[BQ];
@@ -60,90 +61,6 @@ static inline void band_tile_float(const float *query, int64_t dim, const float 
 #else
 DEFINE_BAND_TILE(float)
 #endif
-
-/* x[i] = exp(x[i] − shift) for i < n (every x[i] <= shift), returns Σ x[i]; and
- * result[:] = Σ_i w[i] · value[i·e + :] over n rows of `value`. */
-#define DEFINE_BAND_HELPERS(T_, EXP)                                                               \
-static inline T_ exp_sum_generic_##T_(T_ *x, int64_t n, T_ shift) {                                \
-    T_ total = 0;                                                                                  \
-    for (int64_t i = 0; i < n; i++) { x[i] = EXP(x[i] - shift); total += x[i]; }                   \
-    return total;                                                                                  \
-}                                                                                                  \
-static inline void weighted_rows_generic_##T_(const T_ *w, const T_ *value, int64_t n,            \
-                                              int64_t value_dim, T_ *result) {                     \
-    for (int64_t i = 0; i < n; i++, value += value_dim)                                            \
-        for (int64_t u = 0; u < value_dim; u++) result[u] += w[i] * value[u];                      \
-}
-
-DEFINE_BAND_HELPERS(double, exp)
-DEFINE_BAND_HELPERS(float, expf)
-
-#if defined(__AVX2__) && defined(__FMA__)
-/* exp on 8 lanes for x in [-87, 0]: x = n·ln 2 + r, |r| <= ln 2 / 2, e^r by the degree-6
- * minimax polynomial of the Cephes library (relative error ~1e-7, as expf), times 2^n built in
- * the exponent bits. Softmax weights below e^-87 are clamped there: < 1e-37 of the largest. */
-static inline __m256 exp_nonpositive_ps(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
-
-static inline float exp_sum_float(float *x, int64_t n, float shift) {
-    __m256 total = _mm256_setzero_ps(), offset = _mm256_set1_ps(shift);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 e = exp_nonpositive_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), offset));
-        _mm256_storeu_ps(x + i, e);
-        total = _mm256_add_ps(total, e);
-    }
-    float lanes[8], sum = 0;
-    _mm256_storeu_ps(lanes, total);
-    for (int c = 0; c < 8; c++) sum += lanes[c];
-    return sum + exp_sum_generic_float(x + i, n - i, shift);
-}
-
-/* 32 output columns at a time in four registers (the generic loop loads and stores the result
- * row for every value row). */
-static inline void weighted_rows_float(const float *w, const float *value, int64_t n, int64_t value_dim,
-                                       float *result) {
-    if (value_dim % 8) { weighted_rows_generic_float(w, value, n, value_dim, result); return; }
-    for (int64_t u0 = 0; u0 < value_dim; u0 += 32) {
-        int lanes = value_dim - u0 >= 32 ? 4 : (int)(value_dim - u0) / 8;
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        const float *row = value + u0;
-        for (int64_t i = 0; i < n; i++, row += value_dim) {
-            __m256 p = _mm256_broadcast_ss(w + i);
-            for (int c = 0; c < lanes; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(row + 8 * c), acc[c]);
-        }
-        for (int c = 0; c < lanes; c++)
-            _mm256_storeu_ps(result + u0 + 8 * c, _mm256_add_ps(_mm256_loadu_ps(result + u0 + 8 * c), acc[c]));
-    }
-}
-#else
-static inline float exp_sum_float(float *x, int64_t n, float shift) { return exp_sum_generic_float(x, n, shift); }
-static inline void weighted_rows_float(const float *w, const float *value, int64_t n, int64_t value_dim,
-                                       float *result) {
-    weighted_rows_generic_float(w, value, n, value_dim, result);
-}
-#endif
-static inline double exp_sum_double(double *x, int64_t n, double shift) {
-    return exp_sum_generic_double(x, n, shift);
-}
-static inline void weighted_rows_double(const double *w, const double *value, int64_t n, int64_t value_dim,
-                                        double *result) {
-    weighted_rows_generic_double(w, value, n, value_dim, result);
-}
 
 #define DEFINE_BAND(SUFFIX, T_)                                                               \
 void band_attend_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, const T_ *log_decay,             \

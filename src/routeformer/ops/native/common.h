@@ -1,8 +1,13 @@
-/* Shared by the native kernels: row prefetching and the dot product. */
+/* Shared by the native kernels: row prefetching, the dot product, softmax exponentials and
+ * weighted sums of rows. */
 #ifndef ROUTEFORMER_NATIVE_COMMON_H
 #define ROUTEFORMER_NATIVE_COMMON_H
 
+#include <math.h>
 #include <stdint.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 /* Ask for a row of `bytes` some iterations ahead: gathered or walked-back key and value rows are
  * spread over megabytes, and waiting for each one stalls the loop. */
@@ -26,5 +31,142 @@ static inline T_ dot_##T_(const T_ *x, const T_ *y, int64_t n) {                
 }
 DEFINE_DOT(float)
 DEFINE_DOT(double)
+
+/* exp_sum: x[i] = exp(x[i] − shift) for i < n (every x[i] <= shift), returns Σ x[i];
+ * affine_max: w[i] = s[i]·scale + i·slope, returns the largest; index_sum: Σ_i i·w[i];
+ * weighted_rows: result[:] += Σ_i w[i] · value[i·e + :] over n rows of `value`. */
+#define DEFINE_BAND_HELPERS(T_, EXP)                                                               \
+static inline T_ exp_sum_generic_##T_(T_ *x, int64_t n, T_ shift) {                                \
+    T_ total = 0;                                                                                  \
+    for (int64_t i = 0; i < n; i++) { x[i] = EXP(x[i] - shift); total += x[i]; }                   \
+    return total;                                                                                  \
+}                                                                                                  \
+static inline T_ affine_max_generic_##T_(const T_ *s, int64_t n, T_ scale, T_ slope, T_ *w) {     \
+    T_ top = -INFINITY;                                                                            \
+    for (int64_t i = 0; i < n; i++) { w[i] = s[i] * scale + (T_)i * slope; top = w[i] > top ? w[i] : top; } \
+    return top;                                                                                    \
+}                                                                                                  \
+static inline T_ index_sum_generic_##T_(const T_ *w, int64_t n) {                                  \
+    T_ sum = 0;                                                                                    \
+    for (int64_t i = 0; i < n; i++) sum += w[i] * (T_)i;                                           \
+    return sum;                                                                                    \
+}                                                                                                  \
+static inline void weighted_rows_generic_##T_(const T_ *w, const T_ *value, int64_t n,            \
+                                              int64_t value_dim, T_ *result) {                     \
+    for (int64_t i = 0; i < n; i++, value += value_dim)                                            \
+        for (int64_t u = 0; u < value_dim; u++) result[u] += w[i] * value[u];                      \
+}
+
+DEFINE_BAND_HELPERS(double, exp)
+DEFINE_BAND_HELPERS(float, expf)
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp on 8 lanes for x in [-87, 0]: x = n·ln 2 + r, |r| <= ln 2 / 2, e^r by the degree-6
+ * minimax polynomial of the Cephes library (relative error ~1e-7, as expf), times 2^n built in
+ * the exponent bits. Softmax weights below e^-87 are clamped there: < 1e-37 of the largest. */
+static inline __m256 exp_nonpositive_ps(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+static inline float horizontal_sum_ps(__m256 x) {
+    float lanes[8], sum = 0;
+    _mm256_storeu_ps(lanes, x);
+    for (int c = 0; c < 8; c++) sum += lanes[c];
+    return sum;
+}
+
+static inline float exp_sum_float(float *x, int64_t n, float shift) {
+    __m256 total = _mm256_setzero_ps(), offset = _mm256_set1_ps(shift);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp_nonpositive_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), offset));
+        _mm256_storeu_ps(x + i, e);
+        total = _mm256_add_ps(total, e);
+    }
+    return horizontal_sum_ps(total) + exp_sum_generic_float(x + i, n - i, shift);
+}
+
+/* 32 output columns at a time in four registers (the generic loop loads and stores the result
+ * row for every value row). */
+static inline void weighted_rows_float(const float *w, const float *value, int64_t n, int64_t value_dim,
+                                       float *result) {
+    if (value_dim % 8) { weighted_rows_generic_float(w, value, n, value_dim, result); return; }
+    for (int64_t u0 = 0; u0 < value_dim; u0 += 32) {
+        int lanes = value_dim - u0 >= 32 ? 4 : (int)(value_dim - u0) / 8;
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        const float *row = value + u0;
+        for (int64_t i = 0; i < n; i++, row += value_dim) {
+            __m256 p = _mm256_broadcast_ss(w + i);
+            for (int c = 0; c < lanes; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(row + 8 * c), acc[c]);
+        }
+        for (int c = 0; c < lanes; c++)
+            _mm256_storeu_ps(result + u0 + 8 * c, _mm256_add_ps(_mm256_loadu_ps(result + u0 + 8 * c), acc[c]));
+    }
+}
+
+
+/* w[i] = s[i]·scale + i·slope for i < n; returns max_i w[i]. */
+static inline float affine_max_float(const float *s, int64_t n, float scale, float slope, float *w) {
+    __m256 best = _mm256_set1_ps(-INFINITY), step = _mm256_set1_ps(8.0f * slope);
+    __m256 ramp = _mm256_mul_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps(slope));
+    __m256 factor = _mm256_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8, ramp = _mm256_add_ps(ramp, step)) {
+        __m256 x = _mm256_fmadd_ps(_mm256_loadu_ps(s + i), factor, ramp);
+        _mm256_storeu_ps(w + i, x);
+        best = _mm256_max_ps(best, x);
+    }
+    float lanes[8], top = -INFINITY;
+    _mm256_storeu_ps(lanes, best);
+    for (int c = 0; c < 8; c++) top = lanes[c] > top ? lanes[c] : top;
+    for (; i < n; i++) { w[i] = s[i] * scale + (float)i * slope; top = w[i] > top ? w[i] : top; }
+    return top;
+}
+
+/* Σ_i i·w[i]. */
+static inline float index_sum_float(const float *w, int64_t n) {
+    __m256 total = _mm256_setzero_ps(), index = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8, index = _mm256_add_ps(index, _mm256_set1_ps(8.0f)))
+        total = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), index, total);
+    float sum = horizontal_sum_ps(total);
+    for (; i < n; i++) sum += w[i] * (float)i;
+    return sum;
+}
+#else
+static inline float affine_max_float(const float *s, int64_t n, float scale, float slope, float *w) {
+    return affine_max_generic_float(s, n, scale, slope, w);
+}
+static inline float index_sum_float(const float *w, int64_t n) { return index_sum_generic_float(w, n); }
+static inline float exp_sum_float(float *x, int64_t n, float shift) { return exp_sum_generic_float(x, n, shift); }
+static inline void weighted_rows_float(const float *w, const float *value, int64_t n, int64_t value_dim,
+                                       float *result) {
+    weighted_rows_generic_float(w, value, n, value_dim, result);
+}
+#endif
+static inline double exp_sum_double(double *x, int64_t n, double shift) {
+    return exp_sum_generic_double(x, n, shift);
+}
+static inline double affine_max_double(const double *s, int64_t n, double scale, double slope, double *w) {
+    return affine_max_generic_double(s, n, scale, slope, w);
+}
+static inline double index_sum_double(const double *w, int64_t n) { return index_sum_generic_double(w, n); }
+static inline void weighted_rows_double(const double *w, const double *value, int64_t n, int64_t value_dim,
+                                        double *result) {
+    weighted_rows_generic_double(w, value, n, value_dim, result);
+}
 
 #endif

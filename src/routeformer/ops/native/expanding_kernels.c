@@ -23,7 +23,7 @@
 
 #include "common.h"
 
-#define DEFINE_EXPANDING(SUFFIX, T_, LOG, LOG1P, EXP, CEIL)                                        \
+#define DEFINE_EXPANDING(SUFFIX, T_, LOG, LOG1P, CEIL)                                        \
 static inline int64_t horizon_##SUFFIX(T_ a, T_ b, T_ log_tol, int64_t context) {                  \
     T_ q = a / (a + b);                                                                            \
     const T_ cap = (T_)(1.0 - 1e-7);                                                               \
@@ -32,22 +32,10 @@ static inline int64_t horizon_##SUFFIX(T_ a, T_ b, T_ log_tol, int64_t context) 
     return h < (T_)context ? (int64_t)h : context;                                                 \
 }                                                                                                  \
                                                                                                    \
-/* logits[δ] = s[δ]·scale + δ·log_decay for δ < h, turned into unnormalised probabilities;      \
- * returns their sum. */                                                                           \
-/* w = exp(w - shift) (all arguments <= 0), returns Σ w. */                                     \
-static inline T_ exp_shifted_##SUFFIX(T_ *w, int64_t h, T_ shift) {                                \
-    T_ total = 0;                                                                                  \
-    for (int64_t d = 0; d < h; d++) { w[d] = EXP(w[d] - shift); total += w[d]; }                   \
-    return total;                                                                                  \
-}                                                                                                  \
-                                                                                                   \
+/* logits[δ] = s[δ]·scale + δ·log_decay for δ < h, turned into unnormalised probabilities (the   \
+ * helpers of common.h: 8 lanes at a time in fp32 with AVX2); returns their sum. */         \
 static inline T_ weights_##SUFFIX(const T_ *s, int64_t h, T_ scale, T_ log_decay, T_ *w) {         \
-    T_ best = -INFINITY;                                                                           \
-    for (int64_t d = 0; d < h; d++) {                                                              \
-        w[d] = s[d] * scale + (T_)d * log_decay;                                                   \
-        best = w[d] > best ? w[d] : best;                                                          \
-    }                                                                                              \
-    return exp_shifted_##SUFFIX(w, h, best);                                                       \
+    return exp_sum_##T_(w, h, affine_max_##T_(s, h, scale, log_decay, w));                         \
 }                                                                                                  \
                                                                                                    \
 /* The inference steps. Outputs per query: horizon, steps, distance_sum; counts[0] the q·k      \
@@ -81,8 +69,7 @@ void expanding_infer_##SUFFIX(const T_ *q, const T_ *k, const T_ *alpha, const T
                     s[computed] = dot_##T_(query, key_base + (i - computed) * dim, dim);       \
                 }                                                                                  \
                 T_ total = weights_##SUFFIX(s, h, (T_)scale, LOG(b) - LOG(a + b), w);              \
-                T_ mean = 0;                                                                       \
-                for (int64_t d = 0; d < h; d++) mean += w[d] * (T_)d;                              \
+                T_ mean = index_sum_##T_(w, h);                                                    \
                 entries += h;                                                                      \
                 distance_sum += mean / total;                                                      \
                 steps++;                                                                           \
@@ -145,5 +132,5 @@ void expanding_attend_backward_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, c
     }                                                                                              \
 }
 
-DEFINE_EXPANDING(f32, float, logf, log1pf, expf, ceilf)
-DEFINE_EXPANDING(f64, double, log, log1p, exp, ceil)
+DEFINE_EXPANDING(f32, float, logf, log1pf, ceilf)
+DEFINE_EXPANDING(f64, double, log, log1p, ceil)
