@@ -81,7 +81,7 @@ void band_attend_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, const T_ *log_d
     _Pragma("omp parallel num_threads(threads)")                                                   \
     {                                                                                              \
         T_ *scores = malloc(sizeof(T_) * BQ * (tiles * BV + BV));                                  \
-        T_ *block = malloc(sizeof(T_) * BQ * dim);                                                 \
+        T_ *block = malloc(sizeof(T_) * BQ * dim), *discard = malloc(sizeof(T_) * value_dim);     \
         T_ tile[BQ][BV];                                                                           \
         _Pragma("omp for schedule(dynamic, 4)")                                                    \
         for (int64_t item = 0; item < rows * blocks; item++) {                                     \
@@ -108,22 +108,41 @@ void band_attend_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, const T_ *log_d
                 for (int a = 0; a < BQ; a++)                                                       \
                     memcpy(scores + a * span + (t - t0) * BV, tile[a], sizeof(T_) * BV);           \
             }                                                                                      \
-            for (int a = 0; a < count; a++) {                                                      \
-                if (!band[a]) continue;                                                            \
-                int64_t row = bh * queries + m0 + a, first = at[a] - band[a] + 1;                  \
-                T_ *s = scores + a * span - base, decay = log_decay[row], best = -INFINITY;        \
-                for (int64_t j = first; j <= at[a]; j++) {                                         \
-                    s[j] = s[j] * (T_)scale + (T_)(at[a] - j) * decay;                             \
-                    best = s[j] > best ? s[j] : best;                                              \
-                }                                                                                  \
-                T_ total = exp_sum_##T_(s + first, band[a], best), inverse = (T_)1 / total;        \
+            /* Per query: softmax over its own band (δ = p − j, so the slope is −log_decay up to  \
+             * a constant the softmax ignores), normalised, zero elsewhere in the block's range. */ \
+            for (int a = 0; a < BQ; a++) {                                                         \
+                T_ *s = scores + a * span - base;                                                  \
+                if (!band[a]) { for (int64_t j = lo; j <= hi; j++) s[j] = 0; continue; }           \
+                int64_t first = at[a] - band[a] + 1;                                               \
+                T_ decay = log_decay[bh * queries + m0 + a];                                       \
+                T_ best = affine_max_##T_(s + first, band[a], (T_)scale, -decay, s + first);       \
+                T_ inverse = (T_)1 / exp_sum_##T_(s + first, band[a], best);                       \
                 for (int64_t j = first; j <= at[a]; j++) s[j] *= inverse;                          \
-                weighted_rows_##T_(s + first, v + (bh * length + first) * value_dim, band[a],     \
-                                   value_dim, out + row * value_dim);                              \
+                for (int64_t j = lo; j < first; j++) s[j] = 0;                                     \
+                for (int64_t j = at[a] + 1; j <= hi; j++) s[j] = 0;                                \
+            }                                                                                      \
+            /* Three queries per pass over the values of their common range. */                   \
+            for (int a = 0; a < count; a += 3) {                                                   \
+                int64_t from = INT64_MAX, to = -1;                                                 \
+                const T_ *weights[3];                                                              \
+                T_ *results[3];                                                                    \
+                for (int r = 0; r < 3; r++) {                                                      \
+                    int b = a + r < count ? a + r : a; /* a missing third repeats the first */   \
+                    results[r] = a + r < count ? out + (bh * queries + m0 + b) * value_dim : discard; \
+                    if (!band[b]) continue;                                                        \
+                    from = at[b] - band[b] + 1 < from ? at[b] - band[b] + 1 : from;                \
+                    to = at[b] > to ? at[b] : to;                                                  \
+                }                                                                                  \
+                if (to < 0) continue;                                                              \
+                for (int r = 0; r < 3; r++)                                                        \
+                    weights[r] = scores + (a + r < count ? a + r : a) * span - base + from;        \
+                weighted_rows3_##T_(weights, v + (bh * length + from) * value_dim, to - from + 1,  \
+                                    value_dim, results);                                           \
             }                                                                                      \
         }                                                                                          \
         free(scores);                                                                              \
         free(block);                                                                               \
+        free(discard);                                                                             \
     }                                                                                              \
     free(key_tiles);                                                                               \
 }
