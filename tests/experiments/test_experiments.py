@@ -59,7 +59,8 @@ def test_logits_at_labels_equal_the_full_logits_there():
 
 
 def test_structural_experiments_are_registered():
-    assert {"structural-multihop", "structural-expanding", "structural-lm"} <= set(list_experiments())
+    expected = {"structural-multihop", "structural-expanding", "structural-expanding-long", "structural-lm"}
+    assert expected <= set(list_experiments())
 
 
 def test_structural_toy_runs_train_and_report():
@@ -71,7 +72,8 @@ def test_structural_toy_runs_train_and_report():
     # Path weights of (P + P²)/2 are probabilities.
     assert 0 <= chain["attention"]["weight_x0"] <= 1 and 0 <= chain["attention"]["weight_x1"] <= 1
     task = StructuralTask(length=32, dim=8, rank=8, recency=4.0)
-    recency = run_recency_model("expanding", task, steps=2, seed=0)
+    recency = run_recency_model("expanding", task, steps=4, seed=0, test_sequences=16, evals=2)
+    assert len(recency["history"]) == 2, "evals sets how many evaluations the run makes"
     assert recency["final"]["flops_per_sequence"] > 0 and 1 <= recency["final"]["window_mean"] <= 32
     assert recency["learned_prior"]["alpha"] > 0 and recency["last_query"]["iterations_mean"] >= 1
 

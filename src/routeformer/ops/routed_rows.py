@@ -20,6 +20,11 @@ the dense op's output at those positions; padding slots return zeros. Cost scale
   running state a query needs); the per-row work — intra-chunk quadratic form and the read of the
   prefix state — is done for the packed rows only.
 
+C kernels (ops/native; CPU, fp32/fp64, when a compiler exists): the causal linear rows run as one
+sweep of the running state per (batch, head), forward and backward; causal, unpadded local rows
+run a query-blocked banded pass when no gradient is wanted (inference). Their FLOPs count what
+they execute (the sweep's d·e per key; exactly each row's window).
+
 `select_rows(route)` turns a bool routing mask [B, T] into (rows, valid). The `*_reference`
 twins score each selected row against every key with an explicit mask.
 """
