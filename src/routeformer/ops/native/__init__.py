@@ -41,7 +41,8 @@ KERNEL_FILES = ("topk_kernels.c", "expanding_kernels.c", "band_kernels.c", "line
 SOURCES = tuple(Path(__file__).with_name(name) for name in KERNEL_FILES)
 HEADER = Path(__file__).with_name("common.h")
 _ENABLED: ContextVar[bool] = ContextVar("routeformer_native_enabled", default=True)
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11",
+         "-Werror=implicit-function-declaration")  # a missing helper fails the build, not the load
 _INT, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 

@@ -34,7 +34,8 @@ DEFINE_DOT(double)
 
 /* exp_sum: x[i] = exp(x[i] − shift) for i < n (every x[i] <= shift), returns Σ x[i];
  * affine_max: w[i] = s[i]·scale + i·slope, returns the largest; index_sum: Σ_i i·w[i];
- * weighted_rows: result[:] += Σ_i w[i] · value[i·e + :] over n rows of `value`. */
+ * weighted_rows_generic: result[:] += Σ_i w[i] · value[i·e + :] over n rows of `value`
+ * (weighted_rows3_*, below, does three weight rows per pass). */
 #define DEFINE_BAND_HELPERS(T_, EXP)                                                               \
 static inline T_ exp_sum_generic_##T_(T_ *x, int64_t n, T_ shift) {                                \
     T_ total = 0;                                                                                  \
@@ -98,25 +99,6 @@ static inline float exp_sum_float(float *x, int64_t n, float shift) {
     }
     return horizontal_sum_ps(total) + exp_sum_generic_float(x + i, n - i, shift);
 }
-
-/* 32 output columns at a time in four registers (the generic loop loads and stores the result
- * row for every value row). */
-static inline void weighted_rows_float(const float *w, const float *value, int64_t n, int64_t value_dim,
-                                       float *result) {
-    if (value_dim % 8) { weighted_rows_generic_float(w, value, n, value_dim, result); return; }
-    for (int64_t u0 = 0; u0 < value_dim; u0 += 32) {
-        int lanes = value_dim - u0 >= 32 ? 4 : (int)(value_dim - u0) / 8;
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        const float *row = value + u0;
-        for (int64_t i = 0; i < n; i++, row += value_dim) {
-            __m256 p = _mm256_broadcast_ss(w + i);
-            for (int c = 0; c < lanes; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(row + 8 * c), acc[c]);
-        }
-        for (int c = 0; c < lanes; c++)
-            _mm256_storeu_ps(result + u0 + 8 * c, _mm256_add_ps(_mm256_loadu_ps(result + u0 + 8 * c), acc[c]));
-    }
-}
-
 
 /* w[i] = s[i]·scale + i·slope for i < n; returns max_i w[i]. */
 static inline float affine_max_float(const float *s, int64_t n, float scale, float slope, float *w) {
@@ -188,10 +170,6 @@ static inline float affine_max_float(const float *s, int64_t n, float scale, flo
 }
 static inline float index_sum_float(const float *w, int64_t n) { return index_sum_generic_float(w, n); }
 static inline float exp_sum_float(float *x, int64_t n, float shift) { return exp_sum_generic_float(x, n, shift); }
-static inline void weighted_rows_float(const float *w, const float *value, int64_t n, int64_t value_dim,
-                                       float *result) {
-    weighted_rows_generic_float(w, value, n, value_dim, result);
-}
 #endif
 static inline double exp_sum_double(double *x, int64_t n, double shift) {
     return exp_sum_generic_double(x, n, shift);
@@ -200,10 +178,6 @@ static inline double affine_max_double(const double *s, int64_t n, double scale,
     return affine_max_generic_double(s, n, scale, slope, w);
 }
 static inline double index_sum_double(const double *w, int64_t n) { return index_sum_generic_double(w, n); }
-static inline void weighted_rows_double(const double *w, const double *value, int64_t n, int64_t value_dim,
-                                        double *result) {
-    weighted_rows_generic_double(w, value, n, value_dim, result);
-}
 static inline void weighted_rows3_double(const double *w[3], const double *value, int64_t n,
                                          int64_t value_dim, double *result[3]) {
     for (int r = 0; r < 3; r++) weighted_rows_generic_double(w[r], value, n, value_dim, result[r]);
