@@ -67,6 +67,7 @@ from routeformer.ops.dirichlet import (
 from routeformer.ops.full import full_attention, full_attention_flops
 from routeformer.ops.linear import DEFAULT_EPS, feature_map, linear_attention, linear_attention_flops
 from routeformer.ops.local import local_attention, local_attention_flops
+from routeformer.ops.rotary import apply_rotary, rotary_angles
 from routeformer.ops.routed_rows import (
     full_attention_rows,
     linear_attention_rows,
@@ -166,16 +167,32 @@ class MetaAttention(AttentionLayer):
         projection = self.expert_qkv[0 if self.share_qkv else index]
         return projection.weight[part], None if projection.bias is None else projection.bias[part]
 
+    def _rotate(self, t: Tensor, positions: Tensor, cache: dict, rows: Tensor | None = None) -> Tensor:
+        """`rotate` with the angles of `positions` computed once per forward (three experts' keys
+        and queries share them); `rows` [B, M] picks the angles of selected rows."""
+        if not self.rotary:
+            return t
+        if "angles" not in cache:
+            cache["angles"] = rotary_angles(positions, self.head_dim, self.rotary_base)
+        cos, sin = cache["angles"]  # [B, 1, T, d]
+        if rows is not None:
+            index = rows[:, None, :, None].expand(-1, 1, -1, cos.shape[-1])
+            cos, sin = cos.gather(2, index), sin.gather(2, index)
+        return apply_rotary(t, cos, sin)
+
     def _keys_values(self, index: int, x: Tensor, positions: Tensor, cache: dict) -> tuple[Tensor, Tensor]:
         key = 0 if self.share_qkv else index  # shared projections: one K/V for every expert
         if key not in cache:
             k, v = F.linear(x, *self._projection(index, slice(self.heads * self.head_dim, None))).chunk(2, -1)
-            cache[key] = (self.rotate(self._split_heads(k), positions), self._split_heads(v))
+            cache[key] = (self._rotate(self._split_heads(k), positions, cache), self._split_heads(v))
         return cache[key]
 
-    def _queries(self, index: int, x_rows: Tensor, row_positions: Tensor) -> Tensor:
+    def _queries(self, index: int, x_rows: Tensor, positions: Tensor, cache: dict | None = None,
+                 rows: Tensor | None = None) -> Tensor:
+        """Expert `index`'s rotated queries of x_rows: every position of `positions` [B, T], or
+        with `rows` [B, M] the selected ones (x_rows then holds those rows)."""
         q = F.linear(x_rows, *self._projection(index, slice(0, self.heads * self.head_dim)))
-        return self.rotate(self._split_heads(q), row_positions)
+        return self._rotate(self._split_heads(q), positions, {} if cache is None else cache, rows)
 
     def _dense(self, index: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, int]:
         batch, heads, length, dim = q.shape
@@ -207,7 +224,7 @@ class MetaAttention(AttentionLayer):
             return out, 0, 0
         k, v = self._keys_values(index, x, positions, cache)
         if route is None or bool(route.all()):
-            q = self._queries(index, x, positions)
+            q = self._queries(index, x, positions, cache)
             heads_out, flops = self._dense(index, q, k, v, mask)
             y = self.expert_out[index](self.merge_heads(heads_out, x))
             return out + weight[..., None] * y, flops, x.shape[0] * x.shape[1]
@@ -217,7 +234,7 @@ class MetaAttention(AttentionLayer):
         batch, length, width = x.shape
         flat_rows = (rows + length * torch.arange(batch, device=x.device)[:, None]).flatten()
         x_rows = x.reshape(batch * length, width).index_select(0, flat_rows).view(batch, -1, width)
-        q_rows = self._queries(index, x_rows, positions.gather(1, rows))
+        q_rows = self._queries(index, x_rows, positions, cache, rows)
         heads_out, flops = self._rows(index, q_rows, k, v, rows, valid, mask)
         y = self.expert_out[index](self.merge_heads(heads_out, x))
         # Padding slots point at position 0 with weight 0: they add nothing.
@@ -289,7 +306,7 @@ class MetaAttention(AttentionLayer):
         out, keys_values = x.new_zeros(x.shape), {}
         for index, name in enumerate(EXPERTS):
             k, v = self._keys_values(index, x, positions, keys_values)
-            q = self._queries(index, x, positions)
+            q = self._queries(index, x, positions, keys_values)
             expert_cache = cache.setdefault(name, {})
             window = self.window if name == "local" else None
             if not expert_cache:  # a prefill: the expert's parallel kernel, then its cache
