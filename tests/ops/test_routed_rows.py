@@ -104,6 +104,36 @@ def test_rows_match_reference_forward_and_backward(
     assert native_calls.get(name, 0) == (1 if served else 0)
 
 
+@pytest.mark.parametrize("name", ["linear", "local"])
+def test_rows_read_strided_head_views(name, implementation):
+    """Keys and values as head views of one [B, T, 2·H·d] projection (the layers' layout, read in
+    place by the C kernels): the same values and gradients as contiguous copies."""
+    fast, reference, fast_options, reference_options = CASES[name]
+    q, _, _, rows, valid, _ = inputs(29, seed=11)
+    gen = torch.Generator().manual_seed(3)
+    projection = torch.randn(B, 29, 2 * H * D, dtype=torch.float64, generator=gen)
+    k, v = (t.unflatten(-1, (H, D)).transpose(1, 2) for t in projection.chunk(2, dim=-1))
+    assert not k.is_contiguous()
+    q_rows = gather_rows(q, rows)
+    for grad in (True, False):
+        leaves = [t.detach().requires_grad_(grad) for t in (q_rows, k, v)]  # k, v stay strided views
+        with torch.set_grad_enabled(grad):
+            out, _ = fast(*leaves, rows, valid, causal=True, **fast_options)
+        expected = reference(*(t.detach().contiguous() for t in leaves), rows, valid, causal=True,
+                             **reference_options)
+        real = valid[:, None, :, None]
+        # The PyTorch linear op's prefix sum runs in fp32 by design, hence the looser tolerance.
+        tolerance = 1e-6 if name == "linear" else 1e-9
+        torch.testing.assert_close(out * real, expected * real, atol=tolerance, rtol=tolerance)
+        if grad:
+            contiguous = [t.detach().contiguous().requires_grad_() for t in leaves]
+            want = torch.autograd.grad((reference(*contiguous, rows, valid, causal=True, **reference_options)
+                                        * real).sum(), contiguous)
+            got = torch.autograd.grad((out * real).sum(), leaves)
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, atol=10 * tolerance, rtol=10 * tolerance)
+
+
 @pytest.mark.parametrize("length", [1, 13, 37, 100])
 @pytest.mark.parametrize("window", [1, 6, 40])
 def test_local_rows_without_gradient_match_reference(length, window, implementation, native_calls):

@@ -143,10 +143,11 @@ def _local_rows_native(
     batch, heads, count, dim = q_rows.shape
     horizon = torch.where(valid, (rows + 1).clamp(max=window), 0)  # padding slots read nothing
     per_row = horizon[:, None].expand(batch, heads, count).reshape(batch * heads, count).contiguous()
-    flat = [t.reshape(batch * heads, t.shape[2], t.shape[3]).contiguous() for t in (q_rows, k, v)]
+    q_flat = q_rows.reshape(batch * heads, count, dim).contiguous()
     log_decay = q_rows.new_zeros(batch * heads, count)
     scale = dim ** -0.5 if scale is None else scale
-    out = band_attend(native, *flat, log_decay, per_row, rows.contiguous(), heads, scale)
+    # k and v go in with their strides (head views of one projection): no copies.
+    out = band_attend(native, q_flat, k, v, log_decay, per_row, rows.contiguous(), scale)
     flops = heads * dense_attention_flops(int(horizon.sum()), dim, v.shape[-1])
     return out.view(batch, heads, count, -1), flops
 
@@ -243,8 +244,9 @@ def _linear_rows_native(
 ) -> tuple[Tensor, int]:
     batch, heads, count, dim = phi_q.shape
     value_dim = v.shape[-1]
-    flat = [t.reshape(batch * heads, t.shape[2], t.shape[3]).contiguous() for t in (phi_q, phi_k, v)]
-    out = NativeLinearRows.apply(*flat, rows.contiguous(), valid, heads, eps, native)
+    phi_q = phi_q.reshape(batch * heads, count, dim).contiguous()
+    # phi_k and v go in with their strides (e.g. head views of one projection): no copies.
+    out = NativeLinearRows.apply(phi_q, phi_k, v, rows.contiguous(), valid, eps, native)
     # The sweep adds every key up to the batch row's last selected row to the state, and reads
     # the state once per selected row.
     swept = int((torch.where(valid, rows, -1).max(dim=1).values + 1).sum()) if count else 0

@@ -96,13 +96,13 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
         backward.argtypes = [*[_PTR] * 7, *[_INT] * 4, ctypes.c_double, *[_PTR] * 4, ctypes.c_int]
         band = getattr(library, f"band_attend_{suffix_}")
         band.restype = None
-        band.argtypes = [*[_PTR] * 6, *[_INT] * 6, ctypes.c_double, _PTR, ctypes.c_int]
+        band.argtypes = [*[_PTR] * 7, *[_INT] * 6, ctypes.c_double, _PTR, ctypes.c_int]
         linear_rows = getattr(library, f"linear_rows_{suffix_}")
         linear_rows.restype = None
-        linear_rows.argtypes = [*[_PTR] * 5, *[_INT] * 6, ctypes.c_double, _PTR, ctypes.c_int]
+        linear_rows.argtypes = [*[_PTR] * 6, *[_INT] * 6, ctypes.c_double, _PTR, ctypes.c_int]
         linear_rows_backward = getattr(library, f"linear_rows_backward_{suffix_}")
         linear_rows_backward.restype = None
-        linear_rows_backward.argtypes = [*[_PTR] * 7, *[_INT] * 6, ctypes.c_double, *[_PTR] * 4,
+        linear_rows_backward.argtypes = [*[_PTR] * 8, *[_INT] * 6, ctypes.c_double, *[_PTR] * 4,
                                          ctypes.c_int]
     library.route_topk_max_slots.restype = _INT
     library.route_topk_max_dim.restype = _INT

@@ -23,15 +23,19 @@ from routeformer.ops.native import pointer, suffix
 
 
 def band_attend(native: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, horizon: Tensor,
-                positions: Tensor | None, heads: int, scale: float) -> Tensor:
-    """q [BH, M, d], k [BH, T, d], v [BH, T, e], log_decay [BH, M], horizon long [BH, M], positions
-    long [B, M] or None (query m at position m), every tensor contiguous -> out [BH, M, e]. No
-    autograd: the caller detaches or wraps it."""
+                positions: Tensor | None, scale: float) -> Tensor:
+    """q [BH, M, d], log_decay [BH, M], horizon long [BH, M], positions long [B, M] or None (query m
+    at position m), all contiguous; k [B, H, T, d] and v [B, H, T, e] with any strides (their last
+    axis is made contiguous if it is not) -> out [BH, M, e]. No autograd: the caller detaches or
+    wraps it."""
     rows, queries, dim = q.shape
+    k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+    layout = torch.tensor([*k.stride()[:3], *v.stride()[:3]], dtype=torch.long)
     out = q.new_empty(rows, queries, v.shape[-1])
     getattr(native, f"band_attend_{suffix(q.dtype)}")(
-        pointer(q), pointer(k), pointer(v), pointer(log_decay), pointer(horizon), pointer(positions), rows,
-        queries, heads, k.shape[1], dim, v.shape[-1], scale, pointer(out), torch.get_num_threads())
+        pointer(q), k.data_ptr(), v.data_ptr(), pointer(layout), pointer(log_decay), pointer(horizon),
+        pointer(positions), rows, queries, k.shape[1], k.shape[2], dim, v.shape[-1], scale, pointer(out),
+        torch.get_num_threads())
     return out
 
 
@@ -42,7 +46,7 @@ class NativeBandAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, log_decay, horizon, scale, native):
-        out = band_attend(native, q, k, v, log_decay, horizon, None, 1, scale)
+        out = band_attend(native, q, k[None], v[None], log_decay, horizon, None, scale)
         ctx.save_for_backward(q, k, v, log_decay, horizon, out)
         ctx.scale, ctx.native = scale, native
         return out

@@ -12,9 +12,10 @@
  * neighbouring positions scores the union of their bands in register tiles of BQ queries x BV keys
  * (one key-vector load feeds BQ multiply-adds), from a copy of the keys in tiles of BV, each tile
  * transposed (as in topk_kernels.c). Scores outside a query's own band are computed and dropped.
- * Layouts: q [BH, M, d], k [BH, T, d], v [BH, T, e], log_decay and horizon [BH, M], positions
- * [B, M] (B = BH / heads), all contiguous; positions ascending within a row keep the bands of a
- * block close (any order is correct).
+ * Layouts: q [BH, M, d], log_decay and horizon [BH, M], positions [B, M] (B = BH / heads),
+ * contiguous; k [B, H, T, d] and v [B, H, T, e] with any strides but a contiguous last axis,
+ * given by layout = {k's batch, head and token strides, then v's}. Positions ascending within a
+ * row keep the bands of a block close (any order is correct).
  */
 #include <math.h>
 #include <stdint.h>
@@ -63,8 +64,9 @@ DEFINE_BAND_TILE(float)
 #endif
 
 #define DEFINE_BAND(SUFFIX, T_)                                                               \
-void band_attend_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, const T_ *log_decay,             \
-                          const int64_t *horizon, const int64_t *positions, int64_t rows,          \
+void band_attend_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, const int64_t *layout,           \
+                          const T_ *log_decay, const int64_t *horizon, const int64_t *positions,   \
+                          int64_t rows,                                                            \
                           int64_t queries, int64_t heads, int64_t length, int64_t dim,             \
                           int64_t value_dim, double scale, T_ *out, int threads) {                 \
     const int64_t tiles = (length + BV - 1) / BV, blocks = (queries + BQ - 1) / BQ;                \
@@ -74,7 +76,9 @@ void band_attend_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, const T_ *log_d
         int64_t bh = item / tiles, first = (item % tiles) * BV;                                    \
         T_ *tile = key_tiles + item * dim * BV;                                                    \
         for (int c = 0; c < BV; c++) {                                                             \
-            const T_ *key = first + c < length ? k + (bh * length + first + c) * dim : NULL;       \
+            const T_ *key = first + c < length                                                     \
+                ? k + (bh / heads) * layout[0] + (bh % heads) * layout[1] + (first + c) * layout[2]   \
+                : NULL;                                                                            \
             for (int64_t d = 0; d < dim; d++) tile[d * BV + c] = key ? key[d] : 0;                 \
         }                                                                                          \
     }                                                                                              \
@@ -136,7 +140,8 @@ void band_attend_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, const T_ *log_d
                 if (to < 0) continue;                                                              \
                 for (int r = 0; r < 3; r++)                                                        \
                     weights[r] = scores + (a + r < count ? a + r : a) * span - base + from;        \
-                weighted_rows3_##T_(weights, v + (bh * length + from) * value_dim, to - from + 1,  \
+                const T_ *values = v + (bh / heads) * layout[3] + (bh % heads) * layout[4];        \
+                weighted_rows3_##T_(weights, values + from * layout[5], layout[5], to - from + 1,  \
                                     value_dim, results);                                           \
             }                                                                                      \
         }                                                                                          \

@@ -34,7 +34,7 @@ DEFINE_DOT(double)
 
 /* exp_sum: x[i] = exp(x[i] − shift) for i < n (every x[i] <= shift), returns Σ x[i];
  * affine_max: w[i] = s[i]·scale + i·slope, returns the largest; index_sum: Σ_i i·w[i];
- * weighted_rows_generic: result[:] += Σ_i w[i] · value[i·e + :] over n rows of `value`
+ * weighted_rows_generic: result[:] += Σ_i w[i] · value[i·stride + :] over n rows of `value`
  * (weighted_rows3_*, below, does three weight rows per pass). */
 #define DEFINE_BAND_HELPERS(T_, EXP)                                                               \
 static inline T_ exp_sum_generic_##T_(T_ *x, int64_t n, T_ shift) {                                \
@@ -52,9 +52,9 @@ static inline T_ index_sum_generic_##T_(const T_ *w, int64_t n) {               
     for (int64_t i = 0; i < n; i++) sum += w[i] * (T_)i;                                           \
     return sum;                                                                                    \
 }                                                                                                  \
-static inline void weighted_rows_generic_##T_(const T_ *w, const T_ *value, int64_t n,            \
+static inline void weighted_rows_generic_##T_(const T_ *w, const T_ *value, int64_t stride, int64_t n, \
                                               int64_t value_dim, T_ *result) {                     \
-    for (int64_t i = 0; i < n; i++, value += value_dim)                                            \
+    for (int64_t i = 0; i < n; i++, value += stride)                                               \
         for (int64_t u = 0; u < value_dim; u++) result[u] += w[i] * value[u];                      \
 }
 
@@ -129,13 +129,13 @@ static inline float index_sum_float(const float *w, int64_t n) {
     return sum;
 }
 
-/* result_r[:] += Σ_i w_r[i] · value[i·e + :] for three weight rows at once: each value row is
+/* result_r[:] += Σ_i w_r[i] · value[i·stride + :] for three weight rows at once: each value row is
  * loaded once for three queries (the one-query loop streams a band of values per query, which
  * leaves the pass bound by cache bandwidth). 32 columns at a time: 12 accumulators. */
-static inline void weighted_rows3_float(const float *w[3], const float *value, int64_t n, int64_t value_dim,
-                                        float *result[3]) {
+static inline void weighted_rows3_float(const float *w[3], const float *value, int64_t stride, int64_t n,
+                                        int64_t value_dim, float *result[3]) {
     if (value_dim % 8) {
-        for (int r = 0; r < 3; r++) weighted_rows_generic_float(w[r], value, n, value_dim, result[r]);
+        for (int r = 0; r < 3; r++) weighted_rows_generic_float(w[r], value, stride, n, value_dim, result[r]);
         return;
     }
     for (int64_t u0 = 0; u0 < value_dim; u0 += 32) {
@@ -144,7 +144,7 @@ static inline void weighted_rows3_float(const float *w[3], const float *value, i
         for (int r = 0; r < 3; r++)
             for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
         const float *row = value + u0;
-        for (int64_t i = 0; i < n; i++, row += value_dim) {
+        for (int64_t i = 0; i < n; i++, row += stride) {
             __m256 p0 = _mm256_broadcast_ss(w[0] + i), p1 = _mm256_broadcast_ss(w[1] + i);
             __m256 p2 = _mm256_broadcast_ss(w[2] + i);
             for (int c = 0; c < lanes; c++) {
@@ -161,9 +161,9 @@ static inline void weighted_rows3_float(const float *w[3], const float *value, i
     }
 }
 #else
-static inline void weighted_rows3_float(const float *w[3], const float *value, int64_t n, int64_t value_dim,
-                                        float *result[3]) {
-    for (int r = 0; r < 3; r++) weighted_rows_generic_float(w[r], value, n, value_dim, result[r]);
+static inline void weighted_rows3_float(const float *w[3], const float *value, int64_t stride, int64_t n,
+                                        int64_t value_dim, float *result[3]) {
+    for (int r = 0; r < 3; r++) weighted_rows_generic_float(w[r], value, stride, n, value_dim, result[r]);
 }
 static inline float affine_max_float(const float *s, int64_t n, float scale, float slope, float *w) {
     return affine_max_generic_float(s, n, scale, slope, w);
@@ -178,9 +178,9 @@ static inline double affine_max_double(const double *s, int64_t n, double scale,
     return affine_max_generic_double(s, n, scale, slope, w);
 }
 static inline double index_sum_double(const double *w, int64_t n) { return index_sum_generic_double(w, n); }
-static inline void weighted_rows3_double(const double *w[3], const double *value, int64_t n,
+static inline void weighted_rows3_double(const double *w[3], const double *value, int64_t stride, int64_t n,
                                          int64_t value_dim, double *result[3]) {
-    for (int r = 0; r < 3; r++) weighted_rows_generic_double(w[r], value, n, value_dim, result[r]);
+    for (int r = 0; r < 3; r++) weighted_rows_generic_double(w[r], value, stride, n, value_dim, result[r]);
 }
 
 #endif

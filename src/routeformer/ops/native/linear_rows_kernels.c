@@ -13,7 +13,9 @@
  *   d phi_q[m] = S_p g_num + z_p g_den                        (a forward sweep)
  *   R_j = Σ_{m: p_m >= j} phi_q[m] g_numᵀ,  r_j = Σ phi_q[m] g_den
  *   d phi_k[j] = R_j v[j] + r_j,   d v[j] = R_jᵀ phi_k[j]     (a backward sweep)
- * Layouts: phi_q [BH, M, d], phi_k [BH, T, d], v [BH, T, e], positions and valid [B, M]; threads
+ * Layouts: phi_q [BH, M, d] contiguous; phi_k [B, H, T, d] and v [B, H, T, e] with any strides
+ * but a contiguous last axis (the strided head views of a projection are read in place), given by
+ * layout = {phi_k's batch, head and token strides, then v's}; positions and valid [B, M]; threads
  * split the (batch, head) rows, each with its own d×e state.
  */
 #include <stdint.h>
@@ -43,9 +45,17 @@ static inline void read_state_##SUFFIX(const T_ *state, const T_ *a, int64_t dim
     }                                                                                              \
 }                                                                                                  \
                                                                                                    \
+/* The keys and values of (batch, head) row bh, and their token strides. */                      \
+static inline void row_inputs_##SUFFIX(const T_ *phi_k, const T_ *v, const int64_t *layout,        \
+                                       int64_t bh, int64_t heads, const T_ **keys,                 \
+                                       const T_ **values) {                                        \
+    *keys = phi_k + (bh / heads) * layout[0] + (bh % heads) * layout[1];                           \
+    *values = v + (bh / heads) * layout[3] + (bh % heads) * layout[4];                             \
+}                                                                                                  \
+                                                                                                   \
 /* out [BH, M, e]: one sweep over the keys up to the last valid row. */                           \
-void linear_rows_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v, const int64_t *positions, \
-                          const uint8_t *valid, int64_t rows, int64_t queries, int64_t heads,      \
+void linear_rows_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v, const int64_t *layout,   \
+                          const int64_t *positions, const uint8_t *valid, int64_t rows, int64_t queries, int64_t heads,      \
                           int64_t length, int64_t dim, int64_t value_dim, double eps, T_ *out,     \
                           int threads) {                                                           \
     _Pragma("omp parallel num_threads(threads)")                                                   \
@@ -55,13 +65,14 @@ void linear_rows_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v, const i
         for (int64_t bh = 0; bh < rows; bh++) {                                                    \
             const int64_t *where = positions + (bh / heads) * queries;                             \
             const uint8_t *real = valid + (bh / heads) * queries;                                  \
-            const T_ *keys = phi_k + bh * length * dim, *values = v + bh * length * value_dim;     \
+            const T_ *keys, *values;                                                               \
+            row_inputs_##SUFFIX(phi_k, v, layout, bh, heads, &keys, &values);                      \
             memset(state, 0, sizeof(T_) * dim * value_dim);                                        \
             memset(norm, 0, sizeof(T_) * dim);                                                     \
             int64_t m = 0;                                                                         \
             for (int64_t j = 0; j < length && m < queries; j++) {                                  \
-                rank_one_##SUFFIX(state, keys + j * dim, values + j * value_dim, dim, value_dim);  \
-                for (int64_t c = 0; c < dim; c++) norm[c] += keys[j * dim + c];                    \
+                rank_one_##SUFFIX(state, keys + j * layout[2], values + j * layout[5], dim, value_dim);  \
+                for (int64_t c = 0; c < dim; c++) norm[c] += keys[j * layout[2] + c];                    \
                 for (; m < queries && (!real[m] || where[m] <= j); m++) {                          \
                     T_ *result = out + (bh * queries + m) * value_dim;                             \
                     if (!real[m]) { memset(result, 0, sizeof(T_) * value_dim); continue; }         \
@@ -82,7 +93,7 @@ void linear_rows_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v, const i
 /* grad_phi_q [BH, M, d], grad_phi_k [BH, T, d], grad_v [BH, T, e] are written in full;             \
  * scratch [BH, M, e + 1] holds g_num and g_den between the two sweeps. */                         \
 void linear_rows_backward_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v,                 \
-                                   const int64_t *positions, const uint8_t *valid, const T_ *out,  \
+                                   const int64_t *layout, const int64_t *positions, const uint8_t *valid, const T_ *out,  \
                                    const T_ *grad_out, int64_t rows, int64_t queries,              \
                                    int64_t heads, int64_t length, int64_t dim, int64_t value_dim,  \
                                    double eps, T_ *grad_phi_q, T_ *grad_phi_k, T_ *grad_v,         \
@@ -94,7 +105,8 @@ void linear_rows_backward_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v
         for (int64_t bh = 0; bh < rows; bh++) {                                                    \
             const int64_t *where = positions + (bh / heads) * queries;                             \
             const uint8_t *real = valid + (bh / heads) * queries;                                  \
-            const T_ *keys = phi_k + bh * length * dim, *values = v + bh * length * value_dim;     \
+            const T_ *keys, *values;                                                               \
+            row_inputs_##SUFFIX(phi_k, v, layout, bh, heads, &keys, &values);                      \
             T_ *parts = scratch + bh * queries * (value_dim + 1);                                  \
             memset(state, 0, sizeof(T_) * dim * value_dim);                                       \
             memset(norm, 0, sizeof(T_) * dim);                                                     \
@@ -103,8 +115,8 @@ void linear_rows_backward_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v
             int64_t m = 0;                                                                         \
             /* Forward sweep: g_num, g_den and d phi_q from the state at each row. */             \
             for (int64_t j = 0; j < length && m < queries; j++) {                                  \
-                rank_one_##SUFFIX(state, keys + j * dim, values + j * value_dim, dim, value_dim);  \
-                for (int64_t c = 0; c < dim; c++) norm[c] += keys[j * dim + c];                    \
+                rank_one_##SUFFIX(state, keys + j * layout[2], values + j * layout[5], dim, value_dim);  \
+                for (int64_t c = 0; c < dim; c++) norm[c] += keys[j * layout[2] + c];                    \
                 for (; m < queries && (!real[m] || where[m] <= j); m++) {                          \
                     if (!real[m]) continue;                                                        \
                     int64_t slot = bh * queries + m;                                               \
@@ -132,10 +144,10 @@ void linear_rows_backward_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v
                     rank_one_##SUFFIX(state, query, g_num, dim, value_dim);                        \
                     for (int64_t c = 0; c < dim; c++) norm[c] += query[c] * g_num[value_dim];      \
                 }                                                                                  \
-                const T_ *key = keys + j * dim;                                                    \
+                const T_ *key = keys + j * layout[2];                                              \
                 T_ *grad_key = grad_phi_k + (bh * length + j) * dim;                               \
                 for (int64_t c = 0; c < dim; c++)                                                  \
-                    grad_key[c] = dot_##T_(state + c * value_dim, values + j * value_dim,      \
+                    grad_key[c] = dot_##T_(state + c * value_dim, values + j * layout[5],      \
                                                value_dim) + norm[c];                               \
                 read_state_##SUFFIX(state, key, dim, value_dim, grad_v + (bh * length + j) * value_dim); \
             }                                                                                      \
