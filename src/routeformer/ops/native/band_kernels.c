@@ -40,7 +40,8 @@ static inline void band_tile_##T_(const T_ *query, int64_t dim, const T_ *keys_a
 DEFINE_BAND_TILE(double)
 #if defined(__AVX2__) && defined(__FMA__)
 /* AVX2: the BQ x 16 scores in 12 accumulators (the generic loops keep the tile in memory). */
-static inline void band_tile_float(const float *query, int64_t dim, const float *keys_at, float tile[BQ][BV]) {
+static inline void band_tile_float(const float *query, int64_t dim, const float *keys_at,
+                                   float tile[BQ][BV]) {
     __m256 low[BQ], high[BQ];
 #pragma GCC unroll 8
     for (int a = 0; a < BQ; a++) low[a] = high[a] = _mm256_setzero_ps();

@@ -169,7 +169,9 @@ static inline float affine_max_float(const float *s, int64_t n, float scale, flo
     return affine_max_generic_float(s, n, scale, slope, w);
 }
 static inline float index_sum_float(const float *w, int64_t n) { return index_sum_generic_float(w, n); }
-static inline float exp_sum_float(float *x, int64_t n, float shift) { return exp_sum_generic_float(x, n, shift); }
+static inline float exp_sum_float(float *x, int64_t n, float shift) {
+    return exp_sum_generic_float(x, n, shift);
+}
 #endif
 static inline double exp_sum_double(double *x, int64_t n, double shift) {
     return exp_sum_generic_double(x, n, shift);

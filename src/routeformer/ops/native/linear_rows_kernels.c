@@ -45,17 +45,30 @@ static inline void read_state_##SUFFIX(const T_ *state, const T_ *a, int64_t dim
     }                                                                                              \
 }                                                                                                  \
                                                                                                    \
-/* The keys and values of (batch, head) row bh, and their token strides. */                      \
-static inline void row_inputs_##SUFFIX(const T_ *phi_k, const T_ *v, const int64_t *layout,        \
-                                       int64_t bh, int64_t heads, const T_ **keys,                 \
-                                       const T_ **values) {                                        \
-    *keys = phi_k + (bh / heads) * layout[0] + (bh % heads) * layout[1];                           \
-    *values = v + (bh / heads) * layout[3] + (bh % heads) * layout[4];                             \
+/* One (batch, head) row's inputs: its keys and values (token strides layout[2], layout[5]) and   \
+ * its batch row's positions and valid flags. */                                                  \
+typedef struct { const T_ *keys, *values; const int64_t *where; const uint8_t *real; } row_##SUFFIX; \
+static inline row_##SUFFIX row_inputs_##SUFFIX(const T_ *phi_k, const T_ *v, const int64_t *layout, \
+                                               const int64_t *positions, const uint8_t *valid,     \
+                                               int64_t bh, int64_t heads, int64_t queries) {       \
+    row_##SUFFIX row = {phi_k + (bh / heads) * layout[0] + (bh % heads) * layout[1],               \
+                        v + (bh / heads) * layout[3] + (bh % heads) * layout[4],                   \
+                        positions + (bh / heads) * queries, valid + (bh / heads) * queries};       \
+    return row;                                                                                    \
+}                                                                                                  \
+                                                                                                   \
+/* Key j into the running state: S += phi_k[j] v[j]ᵀ, z += phi_k[j]. */                           \
+static inline void add_key_##SUFFIX(T_ *state, T_ *norm, row_##SUFFIX row, const int64_t *layout,  \
+                                    int64_t j, int64_t dim, int64_t value_dim) {                   \
+    const T_ *key = row.keys + j * layout[2];                                                      \
+    rank_one_##SUFFIX(state, key, row.values + j * layout[5], dim, value_dim);                     \
+    for (int64_t c = 0; c < dim; c++) norm[c] += key[c];                                           \
 }                                                                                                  \
                                                                                                    \
 /* out [BH, M, e]: one sweep over the keys up to the last valid row. */                           \
 void linear_rows_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v, const int64_t *layout,   \
-                          const int64_t *positions, const uint8_t *valid, int64_t rows, int64_t queries, int64_t heads,      \
+                          const int64_t *positions, const uint8_t *valid, int64_t rows,           \
+                          int64_t queries, int64_t heads,                                          \
                           int64_t length, int64_t dim, int64_t value_dim, double eps, T_ *out,     \
                           int threads) {                                                           \
     _Pragma("omp parallel num_threads(threads)")                                                   \
@@ -63,16 +76,15 @@ void linear_rows_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v, const i
         T_ *state = malloc(sizeof(T_) * dim * value_dim), *norm = malloc(sizeof(T_) * dim);        \
         _Pragma("omp for schedule(dynamic, 1)")                                                    \
         for (int64_t bh = 0; bh < rows; bh++) {                                                    \
-            const int64_t *where = positions + (bh / heads) * queries;                             \
-            const uint8_t *real = valid + (bh / heads) * queries;                                  \
-            const T_ *keys, *values;                                                               \
-            row_inputs_##SUFFIX(phi_k, v, layout, bh, heads, &keys, &values);                      \
+            row_##SUFFIX row = row_inputs_##SUFFIX(phi_k, v, layout, positions, valid, bh, heads,  \
+                                                   queries);                                       \
+            const int64_t *where = row.where;                                                      \
+            const uint8_t *real = row.real;                                                        \
             memset(state, 0, sizeof(T_) * dim * value_dim);                                        \
             memset(norm, 0, sizeof(T_) * dim);                                                     \
             int64_t m = 0;                                                                         \
             for (int64_t j = 0; j < length && m < queries; j++) {                                  \
-                rank_one_##SUFFIX(state, keys + j * layout[2], values + j * layout[5], dim, value_dim);  \
-                for (int64_t c = 0; c < dim; c++) norm[c] += keys[j * layout[2] + c];                    \
+                add_key_##SUFFIX(state, norm, row, layout, j, dim, value_dim);                     \
                 for (; m < queries && (!real[m] || where[m] <= j); m++) {                          \
                     T_ *result = out + (bh * queries + m) * value_dim;                             \
                     if (!real[m]) { memset(result, 0, sizeof(T_) * value_dim); continue; }         \
@@ -93,7 +105,8 @@ void linear_rows_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v, const i
 /* grad_phi_q [BH, M, d], grad_phi_k [BH, T, d], grad_v [BH, T, e] are written in full;             \
  * scratch [BH, M, e + 1] holds g_num and g_den between the two sweeps. */                         \
 void linear_rows_backward_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v,                 \
-                                   const int64_t *layout, const int64_t *positions, const uint8_t *valid, const T_ *out,  \
+                                   const int64_t *layout, const int64_t *positions,                \
+                                   const uint8_t *valid, const T_ *out,                            \
                                    const T_ *grad_out, int64_t rows, int64_t queries,              \
                                    int64_t heads, int64_t length, int64_t dim, int64_t value_dim,  \
                                    double eps, T_ *grad_phi_q, T_ *grad_phi_k, T_ *grad_v,         \
@@ -103,10 +116,10 @@ void linear_rows_backward_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v
         T_ *state = malloc(sizeof(T_) * dim * value_dim), *norm = malloc(sizeof(T_) * dim);        \
         _Pragma("omp for schedule(dynamic, 1)")                                                    \
         for (int64_t bh = 0; bh < rows; bh++) {                                                    \
-            const int64_t *where = positions + (bh / heads) * queries;                             \
-            const uint8_t *real = valid + (bh / heads) * queries;                                  \
-            const T_ *keys, *values;                                                               \
-            row_inputs_##SUFFIX(phi_k, v, layout, bh, heads, &keys, &values);                      \
+            row_##SUFFIX row = row_inputs_##SUFFIX(phi_k, v, layout, positions, valid, bh, heads,  \
+                                                   queries);                                       \
+            const int64_t *where = row.where;                                                      \
+            const uint8_t *real = row.real;                                                        \
             T_ *parts = scratch + bh * queries * (value_dim + 1);                                  \
             memset(state, 0, sizeof(T_) * dim * value_dim);                                       \
             memset(norm, 0, sizeof(T_) * dim);                                                     \
@@ -115,8 +128,7 @@ void linear_rows_backward_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v
             int64_t m = 0;                                                                         \
             /* Forward sweep: g_num, g_den and d phi_q from the state at each row. */             \
             for (int64_t j = 0; j < length && m < queries; j++) {                                  \
-                rank_one_##SUFFIX(state, keys + j * layout[2], values + j * layout[5], dim, value_dim);  \
-                for (int64_t c = 0; c < dim; c++) norm[c] += keys[j * layout[2] + c];                    \
+                add_key_##SUFFIX(state, norm, row, layout, j, dim, value_dim);                     \
                 for (; m < queries && (!real[m] || where[m] <= j); m++) {                          \
                     if (!real[m]) continue;                                                        \
                     int64_t slot = bh * queries + m;                                               \
@@ -144,10 +156,10 @@ void linear_rows_backward_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v
                     rank_one_##SUFFIX(state, query, g_num, dim, value_dim);                        \
                     for (int64_t c = 0; c < dim; c++) norm[c] += query[c] * g_num[value_dim];      \
                 }                                                                                  \
-                const T_ *key = keys + j * layout[2];                                              \
+                const T_ *key = row.keys + j * layout[2];                                          \
                 T_ *grad_key = grad_phi_k + (bh * length + j) * dim;                               \
                 for (int64_t c = 0; c < dim; c++)                                                  \
-                    grad_key[c] = dot_##T_(state + c * value_dim, values + j * layout[5],      \
+                    grad_key[c] = dot_##T_(state + c * value_dim, row.values + j * layout[5],  \
                                                value_dim) + norm[c];                               \
                 read_state_##SUFFIX(state, key, dim, value_dim, grad_v + (bh * length + j) * value_dim); \
             }                                                                                      \
