@@ -16,7 +16,7 @@ is p_t V of the last step. Content far back (large expected δ) lowers q and wid
 
 Non-causal (our extension): δ = |i - j| and the horizon is two-sided.
 
-Fast path. The sequence is cut into blocks of b queries; a block's keys are organised in rings:
+Band path. The sequence is cut into blocks of b queries; a block's keys are organised in rings:
 ring o holds the key block o blocks back (o < 0: ahead). The q·k products of ring o are computed
 for a block row only once some query of the block needs them (its horizon reaches that ring) and
 are kept for every later iteration (one [R, b, b] tensor per ring), so keys beyond the block's
@@ -25,6 +25,11 @@ query still iterating or, once fewer than half the queries iterate, over those q
 (gathered). The final pass, one autograd function, applies the last softmax to the values ring by
 ring; its backward rebuilds the probabilities from the cache and adds the key and value gradients
 in place, ring by ring.
+
+C kernels (ops/native; causal, unpadded, CPU, fp32/fp64, when a compiler exists), which the op
+prefers: the inference steps run per query over exactly its horizon (expanding_kernels.c,
+vectorised in fp32), the final pass is query-blocked (band_kernels.c) and its backward runs per
+query. The band path above serves padded inputs, GPU, half precision and torch.compile.
 
 Gradients: to q, k, v through the final softmax, and to α, β through the prior of the final step,
 with α_T = α + (steps taken) and β_T = β + Σ_t E_t[δ]; the E_t[δ] of the mean-field iterations are
