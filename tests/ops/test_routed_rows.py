@@ -43,9 +43,9 @@ CASES = {
 
 @pytest.fixture
 def native_calls(monkeypatch):
-    """Counts the calls into the C kernels by the row ops: linear (autograd function) and local
-    (the banded forward, inference only)."""
-    calls = {"linear": 0, "local": 0}
+    """Counts the calls into the C kernels by the row ops: linear (autograd function) and the
+    banded forward of full and local rows (inference only)."""
+    calls = {"linear": 0, "band": 0}
 
     linear = routed_rows.NativeLinearRows
 
@@ -56,7 +56,7 @@ def native_calls(monkeypatch):
             return linear.apply(*args)
 
     def counted_band(*args, band=routed_rows.band_attend):
-        calls["local"] += 1
+        calls["band"] += 1
         return band(*args)
 
     monkeypatch.setattr(routed_rows, "NativeLinearRows", CountedLinear)
@@ -98,13 +98,14 @@ def test_rows_match_reference_forward_and_backward(
     expected_grads = torch.autograd.grad((expected * weights).sum(), (q_rows, k, v))
     for got, want in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5 if name == "linear" else 1e-9, rtol=1e-5)
-    # The C kernels serve the causal linear rows (forward and backward); local rows that want a
-    # gradient stay on the flash chunks.
+    # The C kernels serve the causal linear rows (forward and backward); full and local rows that
+    # want a gradient stay on the flash chunks.
     served = implementation == "native" and causal and name == "linear"
-    assert native_calls.get(name, 0) == (1 if served else 0)
+    assert native_calls["linear"] == (1 if served else 0)
+    assert native_calls["band"] == 0
 
 
-@pytest.mark.parametrize("name", ["linear", "local"])
+@pytest.mark.parametrize("name", list(CASES))
 def test_rows_read_strided_head_views(name, implementation):
     """Keys and values as head views of one [B, T, 2·H·d] projection (the layers' layout, read in
     place by the C kernels): the same values and gradients as contiguous copies."""
@@ -135,25 +136,27 @@ def test_rows_read_strided_head_views(name, implementation):
 
 
 @pytest.mark.parametrize("length", [1, 13, 37, 100])
-@pytest.mark.parametrize("window", [1, 6, 40])
-def test_local_rows_without_gradient_match_reference(length, window, implementation, native_calls):
-    """Inference: causal, unpadded local rows run the query-blocked C pass (every padding slot and
-    window clipped at position 0 included), equal to the reference."""
-    q, k, v, rows, valid, _ = inputs(length, seed=length + window)
+@pytest.mark.parametrize(("name", "window"), [("full", None), ("local", 1), ("local", 6), ("local", 40)])
+def test_rows_without_gradient_match_reference(name, length, window, implementation, native_calls):
+    """Inference: causal, unpadded full and local rows run the query-blocked C pass (every padding
+    slot and window clipped at position 0 included), equal to the reference."""
+    fast, reference, _, _ = CASES[name]
+    options = {} if window is None else {"window": window}
+    q, k, v, rows, valid, _ = inputs(length, seed=length + (window or 0))
     q_rows = gather_rows(q, rows)
     with torch.no_grad():
-        out, flops = local_attention_rows(q_rows, k, v, rows, valid, window=window, causal=True)
-    expected = local_attention_rows_reference(q_rows, k, v, rows, valid, window=window, causal=True)
+        out, flops = fast(q_rows, k, v, rows, valid, causal=True, **options)
+    expected = reference(q_rows, k, v, rows, valid, causal=True, **options)
     real = valid[:, None, :, None]
     torch.testing.assert_close(out * real, expected * real, atol=1e-10, rtol=1e-10)
     assert (out * ~real).abs().max() == 0, "padding slots must return zeros"
-    assert native_calls["local"] == (1 if implementation == "native" else 0)
-    pairs = int(torch.where(valid, (rows + 1).clamp(max=window), 0).sum())
+    assert native_calls["band"] == (1 if implementation == "native" else 0)
+    pairs = int(torch.where(valid, (rows + 1).clamp(max=window or length), 0).sum())
     # fp32 runs the vectorised paths (register tiles, 8-lane exponentials, weighted rows).
     with torch.no_grad():
-        single, _ = local_attention_rows(q_rows.float(), k.float(), v.float(), rows, valid, window=window)
+        single, _ = fast(q_rows.float(), k.float(), v.float(), rows, valid, causal=True, **options)
     torch.testing.assert_close(single * real, (expected * real).float(), atol=1e-5, rtol=1e-5)
-    if implementation == "native":  # each row scores exactly its window
+    if implementation == "native":  # each row scores exactly its own keys
         assert flops == H * 4 * D * pairs
 
 

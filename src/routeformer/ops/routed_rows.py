@@ -21,9 +21,11 @@ the dense op's output at those positions; padding slots return zeros. Cost scale
   prefix state — is done for the packed rows only.
 
 C kernels (ops/native; CPU, fp32/fp64, when a compiler exists): the causal linear rows run as one
-sweep of the running state per (batch, head), forward and backward; causal, unpadded local rows
-run a query-blocked banded pass when no gradient is wanted (inference). Their FLOPs count what
-they execute (the sweep's d·e per key; exactly each row's window).
+sweep of the running state per (batch, head), forward and backward; causal, unpadded full and
+local rows run a query-blocked banded pass when no gradient is wanted (inference), each row over
+its own keys — its whole prefix (full) or its window (local) — where the chunks read up to the
+chunk's last row. Their FLOPs count what they execute (the sweep's d·e per key; exactly each
+row's keys).
 
 `select_rows(route)` turns a bool routing mask [B, T] into (rows, valid). The `*_reference`
 twins score each selected row against every key with an explicit mask.
@@ -97,6 +99,9 @@ def full_attention_rows(
     check_positive("chunk", chunk)
     batch, heads, count, dim = q_rows.shape
     length, value_dim = k.shape[2], v.shape[-1]
+    native = _inference_kernels(q_rows, k, v, causal, mask)
+    if native is not None:  # each row over its own prefix, where a chunk reads up to its last row
+        return _band_rows_native(native, q_rows, k, v, rows, valid, rows + 1, scale)
     if not causal:  # every row reads every key: the dense op with the rows as its queries
         out = full_attention(q_rows, k, v, mask=mask, causal=False, scale=scale)
         return out * valid[:, None, :, None].to(out.dtype), batch * heads * dense_attention_flops(
@@ -116,14 +121,9 @@ def local_attention_rows(
     _check_rows(q_rows, k, v, rows, valid, mask)
     check_positive("window", window)
     check_positive("chunk", chunk)
-    # Inference (no gradient wanted), causal, unpadded: the query-blocked C pass, each row over its
-    # own window. Training keeps the flash chunks below: their backward is faster than the
-    # per-query C backward (T=4096, 30% of rows, window 256: ~28 against ~47 ms).
-    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_rows, k, v))
-    native = (native_kernels(q_rows, k, v)
-              if causal and mask is None and not wants_grad and q_rows.dtype == k.dtype == v.dtype else None)
+    native = _inference_kernels(q_rows, k, v, causal, mask)
     if native is not None:
-        return _local_rows_native(native, q_rows, k, v, rows, valid, window, scale)
+        return _band_rows_native(native, q_rows, k, v, rows, valid, (rows + 1).clamp(max=window), scale)
     before, after = (window - 1, 0) if causal else (window, window)
     # A chunk reads from its first row's window start to its last row's window end; it spans
     # at most `window` positions of rows, so sparse rows never make it read much more than
@@ -134,14 +134,24 @@ def local_attention_rows(
         rule=lambda keys, rows: _in_window(keys - rows, window, causal), bucket=window)
 
 
-def _local_rows_native(
-    native, q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, window: int,
+def _inference_kernels(q_rows: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None):
+    """The C kernels for a causal, unpadded call that wants no gradient (inference), else None.
+    Training keeps the flash chunks: their backward beats the per-query C backward (local rows,
+    T=4096, 30% of rows, window 256: ~28 against ~47 ms)."""
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_rows, k, v))
+    if not causal or mask is not None or wants_grad or not q_rows.dtype == k.dtype == v.dtype:
+        return None
+    return native_kernels(q_rows, k, v)
+
+
+def _band_rows_native(
+    native, q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, horizon: Tensor,
     scale: float | None,
 ) -> tuple[Tensor, int]:
-    """Causal, unpadded, no gradient: the banded pass of ops/native with horizon
-    min(window, row + 1) and no decay."""
+    """The banded pass of ops/native with no decay: each row over the `horizon` [B, M] keys ending
+    at its position (row + 1 for full attention, min(window, row + 1) for local)."""
     batch, heads, count, dim = q_rows.shape
-    horizon = torch.where(valid, (rows + 1).clamp(max=window), 0)  # padding slots read nothing
+    horizon = torch.where(valid, horizon, 0)  # padding slots read nothing
     per_row = horizon[:, None].expand(batch, heads, count).reshape(batch * heads, count).contiguous()
     q_flat = q_rows.reshape(batch * heads, count, dim).contiguous()
     log_decay = q_rows.new_zeros(batch * heads, count)
