@@ -174,11 +174,7 @@ class MetaAttention(AttentionLayer):
             return t
         if "angles" not in cache:
             cache["angles"] = rotary_angles(positions, self.head_dim, self.rotary_base)
-        cos, sin = cache["angles"]  # [B, 1, T, d]
-        if rows is not None:
-            index = rows[:, None, :, None].expand(-1, 1, -1, cos.shape[-1])
-            cos, sin = cos.gather(2, index), sin.gather(2, index)
-        return apply_rotary(t, cos, sin)
+        return apply_rotary(t, *cache["angles"], rows)
 
     def _keys_values(self, index: int, x: Tensor, positions: Tensor, cache: dict) -> tuple[Tensor, Tensor]:
         key = 0 if self.share_qkv else index  # shared projections: one K/V for every expert

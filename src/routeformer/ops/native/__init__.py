@@ -4,8 +4,9 @@
 of the `topk` layer; `expanding_kernels.c` the inference steps of causal expanding attention and
 its final pass's backward; `band_kernels.c` a query-blocked banded softmax pass, the final pass's
 forward and the local expert of hard-routed `meta` at inference; `linear_rows_kernels.c` the
-linear expert of hard-routed `meta` at its selected rows (forward and backward). `band.py` and
-`linear_rows.py` wrap the last two for the ops. On first use they are compiled with the system C
+linear expert of hard-routed `meta` at its selected rows (forward and backward);
+`rotary_kernels.c` the rotary position embedding in one pass. `band.py`, `linear_rows.py` and
+`rotary.py` wrap the last three for the ops. On first use they are compiled with the system C
 compiler (`$CC`, else `cc`) with -O3, -march=native and OpenMP into one library in a cache
 directory (`$ROUTEFORMER_CACHE_DIR`, else ~/.cache/routeformer, else the temporary directory),
 keyed by the sources, the flags and the CPU; later processes load the cached library (~2 s to
@@ -37,7 +38,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-KERNEL_FILES = ("topk_kernels.c", "expanding_kernels.c", "band_kernels.c", "linear_rows_kernels.c")
+KERNEL_FILES = ("topk_kernels.c", "expanding_kernels.c", "band_kernels.c", "linear_rows_kernels.c",
+                "rotary_kernels.c")
 SOURCES = tuple(Path(__file__).with_name(name) for name in KERNEL_FILES)
 HEADER = Path(__file__).with_name("common.h")
 _ENABLED: ContextVar[bool] = ContextVar("routeformer_native_enabled", default=True)
@@ -104,6 +106,9 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
         linear_rows_backward.restype = None
         linear_rows_backward.argtypes = [*[_PTR] * 8, *[_INT] * 6, ctypes.c_double, *[_PTR] * 4,
                                          ctypes.c_int]
+        rotary = getattr(library, f"rotary_{suffix_}")
+        rotary.restype = None
+        rotary.argtypes = [*[_PTR] * 5, *[_INT] * 5, ctypes.c_double, _PTR, ctypes.c_int]
     library.route_topk_max_slots.restype = _INT
     library.route_topk_max_dim.restype = _INT
     library.route_topk_chunk.restype = _INT
