@@ -76,7 +76,8 @@ def test_select_rows_lists_routed_positions_in_order():
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("length", [1, 13, 37])
+# 100: several of the C linear sweep's 32-key chunks, with rows in each.
+@pytest.mark.parametrize("length", [1, 13, 37, 100])
 def test_rows_match_reference_forward_and_backward(
     name, causal, masked, length, implementation, native_calls
 ):

@@ -235,8 +235,9 @@ class MetaAttention(AttentionLayer):
         y = self.expert_out[index](self.merge_heads(heads_out, x))
         # Padding slots point at position 0 with weight 0: they add nothing.
         row_weight = (weight.gather(1, rows) * valid.to(weight.dtype))[..., None]
-        added = out.reshape(batch * length, width).index_add(0, flat_rows, (row_weight * y).flatten(0, 1))
-        return added.view(batch, length, width), flops, int(valid.sum())
+        # In place: the out-of-place index_add would copy the whole [B·T, D] sum per expert first.
+        out.view(batch * length, width).index_add_(0, flat_rows, (row_weight * y).flatten(0, 1))
+        return out, flops, int(valid.sum())
 
     # -- the contract ----------------------------------------------------------------------
     def forward(

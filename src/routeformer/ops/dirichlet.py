@@ -37,7 +37,7 @@ def dirichlet_entropy(concentration: Tensor) -> Tensor:
 
 def dirichlet_kl(concentration: Tensor, prior: Tensor) -> Tensor:
     """KL[Dir(concentration) || Dir(prior)], Eq. 9; `prior` broadcasts against `concentration`."""
-    prior = prior.expand_as(concentration)
+    # The prior's terms at its own shape (one [K] prior: K + 1 lgamma calls, not per token).
     total = concentration.sum(-1)
     return (
         log_multivariate_beta(prior)

@@ -129,6 +129,31 @@ static inline float index_sum_float(const float *w, int64_t n) {
     return sum;
 }
 
+/* result_r[u0 : u0 + 8·lanes] += Σ_i w_r[i] · value[i·stride + u0 : …]: 3 x lanes accumulators.
+ * Always inlined with a constant `lanes`, so the accumulators stay in registers (with a runtime
+ * count of lanes they lived on the stack: a load and a store per multiply-add, ~4x slower). */
+static inline __attribute__((always_inline)) void weighted_rows3_lanes(
+        const float *w[3], const float *value, int64_t stride, int64_t n, int lanes, float *result[3]) {
+    __m256 acc[3][4];
+#pragma GCC unroll 4
+    for (int c = 0; c < lanes; c++) acc[0][c] = acc[1][c] = acc[2][c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i++, value += stride) {
+        __m256 p0 = _mm256_broadcast_ss(w[0] + i), p1 = _mm256_broadcast_ss(w[1] + i);
+        __m256 p2 = _mm256_broadcast_ss(w[2] + i);
+#pragma GCC unroll 4
+        for (int c = 0; c < lanes; c++) {
+            __m256 x = _mm256_loadu_ps(value + 8 * c);
+            acc[0][c] = _mm256_fmadd_ps(p0, x, acc[0][c]);
+            acc[1][c] = _mm256_fmadd_ps(p1, x, acc[1][c]);
+            acc[2][c] = _mm256_fmadd_ps(p2, x, acc[2][c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < lanes; c++)
+        for (int r = 0; r < 3; r++)
+            _mm256_storeu_ps(result[r] + 8 * c, _mm256_add_ps(_mm256_loadu_ps(result[r] + 8 * c), acc[r][c]));
+}
+
 /* result_r[:] += Σ_i w_r[i] · value[i·stride + :] for three weight rows at once: each value row is
  * loaded once for three queries (the one-query loop streams a band of values per query, which
  * leaves the pass bound by cache bandwidth). 32 columns at a time: 12 accumulators. */
@@ -139,25 +164,13 @@ static inline void weighted_rows3_float(const float *w[3], const float *value, i
         return;
     }
     for (int64_t u0 = 0; u0 < value_dim; u0 += 32) {
-        int lanes = value_dim - u0 >= 32 ? 4 : (int)(value_dim - u0) / 8;
-        __m256 acc[3][4];
-        for (int r = 0; r < 3; r++)
-            for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
-        const float *row = value + u0;
-        for (int64_t i = 0; i < n; i++, row += stride) {
-            __m256 p0 = _mm256_broadcast_ss(w[0] + i), p1 = _mm256_broadcast_ss(w[1] + i);
-            __m256 p2 = _mm256_broadcast_ss(w[2] + i);
-            for (int c = 0; c < lanes; c++) {
-                __m256 x = _mm256_loadu_ps(row + 8 * c);
-                acc[0][c] = _mm256_fmadd_ps(p0, x, acc[0][c]);
-                acc[1][c] = _mm256_fmadd_ps(p1, x, acc[1][c]);
-                acc[2][c] = _mm256_fmadd_ps(p2, x, acc[2][c]);
-            }
+        float *at[3] = {result[0] + u0, result[1] + u0, result[2] + u0};
+        switch (value_dim - u0 >= 32 ? 4 : (int)(value_dim - u0) / 8) {
+            case 4: weighted_rows3_lanes(w, value + u0, stride, n, 4, at); break;
+            case 3: weighted_rows3_lanes(w, value + u0, stride, n, 3, at); break;
+            case 2: weighted_rows3_lanes(w, value + u0, stride, n, 2, at); break;
+            default: weighted_rows3_lanes(w, value + u0, stride, n, 1, at); break;
         }
-        for (int r = 0; r < 3; r++)
-            for (int c = 0; c < lanes; c++)
-                _mm256_storeu_ps(result[r] + u0 + 8 * c,
-                                 _mm256_add_ps(_mm256_loadu_ps(result[r] + u0 + 8 * c), acc[r][c]));
     }
 }
 #else

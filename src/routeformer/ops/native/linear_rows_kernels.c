@@ -3,7 +3,9 @@
  *
  * Why: the PyTorch path packs the rows by chunk, builds chunk states and prefix sums and runs
  * small batched products, ~20 passes of bookkeeping for ~2·T·d·e useful multiply-adds. Here one
- * sweep per (batch, head) row carries the running state and reads it at each selected row.
+ * sweep per (batch, head) row carries the running state and reads it at each selected row. The
+ * forward takes the keys LINEAR_CHUNK at a time (the state is loaded and stored once per chunk,
+ * not per key); the backward, one key at a time.
  *
  * Semantics, per (batch, head) row, features already applied (phi = elu + 1, padded keys zeroed):
  *   S_i = Σ_{j <= i} phi_k[j] v[j]ᵀ [d, e],   z_i = Σ_{j <= i} phi_k[j] [d]
@@ -23,6 +25,8 @@
 #include <string.h>
 
 #include "common.h"
+
+#define LINEAR_CHUNK 32 /* keys per chunk of the forward sweep (a multiple of 8: AVX2 lanes) */
 
 #define DEFINE_LINEAR_ROWS(SUFFIX, T_)                                                             \
 /* state[c][:] += a[c] · x[:] for every c < d (a rank-one update of a [d, e] matrix). */         \
@@ -65,7 +69,48 @@ static inline void add_key_##SUFFIX(T_ *state, T_ *norm, row_##SUFFIX row, const
     for (int64_t c = 0; c < dim; c++) norm[c] += key[c];                                           \
 }                                                                                                  \
                                                                                                    \
-/* out [BH, M, e]: one sweep over the keys up to the last valid row. */                           \
+/* Up to three valid rows of one chunk [j0, j0 + n) (slots list[0..count)): out = (phi_qᵀ S +    \
+ * Σ_{j0 <= j <= p} (phi_q · phi_k[j]) v[j]) / (phi_q · z + Σ phi_q · phi_k[j] + eps), S and z the  \
+ * state before the chunk; key_block [d, LINEAR_CHUNK] holds the chunk's keys transposed. */      \
+static inline void chunk_rows_##SUFFIX(const T_ *phi_q, const T_ *state, const T_ *norm,          \
+                                       const T_ *key_block, const T_ *values, int64_t value_stride, \
+                                       const int64_t *where, const int64_t *list, int count,       \
+                                       int64_t bh, int64_t queries, int64_t j0, int64_t dim,       \
+                                       int64_t value_dim, double eps, T_ *out, T_ *discard,       \
+                                       T_ scores[3][LINEAR_CHUNK]) {                               \
+    const T_ *weights[3];                                                                          \
+    T_ *results[3];                                                                                \
+    int64_t reach = 0;                                                                             \
+    for (int r = 0; r < 3; r++) {                                                                  \
+        int64_t slot = bh * queries + list[r < count ? r : 0];                                     \
+        weights[r] = phi_q + slot * dim;                                                           \
+        results[r] = r < count ? out + slot * value_dim : discard;                                 \
+        memset(results[r], 0, sizeof(T_) * value_dim);                                             \
+        memset(scores[r], 0, sizeof(T_) * LINEAR_CHUNK);                                           \
+    }                                                                                              \
+    weighted_rows3_##T_(weights, state, value_dim, dim, value_dim, results); /* phi_qᵀ S */       \
+    T_ *score_rows[3] = {scores[0], scores[1], scores[2]};                                        \
+    weighted_rows3_##T_(weights, key_block, LINEAR_CHUNK, dim, LINEAR_CHUNK, score_rows);           \
+    T_ denominator[3];                                                                             \
+    for (int r = 0; r < 3; r++) {                                                                  \
+        int64_t last = where[list[r < count ? r : 0]] - j0; /* the row's own key, in the chunk */ \
+        for (int64_t i = last + 1; i < LINEAR_CHUNK; i++) scores[r][i] = 0;                       \
+        denominator[r] = dot_##T_(weights[r], norm, dim) + (T_)eps;                                \
+        for (int64_t i = 0; i <= last; i++) denominator[r] += scores[r][i];                        \
+        reach = last + 1 > reach ? last + 1 : reach;                                               \
+        weights[r] = scores[r];                                                                    \
+    }                                                                                              \
+    weighted_rows3_##T_(weights, values + j0 * value_stride, value_stride, reach, value_dim, results); \
+    for (int r = 0; r < count; r++) {                                                              \
+        T_ inverse = (T_)1 / denominator[r];                                                       \
+        for (int64_t u = 0; u < value_dim; u++) results[r][u] *= inverse;                          \
+    }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
+/* out [BH, M, e]: one sweep over the keys up to the last valid row, LINEAR_CHUNK keys at a time:  \
+ * the rows in a chunk read the state before it plus their part of the chunk, then the chunk       \
+ * joins the state as three state rows per pass over its values (weighted_rows3), where adding     \
+ * one key at a time loads and stores the whole d x e state per key. */                            \
 void linear_rows_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v, const int64_t *layout,   \
                           const int64_t *positions, const uint8_t *valid, int64_t rows,           \
                           int64_t queries, int64_t heads,                                          \
@@ -74,24 +119,42 @@ void linear_rows_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v, const i
     _Pragma("omp parallel num_threads(threads)")                                                   \
     {                                                                                              \
         T_ *state = malloc(sizeof(T_) * dim * value_dim), *norm = malloc(sizeof(T_) * dim);        \
+        T_ *key_block = malloc(sizeof(T_) * dim * LINEAR_CHUNK), *discard = malloc(sizeof(T_) * (dim + value_dim)); \
+        int64_t *list = malloc(sizeof(int64_t) * LINEAR_CHUNK);                                    \
+        T_ scores[3][LINEAR_CHUNK];                                                                \
         _Pragma("omp for schedule(dynamic, 1)")                                                    \
         for (int64_t bh = 0; bh < rows; bh++) {                                                    \
             row_##SUFFIX row = row_inputs_##SUFFIX(phi_k, v, layout, positions, valid, bh, heads,  \
                                                    queries);                                       \
-            const int64_t *where = row.where;                                                      \
-            const uint8_t *real = row.real;                                                        \
             memset(state, 0, sizeof(T_) * dim * value_dim);                                        \
             memset(norm, 0, sizeof(T_) * dim);                                                     \
             int64_t m = 0;                                                                         \
-            for (int64_t j = 0; j < length && m < queries; j++) {                                  \
-                add_key_##SUFFIX(state, norm, row, layout, j, dim, value_dim);                     \
-                for (; m < queries && (!real[m] || where[m] <= j); m++) {                          \
-                    T_ *result = out + (bh * queries + m) * value_dim;                             \
-                    if (!real[m]) { memset(result, 0, sizeof(T_) * value_dim); continue; }         \
-                    const T_ *query = phi_q + (bh * queries + m) * dim;                            \
-                    read_state_##SUFFIX(state, query, dim, value_dim, result);                     \
-                    T_ inverse = (T_)1 / (dot_##T_(query, norm, dim) + (T_)eps);               \
-                    for (int64_t u = 0; u < value_dim; u++) result[u] *= inverse;                  \
+            for (int64_t j0 = 0; j0 < length && m < queries; j0 += LINEAR_CHUNK) {                 \
+                int64_t n = length - j0 < LINEAR_CHUNK ? length - j0 : LINEAR_CHUNK;               \
+                for (int64_t c = 0; c < dim; c++)                                                  \
+                    for (int64_t i = 0; i < LINEAR_CHUNK; i++)                                     \
+                        key_block[c * LINEAR_CHUNK + i] = i < n ? row.keys[(j0 + i) * layout[2] + c] : 0; \
+                int count = 0;                                                                     \
+                for (; m < queries && (!row.real[m] || row.where[m] < j0 + n); m++) {              \
+                    if (row.real[m]) { list[count++] = m; continue; }                              \
+                    memset(out + (bh * queries + m) * value_dim, 0, sizeof(T_) * value_dim);       \
+                }                                                                                  \
+                for (int at = 0; at < count; at += 3)                                              \
+                    chunk_rows_##SUFFIX(phi_q, state, norm, key_block, row.values, layout[5],      \
+                                        row.where, list + at, count - at < 3 ? count - at : 3, bh, \
+                                        queries, j0, dim, value_dim, eps, out, discard, scores);   \
+                if (m == queries) break; /* no row reads the state past this chunk */              \
+                for (int64_t c = 0; c < dim; c += 3) { /* S[c] += Σ_i phi_k[j0 + i][c] v[j0 + i] */ \
+                    const T_ *weights[3];                                                          \
+                    T_ *results[3];                                                                \
+                    for (int r = 0; r < 3; r++) {                                                  \
+                        weights[r] = key_block + (c + r < dim ? c + r : c) * LINEAR_CHUNK;         \
+                        results[r] = c + r < dim ? state + (c + r) * value_dim : discard;          \
+                    }                                                                              \
+                    weighted_rows3_##T_(weights, row.values + j0 * layout[5], layout[5], n,        \
+                                        value_dim, results);                                       \
+                    for (int r = 0; r < 3 && c + r < dim; r++)                                     \
+                        for (int64_t i = 0; i < n; i++) norm[c + r] += weights[r][i];              \
                 }                                                                                  \
             }                                                                                      \
             for (; m < queries; m++) /* positions past the end: cannot happen for valid rows */  \
@@ -99,6 +162,9 @@ void linear_rows_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v, const i
         }                                                                                          \
         free(state);                                                                               \
         free(norm);                                                                                \
+        free(key_block);                                                                           \
+        free(discard);                                                                             \
+        free(list);                                                                                \
     }                                                                                              \
 }                                                                                                  \
                                                                                                    \
