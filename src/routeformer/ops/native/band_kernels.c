@@ -26,6 +26,7 @@
 
 #define BQ 6
 #define BV 16
+#define VALUE_CHUNK 64 /* keys per pass of the value sums: 16 KB of values at e = 64 */
 
 /* tile[a][c] = Σ_d query[a·dim + d] · keys_at[d·BV + c] for the BQ queries of a block. */
 #define DEFINE_BAND_TILE(T_)                                                                       \
@@ -126,24 +127,32 @@ void band_attend_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, const int64_t *
                 for (int64_t j = lo; j < first; j++) s[j] = 0;                                     \
                 for (int64_t j = at[a] + 1; j <= hi; j++) s[j] = 0;                                \
             }                                                                                      \
-            /* Three queries per pass over the values of their common range. */                   \
-            for (int a = 0; a < count; a += 3) {                                                   \
-                int64_t from = INT64_MAX, to = -1;                                                 \
-                const T_ *weights[3];                                                              \
-                T_ *results[3];                                                                    \
-                for (int r = 0; r < 3; r++) {                                                      \
-                    int b = a + r < count ? a + r : a; /* a missing third repeats the first */   \
-                    results[r] = a + r < count ? out + (bh * queries + m0 + b) * value_dim : discard; \
-                    if (!band[b]) continue;                                                        \
-                    from = at[b] - band[b] + 1 < from ? at[b] - band[b] + 1 : from;                \
-                    to = at[b] > to ? at[b] : to;                                                  \
+            /* Three queries per pass over the values of their common range, VALUE_CHUNK keys at  \
+             * a time for every query of the block: a long band (full-attention rows) would       \
+             * otherwise stream its values from memory once per three queries and 32 columns.    \
+             * The results accumulate across chunks (zeroed above). */                             \
+            const T_ *values = v + (bh / heads) * layout[3] + (bh % heads) * layout[4];            \
+            for (int64_t k0 = lo; k0 <= hi; k0 += VALUE_CHUNK) {                                   \
+                int64_t k1 = k0 + VALUE_CHUNK - 1 < hi ? k0 + VALUE_CHUNK - 1 : hi;                \
+                for (int a = 0; a < count; a += 3) {                                               \
+                    int64_t from = INT64_MAX, to = -1;                                             \
+                    const T_ *weights[3];                                                          \
+                    T_ *results[3];                                                                \
+                    for (int r = 0; r < 3; r++) {                                                  \
+                        int b = a + r < count ? a + r : a; /* a missing third repeats the first */ \
+                        results[r] = a + r < count ? out + (bh * queries + m0 + b) * value_dim : discard; \
+                        if (!band[b]) continue;                                                    \
+                        from = at[b] - band[b] + 1 < from ? at[b] - band[b] + 1 : from;            \
+                        to = at[b] > to ? at[b] : to;                                              \
+                    }                                                                              \
+                    from = from > k0 ? from : k0;                                                  \
+                    to = to < k1 ? to : k1;                                                        \
+                    if (to < from) continue;                                                       \
+                    for (int r = 0; r < 3; r++)                                                    \
+                        weights[r] = scores + (a + r < count ? a + r : a) * span - base + from;    \
+                    weighted_rows3_##T_(weights, values + from * layout[5], layout[5], to - from + 1, \
+                                        value_dim, results);                                       \
                 }                                                                                  \
-                if (to < 0) continue;                                                              \
-                for (int r = 0; r < 3; r++)                                                        \
-                    weights[r] = scores + (a + r < count ? a + r : a) * span - base + from;        \
-                const T_ *values = v + (bh / heads) * layout[3] + (bh % heads) * layout[4];        \
-                weighted_rows3_##T_(weights, values + from * layout[5], layout[5], to - from + 1,  \
-                                    value_dim, results);                                           \
             }                                                                                      \
         }                                                                                          \
         free(scores);                                                                              \
