@@ -101,7 +101,10 @@ def full_attention_rows(
     length, value_dim = k.shape[2], v.shape[-1]
     native = _inference_kernels(q_rows, k, v, causal, mask)
     if native is not None:  # each row over its own prefix, where a chunk reads up to its last row
-        return _band_rows_native(native, q_rows, k, v, rows, valid, rows + 1, scale)
+        # Every value row is read by most rows' prefixes: a contiguous copy pays for itself (T=4096,
+        # 20% of rows, d=64: 22 + 1.7 ms against 27 ms through a head view's strides). The local
+        # rows' short windows keep the strides.
+        return _band_rows_native(native, q_rows, k, v.contiguous(), rows, valid, rows + 1, scale)
     if not causal:  # every row reads every key: the dense op with the rows as its queries
         out = full_attention(q_rows, k, v, mask=mask, causal=False, scale=scale)
         return out * valid[:, None, :, None].to(out.dtype), batch * heads * dense_attention_flops(
