@@ -412,7 +412,7 @@ def run_long(out_dir: Path, quick: bool) -> Path:
         for layer in meta_layers(models[name]):
             layer.eval_eta = 0.0
     seconds = _forward_seconds(models, {name: ids[name][:eval_len].view(1, eval_len) for name in models},
-                               repeats=3 if quick else 5)
+                               repeats=3 if quick else 9)
     full = measured[("full", None)]
     rows = []
     for (name, eta), metrics in measured.items():
