@@ -119,7 +119,8 @@ void linear_rows_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v, const i
     _Pragma("omp parallel num_threads(threads)")                                                   \
     {                                                                                              \
         T_ *state = malloc(sizeof(T_) * dim * value_dim), *norm = malloc(sizeof(T_) * dim);        \
-        T_ *key_block = malloc(sizeof(T_) * dim * LINEAR_CHUNK), *discard = malloc(sizeof(T_) * (dim + value_dim)); \
+        T_ *key_block = malloc(sizeof(T_) * dim * LINEAR_CHUNK);                                  \
+        T_ *discard = malloc(sizeof(T_) * value_dim); /* the missing rows' results */               \
         int64_t *list = malloc(sizeof(int64_t) * LINEAR_CHUNK);                                    \
         T_ scores[3][LINEAR_CHUNK];                                                                \
         _Pragma("omp for schedule(dynamic, 1)")                                                    \
