@@ -26,6 +26,7 @@
 
 #define BQ 6
 #define BV 16
+#define GROUPS ((BQ + 2) / 3) /* groups of three queries per block */
 #define VALUE_CHUNK 64 /* keys per pass of the value sums: 16 KB of values at e = 64 */
 
 /* tile[a][c] = Σ_d query[a·dim + d] · keys_at[d·BV + c] for the BQ queries of a block. */
@@ -127,31 +128,36 @@ void band_attend_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, const int64_t *
                 for (int64_t j = lo; j < first; j++) s[j] = 0;                                     \
                 for (int64_t j = at[a] + 1; j <= hi; j++) s[j] = 0;                                \
             }                                                                                      \
-            /* Three queries per pass over the values of their common range, VALUE_CHUNK keys at  \
-             * a time for every query of the block: a long band (full-attention rows) would       \
-             * otherwise stream its values from memory once per three queries and 32 columns.    \
-             * The results accumulate across chunks (zeroed above). */                             \
+            /* Three queries per pass over the values of their common range, VALUE_CHUNK keys at   \
+             * a time for every query of the block: a long band (full-attention rows) would        \
+             * otherwise stream its values from memory once per three queries and 32 columns.      \
+             * The results accumulate across chunks (zeroed above). A missing third query repeats  \
+             * the first into `discard`. */                                                        \
             const T_ *values = v + (bh / heads) * layout[3] + (bh % heads) * layout[4];            \
+            const T_ *weights[GROUPS][3];                                                          \
+            T_ *results[GROUPS][3];                                                                \
+            int64_t from[GROUPS], to[GROUPS];                                                      \
+            for (int g = 0; g < GROUPS; g++) {                                                     \
+                from[g] = INT64_MAX, to[g] = -1;                                                   \
+                for (int r = 0; r < 3; r++) {                                                      \
+                    int a = 3 * g + r < count ? 3 * g + r : 3 * g;                                 \
+                    weights[g][r] = scores + a * span - base;                                      \
+                    results[g][r] = 3 * g + r < count ? out + (bh * queries + m0 + a) * value_dim  \
+                                                      : discard;                                   \
+                    if (a >= count || !band[a]) continue;                                          \
+                    from[g] = at[a] - band[a] + 1 < from[g] ? at[a] - band[a] + 1 : from[g];       \
+                    to[g] = at[a] > to[g] ? at[a] : to[g];                                         \
+                }                                                                                  \
+            }                                                                                      \
             for (int64_t k0 = lo; k0 <= hi; k0 += VALUE_CHUNK) {                                   \
                 int64_t k1 = k0 + VALUE_CHUNK - 1 < hi ? k0 + VALUE_CHUNK - 1 : hi;                \
-                for (int a = 0; a < count; a += 3) {                                               \
-                    int64_t from = INT64_MAX, to = -1;                                             \
-                    const T_ *weights[3];                                                          \
-                    T_ *results[3];                                                                \
-                    for (int r = 0; r < 3; r++) {                                                  \
-                        int b = a + r < count ? a + r : a; /* a missing third repeats the first */ \
-                        results[r] = a + r < count ? out + (bh * queries + m0 + b) * value_dim : discard; \
-                        if (!band[b]) continue;                                                    \
-                        from = at[b] - band[b] + 1 < from ? at[b] - band[b] + 1 : from;            \
-                        to = at[b] > to ? at[b] : to;                                              \
-                    }                                                                              \
-                    from = from > k0 ? from : k0;                                                  \
-                    to = to < k1 ? to : k1;                                                        \
-                    if (to < from) continue;                                                       \
-                    for (int r = 0; r < 3; r++)                                                    \
-                        weights[r] = scores + (a + r < count ? a + r : a) * span - base + from;    \
-                    weighted_rows3_##T_(weights, values + from * layout[5], layout[5], to - from + 1, \
-                                        value_dim, results);                                       \
+                for (int g = 0; g < GROUPS; g++) {                                                 \
+                    int64_t first = from[g] > k0 ? from[g] : k0, last = to[g] < k1 ? to[g] : k1;   \
+                    if (last < first) continue;                                                    \
+                    const T_ *chunk[3] = {weights[g][0] + first, weights[g][1] + first,            \
+                                          weights[g][2] + first};                                  \
+                    weighted_rows3_##T_(chunk, values + first * layout[5], layout[5],              \
+                                        last - first + 1, value_dim, results[g]);                  \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
