@@ -6,7 +6,7 @@ from torch.distributions import Dirichlet, kl_divergence
 
 from routeformer.attention import build_attention
 from routeformer.attention.meta import EXPERTS
-from routeformer.attention.meta_router import cost_prior
+from routeformer.attention.meta_router import DEFAULT_POSITION_SCALE, cost_prior
 from routeformer.ops.full import full_attention_reference
 from routeformer.ops.linear import linear_attention_reference
 from routeformer.ops.local import local_attention_reference
@@ -161,10 +161,14 @@ def test_prior_free_ablation_has_no_prior_and_no_penalty():
     x = tokens()
     assert layer(x).aux_loss == 0
     positions = torch.arange(LENGTH).expand(2, -1)
-    increments = layer.router.increments(torch.nn.functional.gelu(layer.router.hidden(torch.cat([
-        layer.router.norm(x), x.norm(dim=-1, keepdim=True) / DIM ** 0.5,
-        (positions / (LENGTH - 1)).to(x.dtype)[..., None]], -1))))
-    torch.testing.assert_close(layer.router(x, positions), torch.nn.functional.softplus(increments) + 0.01)
+    # The position feature: position / position_scale (default), or the paper's position / (T - 1).
+    for scale, expected_scale in ((DEFAULT_POSITION_SCALE, DEFAULT_POSITION_SCALE), (None, LENGTH - 1)):
+        layer.router.position_scale = scale
+        increments = layer.router.increments(torch.nn.functional.gelu(layer.router.hidden(torch.cat([
+            layer.router.norm(x), x.norm(dim=-1, keepdim=True) / DIM ** 0.5,
+            (positions / expected_scale).to(x.dtype)[..., None]], -1))))
+        expected = torch.nn.functional.softplus(increments) + 0.01
+        torch.testing.assert_close(layer.router(x, positions), expected)
     with pytest.raises(ValueError, match="elbo_weight must be 0"):
         build_attention("meta", dim=DIM, heads=HEADS, prior="none")
 

@@ -122,7 +122,7 @@ def test_cache_errors():
     with pytest.raises(ValueError, match="use_cache=True"):
         model.generate(stream()[:, :3], 2, use_cache=True)
     assert model.generate(stream()[:, :3], 2).shape == (2, 5)  # falls back to re-reading
-    meta = build("meta", {"window": 4})  # position_scale=None: the paper's length-dependent feature
+    meta = build("meta", {"window": 4, "position_scale": None})  # the paper's length-dependent feature
     with pytest.raises(ValueError, match="position_scale"):
         meta(stream(), cache=DecodeCache())
     learned = build("full", {}, "learned")

@@ -10,6 +10,8 @@ layer executed for this call.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,12 +28,49 @@ class AttentionOutput:
     stats: dict[str, Tensor] = field(default_factory=dict)
 
 
+def keeps_contract(forward: Callable[..., AttentionOutput]) -> Callable[..., AttentionOutput]:
+    """Wrap a layer's `forward` with the parts of the contract no mechanism should re-implement:
+
+    - padded rows (mask False) may hold anything, NaN included: they are replaced by zeros before
+      the mechanism sees them. Masking downstream (scores, states, pooling) keeps padded keys out
+      of real rows, but only finite padded values make that exact: a masked weight 0 times a NaN
+      value is still NaN. `masked_fill`, not a multiplication, for the same reason; its gradient
+      into padded rows is exactly zero.
+    - T = 0 or B = 0: an empty output of the input's shape, zero aux_loss and zero flops (after the
+      usual validation), without running kernels that reshape by -1 or divide by the length.
+
+    `AttentionLayer.__init_subclass__` applies it to every subclass that defines `forward`, so a
+    new mechanism keeps these invariants the day it is registered.
+    """
+    if getattr(forward, "keeps_contract", False):
+        return forward
+
+    @functools.wraps(forward)
+    def forward_with_contract(self, x: Tensor, *, mask: Tensor | None = None,
+                              positions: Tensor | None = None, **extra) -> AttentionOutput:
+        if x.dim() == 3 and (x.shape[0] == 0 or x.shape[1] == 0):
+            self.check_inputs(x, mask, positions)
+            return self.empty_output(x)
+        if mask is not None and mask.dtype == torch.bool and mask.shape == x.shape[:2]:
+            x = x.masked_fill(~mask[..., None], 0.0)
+        return forward(self, x, mask=mask, positions=positions, **extra)
+
+    forward_with_contract.keeps_contract = True
+    return forward_with_contract
+
+
 class AttentionLayer(nn.Module):
     """Base class: validation, multi-head Q/K/V/O projections, optional rotary positions.
 
     Subclasses implement `attend(q, k, v, mask) -> (heads_out [B, H, T, d], flops)`; mechanisms
-    that need more (routers, extra tokens) override `forward` and reuse the helpers.
+    that need more (routers, extra tokens) override `forward` and reuse the helpers. Every
+    `forward` is wrapped by `keeps_contract` (padded rows zeroed, empty inputs answered).
     """
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "forward" in vars(cls):
+            cls.forward = keeps_contract(vars(cls)["forward"])
 
     def __init__(
         self, dim: int, heads: int, causal: bool = True, *, head_dim: int | None = None,
@@ -78,6 +117,11 @@ class AttentionLayer(nn.Module):
             )
         return mask, positions
 
+    def empty_output(self, x: Tensor) -> AttentionOutput:
+        """The output for an input with no tokens (T = 0 or B = 0): empty, connected to x."""
+        return AttentionOutput(out=x * 0.0, aux_loss=x.new_zeros(()),
+                               stats={"flops": torch.tensor(0.0)})
+
     def project_qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, T, D] -> q, k, v [B, H, T, d], rotary applied to q and k when enabled."""
         batch, length, _ = x.shape
@@ -102,6 +146,7 @@ class AttentionLayer(nn.Module):
         raise TypeError(f"{type(self).__name__} must define attend() or override forward()")
 
     # -- the contract ----------------------------------------------------------------------
+    @keeps_contract
     def forward(
         self, x: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None
     ) -> AttentionOutput:

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from routeformer.attention.base import AttentionLayer, AttentionOutput
-from routeformer.attention.meta_router import PRIOR_KINDS, BayesianRouter
+from routeformer.attention.meta_router import DEFAULT_POSITION_SCALE, PRIOR_KINDS, BayesianRouter
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
 from routeformer.ops.decode import (
@@ -84,6 +84,11 @@ def _masked_mean(values: Tensor, real: Tensor | None) -> Tensor:
     return values.mean() if real is None else (values * real).sum() / real.sum().clamp_min(1.0)
 
 
+def _at_least_fp32(t: Tensor) -> Tensor:
+    """t in fp32, or kept in fp64."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _check_eta(name: str, value: float | None) -> None:
     if value is not None and not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1] (a certainty threshold) or None; got {value!r}")
@@ -99,7 +104,8 @@ class MetaAttention(AttentionLayer):
         prior: str = "dirichlet", elbo_weight: float = 1.0, controller_hidden: int = 64,
         share_qkv: bool = False, sample_routing: bool = True, gate: str = "mean_entropy",
         eval_eta: float | None = None, train_eta: float | None = None, train_eta_start: float = 1.0,
-        eta_anneal_steps: int = 1000, position_scale: float | None = None, linear_chunk: int = 64,
+        eta_anneal_steps: int = 1000, position_scale: float | None = DEFAULT_POSITION_SCALE,
+        linear_chunk: int = 64,
         full_chunk: int = 256, **common,
     ) -> None:
         super().__init__(dim, heads, causal, **common)
@@ -244,7 +250,9 @@ class MetaAttention(AttentionLayer):
         self, x: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None
     ) -> AttentionOutput:
         mask, positions = self.check_inputs(x, mask, positions)
-        concentration = self.router(x, positions)  # [B, T, K]
+        # Routing runs in fp32 whatever the model's dtype: the Dirichlet sampler has no bf16/fp16
+        # kernel, and the KL's lgamma/digamma differences lose most of their digits in 8-11 bits.
+        concentration = _at_least_fp32(self.router(x, positions))  # [B, T, K]
         mean = concentration / concentration.sum(-1, keepdim=True)
         if self.training and self.sample_routing:
             weights = torch.distributions.Dirichlet(concentration).rsample()
@@ -262,6 +270,7 @@ class MetaAttention(AttentionLayer):
             straight_through = one_hot * (1.0 + weights - weights.detach())
             weights = torch.where(hard[..., None], straight_through, weights)
             routes = [~hard | (choice == i) for i in range(len(EXPERTS))]
+        weights = weights.to(x.dtype)  # the experts' outputs are mixed in the model's dtype
 
         out, flops, cache, rows_computed = x.new_zeros(x.shape), 0, {}, []
         for index in range(len(EXPERTS)):
@@ -270,17 +279,17 @@ class MetaAttention(AttentionLayer):
             flops += expert_flops
             rows_computed.append(computed)
 
-        kl = dirichlet_kl(concentration, self.router.prior.to(x.dtype))
-        real = None if mask is None else mask.to(x.dtype)
-        aux_loss = self.elbo_weight * _masked_mean(kl, real) if self.elbo_weight else x.new_zeros(())
+        kl = dirichlet_kl(concentration, self.router.prior.to(concentration.dtype))
+        real = None if mask is None else mask.to(concentration.dtype)
+        aux_loss = self.elbo_weight * _masked_mean(kl, real) if self.elbo_weight else kl.new_zeros(())
         stats = self._stats(concentration, mean, kl, hard, real, flops, rows_computed, eta, x)
         return AttentionOutput(out=out, aux_loss=aux_loss, stats=stats)
 
     # -- cached decoding ---------------------------------------------------------------------
     @property
     def supports_cache(self) -> bool:
-        # The paper's position feature pos / (T - 1) changes every token's routing as T grows, so
-        # only a fixed `position_scale` can be decoded incrementally.
+        # The paper's position feature pos / (T - 1) (position_scale=None) changes every token's
+        # routing as T grows, so only a fixed `position_scale` (the default) can be decoded.
         return self.router.position_scale is not None
 
     def decode(self, x: Tensor, *, positions: Tensor, cache: dict, meta_mask: Tensor | None = None) -> Tensor:
@@ -288,18 +297,20 @@ class MetaAttention(AttentionLayer):
         weights, hard routing by `eval_eta`. Every expert advances its cache on every token (later
         tokens may route to it) — keys/values for full, the window's last keys for local, the
         running state for linear — so a hard-routed token skips only the unchosen experts' outputs.
-        Needs `position_scale`: the default pos / (T - 1) feature depends on the final length."""
+        Needs a fixed `position_scale` (the default): the paper's pos / (T - 1) feature
+        (position_scale=None) depends on the final length."""
         if not self.supports_cache:
-            raise ValueError("meta: cached decoding needs position_scale (e.g. the training length); the "
-                             "default position feature pos / (T - 1) changes with every new token")
+            raise ValueError("meta: cached decoding needs a fixed position_scale (the default); with "
+                             "position_scale=None the feature pos / (T - 1) changes with every new token")
         self.check_decode(x, positions)
         start = cache.get("length", 0)
-        concentration = self.router(x, positions)
+        concentration = _at_least_fp32(self.router(x, positions))  # as in forward
         weights = concentration / concentration.sum(-1, keepdim=True)
         if self.eval_eta is not None:
             hard = self.certainty(concentration) >= self.eval_eta
             one_hot = F.one_hot(weights.argmax(-1), len(EXPERTS)).to(weights.dtype)
             weights = torch.where(hard[..., None], one_hot, weights)
+        weights = weights.to(x.dtype)
         out, keys_values = x.new_zeros(x.shape), {}
         for index, name in enumerate(EXPERTS):
             k, v = self._keys_values(index, x, positions, keys_values)

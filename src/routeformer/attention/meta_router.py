@@ -9,10 +9,13 @@ which expert attends for each token.
 With `prior="none"` (the prior-free ablation) β̂_t = ε + δ(x_t): the floor ε keeps the Dirichlet
 proper, and nothing pulls it toward the cost prior.
 
-`pos_t` is the paper's linspace(0, 1, T) — position / (T − 1) — unless `position_scale` is given,
-then position / position_scale. The paper's form depends on the sequence length (never on other
-tokens' content, so causality holds), which means a token routes differently when the same text is
-cut at a different length; a fixed scale does not.
+`pos_t` is position / `position_scale` (default 1024: a fixed scale, so a token's routing depends on
+its position only, never on the length of the sequence it sits in). `position_scale=None` is the
+paper's linspace(0, 1, T) — position / (T − 1) — which depends on the (padded) sequence length: a
+token then routes differently when the same text is cut at a different length or padded, so
+training, evaluation at another length and token-by-token decoding compute different functions.
+That form is kept for reproducing the paper only; the layer contract's prefix and padding
+invariants (DESIGN.md) hold with a fixed scale.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 PRIOR_KINDS = ("dirichlet", "none")
+DEFAULT_POSITION_SCALE = 1024.0
 
 
 def cost_prior(costs: Sequence[float], beta0: float, eps: float) -> Tensor:
@@ -51,7 +55,7 @@ class BayesianRouter(nn.Module):
 
     def __init__(
         self, dim: int, costs: Sequence[float], *, beta0: float = 1.0, eps: float = 0.01,
-        hidden: int = 64, prior: str = "dirichlet", position_scale: float | None = None,
+        hidden: int = 64, prior: str = "dirichlet", position_scale: float | None = DEFAULT_POSITION_SCALE,
     ) -> None:
         super().__init__()
         if prior not in PRIOR_KINDS:
@@ -68,7 +72,8 @@ class BayesianRouter(nn.Module):
         dim, length = x.shape[-1], x.shape[1]
         salience = x.norm(dim=-1, keepdim=True) / math.sqrt(dim)
         scale = float(max(length - 1, 1)) if self.position_scale is None else self.position_scale
-        position = (positions.to(x.dtype) / scale)[..., None]
+        # Divide in fp32 at least: bf16 holds integers exactly only up to 256.
+        position = (positions.to(torch.promote_types(x.dtype, torch.float32)) / scale).to(x.dtype)[..., None]
         features = torch.cat([self.norm(x), salience, position], dim=-1)
         delta = F.softplus(self.increments(F.gelu(self.hidden(features))))
         base = self.prior.to(x.dtype) if self.use_prior else x.new_full((1,), self.eps)

@@ -125,8 +125,10 @@ def _rounded(values: torch.Tensor) -> list[float]:
 
 def ablation_variants() -> dict[str, tuple[str, dict[str, Any]]]:
     return {
-        "bayesian": ("meta", {"window": ABLATION_WINDOW}),
-        "prior-free": ("meta", {"window": ABLATION_WINDOW, "prior": "none", "elbo_weight": 0.0}),
+        # position_scale=None: the preprint's position feature pos / (T - 1), as the paper trains it.
+        "bayesian": ("meta", {"window": ABLATION_WINDOW, "position_scale": None}),
+        "prior-free": ("meta", {"window": ABLATION_WINDOW, "prior": "none", "elbo_weight": 0.0,
+                               "position_scale": None}),
         "full": ("full", {}),
     }
 
