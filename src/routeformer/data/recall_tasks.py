@@ -1,7 +1,8 @@
 """The synthetic recall tasks of "Language Modeling with Learned Meta-Tokens" (Shah et al., 2025):
 List Recall, Segment Counting, Parity and Copying, seeded, with disjoint train/test streams.
 
-Every task is a sequence of `segments` segments followed by `queries` questions; with `meta=True`
+Every task is a sequence of `segments` segments followed by `queries` distinct questions (never the
+same question twice: its answer would be visible the second time); with `meta=True`
 a meta-token `_PAUSE_` (written P) closes every segment — the task-specific injection at segment
 boundaries. Segment names K come from a pool of 32 (distinct within a sequence), so a longer
 sequence (more segments: the length-generalisation test) uses no token unseen in training.
@@ -62,6 +63,17 @@ class RecallTask:
         if self.segment_length >= NUMBERS:
             raise ValueError(f"segment_length must be < {NUMBERS} (counts are number tokens); "
                              f"got {self.segment_length}")
+        if self.name != "copying" and self.queries > self.distinct_questions:
+            raise ValueError(f"queries must be <= {self.distinct_questions}, the distinct questions of "
+                             f"{self.name} with {self.segments} segments (no question is asked twice); "
+                             f"got {self.queries}")
+
+    @property
+    def distinct_questions(self) -> int:
+        """How many different questions one sequence can ask."""
+        per_segment = {"list_recall": self.segment_length, "segment_counting": COUNTING_SYMBOLS,
+                       "parity": 1, "copying": 1}[self.name]
+        return self.segments * per_segment
 
     def scaled(self, factor: float) -> RecallTask:
         """The same task with round(factor · segments) segments (longer sequences)."""
@@ -131,15 +143,17 @@ def _sequence(task: RecallTask, rng: random.Random) -> tuple[list[int], list[boo
             items = [ITEM_BASE + rng.randrange(symbols) for _ in range(n)]
         contents.append(items)
         emit([KEY_BASE + key, OPEN, *items, CLOSE, *pause])
-    for _ in range(task.queries):
-        segment = rng.randrange(task.segments)
+    # Distinct questions: a repeated question's answer would already be visible (teacher forcing).
+    arity = {"list_recall": n, "segment_counting": COUNTING_SYMBOLS, "parity": 1}[task.name]
+    for question in rng.sample(range(task.segments * arity), task.queries):
+        segment, detail = divmod(question, arity)
         items, key = contents[segment], KEY_BASE + keys[segment]
         if task.name == "list_recall":
-            index = rng.randrange(n)
+            index = detail
             emit([QUERY, key, NUMBER_BASE + index, ANSWER])
             emit([items[index]], is_answer=True)
         elif task.name == "segment_counting":
-            symbol = ITEM_BASE + rng.randrange(COUNTING_SYMBOLS)
+            symbol = ITEM_BASE + detail
             emit([QUERY, key, symbol, ANSWER])
             emit([NUMBER_BASE + items.count(symbol)], is_answer=True)
         else:

@@ -1,7 +1,7 @@
 """Transformer backbone, task heads and their config."""
 
 from routeformer.models.config import ModelConfig
-from routeformer.models.heads import IGNORE_INDEX, CausalLM, ModelOutput, SequenceClassifier
+from routeformer.models.heads import IGNORE_INDEX, CausalLM, ModelOutput, SequenceClassifier, TokenPredictor
 from routeformer.models.transformer import BackboneOutput, Transformer
 
 __all__ = [
@@ -11,5 +11,6 @@ __all__ = [
     "ModelConfig",
     "ModelOutput",
     "SequenceClassifier",
+    "TokenPredictor",
     "Transformer",
 ]

@@ -30,13 +30,13 @@ class ModelOutput:
         return self.loss + self.aux_loss
 
 
-class CausalLM(nn.Module):
-    """Next-token language model with tied input/output embeddings."""
+class TokenPredictor(nn.Module):
+    """A token at every position, from the backbone's hidden state there (tied embeddings by
+    default). Causal: a next-token LM (`CausalLM` adds generation). Bidirectional: each position
+    reads the whole sequence — tasks such as ListOps ask their question at one position."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        if not config.causal:
-            raise ValueError("CausalLM needs model.causal = True")
         self.config = config
         self.backbone = Transformer(config)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
@@ -72,6 +72,15 @@ class CausalLM(nn.Module):
                 logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX
             )
         return ModelOutput(logits, loss, result.aux_loss, result.stats)
+
+
+class CausalLM(TokenPredictor):
+    """Next-token language model with tied input/output embeddings."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        if not config.causal:
+            raise ValueError("CausalLM needs model.causal = True")
+        super().__init__(config)
 
     @torch.no_grad()
     def generate(

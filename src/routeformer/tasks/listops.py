@@ -1,0 +1,158 @@
+"""ListOps (Long Range Arena's grammar, `data/listops.py`) as a bidirectional task.
+
+A sequence is `?` followed by the expression in prefix form, right-padded to `seq_len`; the label
+at position 0 (the `?`) is the expression's value as a digit token, every other label is -100.
+The model reads the whole sequence (non-causal) and answers at `?`.
+
+Like LRA, the task is a fixed pool of expressions (`pool` of them, drawn once per process for
+given options and cached), so batches cost an index and a copy, not a Python tree walk. Pool
+entries are assigned to splits by the hash of their tokens (identical expressions always land in
+the same split).
+
+`chance` is the accuracy of the training pool's majority value; the shortcut rules ignore the
+nesting ListOps is meant to test: the majority value given the outermost operator, and the
+outermost operator applied to every digit (flat) or to its direct digit arguments only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from routeformer.data.listops import (
+    CLOSE,
+    DIGIT_BASE,
+    OPERATOR_BASE,
+    OPERATORS,
+    PAD,
+    VOCAB_SIZE,
+    ListOpsConfig,
+    generate_listops,
+)
+from routeformer.ops._checks import check_positive
+from routeformer.tasks.base import IGNORE_INDEX, Rule, Task
+from routeformer.tasks.registry import register_task
+from routeformer.tasks.splits import SPLITS, keep_split
+
+QUESTION = VOCAB_SIZE + 1  # after the reserved _PAUSE_ id (VOCAB_SIZE)
+
+
+def _apply(operator: int, values: list[int]) -> int:
+    name = OPERATORS[operator - OPERATOR_BASE]
+    values = sorted(values)
+    if name == "MAX":
+        return values[-1]
+    if name == "MIN":
+        return values[0]
+    if name == "SM":
+        return sum(values) % 10
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else int((values[middle - 1] + values[middle]) / 2)
+
+
+@lru_cache(maxsize=8)
+def _pool(config: ListOpsConfig, pool: int, seq_len: int) -> dict[str, tuple[Tensor, Tensor]]:
+    """The pool as padded (inputs, labels) per split."""
+    examples = generate_listops(pool, config, seed=0)
+    inputs = torch.full((pool, seq_len), PAD, dtype=torch.long)
+    labels = torch.full((pool, seq_len), IGNORE_INDEX, dtype=torch.long)
+    for row, (tokens, value) in enumerate(examples):
+        inputs[row, 0] = QUESTION
+        inputs[row, 1:len(tokens) + 1] = torch.tensor(tokens)
+        labels[row, 0] = DIGIT_BASE + value
+    return {split: (inputs[keep], labels[keep])
+            for split in SPLITS for keep in [keep_split(inputs, split)]}
+
+
+@register_task("listops")
+class ListOps(Task):
+    causal = False
+    pad_id = PAD
+
+    def __init__(self, seq_len: int = 64, min_length: int = 8, max_length: int = 63, max_depth: int = 3,
+                 max_args: int = 5, operator_probability: float = 0.3, pool: int = 20000) -> None:
+        check_positive("seq_len", seq_len)
+        check_positive("pool", pool)
+        if max_length > seq_len - 1:
+            raise ValueError(f"max_length must be <= seq_len - 1 = {seq_len - 1} (one slot is the question "
+                             f"token); got {max_length}")
+        self.config = ListOpsConfig(min_length=min_length, max_length=max_length, max_depth=max_depth,
+                                    max_args=max_args, operator_probability=operator_probability)
+        self.seq_len, self.pool_size, self.name = seq_len, pool, "listops"
+        self.vocab_size = QUESTION + 1
+
+    def options(self) -> dict[str, Any]:
+        c = self.config
+        return {"seq_len": self.seq_len, "min_length": c.min_length, "max_length": c.max_length,
+                "max_depth": c.max_depth, "max_args": c.max_args,
+                "operator_probability": c.operator_probability, "pool": self.pool_size}
+
+    def split_pool(self, split: str) -> tuple[Tensor, Tensor]:
+        return _pool(self.config, self.pool_size, self.seq_len)[split]
+
+    def generate(self, count: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        raise TypeError("ListOps draws from its per-split pools (batch), not by hashing fresh sequences")
+
+    def batch(
+        self, batch_size: int, generator: torch.Generator, split: str = "train",
+    ) -> tuple[Tensor, Tensor]:
+        if not isinstance(batch_size, int) or batch_size < 0:
+            raise ValueError(f"batch_size must be a non-negative integer; got {batch_size!r}")
+        inputs, labels = self.split_pool(split)
+        index = torch.randint(0, inputs.shape[0], (batch_size,), generator=generator)
+        return inputs[index], labels[index]
+
+    def fixed_sample(self, split: str, sequences: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+        """The first `sequences` pool entries of the split (each once; all of them, if fewer)."""
+        inputs, labels = self.split_pool(split)
+        return inputs[:sequences], labels[:sequences]
+
+    def _majority(self) -> int:
+        labels = self.split_pool("train")[1][:, 0]
+        return int(torch.bincount(labels).argmax())
+
+    @property
+    def chance(self) -> float:
+        labels = self.fixed_sample("test", 10**9)[1][:, 0]
+        return float((labels == self._majority()).float().mean())
+
+    def rules(self) -> dict[str, Rule]:
+        def per_row(answer) -> Rule:
+            def rule(inputs: Tensor, labels: Tensor) -> Tensor:
+                predictions = torch.full_like(inputs, IGNORE_INDEX)
+                predictions[:, 0] = torch.tensor([answer(row) for row in inputs.tolist()], dtype=torch.long)
+                return predictions
+            return rule
+
+        train_inputs, train_labels = self.split_pool("train")
+        by_operator: dict[int, Counter] = {}
+        for operator, label in zip(train_inputs[:, 1].tolist(), train_labels[:, 0].tolist(), strict=True):
+            by_operator.setdefault(operator, Counter())[label] += 1
+        majority = self._majority()
+
+        def first_operator(row: list[int]) -> int:
+            counts = by_operator.get(row[1])
+            return counts.most_common(1)[0][0] if counts else majority
+
+        def flat(row: list[int]) -> int:
+            digits = [t - DIGIT_BASE for t in row if DIGIT_BASE <= t < OPERATOR_BASE]
+            return DIGIT_BASE + _apply(row[1], digits)
+
+        def direct_digits(row: list[int]) -> int:
+            depth, digits = 0, []
+            for token in row[2:]:
+                if OPERATOR_BASE <= token < CLOSE:
+                    depth += 1
+                elif token == CLOSE:
+                    depth -= 1
+                elif DIGIT_BASE <= token < OPERATOR_BASE and depth == 0:
+                    digits.append(token - DIGIT_BASE)
+            return DIGIT_BASE + (_apply(row[1], digits) if digits else majority - DIGIT_BASE)
+
+        return {"majority given the outer operator": per_row(first_operator),
+                "outer operator on all digits (flat)": per_row(flat),
+                "outer operator on its direct digits": per_row(direct_digits)}

@@ -1,0 +1,98 @@
+"""Character-level language modelling as a task: `build_task("lm", corpus="pydoc", seq_len=128)`.
+
+Train batches are random windows of the corpus's training text. The corpus's held-out text is
+cut in two: its first half is the validation split, its second half the test split (choose on one,
+report on the other). The metric is bits per character (lower is better).
+
+`chance` is the input-blind uniform guess, log2(V) bits; the baselines are n-gram models fitted on
+the training text (add-one smoothing), which ignore everything but the last n-1 characters: what
+attention is for.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from routeformer.data.batches import random_batch
+from routeformer.data.corpora import load_corpus
+from routeformer.data.vocab import CharVocab
+from routeformer.ops._checks import check_positive
+from routeformer.tasks.base import Task
+from routeformer.tasks.registry import register_task
+from routeformer.tasks.splits import check_split
+
+
+@lru_cache(maxsize=4)
+def _encoded(corpus: str) -> tuple[str, CharVocab, Tensor, Tensor, Tensor]:
+    """(corpus name, vocabulary, train ids, validation ids, test ids), loaded once per process."""
+    text = load_corpus(corpus)
+    vocab = CharVocab.from_text(text.train)
+    held_out = vocab.encode(text.val)
+    half = len(held_out) // 2
+    return text.name, vocab, vocab.encode(text.train), held_out[:half], held_out[half:]
+
+
+@register_task("lm")
+class CharLM(Task):
+    causal = True
+    metric = "bits_per_char"
+    higher_is_better = False
+
+    def __init__(self, corpus: str = "pydoc", seq_len: int = 128) -> None:
+        check_positive("seq_len", seq_len)
+        self.corpus, self.seq_len, self.name = corpus, seq_len, "lm"
+        self.corpus_name, self.vocab, *self._ids = _encoded(corpus)
+        self.vocab_size = len(self.vocab)
+        for split, ids in zip(("train", "validation", "test"), self._ids, strict=True):
+            if len(ids) < seq_len + 1:
+                raise ValueError(f"seq_len={seq_len} is longer than the {split} text of corpus "
+                                 f"{corpus!r} ({len(ids)} characters)")
+
+    def options(self) -> dict[str, Any]:
+        return {"corpus": self.corpus, "seq_len": self.seq_len}
+
+    def ids(self, split: str) -> Tensor:
+        return self._ids[("train", "validation", "test").index(check_split(split))]
+
+    def generate(self, count: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        raise TypeError("CharLM draws windows per split (batch / fixed_sample), not by hashing")
+
+    def batch(
+        self, batch_size: int, generator: torch.Generator, split: str = "train",
+    ) -> tuple[Tensor, Tensor]:
+        """Random windows of the split's text (the splits are disjoint stretches of the corpus)."""
+        if not isinstance(batch_size, int) or batch_size < 0:
+            raise ValueError(f"batch_size must be a non-negative integer; got {batch_size!r}")
+        return random_batch(self.ids(split), batch_size, self.seq_len, generator)
+
+    def fixed_sample(self, split: str, sequences: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+        """The first `sequences` non-overlapping windows of the split (all it has, if fewer)."""
+        ids = self.ids(split)
+        count = min(sequences, (len(ids) - 1) // self.seq_len)
+        usable = count * self.seq_len
+        return ids[:usable].view(count, self.seq_len), ids[1:usable + 1].view(count, self.seq_len)
+
+    @property
+    def chance(self) -> float:
+        return math.log2(self.vocab_size)
+
+    def baselines(self, sequences: int = 0) -> dict[str, float]:
+        """Bits per character of unigram and bigram models (fitted on train) on the test split."""
+        train, test = self.ids("train"), self.ids("test")
+        size = self.vocab_size
+        unigram = torch.bincount(train, minlength=size).double() + 1
+        unigram_bits = -(unigram / unigram.sum()).log2()[test[1:]].mean()
+        pair_ids = train[:-1] * size + train[1:]
+        pairs = torch.bincount(pair_ids, minlength=size * size).double().view(size, size) + 1
+        bigram = pairs / pairs.sum(1, keepdim=True)
+        bigram_bits = -bigram[test[:-1], test[1:]].log2().mean()
+        return {"unigram (bits/char)": float(unigram_bits), "bigram (bits/char)": float(bigram_bits)}
+
+    def floor(self) -> float:
+        """The number a model must beat (bits/char): the best n-gram baseline."""
+        return min([self.chance, *self.baselines().values()])

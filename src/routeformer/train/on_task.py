@@ -1,0 +1,109 @@
+"""Train and evaluate one mechanism on one `routeformer.tasks` task: the unit every comparison
+(compare, mqar-sweep, the paper experiments) is made of.
+
+The model is a `TokenPredictor` (causal for causal tasks, bidirectional otherwise) whose layers
+all run `mechanism`; batches come from `task.batch(..., split="train")` with a generator seeded
+by `seed` only, so every mechanism trained with the same seed sees the same tokens. Validation
+sequences are evaluated during training (for choosing setups); the record's `test` entry is
+measured once, after training, on a fixed test sample.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from routeformer.models.config import ModelConfig
+from routeformer.models.heads import TokenPredictor
+from routeformer.tasks.base import IGNORE_INDEX, Task
+from routeformer.train.task_loop import TaskTrainConfig, layer_stat, train_task
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The backbone every mechanism gets on a task (only the attention differs)."""
+    dim: int = 64
+    depth: int = 2
+    heads: int = 2
+    mlp_ratio: float = 2.0
+    positions: str = "learned"
+
+
+def build_task_model(task: Task, mechanism: str, options: dict[str, Any], spec: ModelSpec) -> TokenPredictor:
+    config = ModelConfig(vocab_size=task.vocab_size, dim=spec.dim, depth=spec.depth, heads=spec.heads,
+                         mlp_ratio=spec.mlp_ratio, attention=mechanism,
+                         attention_options={mechanism: options} if options else {},
+                         positions=spec.positions, max_seq_len=task.seq_len, causal=task.causal,
+                         tie_embeddings=False)
+    return TokenPredictor(config)
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def evaluate_on_task(model: TokenPredictor, task: Task, split: str, sequences: int,
+                     batch_size: int = 256) -> dict[str, float]:
+    """The task's metric on a fixed sample of `split` (accuracy at the asked positions, or bits per
+    token for LM tasks), the mean loss in nats, and the attention FLOPs executed per token."""
+    was_training = model.training
+    model.eval()
+    inputs, labels = task.fixed_sample(split, sequences)
+    correct = asked = 0
+    nats = flops = 0.0
+    recalls = []
+    for start in range(0, inputs.shape[0], batch_size):
+        chunk_inputs, chunk_labels = inputs[start:start + batch_size], labels[start:start + batch_size]
+        result = model(chunk_inputs, chunk_labels, mask=task.mask(chunk_inputs), logits_at_labels=True)
+        targets = chunk_labels[chunk_labels != IGNORE_INDEX]
+        correct += int((result.logits.argmax(-1) == targets).sum())
+        nats += float(torch.nn.functional.cross_entropy(result.logits.float(), targets, reduction="sum"))
+        asked += targets.numel()
+        flops += sum(float(layer["flops"]) for layer in result.stats)
+        recall = layer_stat(result.stats, "routing_recall")
+        if recall is not None:
+            recalls.append(recall)
+    model.train(was_training)
+    record = {"loss": nats / asked, "accuracy": correct / asked,
+              "attention_flops_per_token": flops / inputs.numel()}
+    if task.metric != "accuracy":
+        record[task.metric] = record["loss"] / math.log(2)
+    if recalls:
+        record["routing_recall"] = sum(recalls) / len(recalls)
+    return record
+
+
+def train_on_task(
+    task: Task, mechanism: str, options: dict[str, Any], *, seed: int, train: TaskTrainConfig,
+    spec: ModelSpec = ModelSpec(), validation_sequences: int = 256, test_sequences: int = 1024,
+    log: Callable[[str], None] | None = None,
+    after_training: Callable[[TokenPredictor], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Train a fresh model (initialised from `seed`) and return a JSON-ready record: the
+    validation history, `test` (the task's metric on the test sample), parameter count, wall-clock."""
+    if train.seed != seed:
+        raise ValueError(f"train.seed ({train.seed}) must equal seed ({seed})")
+    torch.manual_seed(seed)
+    model = build_task_model(task, mechanism, options, spec)
+
+    def forward(model, inputs, labels):
+        return model(inputs, labels, mask=task.mask(inputs), logits_at_labels=True)
+
+    history = train_task(
+        model, lambda batch_size, generator: task.batch(batch_size, generator, "train"),
+        lambda m: evaluate_on_task(m, task, "validation", validation_sequences), train,
+        forward=forward, log=log)
+    test = evaluate_on_task(model, task, "test", test_sequences)
+    record = {"task": task.describe(), "mechanism": mechanism, "options": options, "seed": seed,
+              "model": asdict(spec), "train": asdict(train), "parameters": parameter_count(model),
+              "validation": history.evals, "test": test, "quality": test[task.metric],
+              "attention_flops_per_token": test["attention_flops_per_token"],
+              "train_seconds": history.train_seconds}
+    if after_training is not None:
+        record.update(after_training(model))
+    return record
