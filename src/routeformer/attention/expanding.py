@@ -57,8 +57,9 @@ class ExpandingAttention(AttentionLayer):
 
     def prior(self) -> tuple[Tensor, Tensor]:
         """The per-head Beta concentrations (α, β), positive by construction."""
-        return (F.softplus(self.alpha_raw) + _CONCENTRATION_FLOOR,
-                F.softplus(self.beta_raw) + _CONCENTRATION_FLOOR)
+        # In fp32 whatever the model's dtype: the floor (1e-4) and the inference's counts need it.
+        return (F.softplus(self.alpha_raw.float()) + _CONCENTRATION_FLOOR,
+                F.softplus(self.beta_raw.float()) + _CONCENTRATION_FLOOR)
 
     def forward(
         self, x: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None

@@ -42,7 +42,7 @@ Reference: dense T×T scores, the same iterations with an explicit horizon mask.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -98,9 +98,17 @@ def _log_decay(alpha: Tensor, beta: Tensor) -> Tensor:
     return torch.log(beta) - torch.log(alpha + beta)
 
 
-def _context(positions: Tensor, length: int, causal: bool) -> Tensor:
-    """Largest useful horizon per query: every key it may read lies at distance < context."""
-    return positions + 1 if causal else torch.maximum(positions, length - 1 - positions) + 1
+def _context(valid: Tensor, causal: bool) -> Tensor:
+    """Largest useful horizon per query, long [B, T]: every real key it may read lies at distance
+    < context. Measured from the sequence's first real token (causal) and to its last one
+    (non-causal), so padding on either side changes no real query's horizon nor its stopping
+    rule: a padded sequence runs as it would alone. At least 1 (padded queries included)."""
+    length = valid.shape[1]
+    positions = torch.arange(length, device=valid.device)
+    first = valid.long().argmax(dim=1, keepdim=True)  # 0 for a sequence with no real token
+    last = length - 1 - valid.flip(1).long().argmax(dim=1, keepdim=True)
+    context = positions - first + 1 if causal else torch.maximum(positions - first, last - positions) + 1
+    return context.clamp(min=1)
 
 
 def _stop_now(step: int, max_iters: int, horizon: Tensor, previous: Tensor, context: Tensor) -> Tensor:
@@ -434,6 +442,15 @@ def expanding_attention(
     # docs/results/structural.md).
     if native is not None and q.dtype == k.dtype == v.dtype:
         return _expanding_native(native, q, k, v, alpha, beta, tol, max_iters, scale)
+    compute_dtype = torch.promote_types(q.dtype, torch.float32)
+    if q.dtype != compute_dtype:
+        # bf16/fp16 run in fp32 (autograd casts the gradients back): the band's distances and
+        # horizons are not exact in bf16 beyond 256, the δ·log(1 - q) prior loses the scores'
+        # digits, and the exclusion penalty overflows fp16. Memory: fp32 copies of q, k, v, O(T·d).
+        result = expanding_attention(
+            q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype), alpha, beta, tol=tol,
+            max_iters=max_iters, mask=mask, causal=causal, scale=scale, block=block)
+        return replace(result, out=result.out.to(q.dtype))
     block = min(block, length)  # a block longer than the sequence would only score padding
     blocks = -(-length // block)
     pad = blocks * block - length
@@ -445,7 +462,7 @@ def expanding_attention(
     rings = _Rings(q.detach(), k.detach(), valid, block, causal, check_keys=masked or not causal, scale=scale)
     shape = (rings.rows, block)
     positions = torch.arange(blocks * block, device=q.device)
-    context = _context(positions, length, causal).view(1, 1, -1).expand(batch, heads, -1).reshape(shape)
+    context = _context(valid, causal)[:, None, :].expand(batch, heads, -1).reshape(shape)
     is_query = (positions < length).view(1, 1, -1).expand(batch, heads, -1).reshape(shape)
     stats_dtype = torch.promote_types(q.dtype, torch.float32)
 
@@ -516,7 +533,8 @@ def expanding_attention_reference(
     key_valid = torch.ones(batch, 1, 1, length, dtype=torch.bool, device=q.device)
     if mask is not None:
         key_valid = mask[:, None, None, :]
-    context = _context(positions, length, causal).expand(batch, heads, length)
+    context = _context(key_valid[:, 0, 0, :].expand(batch, length), causal)[:, None, :].expand(
+        batch, heads, length)
     scores = q @ k.transpose(-1, -2)
     alpha_start = alpha.view(1, heads, 1).expand(batch, heads, length)
     beta_start = beta.view(1, heads, 1).expand(batch, heads, length)
