@@ -12,6 +12,6 @@ from routeformer.tasks.registry import build_task, list_tasks, register_task
 from routeformer.tasks.splits import SPLITS, split_of
 
 # Importing the modules registers the built-in tasks.
-from routeformer.tasks import listops, lm, mqar, recall  # noqa: E402,F401  isort: skip
+from routeformer.tasks import listops, lm, mqar, previous_token, recall  # noqa: E402,F401  isort: skip
 
 __all__ = ["IGNORE_INDEX", "SPLITS", "Task", "build_task", "list_tasks", "register_task", "split_of"]
