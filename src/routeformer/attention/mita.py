@@ -14,11 +14,27 @@ A preset overrides the `topk` / `shared` arguments it sets.
 `landmarks`, `topk` and `route` may be changed at inference without retraining (`set_budget`):
 the layer has no parameter whose shape depends on them.
 
+Causal builds stream: the sequence is cut into blocks of `block` tokens (default
+`ops.mita.DEFAULT_BLOCK` = 64, fixed at construction, whatever the input length); a landmark is the
+mean query of a completed block, and `landmarks` caps how many of the most recent completed blocks
+a query reads (their landmarks and experts). So `layer(x[:, :t]).out == layer(x).out[:, :t]`, and
+generating token by token computes what training computed. Options larger than the input keep
+their streaming meaning and are not clamped: `block` > T makes the input one block (exact causal
+attention), `landmarks` > completed blocks reads all of them, `topk` > the keys before a block
+leaves its expert partly empty. Bidirectional builds have no `block` (passing one raises); there
+`topk` > T gives experts that hold every key and `landmarks` > T windows of one token (some
+repeated) — both warn once per layer, since the budget then buys nothing.
+
+Padding: padded tokens take no place in the layout (windows and blocks count real tokens only), are
+never pooled into a landmark, never routed to and never in the shared expert.
+
 stats: `flops` (executed), `flops_vs_full` (against dense attention over the same N),
 `expert_load_max` (the busiest expert's share of routed queries times E: 1 = perfectly balanced).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import Tensor
@@ -27,7 +43,7 @@ from routeformer.attention.base import AttentionLayer, AttentionOutput
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
 from routeformer.ops.flops import dense_attention_flops
-from routeformer.ops.mita import DEFAULT_PACK, check_mita_args, mita_attention
+from routeformer.ops.mita import DEFAULT_BLOCK, DEFAULT_PACK, check_mita_args, mita_attention
 
 PRESETS: dict[str, dict[str, object]] = {
     "mita": {},
@@ -40,16 +56,18 @@ PRESETS: dict[str, dict[str, object]] = {
 class MitaAttention(AttentionLayer):
     """MiTA attention with E `landmarks`, `topk` keys per expert and `route` experts per query.
 
-    Vision inputs: `grid=(h, w)` pools the landmarks in 2-D over the token grid, and
-    `extra_tokens` leading tokens (a CLS token) are left out of the pooling. `pack` is the number
-    of queries per packed block of one expert (a speed knob; results do not depend on it).
+    Causal: `block` tokens per landmark (default DEFAULT_BLOCK), `landmarks` = how many of the most
+    recent completed blocks a query reads. Vision inputs: `grid=(h, w)` pools the landmarks in 2-D
+    over the token grid, and `extra_tokens` leading tokens (a CLS token) are left out of the
+    pooling. `pack` is the number of queries per packed block of one expert (a speed knob; results
+    do not depend on it).
     """
 
     def __init__(
         self, dim: int, heads: int, causal: bool = True, *, landmarks: int = 25, topk: int = 25,
         route: int = 1, shared: bool = True, preset: str = "mita",
         grid: tuple[int, int] | list[int] | None = None, extra_tokens: int = 0,
-        pack: int = DEFAULT_PACK, **common,
+        pack: int = DEFAULT_PACK, block: int | None = None, **common,
     ) -> None:
         super().__init__(dim, heads, causal, **common)
         if preset not in PRESETS:
@@ -59,6 +77,11 @@ class MitaAttention(AttentionLayer):
         self.preset, self.pack = preset, pack
         self.grid = None if grid is None else tuple(grid)
         self.extra_tokens = extra_tokens
+        if not self.causal and block is not None:
+            raise ValueError(f"block is the causal build's block length; got block={block!r} with "
+                             f"causal=False (bidirectional MiTA pools `landmarks` windows)")
+        self.block = (DEFAULT_BLOCK if block is None else block) if self.causal else None
+        self._warned_oversized = False
         self.shared = bool(settings["shared"])
         self.set_budget(landmarks=landmarks, topk=settings["topk"], route=route)
 
@@ -71,7 +94,7 @@ class MitaAttention(AttentionLayer):
         # Validated against the smallest input that fits them; each call checks its own length.
         length = self.extra_tokens + (landmarks if self.grid is None else self.grid[0] * self.grid[1])
         check_mita_args(length, landmarks=landmarks, topk=topk, route=route, causal=self.causal,
-                        grid=self.grid, extra_tokens=self.extra_tokens)
+                        grid=self.grid, extra_tokens=self.extra_tokens, block=self.block)
         if not self.shared and topk == 0:
             raise ValueError("topk=0 without the shared expert leaves a query nothing to read; "
                              "use preset='agent' (shared, topk=0) or topk >= 1")
@@ -81,11 +104,12 @@ class MitaAttention(AttentionLayer):
         self, x: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None
     ) -> AttentionOutput:
         mask, positions = self.check_inputs(x, mask, positions)
+        self._warn_if_oversized(x.shape[1])
         q, k, v = self.project_qkv(x, positions)
         result = mita_attention(
             q, k, v, landmarks=self.landmarks, topk=self.topk, route=self.route, shared=self.shared,
-            causal=self.causal, grid=self.grid, extra_tokens=self.extra_tokens, mask=mask,
-            pack=self.pack,
+            causal=self.causal, block=self.block, grid=self.grid, extra_tokens=self.extra_tokens,
+            mask=mask, pack=self.pack,
         )
         batch, heads, length, dim = q.shape
         full = batch * heads * dense_attention_flops(length * length, dim)
@@ -93,12 +117,28 @@ class MitaAttention(AttentionLayer):
         stats = {
             "flops": torch.tensor(float(result.flops)),
             "flops_vs_full": torch.tensor(result.flops / full),
-            "expert_load_max": (load.max() * load.numel()).detach().float(),
+            # The busiest expert's share times E (0 when no expert exists: one causal block).
+            "expert_load_max": (load.max() * load.numel()).detach().float() if load.numel()
+            else torch.tensor(0.0),
         }
         out = self.out_proj(self.merge_heads(result.out, x))
         return AttentionOutput(out=out, aux_loss=x.new_zeros(()), stats=stats)
 
+    def _warn_if_oversized(self, length: int) -> None:
+        """Bidirectional budgets larger than the input are kept (not clamped) but buy nothing: say
+        so once per layer. (Causal ones are the streaming definition: early tokens always see
+        fewer blocks and keys than the budget.)"""
+        if self.causal or self._warned_oversized:
+            return
+        pooled = length - self.extra_tokens
+        if self.topk > length or (self.grid is None and self.landmarks > pooled):
+            self._warned_oversized = True
+            warnings.warn(
+                f"mita: topk={self.topk} / landmarks={self.landmarks} exceed a length-{length} input: "
+                "each expert holds every key (topk > T) and landmarks pool one-token windows, some "
+                "repeated (landmarks > T); results are exact, the budget buys nothing", stacklevel=3)
+
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", preset={self.preset!r}, landmarks={self.landmarks}, "
-                f"topk={self.topk}, route={self.route}, shared={self.shared}, grid={self.grid}, "
-                f"extra_tokens={self.extra_tokens}")
+                f"topk={self.topk}, route={self.route}, shared={self.shared}, block={self.block}, "
+                f"grid={self.grid}, extra_tokens={self.extra_tokens}")

@@ -1,0 +1,201 @@
+"""MiTA's landmark stage: pool the landmark queries, then let each landmark attend to the keys.
+
+Axes: B batch, H heads, N length, d head dim (e value dim), E landmarks, K keys per expert, S the
+keys one chunk of landmarks reads.
+
+Wen et al. (arXiv 2602.01219), Eqs. 5-8: landmarks L = pooled queries; scores S = L Kᵀ·scale;
+expert j = the top-K keys of row j of S (Eq. 7); shared expert values V̂ = softmax(S) V (Eq. 8).
+
+Every function here sees *compacted* inputs: the real tokens of a row come first (n_b of them)
+and padding after (`ops.mita` moves them there), so "the real keys" of a row are a prefix and
+"the keys landmark j may read" are the first `limit[b, j]` keys: n_b in the bidirectional build,
+min(n_b, (j + 1)·block) in the causal one (blocks ≤ j only).
+
+`landmark_attention` never holds the [E, N] score matrix: it runs over chunks of landmarks (about
+`_CHUNK_ELEMENTS` scores at a time) and its backward recomputes each chunk's scores from the saved
+log-sum-exp, as a flash kernel does — memory O(E·d + N·d + chunk), not O(E·N), which matters in
+the causal build, where E grows with N (E·N = N²/block). Only public PyTorch ops are used.
+Softmax statistics are fp32 whatever the input dtype (the op upcasts before calling in here).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_CHUNK_ELEMENTS = 1 << 22  # scores per chunk of landmarks (over B·H): 16 MiB of fp32
+
+
+def grid_pool_shape(landmarks: int) -> tuple[int, int]:
+    """The most square (rows, cols) with rows·cols = landmarks: 16 -> (4, 4), 8 -> (2, 4)."""
+    rows = math.isqrt(landmarks)
+    while landmarks % rows:
+        rows -= 1
+    return rows, landmarks // rows
+
+
+def pool_windows(lengths: Tensor, windows: int, size: int) -> Tensor:
+    """Float [B, windows, size]: row j marks window j of adaptive pooling over the first
+    lengths[b] positions (start ⌊j·n/W⌋, end ⌈(j+1)·n/W⌉; windows overlap when n < W)."""
+    index = torch.arange(windows, device=lengths.device)
+    start = (index[None, :] * lengths[:, None]) // windows
+    end = -((-(index[None, :] + 1) * lengths[:, None]) // windows)
+    position = torch.arange(size, device=lengths.device)
+    return ((position >= start[..., None]) & (position < end[..., None])).float()
+
+
+def pool_landmarks(
+    q: Tensor, real: Tensor, landmarks: int, *, block: int | None,
+    grid: tuple[int, int] | None, extra_tokens: int,
+) -> tuple[Tensor, Tensor]:
+    """Masked average pooling of compacted queries -> (L [B, H, E, d], valid [B, E]).
+
+    Causal (`block` set): landmark j is the mean of block j's real queries, for the E = ⌈N/b⌉ − 1
+    blocks that some query of this input has completed (the last block's landmark serves no query).
+    Bidirectional: E = `landmarks` adaptive windows over each row's real tokens after the first
+    `extra_tokens` (so the windows do not depend on how much padding follows); with `grid`, 2-D
+    windows over the fixed token grid, averaging its real tokens. A landmark whose window holds no
+    real token is invalid: no expert, no shared pair. `real` [B, N] bool marks the real tokens
+    (a prefix of each row, except with `grid`); padded rows of q must be zeros (`ops.mita`).
+    """
+    batch, heads, length, dim = q.shape
+    lengths = real.sum(1)
+    real = real.to(q.dtype)
+    if block is not None:
+        blocks = -(-length // block)
+        experts = blocks - 1
+        pad = blocks * block - length
+        sums = F.pad(q, (0, 0, 0, pad)).view(batch, heads, blocks, block, dim)[:, :, :experts].sum(3)
+        counts = F.pad(real, (0, pad)).view(batch, blocks, block)[:, :experts].sum(2)
+    elif grid is None:
+        member = pool_windows((lengths - extra_tokens).clamp_min(0), landmarks, length - extra_tokens)
+        member = F.pad(member, (extra_tokens, 0))  # [B, E, N]
+        sums = torch.einsum("ben,bhnd->bhed", member.to(q.dtype), q)
+        counts = member.sum(-1)
+    else:
+        # Window means of the zero-padded queries over window means of the real indicator: the
+        # ratio is the mean over the window's real tokens.
+        shape = grid_pool_shape(landmarks)
+        body = q[:, :, extra_tokens:].flatten(0, 1).transpose(1, 2).reshape(batch * heads, dim, *grid)
+        sums = F.adaptive_avg_pool2d(body, shape).flatten(2).transpose(1, 2)
+        sums = sums.reshape(batch, heads, landmarks, dim)
+        counts = F.adaptive_avg_pool2d(real[:, extra_tokens:].reshape(batch, 1, *grid), shape).flatten(1)
+        return sums / counts.clamp_min(1e-12)[:, None, :, None], counts > 0
+    valid = counts > 0
+    # Sums of the real queries over their count: the mean over the window's real tokens.
+    return sums / counts.clamp_min(1)[:, None, :, None], valid
+
+
+def landmark_key_limit(lengths: Tensor, experts: int, block: int | None) -> Tensor:
+    """Long [B, E]: how many leading (compacted) keys landmark j reads — the real ones, and in the
+    causal build only those of blocks ≤ j."""
+    limit = lengths[:, None].expand(-1, experts)
+    if block is not None:
+        ends = (torch.arange(experts, device=lengths.device) + 1) * block
+        limit = torch.minimum(limit, ends[None, :])
+    return limit
+
+
+def _chunk_scores(landmark: Tensor, keys: Tensor, limit: Tensor, key_real: Tensor | None,
+                  scale: float) -> Tensor:
+    """Scores of landmarks [B, H, c, d] against keys [B, H, S, d]: −inf beyond each limit [B, c]
+    and, where `key_real` [B, N] is given, at padded keys."""
+    scores = (landmark * scale) @ keys.transpose(-1, -2)
+    span = keys.shape[2]
+    excluded = torch.arange(span, device=keys.device)[None, None, :] >= limit[..., None]
+    if key_real is not None:
+        excluded = excluded | ~key_real[:, None, :span]
+    return scores.masked_fill(excluded[:, None], float("-inf"))
+
+
+def landmark_pairs(limit: Tensor, per_row: int) -> int:
+    """(landmark, key) score pairs `landmark_attention` computes per (b, h): the executed work."""
+    return sum((end - first) * span for first, end, span in _chunks(limit, limit.shape[1], per_row))
+
+
+def _chunks(limit: Tensor, experts: int, per_row: int) -> list[tuple[int, int, int]]:
+    """(first, end, span) of each chunk of landmarks; span = keys any of them reads."""
+    size = max(1, _CHUNK_ELEMENTS // max(1, per_row))
+    spans = limit.amax(0).tolist() if limit.numel() else []
+    return [(start, min(experts, start + size), int(max(spans[start:start + size])))
+            for start in range(0, experts, size)]
+
+
+class _LandmarkAttention(torch.autograd.Function):
+    """softmax(L Kᵀ·scale, keys < limit) V by chunks of landmarks; also the top-K key indices."""
+
+    @staticmethod
+    def forward(ctx, landmark, k, v, limit, key_real, scale, topk):
+        batch, heads, experts, _ = landmark.shape
+        length = k.shape[2]
+        out = landmark.new_zeros(batch, heads, experts, v.shape[-1])
+        lse = landmark.new_zeros(batch, heads, experts)
+        width = min(topk, length)
+        top_index = torch.zeros(batch, heads, experts, width, dtype=torch.long, device=k.device)
+        top_valid = torch.zeros(batch, heads, experts, width, dtype=torch.bool, device=k.device)
+        chunks = _chunks(limit, experts, batch * heads * length)
+        for first, end, span in chunks:
+            if span == 0:
+                continue
+            scores = _chunk_scores(landmark[:, :, first:end], k[:, :, :span], limit[:, first:end], key_real,
+                                   scale)
+            if width:
+                top = scores.topk(min(width, span), dim=-1)
+                top_index[:, :, first:end, :top.indices.shape[-1]] = top.indices
+                top_valid[:, :, first:end, :top.indices.shape[-1]] = torch.isfinite(top.values)
+            chunk_lse = torch.logsumexp(scores, dim=-1)
+            chunk_lse = torch.where(torch.isfinite(chunk_lse), chunk_lse, 0.0)  # a row reading nothing
+            out[:, :, first:end] = torch.exp(scores - chunk_lse[..., None]) @ v[:, :, :span]
+            lse[:, :, first:end] = chunk_lse
+        ctx.save_for_backward(landmark, k, v, limit, out, lse)
+        ctx.key_real, ctx.scale, ctx.chunks = key_real, scale, chunks
+        ctx.mark_non_differentiable(top_index, top_valid)
+        return out, top_index, top_valid
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_index, _grad_valid):
+        landmark, k, v, limit, out, lse = ctx.saved_tensors
+        scale = ctx.scale
+        grad_landmark, grad_k, grad_v = torch.zeros_like(landmark), torch.zeros_like(k), torch.zeros_like(v)
+        # D = rowsum(dO ∘ O): the softmax backward's correction, once for all chunks.
+        correction = (grad_out * out).sum(-1, keepdim=True)
+        for first, end, span in ctx.chunks:
+            if span == 0:
+                continue
+            rows = slice(first, end)
+            scores = _chunk_scores(landmark[:, :, rows], k[:, :, :span], limit[:, rows], ctx.key_real, scale)
+            probs = torch.exp(scores - lse[:, :, rows, None])
+            grad_v[:, :, :span] += probs.transpose(-1, -2) @ grad_out[:, :, rows]
+            grad_scores = probs * (grad_out[:, :, rows] @ v[:, :, :span].transpose(-1, -2)
+                                   - correction[:, :, rows])
+            grad_landmark[:, :, rows] = (grad_scores @ k[:, :, :span]) * scale
+            grad_k[:, :, :span] += (grad_scores.transpose(-1, -2) @ landmark[:, :, rows]) * scale
+        return grad_landmark, grad_k, grad_v, None, None, None, None
+
+
+def landmark_attention(
+    landmark: Tensor, k: Tensor, v: Tensor, limit: Tensor, *, topk: int, scale: float,
+    key_real: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(V̂ [B, H, E, e], top-K key indices [B, H, E, K'], their validity [B, H, E, K']) for landmarks
+    [B, H, E, d] reading the first limit[b, j] keys of k, v [B, H, N, d|e] (and, with `key_real`
+    [B, N], only real ones: the grid case, whose padding is not compacted); K' = min(K, N).
+
+    Eqs. 7-8: expert j = the top-K keys of S_j = L_j Kᵀ·scale among those it may read (fewer when
+    it may read fewer than K: the rest are marked invalid); V̂_j = softmax(S_j) V. A landmark that
+    reads no key gets V̂ = 0 (it is invalid and never used)."""
+    return _LandmarkAttention.apply(landmark, k, v, limit, key_real, scale, topk)
+
+
+def landmark_attention_reference(
+    landmark: Tensor, k: Tensor, v: Tensor, limit: Tensor, *, topk: int, scale: float,
+    key_real: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The specification of `landmark_attention`: dense [E, N] scores, masked softmax, top-K."""
+    scores = _chunk_scores(landmark, k, limit, key_real, scale)
+    weights = torch.nan_to_num(scores.softmax(-1))
+    top = scores.topk(min(topk, k.shape[2]), dim=-1)
+    return weights @ v, top.indices, torch.isfinite(top.values)
