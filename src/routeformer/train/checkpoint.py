@@ -1,32 +1,153 @@
-"""Checkpoints that resume exactly: model, optimizer, step, every RNG, vocabulary, config."""
+"""Checkpoints that resume exactly and cannot rot: model, optimizer, step, every RNG, vocabulary, config.
+
+A checkpoint file is one header line, `ROUTEFORMER-CHECKPOINT 1 sha256=<hex of the payload>`, then
+the `torch.save` payload. The checksum is verified before anything is unpickled, so a file with
+overwritten or missing bytes is reported as corrupt (`CheckpointError`, one line naming the file)
+instead of loading garbage weights. Files are written atomically (temporary file, fsync, rename):
+a run killed mid-write keeps its previous checkpoint.
+
+A run directory keeps its last `keep` checkpoints: `checkpoint.pt` (newest), `checkpoint.1.pt`,
+`checkpoint.2.pt`, ... `latest_checkpoint` returns the newest intact one, reporting (and moving
+aside, as `<name>.corrupt`) any corrupt file it passes. Files written by older versions (a bare
+`torch.save` zip, no checksum) still load.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 CHECKPOINT_NAME = "checkpoint.pt"
+_MAGIC = b"ROUTEFORMER-CHECKPOINT 1 sha256="
+_LEGACY_ZIP = b"PK\x03\x04"  # what torch.save wrote before checksums
+
+
+class CheckpointError(Exception):
+    """A checkpoint is missing, corrupt or truncated; the message is one line naming the file."""
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    """Write atomically (temp file + rename): a run killed mid-write keeps its last checkpoint."""
+    """Write `state` to `path` atomically with its checksum. Refuses non-finite model weights
+    (`TrainingDiverged`): a checkpoint is a state worth resuming from."""
+    from routeformer.train.guard import check_finite_weights
+
+    if "model" in state:
+        check_finite_weights(state["model"], where=f"checkpoint {str(path)!r}")
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    torch.save(state, temporary)
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "wb") as handle:
+        handle.write(_MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n")
+        handle.write(payload)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(temporary, path)
+    _sync_directory(path.parent)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The state in checkpoint file `path` (a run directory: its newest intact checkpoint).
+
+    Raises CheckpointError when the file is missing, corrupt or truncated."""
     path = Path(path)
-    if path.is_dir():
-        path = path / CHECKPOINT_NAME
+    if path.is_dir():  # reading leaves the directory as it is: nothing moved aside
+        return latest_checkpoint(path, quarantine=False)[1]
     if not path.is_file():
-        raise ValueError(f"checkpoint {str(path)!r} does not exist")
-    return torch.load(path, map_location="cpu", weights_only=False)
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    data = path.read_bytes()
+    if data.startswith(_MAGIC):
+        header, _, payload = data.partition(b"\n")
+        expected = header[len(_MAGIC):].decode("ascii", "replace")
+        if hashlib.sha256(payload).hexdigest() != expected:
+            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or truncated (checksum mismatch, "
+                                  f"{len(data):,} bytes)")
+    elif data.startswith(_LEGACY_ZIP):
+        payload = data
+    else:
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a routeformer checkpoint (unknown header)")
+    try:
+        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+    except Exception as error:  # a legacy file without checksum: any unpickling failure is corruption
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({type(error).__name__})") from None
+
+
+def checkpoint_files(directory: str | Path) -> list[Path]:
+    """A run directory's checkpoints, newest first: checkpoint.pt, checkpoint.1.pt, ..."""
+    directory = Path(directory)
+    numbered = []
+    for path in directory.glob("checkpoint.*.pt"):
+        index = path.name[len("checkpoint."):-len(".pt")]
+        if index.isdigit():
+            numbered.append((int(index), path))
+    newest = [directory / CHECKPOINT_NAME] if (directory / CHECKPOINT_NAME).is_file() else []
+    return newest + [path for _, path in sorted(numbered)]
+
+
+def latest_checkpoint(directory: str | Path, *, report: Callable[[str], None] | None = None,
+                      quarantine: bool = True) -> tuple[Path, dict[str, Any]]:
+    """(path, state) of the newest intact checkpoint in a run directory.
+
+    Each corrupt file passed on the way is reported (`report`, default: a line on stderr) and, with
+    `quarantine`, renamed to `<name>.corrupt` so that later runs neither retry nor count it.
+    Raises CheckpointError when the directory holds no intact checkpoint."""
+    report = report or _print_warning
+    directory = Path(directory)
+    candidates = checkpoint_files(directory)
+    if not candidates:
+        raise CheckpointError(f"no checkpoint in {str(directory)!r}")
+    for path in candidates:
+        try:
+            return path, load_checkpoint(path)
+        except FileNotFoundError:  # another process moved it aside meanwhile
+            continue
+        except CheckpointError as error:
+            moved = ""
+            if quarantine:
+                os.replace(path, path.with_name(path.name + ".corrupt"))
+                moved = f"; moved aside to {path.name}.corrupt"
+            report(f"{error}{moved}")
+    raise CheckpointError(f"no intact checkpoint in {str(directory)!r} (all {len(candidates)} corrupt); "
+                          "start over with --fresh")
+
+
+def save_rotating(directory: str | Path, state: dict[str, Any], *, keep: int) -> Path:
+    """Write `state` as the directory's newest checkpoint, keeping the `keep` newest in all.
+
+    The older files shift one name down (checkpoint.pt -> checkpoint.1.pt -> ...), each by an atomic
+    rename, oldest first; a crash part-way leaves a gap in the names, never a damaged file."""
+    directory = Path(directory)
+    temporary = directory / "checkpoint.new.tmp"
+    save_checkpoint(temporary, state)  # written in full before anything older is renamed or deleted
+    existing = checkpoint_files(directory)
+    kept, dropped = existing[:keep - 1], existing[keep - 1:]
+    for path in dropped:
+        path.unlink()
+    for index in range(len(kept), 0, -1):  # from the back: no rename overwrites a kept file
+        target = directory / f"checkpoint.{index}.pt"
+        if kept[index - 1] != target:
+            os.replace(kept[index - 1], target)
+    newest = directory / CHECKPOINT_NAME
+    os.replace(temporary, newest)
+    _sync_directory(directory)
+    return newest
+
+
+def remove_checkpoints(directory: str | Path) -> int:
+    """Delete a run directory's checkpoints (a fresh start); returns how many there were."""
+    files = checkpoint_files(directory)
+    for path in files:
+        path.unlink()
+    return len(files)
 
 
 def load_trained_model(path: str | Path):
@@ -40,3 +161,21 @@ def load_trained_model(path: str | Path):
     model = CausalLM(config.model)
     model.load_state_dict(state["model"])
     return model.eval(), CharVocab.from_dict(state["vocab"]), config
+
+
+def _print_warning(message: str) -> None:
+    print(f"routeformer: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _sync_directory(directory: Path) -> None:
+    """Make a rename durable (POSIX); a no-op where directories cannot be opened."""
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)

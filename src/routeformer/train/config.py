@@ -10,6 +10,9 @@ import yaml
 
 from routeformer.models.config import ModelConfig
 from routeformer.ops._checks import check_positive
+from routeformer.train.config_types import coerce_section, field_types, parse_override
+
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -42,6 +45,12 @@ class TrainConfig:
     device: str = "cpu"
     # Attention stats to log (averaged over the layers that report them), e.g. ["kl", "projected_cost"].
     log_stats: list[str] = field(default_factory=list)
+    # A step whose loss or gradient is NaN/inf is skipped; this many in a row stop the run (guard.py).
+    max_nonfinite_steps: int = 10
+    keep_checkpoints: int = 2  # the newest K checkpoints stay in out_dir (checkpoint.pt, checkpoint.1.pt)
+    # "bf16": forward under torch.autocast in bfloat16 (CPU or CUDA); "fp16": float16 autocast with a
+    # gradient scaler (CUDA only). Weights, optimizer and evaluation stay fp32.
+    precision: str = "fp32"
 
 
 @dataclass
@@ -52,7 +61,8 @@ class RunConfig:
     out_dir: str = "runs/default"
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "eval_every", "eval_tokens", "checkpoint_every", "log_every"):
+        for name in ("steps", "batch_size", "eval_every", "eval_tokens", "checkpoint_every", "log_every",
+                     "max_nonfinite_steps", "keep_checkpoints"):
             check_positive(f"train.{name}", getattr(self.train, name))
         check_positive("data.seq_len", self.data.seq_len)
         from routeformer.data.meta_tokens import check_density
@@ -64,22 +74,30 @@ class RunConfig:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1]; got {self.train.min_lr_ratio!r}")
         if self.train.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"train.device must be 'cpu', 'cuda' or 'auto'; got {self.train.device!r}")
-        if self.train.warmup_steps < 0 or self.train.grad_clip < 0:
-            raise ValueError("train.warmup_steps and train.grad_clip must be >= 0")
+        if self.train.precision not in PRECISIONS:
+            raise ValueError(f"train.precision must be one of {PRECISIONS}; got {self.train.precision!r}")
+        for name in ("warmup_steps", "grad_clip", "weight_decay"):
+            if getattr(self.train, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0; got {getattr(self.train, name)!r}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self.train, name) < 1:
+                raise ValueError(f"train.{name} must be in [0, 1); got {getattr(self.train, name)!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:
+        """Build from plain values (a YAML file, a checkpoint), each converted to its field's type."""
+        if not isinstance(values, dict):
+            raise ValueError(f"a run config must be a mapping of sections; got {values!r}")
         values = dict(values)
-        sections = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
-        unknown = sorted(set(values) - set(sections) - {"out_dir"})
+        unknown = sorted(set(values) - set(SECTIONS) - {"out_dir"})
         if unknown:
-            raise ValueError(f"unknown config key(s) {unknown}; valid: {sorted(sections) + ['out_dir']}")
+            raise ValueError(f"unknown config key(s) {unknown}; valid: {sorted(SECTIONS) + ['out_dir']}")
         built = {}
-        for name, section in sections.items():
-            part = values.get(name) or {}
+        for name, section in SECTIONS.items():
+            part = coerce_section(name, section, values.get(name) or {})
             if name == "model":
                 built[name] = ModelConfig.from_dict(part)
                 continue
@@ -88,21 +106,34 @@ class RunConfig:
             if bad:
                 raise ValueError(f"unknown {name} config key(s) {bad}; valid: {sorted(valid)}")
             built[name] = section(**part)
-        return cls(**built, out_dir=values.get("out_dir", "runs/default"))
+        out_dir = values.get("out_dir", "runs/default")
+        if not isinstance(out_dir, (str, int, float)) or isinstance(out_dir, bool) or out_dir == "":
+            raise ValueError(f"out_dir must be a directory path; got {out_dir!r}")
+        return cls(**built, out_dir=str(out_dir))
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config (or the defaults) and apply `--key value` overrides.
 
     Keys are dotted (`model.dim`, `train.steps`) or, where unambiguous, bare (`steps`).
-    Values are parsed as YAML (`3e-4`, `true`, `[local, full]`, `{local: {window: 64}}`).
+    Values are parsed as YAML (`true`, `[local, full]`, `{local: {window: 64}}`) and then typed by
+    the field they set (config_types.py): `--lr 3e-4` is the number, `--out_dir 010` the text.
     """
     values: dict[str, Any] = RunConfig().to_dict()
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise ValueError(f"config file {str(path)!r}{where}: not valid YAML "
+                             f"({getattr(error, 'problem', None) or error})") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {str(path)!r} must hold a mapping")
         for key, value in loaded.items():
@@ -110,13 +141,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 values[key] = {**values[key], **value}
             else:
                 values[key] = value
-    for key, value in parse_overrides(overrides or []):
-        _set(values, key, value)
+    for key, raw in parse_overrides(overrides or []):
+        _set(values, key, raw)
     return RunConfig.from_dict(values)
 
 
-def parse_overrides(arguments: list[str]) -> list[tuple[str, Any]]:
-    """['--model.dim', '64', '--steps=10'] -> [('model.dim', 64), ('steps', 10)]."""
+def parse_overrides(arguments: list[str]) -> list[tuple[str, str]]:
+    """['--model.dim', '64', '--steps=10'] -> [('model.dim', '64'), ('steps', '10')] (raw text: the
+    field a key names decides how its value is read)."""
     pairs, i = [], 0
     while i < len(arguments):
         argument = arguments[i]
@@ -131,14 +163,17 @@ def parse_overrides(arguments: list[str]) -> list[tuple[str, Any]]:
                 raise ValueError(f"override --{key} needs a value")
             raw = arguments[i + 1]
             i += 2
-        pairs.append((key.replace("-", "_"), yaml.safe_load(raw)))
+        if not key:
+            raise ValueError(f"expected an override like --key value; got {argument!r}")
+        pairs.append((key.replace("-", "_"), raw))
     return pairs
 
 
-def _set(values: dict[str, Any], key: str, value: Any) -> None:
+def _set(values: dict[str, Any], key: str, raw: str) -> None:
+    """Apply the override `--key raw`, reading `raw` as the field it sets is typed."""
     if "." not in key:
         if key in values and not isinstance(values[key], dict):
-            values[key] = value
+            values[key] = raw  # out_dir: a path, kept as typed
             return
         owners = [name for name, part in values.items() if isinstance(part, dict) and key in part]
         if len(owners) != 1:
@@ -148,6 +183,10 @@ def _set(values: dict[str, Any], key: str, value: Any) -> None:
             )
         key = f"{owners[0]}.{key}"
     section, leaf = key.split(".", 1)
-    if section not in values or not isinstance(values[section], dict):
-        raise ValueError(f"unknown config section {section!r}; valid: model, data, train")
-    values[section][leaf] = value
+    if section not in SECTIONS or not isinstance(values.get(section), dict):
+        raise ValueError(f"unknown config section {section!r} in --{key}; valid: model, data, train")
+    annotation = field_types(SECTIONS[section]).get(leaf)
+    if annotation is None:  # RunConfig.from_dict names the valid keys
+        values[section][leaf] = raw
+        return
+    values[section][leaf] = parse_override(key, raw, annotation)

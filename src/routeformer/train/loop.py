@@ -1,9 +1,12 @@
 """The training loop: AdamW, warmup + cosine, clipping, periodic eval, exact resume.
 
-A run lives in `config.out_dir`: `config.yaml`, `metrics.jsonl`, `checkpoint.pt`. Starting a run
-whose directory holds a checkpoint resumes it (unless `resume=False`); the resumed run is
-bit-identical to one that was never interrupted, because the checkpoint carries the model,
-optimizer, step, vocabulary and the state of every random generator the loop uses.
+A run lives in `config.out_dir`: `config.yaml`, `metrics.jsonl`, `checkpoint.pt` and the previous
+`train.keep_checkpoints - 1` checkpoints (`checkpoint.1.pt`, ...; checksummed, written atomically:
+train/checkpoint.py). Starting a run whose directory holds a checkpoint resumes from the newest
+intact one (unless `resume=False`, which deletes them); the resumed run is bit-identical to one
+that was never interrupted, because the checkpoint carries the model, optimizer, step, vocabulary
+and the state of every random generator the loop uses. Resuming with a changed config: see
+train/resume.py. A step with a non-finite loss or gradient is skipped (train/guard.py).
 
 Under `torchrun` the same loop runs DistributedDataParallel (see train/distributed.py).
 """
@@ -17,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+__all__ = ["TrainResult", "build_optimizer", "train", "training_batch", "weight_decay_groups"]
+
 import torch
-import yaml
 
 from routeformer.data.batches import random_batch
 from routeformer.data.corpora import load_corpus
@@ -26,7 +30,7 @@ from routeformer.data.meta_tokens import inject_into_batch, real_tokens_per_wind
 from routeformer.data.vocab import CharVocab
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import CausalLM
-from routeformer.train.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from routeformer.train.checkpoint import save_rotating
 from routeformer.train.config import RunConfig
 from routeformer.train.distributed import (
     DistributedContext,
@@ -38,7 +42,18 @@ from routeformer.train.distributed import (
     resolve_device,
 )
 from routeformer.train.evaluate import evaluate_lm
-from routeformer.train.progress import MetricsLog, Progress
+from routeformer.train.guard import NonFiniteGuard
+from routeformer.train.optim import apply_optimizer_settings, build_optimizer, weight_decay_groups
+from routeformer.train.precision import autocast, check_precision, gradient_scaler
+from routeformer.train.progress import MetricsLog, Progress, peak_memory_mib
+from routeformer.train.resume import (
+    check_changes,
+    check_out_dir,
+    config_changes,
+    describe,
+    find_resume_state,
+    write_config,
+)
 from routeformer.train.schedule import learning_rate
 
 
@@ -50,21 +65,7 @@ class TrainResult:
     vocab: CharVocab
     out_dir: Path
     train_seconds: float
-
-
-def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Optimizer parameter groups: decay on matrices only (not on norms, biases or embeddings)."""
-    decay, no_decay = [], []
-    for name, parameter in model.named_parameters():
-        is_matrix = parameter.dim() >= 2 and "embedding" not in name
-        (decay if is_matrix else no_decay).append(parameter)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (see `weight_decay_groups`)."""
-    groups = weight_decay_groups(model, config.train.weight_decay)
-    return torch.optim.AdamW(groups, lr=config.train.lr, betas=(config.train.beta1, config.train.beta2))
+    skipped_steps: int = 0  # updates the non-finite guard skipped
 
 
 def train(
@@ -91,10 +92,13 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
            context: DistributedContext) -> TrainResult:
     check_shardable(config.train.batch_size, context)
     device = resolve_device(config.train.device, context)
+    check_precision(config.train.precision, device)
     quiet = quiet or not context.is_main
     out_dir = Path(config.out_dir)
-    checkpoint_path = out_dir / CHECKPOINT_NAME
-    state = load_checkpoint(checkpoint_path) if resume and checkpoint_path.exists() else None
+    check_out_dir(out_dir)
+    progress = Progress(config.train.steps, 0)
+    say = (lambda message: None) if quiet else progress.message
+    state = find_resume_state(out_dir, resume=resume, is_main=context.is_main, report=say)
 
     corpus = load_corpus(config.data.corpus)
     vocab = CharVocab.from_dict(state["vocab"]) if state else CharVocab.from_text(corpus.train)
@@ -105,19 +109,24 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
     if density > 0:
         model_values["meta_token_id"] = vocab.pause_id
     config.model = ModelConfig.from_dict(model_values)
+    start = state["step"] if state else 0
+    changes = config_changes(state["config"], config.to_dict()) if state else {}
+    check_changes(changes, out_dir, start)
     train_ids, val_ids = vocab.encode(corpus.train), vocab.encode(corpus.val)
 
     torch.manual_seed(config.train.seed)
     model = CausalLM(config.model).to(device)
     optimizer = build_optimizer(model, config)
+    scaler = gradient_scaler(config.train.precision, device)
     data_generator = torch.Generator().manual_seed(config.train.seed)
-    start = 0
     if state:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        apply_optimizer_settings(optimizer, config)
+        if state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
         data_generator.set_state(state["rng"]["data"])
         torch.set_rng_state(state["rng"]["torch"])
-        start = state["step"]
     if context.rank:  # ranks other than 0 draw their own dropout / routing samples
         torch.manual_seed(config.train.seed + context.rank + 1000 * start)
     trained = model
@@ -130,32 +139,50 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
     log = None  # rank 0 alone writes the run directory
     if context.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        kept = write_config(out_dir, config, step=start)
         log = MetricsLog(out_dir / "metrics.jsonl", resume_step=start if state else None)
+        if changes:  # the run's log says from which step which settings changed
+            log.write({"step": start, "config_changes": {key: list(pair) for key, pair in changes.items()}})
+        if kept is not None:
+            say(f"config.yaml differed from this run's config; the earlier one is kept as {kept.name}")
     progress = Progress(config.train.steps, start)
-    if not quiet:
-        parameters = sum(p.numel() for p in model.parameters())
-        progress.message(
-            f"routeformer: {corpus.name}, {len(vocab)} symbols, {len(train_ids):,} training chars; "
-            f"model {parameters / 1e6:.2f}M parameters, attention {config.model.attention}"
-            + (f"; {context.world_size} processes" if context.enabled else "")
-            + (f"; resuming at step {start}" if state else "")
-        )
+    parameters = sum(p.numel() for p in model.parameters())
+    say(f"routeformer: {corpus.name}, {len(vocab)} symbols, {len(train_ids):,} training chars; "
+        f"model {parameters / 1e6:.2f}M parameters, attention {config.model.attention}"
+        + (f"; {context.world_size} processes" if context.enabled else "")
+        + (f"; precision {config.train.precision}" if config.train.precision != "fp32" else "")
+        + (f"; resuming at step {start}" if state else ""))
+    if changes:
+        say(f"resuming with changed settings (recorded in metrics.jsonl): {describe(changes)}")
+
+    last_saved = start if state else None
 
     def checkpoint(step: int) -> None:
-        if not context.is_main:
+        nonlocal last_saved
+        if not context.is_main or step == last_saved:
             return
-        save_checkpoint(checkpoint_path, {
+        save_rotating(out_dir, {
             "step": step,
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(),
             "rng": {"data": data_generator.get_state(), "torch": torch.get_rng_state()},
             "vocab": vocab.to_dict(),
             "config": config.to_dict(),
-        })
+        }, keep=config.train.keep_checkpoints)
+        last_saved = step
+
+    def skipped(message: str) -> None:
+        say(f"warning: {message}")
+        if log is not None:
+            log.write({"step": guard_step[0], "skipped": message})
 
     settings = config.train
+    guard_step = [start]  # the step the guard is judging, for the log record of a skipped step
+    guard = NonFiniteGuard(settings.max_nonfinite_steps, warn=skipped,
+                           all_ranks=lambda flag: mean_over_ranks(flag, context))
     meta_eval = {"meta_density": density, "meta_id": vocab.pause_id} if density > 0 else {}
+    fp16 = settings.precision == "fp16"
     step = start
     began = time.perf_counter()
     model.train()
@@ -168,41 +195,46 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
             inputs, labels = training_batch(train_ids, settings.batch_size, config.data.seq_len, density,
                                             vocab, data_generator)
             inputs, labels = local_shard(inputs, context).to(device), local_shard(labels, context).to(device)
-            result = trained(inputs, labels)
+            with autocast(settings.precision, device):
+                result = trained(inputs, labels)
             optimizer.zero_grad(set_to_none=True)
-            result.total_loss.backward()
+            scaler.scale(result.total_loss).backward()
+            scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 model.parameters(), settings.grad_clip if settings.grad_clip > 0 else math.inf
             )
-            optimizer.step()
             step += 1
-            _after_update(step, settings, result, rate, grad_norm, inputs.numel() * context.world_size, log,
-                          progress, quiet, context,
-                          lambda: evaluate_lm(model, val_ids, seq_len=config.data.seq_len,
-                                              batch_size=settings.batch_size, max_tokens=settings.eval_tokens,
-                                              **meta_eval))
+            guard_step[0] = step
+            # fp16: overflowing gradients are the scaler's to skip (it then lowers its scale).
+            if guard.allows(step, result.total_loss, 0.0 if fp16 else grad_norm):
+                scaler.step(optimizer)
+                scaler.update()
+                _after_update(step, settings, result, rate, grad_norm, inputs.numel() * context.world_size,
+                              log, progress, quiet, context, device,
+                              lambda: evaluate_lm(model, val_ids, seq_len=config.data.seq_len,
+                                                  batch_size=settings.batch_size,
+                                                  max_tokens=settings.eval_tokens, **meta_eval))
+            elif fp16:
+                scaler.update()
             if step % settings.checkpoint_every == 0 or step == settings.steps:
                 checkpoint(step)
             if after_step is not None:
                 after_step(step)
     except KeyboardInterrupt:
         checkpoint(step)
-        if not quiet:
-            progress.message(f"interrupted: checkpoint saved at step {step}; run again to resume")
+        say(f"interrupted: checkpoint saved at step {step}; run again to resume")
         raise
     train_seconds = time.perf_counter() - began
     if not context.is_main:
-        return TrainResult(step, None, model, vocab, out_dir, train_seconds)
+        return TrainResult(step, None, model, vocab, out_dir, train_seconds, guard.skipped)
 
     final = evaluate_lm(model, val_ids, seq_len=config.data.seq_len, batch_size=settings.batch_size,
                         **meta_eval)
     log.write({"step": step, "final": True, **{f"val_{k}": v for k, v in final.items()}})
-    if not quiet:
-        progress.message(
-            f"final validation ({final['tokens']:,} chars): loss {final['loss']:.4f} nats, "
-            f"bits per character {final['bpc']:.4f}, perplexity {final['ppl']:.3f}"
-        )
-    return TrainResult(step, final, model, vocab, out_dir, train_seconds)
+    say(f"final validation ({final['tokens']:,} chars): loss {final['loss']:.4f} nats, "
+        f"bits per character {final['bpc']:.4f}, perplexity {final['ppl']:.3f}"
+        + (f"; {guard.skipped} non-finite step(s) skipped" if guard.skipped else ""))
+    return TrainResult(step, final, model, vocab, out_dir, train_seconds, guard.skipped)
 
 
 def training_batch(
@@ -219,7 +251,8 @@ def training_batch(
 
 def _after_update(
     step: int, settings, result, rate: float, grad_norm, tokens: int, log: MetricsLog | None,
-    progress: Progress, quiet: bool, context: DistributedContext, run_eval: Callable[[], dict[str, float]],
+    progress: Progress, quiet: bool, context: DistributedContext, device: torch.device,
+    run_eval: Callable[[], dict[str, float]],
 ) -> None:
     record: dict[str, Any] | None = None
     if step % settings.log_every == 0 or step == settings.steps:
@@ -246,7 +279,8 @@ def _after_update(
     throughput = progress.tokens_per_second(tokens)
     if record is not None:
         record["tokens_per_s"] = throughput
+        record["peak_mem_mib"] = peak_memory_mib(device)
         log.write(record)
         if not quiet:
-            keys = ("loss", "val_bpc")
+            keys = ("loss", "val_bpc", "peak_mem_mib")
             progress.show(step, {key: record[key] for key in keys if key in record})

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch
+
 
 class Progress:
     """Prints `step 120/1200 [##----] loss 1.83 | 41.2k tok/s | eta 2m05s` to stderr."""
@@ -38,6 +40,18 @@ class Progress:
     def message(self, text: str) -> None:
         self.stream.write(("\n" if self.interactive else "") + text + "\n")
         self.stream.flush()
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory in MiB: on CUDA, allocated tensor memory since the last call (then reset); on
+    the CPU, the process's peak resident set size (which never goes down)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return round(peak / 2**20, 1)
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
 
 
 class MetricsLog:

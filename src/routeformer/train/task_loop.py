@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from routeformer.train.checkpoint import load_checkpoint, save_checkpoint
-from routeformer.train.loop import weight_decay_groups
+from routeformer.train.optim import weight_decay_groups
 from routeformer.train.schedule import learning_rate
 
 
