@@ -164,7 +164,8 @@ def _bidirectional(q, k, v, real, key_real, *, landmarks, topk, route, shared, g
         torch.full((batch, experts), length, device=q.device)
     landmark_values, top_index, top_valid = landmark_attention(
         landmark, k, v, limit, topk=topk, scale=scale, key_real=key_real)
-    flops = batch * heads * dense_attention_flops(landmark_pairs(limit, batch * heads * length), dim, value_dim)
+    pairs = landmark_pairs(limit, batch * heads * length)
+    flops = batch * heads * dense_attention_flops(pairs, dim, value_dim)
 
     eligible = landmark_valid[:, None, None, :]  # broadcasts to [B, H, N, E]
     if bool(eligible.all()):
@@ -213,7 +214,8 @@ def _causal(q, k, v, real, *, landmarks, topk, route, shared, block, scale, pack
     parts = [(local_out, local_lse)]
     limit = landmark_key_limit(real.sum(1), experts, block)
     landmark_values, top_index, top_valid = landmark_attention(landmark, k, v, limit, topk=topk, scale=scale)
-    flops += batch * heads * dense_attention_flops(landmark_pairs(limit, batch * heads * length), dim, value_dim)
+    pairs = landmark_pairs(limit, batch * heads * length)
+    flops += batch * heads * dense_attention_flops(pairs, dim, value_dim)
 
     # The landmark window of every block c: blocks c − M .. c − 1 ([C, M], −M..−1 for block 0).
     blocks, window = experts + 1, min(landmarks, experts)
@@ -337,6 +339,13 @@ def _membership_reference(real: Tensor, landmarks: int, causal: bool, block: int
     return real[:, None, :] & (body_rank >= start) & (body_rank < end)
 
 
+def _softmax_or_zero(logits: Tensor) -> Tensor:
+    """softmax over the last axis; rows with no finite logit (a padded query, an empty landmark)
+    get zeros, and a zero gradient rather than NaN."""
+    empty = ~torch.isfinite(logits).any(-1, keepdim=True)
+    return logits.masked_fill(empty, 0.0).softmax(-1).masked_fill(empty, 0.0)
+
+
 def mita_reference(
     q: Tensor, k: Tensor, v: Tensor, *, landmarks: int = 25, topk: int = 25, route: int = 1,
     shared: bool = True, causal: bool = False, block: int | None = None,
@@ -376,7 +385,7 @@ def mita_reference(
     landmark_allowed, query_may_use = landmark_allowed[:, None], query_may_use[:, None]
     scores = (landmark @ k.transpose(-1, -2)) * scale
     masked_scores = scores.masked_fill(~landmark_allowed, float("-inf"))
-    landmark_values = torch.nan_to_num(masked_scores.softmax(-1)) @ v
+    landmark_values = _softmax_or_zero(masked_scores) @ v
 
     # Membership of every key in every expert [B, H, E, N], then per query over its routed experts.
     holds = torch.zeros_like(scores)
@@ -402,5 +411,4 @@ def mita_reference(
     if not shared:
         shared_logits = torch.full_like(shared_logits, float("-inf"))
     logits = torch.cat([shared_logits, key_logits], dim=-1)
-    weights = torch.nan_to_num(logits.softmax(-1))
-    return weights @ torch.cat([landmark_values, v.expand(batch, heads, length, -1)], dim=2)
+    return _softmax_or_zero(logits) @ torch.cat([landmark_values, v.expand(batch, heads, length, -1)], dim=2)
