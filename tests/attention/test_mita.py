@@ -1,10 +1,14 @@
-"""The `mita` layer: presets, changing the budget at inference, stats, errors."""
+"""The `mita` layer: presets, changing the budget at inference, stats, streaming (causal), padding,
+oversized options, errors."""
+
+import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from routeformer.attention import build_attention
-from routeformer.ops.mita import mita_attention
+from routeformer.ops.mita import DEFAULT_BLOCK, mita_attention
 
 DIM, HEADS = 16, 2
 
@@ -75,9 +79,79 @@ def test_vision_options_pool_a_grid_and_skip_the_cls_token():
         ({"landmarks": 0}, "landmarks must be a positive integer"),
         ({"pack": 0}, "pack must be a positive integer"),
         ({"causal": True, "grid": (4, 4)}, "grid and extra_tokens are for non-causal"),
+        ({"block": 4}, "block is the causal build's block length"),
+        ({"causal": True, "block": 0}, "block must be a positive integer"),
     ],
 )
 def test_bad_options_raise_value_errors(options, message):
     causal = options.pop("causal", False)
     with pytest.raises(ValueError, match=message):
         build_attention("mita", dim=DIM, heads=HEADS, causal=causal, **options)
+
+
+def make_causal(**options):
+    torch.manual_seed(0)
+    return build_attention("mita", dim=DIM, heads=HEADS, causal=True, **options).eval()
+
+
+def test_causal_block_is_a_fixed_option():
+    assert make_causal().block == DEFAULT_BLOCK == 64
+    assert make_causal(block=8).block == 8 and make().block is None
+    assert "block=8" in repr(make_causal(block=8))
+
+
+def test_causal_layer_streams_prefixes_equal_the_whole():
+    """layer(x[:, :t]).out == layer(x).out[:, :t] inside, at and across block boundaries, with rotary
+    positions and a landmark window shorter than the completed blocks (the issue's 0.37 before)."""
+    layer = make_causal(landmarks=2, topk=3, route=2, block=4, rotary=True)
+    x = torch.randn(2, 30, DIM, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole = layer(x).out
+        for t in (1, 3, 4, 5, 8, 9, 17, 29):
+            torch.testing.assert_close(layer(x[:, :t]).out, whole[:, :t], atol=2e-5, rtol=1e-5)
+
+
+def test_causal_input_within_one_block_is_exact_causal_attention():
+    layer = make_causal(landmarks=3, topk=2)  # default block 64 > T: one block, nothing to route
+    x = torch.randn(2, 20, DIM)
+    q, k, v = layer.project_qkv(x, torch.arange(20).expand(2, 20))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    result = layer(x)
+    torch.testing.assert_close(result.out, layer.out_proj(expected.transpose(1, 2).reshape(2, 20, DIM)))
+    assert result.stats["expert_load_max"] == 0
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_rows_holding_nan_leave_real_rows_as_if_alone(causal, side):
+    """Padding takes no place in the layout (the issue measured 0.34 causal / 0.50 bidirectional
+    when padded rows changed); positions count real tokens, as for left padding."""
+    options = {"landmarks": 3, "topk": 4, "route": 2, "rotary": True}
+    torch.manual_seed(0)
+    layer = build_attention("mita", dim=DIM, heads=HEADS, causal=causal,
+                            **options, **({"block": 4} if causal else {})).eval()
+    x = torch.randn(2, 26, DIM, generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 26, dtype=torch.bool)
+    real = slice(0, 15) if side == "right" else slice(11, 26)
+    mask[1] = False
+    mask[1, real] = True
+    x = x.masked_fill(~mask[..., None], float("nan"))
+    positions = (mask.long().cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():
+        out = layer(x, mask=mask, positions=positions).out
+        torch.testing.assert_close(out[1, real], layer(x[1:, real]).out[0], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(out[0], layer(x[:1]).out[0], atol=2e-5, rtol=1e-5)
+
+
+def test_oversized_bidirectional_budgets_warn_once_and_are_kept():
+    layer = make(landmarks=4, topk=30)
+    x = torch.randn(1, 10, DIM)
+    with pytest.warns(UserWarning, match="topk=30 / landmarks=4 exceed a length-10 input"):
+        first = layer(x).out
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(layer(x).out, first)  # once per layer
+    assert layer.topk == 30  # kept, not clamped
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_causal(landmarks=40, topk=30, block=4)(x)  # causal: the streaming definition, no warning
