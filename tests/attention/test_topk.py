@@ -37,7 +37,7 @@ def test_score_bias_adds_scaled_routing_scores_to_the_logits():
     layer = make(topk=64, routing_learning="score_bias", score_bias_scale=0.7, temperature=2.0).eval()
     x = torch.randn(1, 11, DIM)
     q, k, v = layer.project_qkv(x, torch.arange(11)[None])
-    route_q, route_k = layer.router(x)
+    route_q, route_k = layer.router(x, torch.arange(11)[None])
     logits_bias = 0.35 * (route_q @ route_k.transpose(-1, -2))
     # q·k/√d + 0.35·s as one dot product of augmented vectors, scale 1
     q_aug = torch.cat([q * (DIM // HEADS) ** -0.5, 0.35 * route_q], -1)

@@ -50,9 +50,11 @@ from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
 from routeformer.ops.gathered import gathered_dot, routed_attention, slot_membership
 from routeformer.ops.native import native_kernels
+from routeformer.ops.rotary import apply_rotary, rotary_angles
 from routeformer.ops.topk_routing import DEFAULT_ROUTING_BLOCK, add_random_slots, route_topk
 
 ROUTING_LEARNING = ("score_bias", "distill", "none")
+ROUTING_POSITIONS = ("rotary", "recency", "none")
 # Longest key count for which the dense masked path beats gathering (layer fwd+bwd, B=4, D=128,
 # 2 cores, 2026-11-22): the native kernels gather faster from 512 keys (420 vs 490 ms), the
 # PyTorch ops from ~1024.
@@ -60,11 +62,22 @@ DENSE_BELOW_NATIVE, DENSE_BELOW_TORCH = 256, 1024
 
 
 class Router(nn.Module):
-    """x [B, T, D] -> (route_q, route_k) [B, R, T, r]; linear, a GELU MLP, or frozen random."""
+    """x [B, T, D], positions [B, T] -> (route_q, route_k) [B, R, T, r]: linear, a GELU MLP, or
+    frozen random, then the position term of `routing_positions` (see the module docstring).
 
-    def __init__(self, dim: int, routing_heads: int, routing_dim: int, hidden: int, frozen: bool) -> None:
+    "rotary": route_q(i) and route_k(j) are rotated by the angles of positions i and j (RoPE with
+    `rotary_base`), so s_ij = rq_i · R(j - i) rk_j depends on the offset as attention's rotated
+    q·k does. "recency": one extra routing dim holds a learned per-routing-head slope
+    β = softplus(a) on the query side and the key's position on the key side, so
+    s_ij = rq_i · rk_j + β·j, which ranks keys as rq_i · rk_j − β·(i − j) does (β·i is constant
+    in a row): an ALiBi-style preference for nearby keys, one scalar per routing head.
+    """
+
+    def __init__(self, dim: int, routing_heads: int, routing_dim: int, hidden: int, frozen: bool,
+                 positions: str = "none", rotary_base: float = 10000.0) -> None:
         super().__init__()
         self.routing_heads, self.routing_dim = routing_heads, routing_dim
+        self.positions, self.rotary_base = positions, rotary_base
         out_features = 2 * routing_heads * routing_dim
         if frozen:
             # Fixed random projections: a buffer, so optimisers and gradient checks never see it.
@@ -76,13 +89,53 @@ class Router(nn.Module):
             self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, out_features))
         else:
             self.net = nn.Linear(dim, out_features, bias=False)
+        if positions == "recency":
+            # softplus(0) ≈ 0.69 per position: the recency term starts comparable to the content
+            # scores of a freshly initialised router (|s| ~ 1), neither swamping nor lost in them.
+            slope = torch.zeros(routing_heads)
+            if frozen:
+                self.register_buffer("recency_logit", slope)
+            else:
+                self.recency_logit = nn.Parameter(slope)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    @property
+    def space_dim(self) -> int:
+        """Width of the routing vectors route_topk sees: r, plus one for the recency term."""
+        return self.routing_dim + (self.positions == "recency")
+
+    def forward(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         batch, length, _ = x.shape
-        projected = F.linear(x, self.random_weight) if self.net is None else self.net(x)
+        # Routing runs in fp32 whatever the model's dtype: a bf16/fp16 rounding of the scores
+        # flips near-tied selections (measured 5-11% output error in bf16 before).
+        x32 = x.float()
+        if self.net is None:
+            projected = F.linear(x32, self.random_weight.float())
+        else:
+            with torch.autocast(x.device.type, enabled=False):
+                projected = _fp32_forward(self.net, x32)
         projected = projected.view(batch, length, 2, self.routing_heads, self.routing_dim)
         route_q, route_k = projected.permute(2, 0, 3, 1, 4).unbind(0)
+        if self.positions == "rotary":
+            cos, sin = rotary_angles(positions, self.routing_dim, self.rotary_base)
+            route_q, route_k = apply_rotary(route_q, cos, sin), apply_rotary(route_k, cos, sin)
+        elif self.positions == "recency":
+            slope = F.softplus(self.recency_logit.float()).view(1, -1, 1, 1)
+            route_q = torch.cat([route_q, slope.expand(batch, -1, length, 1)], dim=-1)
+            where = positions.to(torch.float32)[:, None, :, None].expand(batch, self.routing_heads, length, 1)
+            route_k = torch.cat([route_k, where], dim=-1)
         return route_q, route_k
+
+
+def _fp32_forward(net: nn.Module, x32: Tensor) -> Tensor:
+    """net(x32) with every Linear computed in fp32 from (possibly low-precision) weights; the
+    weights stay as they are, gradients reach them through the casts."""
+    if isinstance(net, nn.Linear):
+        bias = None if net.bias is None else net.bias.float()
+        return F.linear(x32, net.weight.float(), bias)
+    out = x32
+    for layer in net:
+        out = _fp32_forward(layer, out) if isinstance(layer, nn.Linear) else layer(out)
+    return out
 
 
 @register_attention("topk")
@@ -95,7 +148,7 @@ class TopKAttention(AttentionLayer):
         temperature: float = 1.0, entropy_weight: float = 0.0, exploration: float = 0.0,
         global_tokens: int = 0, local_window: int = 0, shared_routing: bool = False,
         router_hidden: int = 0, recall_queries: int = 16, block: int = DEFAULT_ROUTING_BLOCK,
-        dense_below: int | None = None, **common,
+        dense_below: int | None = None, routing_positions: str = "rotary", **common,
     ) -> None:
         super().__init__(dim, heads, causal, **common)
         check_positive("topk", topk)
@@ -103,6 +156,11 @@ class TopKAttention(AttentionLayer):
         check_positive("block", block)
         if routing_learning not in ROUTING_LEARNING:
             raise ValueError(f"routing_learning must be one of {ROUTING_LEARNING}; got {routing_learning!r}")
+        if routing_positions not in ROUTING_POSITIONS:
+            raise ValueError(f"routing_positions must be one of {ROUTING_POSITIONS}; "
+                             f"got {routing_positions!r}")
+        if routing_positions == "rotary" and routing_dim % 2:
+            raise ValueError(f"routing_positions='rotary' needs an even routing_dim; got {routing_dim}")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0; got {temperature}")
         if not 0.0 <= exploration < 1.0:
@@ -123,8 +181,10 @@ class TopKAttention(AttentionLayer):
         self.shared_routing, self.recall_queries, self.block = shared_routing, recall_queries, block
         self.dense_below = dense_below
         routing_heads = 1 if shared_routing else heads
+        self.routing_positions = routing_positions
         self.router = Router(dim, routing_heads, routing_dim, router_hidden,
-                             frozen=routing_learning == "none")
+                             frozen=routing_learning == "none", positions=routing_positions,
+                             rotary_base=self.rotary_base)
 
     def dense_limit(self, q: Tensor, k: Tensor, v: Tensor) -> int:
         """`dense_below`, or when it is None the measured crossover for these tensors: 256 keys
@@ -139,7 +199,7 @@ class TopKAttention(AttentionLayer):
         mask, positions = self.check_inputs(x, mask, positions)
         q, k, v = self.project_qkv(x, positions)
         batch, heads, length, head_dim = q.shape
-        route_q, route_k = self.router(x)
+        route_q, route_k = self.router(x, positions)
         explore = round(self.exploration * self.topk) if self.training else 0
         index, valid, scored = route_topk(
             route_q.detach(), route_k.detach(), self.topk - explore, causal=self.causal, key_mask=mask,
@@ -153,9 +213,9 @@ class TopKAttention(AttentionLayer):
         scale = head_dim ** -0.5
         if self.routing_learning == "score_bias":
             bias = self.score_bias_scale / self.temperature
-            expand = (batch, heads, length, self.routing_dim)
-            q_att = torch.cat([q * scale, bias * route_q.expand(expand)], dim=-1)
-            k_att = torch.cat([k, route_k.expand(expand)], dim=-1)
+            expand = (batch, heads, length, route_q.shape[-1])
+            q_att = torch.cat([q * scale, (bias * route_q).to(q.dtype).expand(expand)], dim=-1)
+            k_att = torch.cat([k, route_k.to(k.dtype).expand(expand)], dim=-1)
             scale = 1.0
         else:
             q_att, k_att = q, k
@@ -170,7 +230,7 @@ class TopKAttention(AttentionLayer):
         else:
             heads_out, _ = routed_attention(q_att, k_att, v, head_index, head_valid, scale=scale)
             attention_flops = 2 * batch * heads * length * slots * (q_att.shape[-1] + head_dim)
-        routing_flops = 2 * scored * self.routing_dim
+        routing_flops = 2 * scored * route_q.shape[-1]
         aux_loss, aux_flops = self.routing_aux_loss(q, k, route_q, route_k, index, valid, mask)
         out = self.out_proj(self.merge_heads(heads_out, x))
         stats = {
@@ -197,7 +257,7 @@ class TopKAttention(AttentionLayer):
         if mask is not None:
             rows = rows & mask[:, None, :]
         rows = rows.float()
-        flops = 2 * index.numel() * self.routing_dim
+        flops = 2 * index.numel() * route_q.shape[-1]
         loss = q.new_zeros(())
         if distill:
             with torch.no_grad():
