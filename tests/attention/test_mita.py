@@ -79,7 +79,7 @@ def test_vision_options_pool_a_grid_and_skip_the_cls_token():
         ({"landmarks": 0}, "landmarks must be a positive integer"),
         ({"pack": 0}, "pack must be a positive integer"),
         ({"causal": True, "grid": (4, 4)}, "grid and extra_tokens are for non-causal"),
-        ({"block": 4}, "block is the causal build's block length"),
+        ({"block": 0}, "block must be a positive integer"),
         ({"causal": True, "block": 0}, "block must be a positive integer"),
     ],
 )
@@ -97,6 +97,7 @@ def make_causal(**options):
 def test_causal_block_is_a_fixed_option():
     assert make_causal().block == DEFAULT_BLOCK == 64
     assert make_causal(block=8).block == 8 and make().block is None
+    assert make(block=8).block is None  # bidirectional: no blocks; accepted so options can be shared
     assert "block=8" in repr(make_causal(block=8))
 
 

@@ -21,7 +21,8 @@ a query reads (their landmarks and experts). So `layer(x[:, :t]).out == layer(x)
 generating token by token computes what training computed. Options larger than the input keep
 their streaming meaning and are not clamped: `block` > T makes the input one block (exact causal
 attention), `landmarks` > completed blocks reads all of them, `topk` > the keys before a block
-leaves its expert partly empty. Bidirectional builds have no `block` (passing one raises); there
+leaves its expert partly empty. Bidirectional builds have no blocks (a `block` option is accepted,
+so one options dict serves both builds, and ignored: `layer.block` is None); there
 `topk` > T gives experts that hold every key and `landmarks` > T windows of one token (some
 repeated) — both warn once per layer, since the budget then buys nothing.
 
@@ -77,9 +78,10 @@ class MitaAttention(AttentionLayer):
         self.preset, self.pack = preset, pack
         self.grid = None if grid is None else tuple(grid)
         self.extra_tokens = extra_tokens
-        if not self.causal and block is not None:
-            raise ValueError(f"block is the causal build's block length; got block={block!r} with "
-                             f"causal=False (bidirectional MiTA pools `landmarks` windows)")
+        if block is not None:
+            check_positive("block", block)
+        # A bidirectional build has no blocks (it pools `landmarks` windows): it accepts `block` so
+        # that one options dict serves causal and bidirectional models, and ignores it (block=None).
         self.block = (DEFAULT_BLOCK if block is None else block) if self.causal else None
         self._warned_oversized = False
         self.shared = bool(settings["shared"])
