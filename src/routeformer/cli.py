@@ -1,7 +1,7 @@
 """The `routeformer` command.
 
     routeformer compare [--quick] [--mechanisms NAME ...] [--tasks lm mqar listops] [--corpus SPEC]
-                        [--out DIR] [--no-bench]
+                        [--seeds N] [--workers N] [--out DIR] [--no-bench]
     routeformer train [--config NAME|PATH] [--fresh] [--key value ...]
     routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N]
     routeformer sample RUN_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
@@ -22,6 +22,55 @@ from pathlib import Path
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_CONFIG = "char-lm"
 
+# Exit statuses: 2 = bad input (arguments, config, a missing or corrupt checkpoint, a path that
+# cannot be used); 1 = a run that failed on its own (training diverged); 130 = interrupted.
+EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
+
+
+class UsageError(ValueError):
+    """A command line argparse rejected."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as one line (`routeformer: error: ...`, exit 2,
+    via `main`) instead of printing the usage block and exiting from inside the parser."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _bounded_int(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _bounded_int(text, 0)
+
+
+def _bounded_int(text: str, minimum: int) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}; got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}; got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0; got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0; got {text!r}")
+    return value
+
 
 def resolve_config(name_or_path: str) -> Path:
     """A path to a YAML file, or the name of a config shipped in routeformer/configs."""
@@ -40,7 +89,8 @@ def command_compare(args: argparse.Namespace) -> int:
 
     try:
         report = run_compare(args.out, mechanisms=args.mechanisms, tasks=args.tasks, quick=args.quick,
-                             corpus=args.corpus, bench=not args.no_bench)
+                             corpus=args.corpus, bench=not args.no_bench, seeds=args.seeds,
+                             workers=args.workers)
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume", file=sys.stderr)
         return 130
@@ -58,8 +108,9 @@ def command_train(args: argparse.Namespace, overrides: list[str]) -> int:
     except KeyboardInterrupt:
         return 130
     if result.final_eval is not None:  # under torchrun, rank 0 alone evaluates and reports
+        skipped = {"skipped_steps": result.skipped_steps} if result.skipped_steps else {}
         print(json.dumps({"out_dir": str(result.out_dir), "steps": result.step,
-                          "train_seconds": round(result.train_seconds, 1), **result.final_eval}))
+                          "train_seconds": round(result.train_seconds, 1), **skipped, **result.final_eval}))
     return 0
 
 
@@ -85,6 +136,8 @@ def command_sample(args: argparse.Namespace) -> int:
     from routeformer.train.checkpoint import load_trained_model
 
     model, vocab, _ = load_trained_model(args.checkpoint)
+    if args.temperature is not None and not args.temperature >= 0:
+        raise ValueError(f"--temperature must be >= 0; got {args.temperature!r}")
     prompt = vocab.encode(args.prompt)[None]
     if prompt.shape[1] == 0:
         raise ValueError("prompt must not be empty")
@@ -300,21 +353,25 @@ def _bench_meta(args: argparse.Namespace, settings: dict) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="routeformer", description="Routed attention for PyTorch.")
+    parser = _Parser(prog="routeformer", description="Routed attention for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     compare = commands.add_parser(
-        "compare", help="every mechanism on the same tasks and budget, one report",
-        description="Train every registered mechanism (or --mechanisms) on the same tasks (char LM at "
-                    "T=256, MQAR at T=512, ListOps) with one model size and budget, measure quality, "
-                    "executed attention FLOPs, time and memory, and write report.md + result.json + "
-                    "PNGs. Finished (task, mechanism) runs are kept: run it again to resume.")
+        "compare", help="mechanisms on the same tasks, seeds and budget, one report",
+        description="Train mechanisms on the same tasks (char LM, Zoology MQAR, ListOps; routeformer.tasks) "
+                    "with one backbone, budget and batch stream per seed; report quality as mean ± sd over "
+                    "seeds beside each task's chance level and measured shortcut baselines, executed "
+                    "attention FLOPs, time and memory (report.md + result.json + PNGs). Finished runs are "
+                    "kept: run it again to resume.")
     compare.add_argument("--quick", action="store_true",
-                         help="a reduced budget (under 10 minutes on 2 cores)")
+                         help="the quick budget (about 10 minutes on 2 cores; a subset of mechanisms)")
     compare.add_argument("--mechanisms", nargs="+", default=None,
-                         help="subset of `routeformer list` (default: all)")
+                         help="subset of `routeformer list` (default: the budget's selection)")
     compare.add_argument("--tasks", nargs="+", default=None,
                          help="subset of lm mqar listops (default: all)")
+    compare.add_argument("--seeds", type=int, default=None, help="seeds per mechanism (default: 3)")
+    compare.add_argument("--workers", type=int, default=2,
+                         help="training processes, one thread each (default: 2)")
     compare.add_argument("--corpus", default="pydoc",
                          help="LM corpus (default: the embedded pydoc; wikitext2 for WikiText-2 text)")
     compare.add_argument("--out", default="runs/compare", help="output directory (default: runs/compare)")
@@ -332,14 +389,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser("eval", help="evaluate a checkpoint on its validation split")
     evaluate.add_argument("checkpoint", help="run directory or checkpoint file")
     evaluate.add_argument("--corpus", help="evaluate on another corpus spec's validation split")
-    evaluate.add_argument("--max-tokens", type=int, default=None)
+    evaluate.add_argument("--max-tokens", type=positive_int, default=None)
 
     sample = commands.add_parser("sample", help="generate text from a checkpoint")
     sample.add_argument("checkpoint", help="run directory or checkpoint file")
     sample.add_argument("--prompt", default="\n")
-    sample.add_argument("--tokens", type=int, default=200)
-    sample.add_argument("--temperature", type=float, default=0.8)
-    sample.add_argument("--top-k", type=int, default=None)
+    sample.add_argument("--tokens", type=non_negative_int, default=200)
+    sample.add_argument("--temperature", type=non_negative_float, default=0.8)
+    sample.add_argument("--top-k", type=positive_int, default=None)
     sample.add_argument("--seed", type=int, default=0)
 
     commands.add_parser("list", help="list the registered attention mechanisms and their options")
@@ -347,20 +404,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="speed and memory benchmarks")
     bench.add_argument("suite", choices=["ops", "topk", "structural", "meta", "mita", "meta_tokens",
                                          "compile", "generate"])
-    bench.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
-    bench.add_argument("--repeats", type=int, default=5)
-    bench.add_argument("--window", type=int, default=256)
-    bench.add_argument("--batch", type=int, default=1)
-    bench.add_argument("--heads", type=int, default=4)
-    bench.add_argument("--head-dim", type=int, default=64)
-    bench.add_argument("--dim", type=int, default=256, help="meta and compile suites: model dim D")
-    bench.add_argument("--topk", type=int, default=64, help="topk: keys per query; mita: keys per expert")
-    bench.add_argument("--landmarks", type=int, default=64, help="mita suite: landmarks (experts)")
-    bench.add_argument("--sdpa-up-to", type=int, default=65536, help="mita suite: longest T timed for SDPA")
-    bench.add_argument("--causal-up-to", type=int, default=65536, help="mita suite: longest causal T")
-    bench.add_argument("--routing-dim", type=int, default=16, help="topk suite: routing dim")
-    bench.add_argument("--density", type=float, default=0.1, help="meta_tokens suite: meta-token density")
-    bench.add_argument("--new-tokens", type=int, default=32, help="generate suite: tokens to sample")
+    bench.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 4096, 16384])
+    bench.add_argument("--repeats", type=positive_int, default=5)
+    bench.add_argument("--window", type=positive_int, default=256)
+    bench.add_argument("--batch", type=positive_int, default=1)
+    bench.add_argument("--heads", type=positive_int, default=4)
+    bench.add_argument("--head-dim", type=positive_int, default=64)
+    bench.add_argument("--dim", type=positive_int, default=256, help="meta and compile suites: model dim D")
+    bench.add_argument("--topk", type=positive_int, default=64,
+                       help="topk: keys per query; mita: keys per expert")
+    bench.add_argument("--landmarks", type=positive_int, default=64, help="mita suite: landmarks (experts)")
+    bench.add_argument("--sdpa-up-to", type=positive_int, default=65536,
+                       help="mita suite: longest T timed for SDPA")
+    bench.add_argument("--causal-up-to", type=positive_int, default=65536,
+                       help="mita suite: longest causal T")
+    bench.add_argument("--routing-dim", type=positive_int, default=16, help="topk suite: routing dim")
+    bench.add_argument("--density", type=non_negative_float, default=0.1,
+                       help="meta_tokens suite: meta-token density")
+    bench.add_argument("--new-tokens", type=positive_int, default=32, help="generate suite: tokens to sample")
     bench.add_argument("--output", default=None, help="write a Markdown table (and JSON beside it)")
 
     reproduce = commands.add_parser("reproduce", help="run a reproduced paper experiment")
@@ -372,19 +433,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "train":
-        parser.error(f"unrecognised arguments: {' '.join(extra)}")
+    """Run one command; a bad input ends in one line `routeformer: error: ...` and exit status 2,
+    never a traceback (the error types below are the ones bad input raises)."""
+    from routeformer.train.checkpoint import CheckpointError
+    from routeformer.train.guard import TrainingDiverged
+
     try:
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra and args.command != "train":
+            parser.error(f"unrecognised arguments: {' '.join(extra)}")
         if args.command == "train":
             return command_train(args, extra)
         handlers = {"compare": command_compare, "eval": command_eval, "sample": command_sample,
                     "list": command_list, "bench": command_bench, "reproduce": command_reproduce}
         return handlers[args.command](args)
-    except ValueError as error:
-        print(f"routeformer: error: {error}", file=sys.stderr)
-        return 2
+    except (ValueError, CheckpointError) as error:
+        return _fail(error, EXIT_BAD_INPUT)
+    except OSError as error:  # a path that cannot be read or written: says which and why
+        return _fail(error, EXIT_BAD_INPUT)
+    except TrainingDiverged as error:
+        return _fail(error, EXIT_FAILED)
+    except KeyboardInterrupt:
+        print("routeformer: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _fail(error: BaseException, status: int) -> int:
+    message = " ".join(str(error).split())  # one line, whatever the exception held
+    print(f"routeformer: error: {message or type(error).__name__}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

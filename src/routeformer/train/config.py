@@ -36,7 +36,8 @@ class TrainConfig:
     beta2: float = 0.99
     grad_clip: float = 1.0  # 0 disables clipping
     eval_every: int = 200
-    eval_tokens: int = 65536  # validation tokens per periodic evaluation (final eval: all)
+    eval_tokens: int = 65536  # validation tokens per periodic evaluation
+    final_eval_tokens: int | None = None  # validation tokens of the final evaluation (None: all)
     checkpoint_every: int = 100
     log_every: int = 50
     seed: int = 0
@@ -68,6 +69,8 @@ class RunConfig:
         from routeformer.data.meta_tokens import check_density
 
         check_density("data.meta_density", self.data.meta_density)
+        if self.train.final_eval_tokens is not None:
+            check_positive("train.final_eval_tokens", self.train.final_eval_tokens)
         if not self.train.lr > 0:
             raise ValueError(f"train.lr must be > 0; got {self.train.lr!r}")
         if not 0 <= self.train.min_lr_ratio <= 1:
@@ -178,7 +181,8 @@ def _set(values: dict[str, Any], key: str, raw: str) -> None:
         owners = [name for name, part in values.items() if isinstance(part, dict) and key in part]
         if len(owners) != 1:
             raise ValueError(
-                f"unknown config key {key!r}" if not owners
+                f"unknown config key {key!r}; keys are model.*, data.*, train.* or out_dir "
+                "(bare names where unambiguous)" if not owners
                 else f"config key {key!r} is ambiguous; use one of {[f'{o}.{key}' for o in owners]}"
             )
         key = f"{owners[0]}.{key}"

@@ -229,7 +229,7 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
         return TrainResult(step, None, model, vocab, out_dir, train_seconds, guard.skipped)
 
     final = evaluate_lm(model, val_ids, seq_len=config.data.seq_len, batch_size=settings.batch_size,
-                        **meta_eval)
+                        max_tokens=settings.final_eval_tokens, **meta_eval)
     log.write({"step": step, "final": True, **{f"val_{k}": v for k, v in final.items()}})
     say(f"final validation ({final['tokens']:,} chars): loss {final['loss']:.4f} nats, "
         f"bits per character {final['bpc']:.4f}, perplexity {final['ppl']:.3f}"

@@ -8,12 +8,18 @@ optimizer, step, history, the batch generator's and torch's RNG states — to
 n resumes from it: an interrupted experiment re-runs nothing but the steps after its last
 evaluation, and ends with the same weights and history as an uninterrupted one. A finished call
 resumes as finished (its final weights loaded), so a run that trains several models in turn
-skips the finished ones. Outside such a block nothing is written.
+skips the finished ones. Outside such a block nothing is written. A corrupt checkpoint is reported,
+moved aside (`.corrupt`) and the call starts over.
+
+A step with a non-finite loss or gradient is skipped; MAX_NONFINITE_STEPS in a row stop the run
+(train/guard.py).
 """
 
 from __future__ import annotations
 
 import glob
+import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,9 +31,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from routeformer.train.checkpoint import load_checkpoint, save_checkpoint
+from routeformer.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from routeformer.train.guard import NonFiniteGuard
 from routeformer.train.optim import weight_decay_groups
 from routeformer.train.schedule import learning_rate
+
+MAX_NONFINITE_STEPS = 10  # a module constant, not a config field: checkpoints compare configs
 
 
 @dataclass
@@ -93,6 +102,10 @@ def _resume(path: Path, config: TaskTrainConfig, model: nn.Module, optimizer: to
     return state["step"] + 1, state["history"]
 
 
+def _warn(message: str) -> None:
+    print(f"routeformer: warning: {message}", file=sys.stderr, flush=True)
+
+
 def layer_stat(stats: list[dict[str, Tensor]], key: str) -> float | None:
     """Mean of one per-layer diagnostic over the layers that report it."""
     values = [float(layer[key]) for layer in stats if key in layer]
@@ -116,9 +129,14 @@ def train_task(
     resumable = _RESUMABLE.get()
     checkpoint = None if resumable is None else resumable.next_path()
     if checkpoint is not None and checkpoint.exists():
-        first_step, history = _resume(checkpoint, config, model, optimizer, generator)
-        if log:
-            log(f"resumed from {checkpoint.name} after step {first_step - 1}")
+        try:
+            first_step, history = _resume(checkpoint, config, model, optimizer, generator)
+            if log:
+                log(f"resumed from {checkpoint.name} after step {first_step - 1}")
+        except CheckpointError as error:  # nothing was restored: the call starts over
+            os.replace(checkpoint, checkpoint.with_name(checkpoint.name + ".corrupt"))
+            _warn(f"{error}; moved aside, this run starts over")
+    guard = NonFiniteGuard(MAX_NONFINITE_STEPS, warn=_warn)
     began = time.perf_counter()
     for step in range(first_step, config.steps + 1):
         rate = learning_rate(step - 1, lr=config.lr, warmup_steps=config.warmup_steps,
@@ -130,9 +148,10 @@ def train_task(
         result = forward(model, inputs, labels)
         optimizer.zero_grad(set_to_none=True)
         result.total_loss.backward()
-        if config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), config.grad_clip if config.grad_clip > 0 else float("inf"))
+        if guard.allows(step, result.total_loss, grad_norm):
+            optimizer.step()
         if step % config.eval_every == 0 or step == config.steps:
             history.train_seconds += time.perf_counter() - began
             model.eval()  # the step loop puts it back in train mode
