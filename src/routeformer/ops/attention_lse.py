@@ -7,7 +7,7 @@ Axes: B batch, H heads (any leading axes in the reference), Lq queries, Lk keys,
 Attention split over disjoint key sets is recombined exactly by `merge_partials` (the online-softmax
 rule): out = Σ_i exp(lse_i − logsumexp_j lse_j) out_i. Keys are excluded through `bias`, an additive
 float mask; use `MASKED` (a large finite negative, so a row with no allowed key gets lse ≈ MASKED
-and weight 0 in the merge, never a NaN).
+and weight 0 in the merge, never a NaN; `masked_bias(dtype)` gives the value that fits fp16).
 
 Fast path (CPU): PyTorch's fused flash kernel, which computes the lse anyway. Its backward has no
 lse input, so the lse gradient g is folded in through one extra value column: with v' = [v, 0],
@@ -22,6 +22,12 @@ import torch
 from torch import Tensor
 
 MASKED = -1e30  # bias of an excluded key: finite, so an all-excluded row stays NaN-free
+
+
+def masked_bias(dtype: torch.dtype) -> float:
+    """`MASKED`, or half of the dtype's lowest value where -1e30 does not fit (fp16: -32752, whose
+    exp is still exactly 0, and a score added to it does not overflow to -inf)."""
+    return max(MASKED, torch.finfo(dtype).min / 2)
 
 _KERNEL = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _KERNEL_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -38,7 +44,7 @@ def attention_with_lse_reference(
         scores = scores + bias
     if causal:
         upper = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(upper, MASKED)
+        scores = scores.masked_fill(upper, masked_bias(scores.dtype))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.exp(scores - lse[..., None]) @ v, lse
 

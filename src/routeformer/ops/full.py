@@ -1,7 +1,8 @@
 """Full softmax attention (the `full` expert).
 
 Axes: B batch, H heads, T length (Tq queries, Tk keys), d head dim.
-Fast path: `scaled_dot_product_attention`. Reference: explicit masked softmax.
+Fast path: `scaled_dot_product_attention`, under a padding mask in O(T) extra memory
+(ops/padded_keys.py). Reference: explicit masked softmax.
 A query row whose keys are all masked returns zeros (never NaN), in both.
 """
 
@@ -13,6 +14,11 @@ from torch import Tensor
 
 from routeformer.ops._checks import check_qkv
 from routeformer.ops.flops import dense_attention_flops
+from routeformer.ops.padded_keys import (
+    bidirectional_padded_attention,
+    causal_padded_attention,
+    widened_width,
+)
 
 
 def allowed_keys(
@@ -42,8 +48,10 @@ def full_attention(
     check_qkv(q, k, v, mask, causal=causal)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    allowed = allowed_keys(q.shape[0], q.shape[2], mask, causal, q.device)
-    return sdpa_allowed(q, k, v, allowed, scale)
+    # O(T) memory under a padding mask, never a dense [B, 1, Tq, Tk] one (ops/padded_keys.py).
+    if causal:
+        return causal_padded_attention(q, k, v, mask, scale)
+    return bidirectional_padded_attention(q, k, v, mask, scale)
 
 
 def sdpa_allowed(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float | None = None) -> Tensor:
@@ -89,11 +97,12 @@ def full_attention_flops(
 ) -> int:
     """Executed FLOPs of `full_attention`.
 
-    Without a padding mask the fused causal kernel skips the upper triangle (T(T+1)/2 pairs);
-    with one (`masked`), the kernel scores every pair and masks afterwards.
+    The fused causal kernel skips the upper triangle (T(T+1)/2 pairs); under a padding mask
+    (`masked`) it runs on q, k, v widened to `widened_width` (the bias column, ops/padded_keys.py).
+    Bidirectional attention scores every pair.
     """
-    if causal and not masked:
-        pairs = num_queries * (num_queries + 1) // 2
-    else:
-        pairs = num_queries * num_keys
-    return batch * heads * dense_attention_flops(pairs, head_dim)
+    if not causal:
+        return batch * heads * dense_attention_flops(num_queries * num_keys, head_dim)
+    pairs = num_queries * (num_queries + 1) // 2
+    width = widened_width(head_dim, head_dim) if masked else head_dim
+    return batch * heads * dense_attention_flops(pairs, width)
