@@ -1,8 +1,10 @@
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from routeformer.cli import CONFIG_DIR, main
@@ -102,3 +104,87 @@ def test_bench_meta_tokens_mask_has_the_asked_density():
 
     meta = random_meta_mask(3, 4096, 0.1)
     assert meta.sum(1).tolist() == [410, 410, 410]
+
+
+# Every subcommand, every bad input: one line `routeformer: error: ...`, exit status 2.
+@pytest.fixture(scope="module")
+def places(tmp_path_factory):
+    """A trained toy run, an empty directory, a plain file, a junk checkpoint, a missing path."""
+    root = tmp_path_factory.mktemp("cli")
+    run = root / "run"
+    assert main(["train", "--config", "tiny", "--out_dir", str(run), "--steps", "2",
+                 "--final_eval_tokens", "512"]) == 0
+    (root / "empty").mkdir()
+    (root / "file").write_text("x")
+    (root / "junk.pt").write_bytes(b"not a checkpoint")
+    return {"RUN": str(run), "EMPTY": str(root / "empty"), "FILE": str(root / "file"),
+            "JUNK": str(root / "junk.pt"), "MISSING": str(root / "missing")}
+
+
+BAD_INPUTS = [
+    ([], "the following arguments are required: command"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["list", "--bogus"], "unrecognised arguments: --bogus"),
+    (["compare", "--bogus"], "unrecognised arguments: --bogus"),
+    (["train", "--lr", "abc"], "train.lr must be a number (like 3e-4, 0.1 or 1_000); got 'abc'"),
+    (["train", "--steps", "-3"], "train.steps must be a positive integer; got -3"),
+    (["train", "--model.attention_options", "5"], "model.attention_options must be a mapping"),
+    (["train", "--model.attention", "local", "--model.attention_options", "{local: {bogus: 1}}",
+      "--out_dir", "MISSING"], "unknown option(s) ['bogus'] for attention 'local'"),
+    (["train", "--model.attention", "nope", "--out_dir", "MISSING"], "unknown attention 'nope'"),
+    (["train", "--out_dir", "FILE"], "is a file"),
+    (["train", "--out_dir", "FILE/sub"], "is a file"),
+    (["train", "--bogus", "1"], "unknown config key 'bogus'"),
+    (["train", "--steps"], "override --steps needs a value"),
+    (["train", "steps", "3"], "expected an override like --key value; got 'steps'"),
+    (["train", "--config", "MISSING"], "is neither a file nor a bundled config"),
+    (["train", "--config", "JUNK"], "must hold a mapping"),
+    (["train", "--precision", "fp16", "--out_dir", "MISSING"], "train.precision='fp16' needs a CUDA device"),
+    (["train", "--out_dir", "RUN", "--model.dim", "64"], "cannot resume"),
+    (["eval", "MISSING"], "does not exist"),
+    (["eval", "EMPTY"], "no checkpoint in"),
+    (["eval", "JUNK"], "is not a routeformer checkpoint"),
+    (["eval", "RUN", "--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1; got '0'"),
+    (["eval", "RUN", "--corpus", "nope"], "unknown corpus 'nope'"),
+    (["sample", "RUN", "--tokens", "-1"], "argument --tokens: must be an integer >= 0; got '-1'"),
+    (["sample", "RUN", "--temperature", "-1"], "argument --temperature: must be a finite number >= 0"),
+    (["sample", "RUN", "--top-k", "0"], "argument --top-k: must be an integer >= 1"),
+    (["sample", "RUN", "--prompt", ""], "prompt must not be empty"),
+    (["sample", "MISSING"], "does not exist"),
+    (["bench", "nope"], "argument suite: invalid choice: 'nope'"),
+    (["bench", "ops", "--lengths", "0"], "argument --lengths: must be an integer >= 1; got '0'"),
+    (["bench", "ops", "--lengths", "abc"], "argument --lengths: must be an integer >= 1; got 'abc'"),
+    (["bench", "ops", "--repeats", "0"], "argument --repeats: must be an integer >= 1"),
+    (["bench", "ops", "--lengths", "64", "--repeats", "1", "--output", "FILE/ops.md"], "File exists"),
+    (["reproduce", "nope"], "unknown experiment 'nope'"),
+    (["reproduce", "--quick", "nope", "--out", "FILE"], "unknown experiment 'nope'"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[" ".join(a) or "(none)" for a, _ in BAD_INPUTS])
+def test_every_bad_input_is_one_line_and_exit_2(places, capsys, argv, message):
+    argv = [places.get(arg.split("/")[0], arg.split("/")[0]) + arg[len(arg.split("/")[0]):] for arg in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("routeformer: error: ") and "\n" not in err, err
+    assert message in err
+
+
+def test_a_corrupt_checkpoint_reaches_stderr_as_one_line_without_traceback(places, tmp_path):
+    run = Path(shutil.copytree(places["RUN"], tmp_path / "run"))
+    for path in run.glob("checkpoint*.pt"):
+        path.write_bytes(path.read_bytes()[:-100])  # truncated
+    result = subprocess.run([sys.executable, "-m", "routeformer.cli", "eval", str(run)], capture_output=True,
+                            text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("routeformer: error: no intact checkpoint in")
+    assert all("corrupt or truncated" in line for line in lines[:-1]) and len(lines) == 2
+
+
+def test_a_bad_override_in_a_subprocess_gives_no_traceback():
+    result = subprocess.run([sys.executable, "-m", "routeformer.cli", "train", "--model.attention_options",
+                             "5"], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == ("routeformer: error: model.attention_options must be a mapping like "
+                             "{local: {window: 64}}; got 5\n")
