@@ -216,3 +216,31 @@ def test_low_precision_forward_backward(name, causal, dtype, device):
     for param_name, param in layer.named_parameters():
         if param.grad is not None:
             assert torch.isfinite(param.grad).all(), f"{name} {dtype}: {param_name} gradient not finite"
+
+
+@pytest.mark.parametrize("name", _params("padding"))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_padding_mask_is_never_a_dense_square_mask(name, causal, monkeypatch):
+    """A key-padding mask costs O(T) memory: no SDPA call receives a mask with ≥ T²/2 entries per
+    sequence (the dense [B, 1, T, T] form padding used to take). A smoke test, not a bound on every
+    allocation: the peak-memory figures at T = 8192 are in the closing note of issue 25."""
+    import torch.nn.functional as F
+
+    largest = [0]
+    real_sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, attn_mask=None, **kwargs):
+        if attn_mask is not None:
+            largest[0] = max(largest[0], attn_mask.numel())
+        return real_sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    layer = make_layer(name, causal=causal)
+    batch, length = 2, 96
+    x = torch.randn(batch, length, DIM, generator=torch.Generator().manual_seed(8))
+    mask = torch.ones(batch, length, dtype=torch.bool)
+    mask[1, 70:] = False
+    mask[0, :9] = False
+    with torch.no_grad():
+        layer(x, mask=mask)
+    assert largest[0] < batch * length * length / 2, f"{name}: an SDPA mask of {largest[0]} entries"
