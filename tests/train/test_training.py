@@ -50,6 +50,7 @@ def test_training_lowers_the_loss_and_logs(tmp_path):
     assert records[-1]["final"] and records[-1]["val_bpc"] == pytest.approx(result.final_eval["bpc"])
     assert result.final_eval["bpc"] == pytest.approx(result.final_eval["loss"] / math.log(2))
     assert any("val_loss" in r for r in records[:-1])
+    assert all(r["peak_mem_mib"] > 0 for r in records if "loss" in r)  # peak memory of the steps
 
 
 @pytest.mark.parametrize("interruption", ["crash", "keyboard"])
