@@ -156,3 +156,51 @@ def test_oversized_bidirectional_budgets_warn_once_and_are_kept():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         make_causal(landmarks=40, topk=30, block=4)(x)  # causal: the streaming definition, no warning
+
+
+DECODE_SETTINGS = [{"landmarks": 2, "topk": 3, "route": 2}, {"landmarks": 8, "topk": 6},
+                   {"landmarks": 3, "topk": 0}, {"landmarks": 3, "topk": 4, "shared": False}]
+
+
+@pytest.mark.parametrize("settings", DECODE_SETTINGS, ids=str)
+@pytest.mark.parametrize("pieces", [[1] * 23, [9, 1, 1, 7, 5], [23]], ids=["steps", "mixed", "prefill"])
+def test_cached_decoding_equals_the_parallel_pass(settings, pieces):
+    """Token by token, in uneven pieces (crossing blocks) or in one prefill: the parallel rows."""
+    layer = make_causal(block=4, rotary=True, **settings)
+    x = torch.randn(2, 23, DIM, generator=torch.Generator().manual_seed(4))
+    cache, outs, start = {}, [], 0
+    with torch.no_grad():
+        parallel = layer(x).out
+        for size in pieces:
+            positions = torch.arange(start, start + size).expand(2, size)
+            outs.append(layer.decode(x[:, start:start + size], positions=positions, cache=cache))
+            start += size
+    torch.testing.assert_close(torch.cat(outs, dim=1), parallel, atol=2e-5, rtol=1e-4)
+    assert cache["landmark"].shape[2] == 23 // 4  # one landmark per completed block
+    assert layer.supports_cache and not make().supports_cache
+
+
+def test_cached_language_model_logits_equal_the_parallel_pass():
+    """CausalLM with mita layers: logits decoded in pieces (a prefill, then steps) are the parallel
+    pass's, and greedy generation with the cache gives the tokens of generation without it."""
+    from routeformer.models.cache import DecodeCache
+    from routeformer.models.config import ModelConfig
+    from routeformer.models.heads import CausalLM
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=19, dim=32, depth=2, heads=2, attention="mita", max_seq_len=64,
+                         attention_options={"mita": {"landmarks": 2, "topk": 3, "route": 2, "block": 4}})
+    model = CausalLM(config).eval()
+    for parameter in model.parameters():  # larger weights than the init, so differences show
+        parameter.data.normal_(0, 0.3)
+    tokens = torch.randint(0, 19, (2, 21), generator=torch.Generator().manual_seed(1))
+    cache, logits, start = DecodeCache(), [], 0
+    with torch.no_grad():
+        parallel = model(tokens).logits
+        for size in [6, 3, 1, 1, 5, 1, 4]:
+            logits.append(model(tokens[:, start:start + size], cache=cache).logits)
+            start += size
+    torch.testing.assert_close(torch.cat(logits, dim=1), parallel, atol=2e-5, rtol=1e-4)
+    prompt = tokens[:, :5]
+    assert torch.equal(model.generate(prompt, 12, temperature=0, use_cache=True),
+                       model.generate(prompt, 12, temperature=0, use_cache=False))

@@ -29,6 +29,10 @@ repeated) — both warn once per layer, since the budget then buys nothing.
 Padding: padded tokens take no place in the layout (windows and blocks count real tokens only), are
 never pooled into a landmark, never routed to and never in the shared expert.
 
+Cached decoding (`CausalLM.generate`, `decode`): causal builds keep every key, the incomplete
+block's queries and each completed block's landmark, shared value and expert
+(`routeformer.ops.mita_decode`); new tokens get the parallel pass's outputs.
+
 stats: `flops` (executed), `flops_vs_full` (against dense attention over the same N),
 `expert_load_max` (the busiest expert's share of routed queries times E: 1 = perfectly balanced).
 """
@@ -45,6 +49,7 @@ from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
 from routeformer.ops.flops import dense_attention_flops
 from routeformer.ops.mita import DEFAULT_BLOCK, DEFAULT_PACK, check_mita_args, mita_attention
+from routeformer.ops.mita_decode import mita_decode
 
 PRESETS: dict[str, dict[str, object]] = {
     "mita": {},
@@ -125,6 +130,16 @@ class MitaAttention(AttentionLayer):
         }
         out = self.out_proj(self.merge_heads(result.out, x))
         return AttentionOutput(out=out, aux_loss=x.new_zeros(()), stats=stats)
+
+    @property
+    def supports_cache(self) -> bool:
+        """Causal builds decode token by token (`ops.mita_decode`): the streaming layout fixes a
+        block's landmark and expert once the block is complete, so a cache can hold them."""
+        return self.causal
+
+    def decode_attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cache: dict) -> Tensor:
+        return mita_decode(q, k, v, start, cache, landmarks=self.landmarks, topk=self.topk,
+                           route=self.route, shared=self.shared, block=self.block)
 
     def _warn_if_oversized(self, length: int) -> None:
         """Bidirectional budgets larger than the input are kept (not clamped) but buy nothing: say
