@@ -110,3 +110,33 @@ def test_cached_run_resumes_its_training_and_then_deletes_the_checkpoints(tmp_pa
     assert training_checkpoints(tmp_path / "runs", "cell") == []
     straight = cached_run(tmp_path / "other", "cell", compute)
     assert straight["first"] == record["first"] and straight["second"] == record["second"]
+
+
+def test_a_corrupt_checkpoint_is_reported_and_the_call_starts_over(tmp_path, capsys):
+    reference, reference_history, _ = _train(tmp_path / "straight", "run")
+    with pytest.raises(_Interrupted):
+        _train(tmp_path / "killed", "run", fail_at_call=6)
+    (saved,) = training_checkpoints(tmp_path / "killed", "run")
+    saved.write_bytes(saved.read_bytes()[:-50])  # truncated
+    resumed, history, calls = _train(tmp_path / "killed", "run")
+    assert "run.train0.pt' is corrupt or truncated" in capsys.readouterr().err
+    assert len(calls) == CONFIG.steps and (tmp_path / "killed/run.train0.pt.corrupt").exists()
+    assert history.evals == reference_history.evals
+
+
+def test_a_non_finite_step_is_skipped(tmp_path, capsys):
+    calls = []
+
+    def forward(model, inputs, labels):
+        calls.append(None)
+        output = _forward(model, inputs, labels)
+        if len(calls) == 3:  # one poisoned step: its update is skipped, the run goes on
+            output.total_loss = output.loss = output.loss * float("nan")
+        return output
+
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    history = train_task(model, _batches()[0], _evaluate, CONFIG, forward=forward)
+    assert "step 3: non-finite loss nan" in capsys.readouterr().err
+    assert len(history.evals) == 4 and all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
