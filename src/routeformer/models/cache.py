@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # The mechanisms whose layers can decode incrementally (meta only with a fixed position_scale).
-CACHED_MECHANISMS = ("full", "gated", "local", "linear", "meta", "meta_tokens")
-CACHED_DESCRIPTION = "full, gated, local, linear, meta (with position_scale) and meta_tokens"
+CACHED_MECHANISMS = ("full", "gated", "local", "linear", "meta", "meta_tokens", "mita")
+CACHED_DESCRIPTION = "full, gated, local, linear, meta (with position_scale), meta_tokens and mita"
 
 
 @dataclass
