@@ -89,7 +89,8 @@ def command_compare(args: argparse.Namespace) -> int:
 
     try:
         report = run_compare(args.out, mechanisms=args.mechanisms, tasks=args.tasks, quick=args.quick,
-                             corpus=args.corpus, bench=not args.no_bench)
+                             corpus=args.corpus, bench=not args.no_bench, seeds=args.seeds,
+                             workers=args.workers)
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume", file=sys.stderr)
         return 130
@@ -356,17 +357,21 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     compare = commands.add_parser(
-        "compare", help="every mechanism on the same tasks and budget, one report",
-        description="Train every registered mechanism (or --mechanisms) on the same tasks (char LM at "
-                    "T=256, MQAR at T=512, ListOps) with one model size and budget, measure quality, "
-                    "executed attention FLOPs, time and memory, and write report.md + result.json + "
-                    "PNGs. Finished (task, mechanism) runs are kept: run it again to resume.")
+        "compare", help="mechanisms on the same tasks, seeds and budget, one report",
+        description="Train mechanisms on the same tasks (char LM, Zoology MQAR, ListOps; routeformer.tasks) "
+                    "with one backbone, budget and batch stream per seed; report quality as mean ± sd over "
+                    "seeds beside each task's chance level and measured shortcut baselines, executed "
+                    "attention FLOPs, time and memory (report.md + result.json + PNGs). Finished runs are "
+                    "kept: run it again to resume.")
     compare.add_argument("--quick", action="store_true",
-                         help="a reduced budget (under 10 minutes on 2 cores)")
+                         help="the quick budget (about 10 minutes on 2 cores; a subset of mechanisms)")
     compare.add_argument("--mechanisms", nargs="+", default=None,
-                         help="subset of `routeformer list` (default: all)")
+                         help="subset of `routeformer list` (default: the budget's selection)")
     compare.add_argument("--tasks", nargs="+", default=None,
                          help="subset of lm mqar listops (default: all)")
+    compare.add_argument("--seeds", type=int, default=None, help="seeds per mechanism (default: 3)")
+    compare.add_argument("--workers", type=int, default=2,
+                         help="training processes, one thread each (default: 2)")
     compare.add_argument("--corpus", default="pydoc",
                          help="LM corpus (default: the embedded pydoc; wikitext2 for WikiText-2 text)")
     compare.add_argument("--out", default="runs/compare", help="output directory (default: runs/compare)")

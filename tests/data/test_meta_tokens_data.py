@@ -71,11 +71,11 @@ def test_char_vocab_reserves_pause_and_old_vocabularies_keep_their_ids():
 
 def test_task_vocabularies_reserve_a_pause_id_their_data_never_uses():
     from routeformer.data import listops, recall_tasks
-    from routeformer.data.mqar import MQARConfig, mqar_batch
+    from routeformer.tasks import build_task
 
-    config = MQARConfig(seq_len=64, pairs=8, vocab_size=64)
-    inputs, _ = mqar_batch(config, 8, torch.Generator().manual_seed(0))
-    assert config.pause_id == 64 and int(inputs.max()) < config.pause_id
+    mqar = build_task("mqar", seq_len=64, pairs=8, vocab_size=64)
+    inputs, _ = mqar.batch(8, torch.Generator().manual_seed(0))
+    assert int(inputs.max()) < mqar.vocab_size  # id vocab_size is free for a meta-token
     examples = listops.generate_listops(4, listops.ListOpsConfig(min_length=10, max_length=60), seed=0)
     assert all(listops.PAUSE not in tokens for tokens, _ in examples)
     assert listops.VOCAB_SIZE_WITH_PAUSE == listops.PAUSE + 1

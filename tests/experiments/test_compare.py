@@ -1,4 +1,4 @@
-"""`routeformer compare` at toy size: selection errors, the Pareto front, a full run, resume."""
+"""`routeformer compare` at toy size: selection errors, statistics, the report, resume, the CLI."""
 
 import json
 
@@ -6,55 +6,105 @@ import pytest
 
 from routeformer.cli import main
 from routeformer.experiments import compare
-from routeformer.experiments.compare import CompareBudget, check_selection, pareto_front, run_compare
+from routeformer.experiments.compare import CompareBudget, TaskSetup, check_selection, run_compare
+from routeformer.experiments.compare_report import mean_sd, pareto_front, separated
+from routeformer.train.on_task import ModelSpec
 
-TOY = CompareBudget("toy", lm_steps=2, mqar_steps=2, listops_steps=2, batch_size=2, mqar_test_sequences=64,
-                    listops_lengths=(20, 40), listops_examples=(16, 8), bench_lengths=(64,), repeats=1)
+
+def toy_budget(seeds=2):
+    def setup(options, test=16):
+        return TaskSetup(options, steps=2, batch_size=4, lr=1e-3, warmup_steps=1, evals=1,
+                         validation_sequences=8, test_sequences=test)
+    return CompareBudget("toy", tasks={
+        "lm": setup({"corpus": "pydoc", "seq_len": 32}),
+        "mqar": setup({"seq_len": 32, "pairs": 4, "vocab_size": 32}),
+        "listops": setup({"seq_len": 32, "max_length": 31, "pool": 400})},
+        seeds=seeds, spec=ModelSpec(dim=16, depth=1, heads=2), bench_lengths=(64,), repeats=1)
 
 
 def test_selection_is_checked_against_the_registry():
     mechanisms, tasks = check_selection(None, None)
     assert mechanisms[0] == "full" and {"topk", "meta", "meta_tokens"} <= set(mechanisms)
     assert tasks == ["lm", "mqar", "listops"]
+    assert check_selection(None, None, compare.QUICK)[0] == ["full", *[m for m in compare.QUICK.mechanisms
+                                                                        if m != "full"]]
     with pytest.raises(ValueError, match=r"mechanisms: unknown \['nope'\]; registered: "):
         check_selection(["full", "nope"], None)
     with pytest.raises(ValueError, match=r"tasks: unknown \['vision'\]; valid: \['lm', 'mqar', 'listops'\]"):
         check_selection(None, ["vision"])
 
 
-def test_pareto_front():
-    # name: (flops, quality). Lower is better (bits/char): a dominates b (fewer FLOPs, lower bits);
-    # c and e tie, and a tie dominates neither.
+def test_statistics_and_pareto_front():
+    assert mean_sd([1.0, 2.0, 3.0]) == (2.0, 1.0)
+    assert mean_sd([5.0]) == (5.0, 0.0)
+    assert separated((1.0, 0.1), (1.31, 0.05)) and not separated((1.0, 0.1), (1.29, 0.05))
+    assert not separated((1.0, 0.0), (2.0, 0.0))  # a single seed separates nothing
     points = {"a": (1.0, 2.0), "b": (2.0, 2.5), "c": (3.0, 1.5), "d": (0.5, 3.0), "e": (3.0, 1.5)}
     assert pareto_front(points, higher_is_better=False) == {"a", "c", "d", "e"}
-    # Higher is better (accuracy): d is both the cheapest and the best, so it dominates every other.
     assert pareto_front(points, higher_is_better=True) == {"d"}
+
+
+def test_options_scale_with_the_task_length():
+    assert compare.options_for("local", 128) == {"window": 32}
+    assert compare.options_for("topk", 32) == {"topk": 4}
+    assert compare.options_for("full", 32) == {}
 
 
 def test_toy_compare_writes_the_report_and_resumes(tmp_path, monkeypatch):
     out = tmp_path / "compare"
-    report = run_compare(out, mechanisms=["full", "local", "meta_tokens"], budget=TOY)
+    report = run_compare(out, mechanisms=["full", "local", "meta_tokens"], budget=toy_budget(), workers=1)
     result = json.loads((out / "result.json").read_text())
     assert set(result["tasks"]) == {"lm", "mqar", "listops"}
-    lm = {row["mechanism"]: row for row in result["tasks"]["lm"]}
+    lm = {row["mechanism"]: row for row in result["tasks"]["lm"]["rows"]}
     assert set(lm) == {"full", "local", "meta_tokens"}  # meta_tokens only on the LM
-    assert {row["mechanism"] for row in result["tasks"]["mqar"]} == {"full", "local"}
-    assert lm["full"]["flops_vs_full"] == 1.0 and 0 < lm["local"]["flops_vs_full"] < 1  # window T/4
+    assert {row["mechanism"] for row in result["tasks"]["mqar"]["rows"]} == {"full", "local"}
     for row in lm.values():
-        assert row["quality"] > 0 and row["train_step_ms"] > 0 and row["inference_ms"] > 0
+        assert len(row["qualities"]) == 2 and row["seeds"] == [0, 1]
+        assert row["quality_mean"] == pytest.approx(sum(row["qualities"]) / 2)
+        assert row["parameters"] > 0 and row["train_step_ms"] > 0 and row["inference_ms"] > 0
+    assert lm["full"]["flops_vs_full"] == 1.0 and 0 < lm["local"]["flops_vs_full"] < 1
+    mqar_floor = result["tasks"]["mqar"]["floor"]
+    assert mqar_floor["chance"] == pytest.approx(1 / 16) and len(mqar_floor["baselines"]) == 3
     assert {(row["T"], row["mechanism"]) for row in result["bench"]} == {(64, "full"), (64, "local"),
                                                                            (64, "meta_tokens")}
     text = report.read_text()
-    assert "## lm" in text and "## mqar" in text and "## listops" in text and "vs full" in text
+    for heading in ("## lm", "## mqar", "## listops", "shortcut rules", "mean ± sd", "params"):
+        assert heading in text
+    # the same seed gives every mechanism the same batches: the records say which seed they used
+    runs = sorted(p.name for p in (out / "runs").glob("toy-mqar-*-seed*.json"))
+    assert runs == ["toy-mqar-full-seed0.json", "toy-mqar-full-seed1.json",
+                    "toy-mqar-local-seed0.json", "toy-mqar-local-seed1.json"]
 
     def must_not_run(*args, **kwargs):
-        raise AssertionError("a finished (task, mechanism) was run again")
+        raise AssertionError("a finished run was run again")
 
-    monkeypatch.setattr(compare, "_run_job", must_not_run)
-    monkeypatch.setattr(compare, "bench_layers", must_not_run)
-    run_compare(out, mechanisms=["full", "local", "meta_tokens"], budget=TOY)  # all cached
+    monkeypatch.setattr(compare, "train_job", must_not_run)
+    monkeypatch.setattr(compare, "measure_task_costs", must_not_run)
+    run_compare(out, mechanisms=["full", "local", "meta_tokens"], budget=toy_budget(), workers=1)
 
 
-def test_compare_cli_rejects_unknown_mechanisms(tmp_path, capsys):
+def test_same_seed_same_batches_across_mechanisms():
+    from routeformer.tasks import build_task
+    from routeformer.train.on_task import train_on_task
+    from routeformer.train.task_loop import TaskTrainConfig
+
+    task = build_task("mqar", seq_len=32, pairs=4, vocab_size=32)
+    original = task.batch
+    inputs = {}
+    for mechanism in ("full", "linear"):
+        drawn = []
+        task.batch = lambda size, generator, split="train", drawn=drawn: drawn.append(
+            original(size, generator, split)) or drawn[-1]
+        train_on_task(task, mechanism, {}, seed=3, spec=ModelSpec(dim=16, depth=1, heads=2),
+                      train=TaskTrainConfig(steps=3, batch_size=4, eval_every=3, seed=3),
+                      validation_sequences=8, test_sequences=8)
+        inputs[mechanism] = [batch[0] for batch in drawn]
+    assert len(inputs["full"]) == 5 and all(  # 3 training batches, the validation and test samples
+        bool((a == b).all()) for a, b in zip(inputs["full"], inputs["linear"], strict=True))
+
+
+def test_compare_cli_rejects_bad_input_in_one_line(tmp_path, capsys):
     assert main(["compare", "--mechanisms", "nope", "--out", str(tmp_path)]) == 2
     assert "mechanisms: unknown ['nope']" in capsys.readouterr().err
+    assert main(["compare", "--seeds", "0", "--out", str(tmp_path)]) == 2
+    assert "seeds must be a positive integer" in capsys.readouterr().err

@@ -216,12 +216,12 @@ def test_chain_attention_reads_the_multihop_path_weights(options):
 
 
 def test_mqar_grid_writes_its_report_and_skips_finished_runs(tmp_path, monkeypatch):
-    from routeformer.data.mqar import MQARConfig
     from routeformer.experiments import topk as topk_experiments
+    from routeformer.tasks.mqar import MQAR
 
     variants = {"full": ("full", {}),
                 "topk(K=2,distill)": ("topk", {"topk": 2, "routing_learning": "distill"})}
-    grid = topk_experiments.MQARGrid(tasks={16: MQARConfig(seq_len=16, pairs=2, vocab_size=16)}, steps=2,
+    grid = topk_experiments.MQARGrid(tasks={16: MQAR(seq_len=16, pairs=2, vocab_size=16)}, steps=2,
                                      batch_size=2, variants=lambda length: variants, note="a toy task")
     text = topk_experiments._run_mqar_grid(tmp_path, "toy-mqar", False, grid).read_text()
     assert "a toy task" in text and "| 16 | 2 | topk(K=2,distill) |" in text

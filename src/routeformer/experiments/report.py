@@ -95,16 +95,23 @@ def line_plot(
 
 def scatter_plot(
     path: Path, points: dict[str, tuple[float, float]], highlighted: set[str], *, xlabel: str, ylabel: str,
-    title: str,
+    title: str, errors: dict[str, float] | None = None, reference: tuple[str, float] | None = None,
 ) -> Path | None:
     """One labelled point per name (x, y), `highlighted` ones filled and joined in x order (a Pareto
-    front); returns None (and writes nothing) without matplotlib."""
+    front); `errors` adds vertical error bars (± that much), `reference` a labelled horizontal line
+    (a task's floor). Returns None (and writes nothing) without matplotlib."""
     plt = _pyplot()
     if plt is None:
         return None
     figure, axes = plt.subplots(figsize=(6.4, 4.2))
+    if reference is not None:
+        axes.axhline(reference[1], color="grey", linestyle=":", linewidth=1)
+        axes.annotate(reference[0], (min(x for x, _ in points.values()), reference[1]), fontsize=7,
+                      color="grey", xytext=(0, 3), textcoords="offset points")
     for name, (x, y) in points.items():
         on_front = name in highlighted
+        if errors and errors.get(name):
+            axes.errorbar([x], [y], yerr=[errors[name]], color="C0", capsize=3, linewidth=1)
         axes.scatter([x], [y], s=30, color="C0" if on_front else "none", edgecolors="C0")
         axes.annotate(name, (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
     front = sorted(points[name] for name in highlighted)

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from routeformer.data.mqar import MQARConfig, mqar_batch
 from routeformer.experiments.common import lm_comparison, run_key
 from routeformer.experiments.common import log as _log
 from routeformer.experiments.registry import register_experiment
@@ -28,6 +27,7 @@ from routeformer.experiments.report import (
 )
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import CausalLM
+from routeformer.tasks.mqar import MQAR
 from routeformer.train.task_loop import TaskTrainConfig, layer_stat, train_task
 
 MQAR_PAIRS = {256: 16, 512: 32, 1024: 64}
@@ -53,13 +53,15 @@ def mqar_variants(length: int, quick: bool) -> dict[str, tuple[str, dict[str, An
     return _controls_and_topk(LOCAL_WINDOW, ks)
 
 
-def mqar_accuracy(model: CausalLM, task: MQARConfig, sequences: int, seed: int) -> dict[str, float]:
+def mqar_accuracy(
+    model: CausalLM, task: MQAR, sequences: int, seed: int, split: str = "test",
+) -> dict[str, float]:
     generator = torch.Generator().manual_seed(seed)
     correct = total = 0
     recalls = []
     with torch.no_grad():
         for _ in range(max(1, sequences // 64)):
-            inputs, labels = mqar_batch(task, 64, generator)
+            inputs, labels = task.batch(64, generator, split)
             result = model(inputs, labels, logits_at_labels=True)
             correct += int((result.logits.argmax(-1) == labels[labels >= 0]).sum())
             total += int((labels >= 0).sum())
@@ -74,14 +76,14 @@ def mqar_accuracy(model: CausalLM, task: MQARConfig, sequences: int, seed: int) 
 
 def run_mqar_variant(
     length: int, mechanism: str, options: dict, steps: int, seed: int, *, eval_sequences: int = 256,
-    test_sequences: int = 1024, task: MQARConfig | None = None, batch_size: int = 32, dim: int = MQAR_DIM,
-    mlp_ratio: float = 4.0, after_training: Callable[[CausalLM, MQARConfig], dict[str, Any]] | None = None,
+    test_sequences: int = 1024, task: MQAR | None = None, batch_size: int = 32, dim: int = MQAR_DIM,
+    mlp_ratio: float = 4.0, after_training: Callable[[CausalLM, MQAR], dict[str, Any]] | None = None,
     evals: int = 8,
 ) -> dict[str, Any]:
     """Train and test one MQAR model (2 layers, 4 heads, learned positions). `task` defaults to
     the experiment's (MQAR_PAIRS[length] pairs, vocabulary 8192); `after_training(model, task)`
     adds its own entries to the record; `evals` evaluations on `eval_sequences` during training."""
-    task = task or MQARConfig(seq_len=length, pairs=MQAR_PAIRS[length], vocab_size=8192)
+    task = task or MQAR(seq_len=length, pairs=MQAR_PAIRS[length], vocab_size=8192)
     config = ModelConfig(vocab_size=task.vocab_size, dim=dim, depth=2, heads=4, mlp_ratio=mlp_ratio,
                          attention=mechanism, attention_options={mechanism: options} if options else {},
                          positions="learned", max_seq_len=length, tie_embeddings=False)
@@ -90,14 +92,15 @@ def run_mqar_variant(
     train_config = TaskTrainConfig(steps=steps, batch_size=batch_size, lr=1e-3,
                                    eval_every=max(1, steps // evals), seed=seed)
     history = train_task(
-        model, lambda batch, gen: mqar_batch(task, batch, gen),
-        lambda m: mqar_accuracy(m, task, eval_sequences, seed=10_000 + seed), train_config,
+        model, lambda batch, gen: task.batch(batch, gen, "train"),
+        lambda m: mqar_accuracy(m, task, eval_sequences, seed=10_000 + seed, split="validation"),
+        train_config,
         forward=lambda m, inputs, labels: m(inputs, labels, logits_at_labels=True),
         log=lambda line: _log(f"  mqar T={length} {mechanism} {options}: {line}"),
     )
     final = mqar_accuracy(model, task, test_sequences, seed=20_000 + seed)
     with torch.no_grad():
-        inputs, _ = mqar_batch(task, 8, torch.Generator().manual_seed(1))
+        inputs, _ = task.batch(8, torch.Generator().manual_seed(1), "test")
         flops = sum(float(s["flops"]) for s in model.eval().backbone(inputs).stats) / inputs.numel()
     record = {"length": length, "mechanism": mechanism, "options": options, "steps": steps,
               "history": history.evals, "final": final, "train_seconds": history.train_seconds,
@@ -110,7 +113,7 @@ def run_mqar_variant(
 @dataclass(frozen=True)
 class MQARGrid:
     """One MQAR experiment: the tasks per length, the training budget and the variants per length."""
-    tasks: dict[int, MQARConfig]
+    tasks: dict[int, MQAR]
     steps: int
     batch_size: int
     variants: Callable[[int], dict[str, tuple[str, dict[str, Any]]]]
@@ -120,13 +123,13 @@ class MQARGrid:
 def _paper_grid(quick: bool) -> MQARGrid:
     lengths = [256] if quick else [256, 512, 1024]
     return MQARGrid(
-        tasks={n: MQARConfig(seq_len=n, pairs=MQAR_PAIRS[n], vocab_size=8192) for n in lengths},
+        tasks={n: MQAR(seq_len=n, pairs=MQAR_PAIRS[n], vocab_size=8192) for n in lengths},
         steps=300 if quick else 1500, batch_size=32,
         variants=lambda length: mqar_variants(length, quick),
         note="the issue's setting (vocabulary 8192)")
 
 
-SMALL_MQAR = MQARConfig(seq_len=64, pairs=8, vocab_size=64)
+SMALL_MQAR = MQAR(seq_len=64, pairs=8, vocab_size=64)
 
 
 def small_mqar_variants(length: int) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -250,3 +253,52 @@ def lm(out_dir: Path, quick: bool) -> Path:
         description=f"Model: 2 layers, D=128, 4 heads, rotary positions; {steps} steps of batch 16 x 512, "
         "AdamW lr 3e-3, one seed. Bits per character on the whole evaluation split. Attention FLOPs are "
         "those executed (topk at T=512 runs its dense masked path: `dense_below`).")
+
+
+# -- the positional routing probe (issue 25) ----------------------------------------------------
+PREVIOUS_TOKEN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "full": ("full", {}),
+    "topk(K=8,positions=none)": ("topk", {"topk": 8, "routing_positions": "none"}),
+    "topk(K=8,positions=rotary)": ("topk", {"topk": 8, "routing_positions": "rotary"}),
+    "topk(K=8,positions=recency)": ("topk", {"topk": 8, "routing_positions": "recency"}),
+}
+
+
+@register_experiment("topk-previous-token", "previous-token copying, 1-layer rotary model: topk K=8 with "
+                     "no forced keys, router blind to position vs rotary vs recency routing, vs full")
+def previous_token(out_dir: Path, quick: bool) -> Path:
+    """Can the router prefer nearby keys? K=8, local_window=0, global_tokens=0, so key i-1 is read
+    only if the router ranks it among the top 8 of up to 64 keys; test accuracy, 3 seeds."""
+    from statistics import mean, stdev
+
+    from routeformer.tasks import build_task
+    from routeformer.train.on_task import ModelSpec, train_on_task
+
+    steps, seeds = (100, (0,)) if quick else (300, (0, 1, 2))
+    task = build_task("previous_token", seq_len=64, vocab_size=32)
+    spec = ModelSpec(dim=64, depth=1, heads=2, positions="rotary")
+    rows, result = [], {"task": task.describe(), "model": spec.__dict__, "steps": steps, "variants": {}}
+    for name, (mechanism, options) in PREVIOUS_TOKEN_VARIANTS.items():
+        accuracies = []
+        for seed in seeds:
+            train = TaskTrainConfig(steps=steps, batch_size=64, lr=3e-3, warmup_steps=steps // 10,
+                                    eval_every=steps, seed=seed)
+            record = cached_run(out_dir, f"{run_key(name)}-seed{seed}", lambda: train_on_task(
+                task, mechanism, options, seed=seed, train=train, spec=spec))  # noqa: B023
+            accuracies.append(record["test"]["accuracy"])
+            _log(f"{name} seed {seed}: test accuracy {accuracies[-1]:.4f}")
+        spread = stdev(accuracies) if len(accuracies) > 1 else 0.0
+        result["variants"][name] = {"accuracies": accuracies, "mean": mean(accuracies), "sd": spread}
+        per_seed = ", ".join(f"{a:.3f}" for a in accuracies)
+        rows.append([name, f"{mean(accuracies):.3f} ± {spread:.3f}", per_seed])
+    command = "routeformer reproduce topk-previous-token" + (" --quick" if quick else "")
+    markdown = "\n\n".join([
+        "# topk-previous-token: can top-k routing prefer nearby keys?",
+        f"Task: previous_token, T=64, vocabulary 32 (chance {task.chance:.3f}). Model: 1 layer, D=64, "
+        f"2 heads, rotary positions; {steps} steps of batch 64, AdamW lr 3e-3, {steps // 10} warm-up "
+        "steps. topk: K=8, local_window=0, global_tokens=0, routing_learning='distill'. "
+        f"Test accuracy, mean ± sd over seeds {', '.join(map(str, seeds))}.",
+        markdown_table(["variant", "test accuracy", "per seed"], rows),
+        provenance(command),
+    ])
+    return write_result(out_dir, result, markdown + "\n")

@@ -4,6 +4,10 @@ Train batches are random windows of the corpus's training text. The corpus's hel
 cut in two: its first half is the validation split, its second half the test split (choose on one,
 report on the other). The metric is bits per character (lower is better).
 
+`meta_density` > 0 injects the meta-token `_PAUSE_` at that density into every window (the
+pre-training of "Language Modeling with Learned Meta-Tokens"): windows then hold fewer real
+characters, no loss is taken on predicting a meta-token, and `meta_token_id` names its id.
+
 `chance` is the input-blind uniform guess, log2(V) bits; the baselines are n-gram models fitted on
 the training text (add-one smoothing), which ignore everything but the last n-1 characters: what
 attention is for.
@@ -20,6 +24,7 @@ from torch import Tensor
 
 from routeformer.data.batches import random_batch
 from routeformer.data.corpora import load_corpus
+from routeformer.data.meta_tokens import check_density, inject_into_batch, real_tokens_per_window
 from routeformer.data.vocab import CharVocab
 from routeformer.ops._checks import check_positive
 from routeformer.tasks.base import Task
@@ -43,18 +48,22 @@ class CharLM(Task):
     metric = "bits_per_char"
     higher_is_better = False
 
-    def __init__(self, corpus: str = "pydoc", seq_len: int = 128) -> None:
+    def __init__(self, corpus: str = "pydoc", seq_len: int = 128, meta_density: float = 0.0) -> None:
         check_positive("seq_len", seq_len)
+        self.meta_density = check_density("meta_density", meta_density)
         self.corpus, self.seq_len, self.name = corpus, seq_len, "lm"
         self.corpus_name, self.vocab, *self._ids = _encoded(corpus)
         self.vocab_size = len(self.vocab)
+        self.meta_token_id = self.vocab.pause_id if meta_density > 0 else None
+        self._real = real_tokens_per_window(seq_len, meta_density)
         for split, ids in zip(("train", "validation", "test"), self._ids, strict=True):
             if len(ids) < seq_len + 1:
                 raise ValueError(f"seq_len={seq_len} is longer than the {split} text of corpus "
                                  f"{corpus!r} ({len(ids)} characters)")
 
     def options(self) -> dict[str, Any]:
-        return {"corpus": self.corpus, "seq_len": self.seq_len}
+        options = {"corpus": self.corpus, "seq_len": self.seq_len}
+        return {**options, "meta_density": self.meta_density} if self.meta_density else options
 
     def ids(self, split: str) -> Tensor:
         return self._ids[("train", "validation", "test").index(check_split(split))]
@@ -68,14 +77,21 @@ class CharLM(Task):
         """Random windows of the split's text (the splits are disjoint stretches of the corpus)."""
         if not isinstance(batch_size, int) or batch_size < 0:
             raise ValueError(f"batch_size must be a non-negative integer; got {batch_size!r}")
-        return random_batch(self.ids(split), batch_size, self.seq_len, generator)
+        return self._inject(*random_batch(self.ids(split), batch_size, self._real, generator), generator)
 
     def fixed_sample(self, split: str, sequences: int, seed: int = 0) -> tuple[Tensor, Tensor]:
         """The first `sequences` non-overlapping windows of the split (all it has, if fewer)."""
         ids = self.ids(split)
-        count = min(sequences, (len(ids) - 1) // self.seq_len)
-        usable = count * self.seq_len
-        return ids[:usable].view(count, self.seq_len), ids[1:usable + 1].view(count, self.seq_len)
+        count = min(sequences, (len(ids) - 1) // self._real)
+        usable = count * self._real
+        inputs, labels = ids[:usable].view(count, self._real), ids[1:usable + 1].view(count, self._real)
+        return self._inject(inputs, labels, torch.Generator().manual_seed(seed))
+
+    def _inject(self, inputs: Tensor, labels: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        if self.meta_token_id is None:
+            return inputs, labels
+        return inject_into_batch(inputs, labels, self.seq_len, meta_id=self.meta_token_id,
+                                 density=self.meta_density, generator=generator)
 
     @property
     def chance(self) -> float:

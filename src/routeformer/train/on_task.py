@@ -38,7 +38,7 @@ def build_task_model(task: Task, mechanism: str, options: dict[str, Any], spec: 
                          mlp_ratio=spec.mlp_ratio, attention=mechanism,
                          attention_options={mechanism: options} if options else {},
                          positions=spec.positions, max_seq_len=task.seq_len, causal=task.causal,
-                         tie_embeddings=False)
+                         tie_embeddings=False, meta_token_id=getattr(task, "meta_token_id", None))
     return TokenPredictor(config)
 
 

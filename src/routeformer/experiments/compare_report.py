@@ -1,0 +1,177 @@
+"""The report of `routeformer compare`: quality as mean ± sd over seeds beside each task's chance
+level and measured shortcut baselines, which mechanism pairs are separated by more than 3 sd,
+executed FLOPs, time and memory, and the quality-vs-FLOPs Pareto plot with error bars."""
+
+from __future__ import annotations
+
+import statistics
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+from routeformer.experiments.report import line_plot, markdown_table, provenance, scatter_plot, write_result
+
+SEPARATION_SDS = 3.0
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def separated(a: tuple[float, float], b: tuple[float, float], sds: float = SEPARATION_SDS) -> bool:
+    """Whether two (mean, sd) results differ by more than `sds` times the larger sd (and sd > 0
+    unless the means differ at all: with one seed nothing is separated)."""
+    (mean_a, sd_a), (mean_b, sd_b) = a, b
+    spread = max(sd_a, sd_b)
+    return abs(mean_a - mean_b) > sds * spread if spread > 0 else False
+
+
+def pareto_front(points: dict[str, tuple[float, float]], higher_is_better: bool) -> set[str]:
+    """Names not dominated by another point with fewer (or equal) FLOPs and better (or equal)
+    quality, one of them strictly. points: name -> (flops, quality)."""
+    def better_or_equal(a: float, b: float) -> bool:
+        return a >= b if higher_is_better else a <= b
+
+    front = set()
+    for name, (flops, quality) in points.items():
+        dominated = any(
+            other != name and f <= flops and better_or_equal(q, quality) and (f < flops or q != quality)
+            for other, (f, q) in points.items())
+        if not dominated:
+            front.add(name)
+    return front
+
+
+def task_floor(task: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Chance and measured shortcut baselines of `build_task(task, **options)`."""
+    from routeformer.tasks import build_task
+
+    built = build_task(task, **options)
+    return {"task": built.describe(), "metric": built.metric, "higher_is_better": built.higher_is_better,
+            "chance": built.chance, "baselines": built.baselines()}
+
+
+def summarise_task(task: str, runs: dict[str, list[dict[str, Any]]], costs: dict[str, dict[str, Any]],
+                   floor: dict[str, Any]) -> dict[str, Any]:
+    """Per mechanism: quality mean ± sd, seeds, parameters, FLOPs, costs; plus separated pairs."""
+    higher = floor["higher_is_better"]
+    rows = {}
+    for mechanism, records in runs.items():
+        quality = mean_sd([r["quality"] for r in records])
+        rows[mechanism] = {
+            "mechanism": mechanism, "quality_mean": quality[0], "quality_sd": quality[1],
+            "qualities": [r["quality"] for r in records], "seeds": [r["seed"] for r in records],
+            "parameters": records[0]["parameters"],
+            "flops_per_token": statistics.fmean(r["attention_flops_per_token"] for r in records),
+            "train_seconds": statistics.fmean(r["train_seconds"] for r in records),
+            **costs.get(mechanism, {})}
+    full_flops = rows.get("full", {}).get("flops_per_token")
+    best_floor = (max if higher else min)([floor["chance"], *floor["baselines"].values()])
+    for row in rows.values():
+        row["flops_vs_full"] = row["flops_per_token"] / full_flops if full_flops else None
+        row["above_floor"] = separated((row["quality_mean"], row["quality_sd"]), (best_floor, 0.0)) and (
+            row["quality_mean"] > best_floor if higher else row["quality_mean"] < best_floor)
+    pairs = [[a, b] for a, b in combinations(rows, 2)
+             if separated((rows[a]["quality_mean"], rows[a]["quality_sd"]),
+                          (rows[b]["quality_mean"], rows[b]["quality_sd"]))]
+    points = {m: (r["flops_per_token"], r["quality_mean"]) for m, r in rows.items()}
+    front = pareto_front(points, higher)
+    for mechanism, row in rows.items():
+        row["pareto"] = mechanism in front
+    return {"floor": floor, "best_floor": best_floor, "rows": list(rows.values()), "separated_pairs": pairs}
+
+
+def write_compare_report(
+    out: Path, by_task: dict[str, dict[str, list[dict[str, Any]]]], floors: dict[str, dict[str, Any]],
+    costs: dict[str, dict[str, Any]], bench_rows: list[dict[str, Any]], budget: Any, command: str, *,
+    elapsed: float, workers: int,
+) -> Path:
+    from routeformer.experiments.compare import budget_summary
+
+    summary: dict[str, Any] = {"budget": budget_summary(budget), "elapsed_seconds": elapsed, "tasks": {}}
+    spec = budget.spec
+    sections = [
+        "# routeformer compare",
+        provenance(command) + f" Wall-clock of this invocation: {elapsed:.0f} s ({workers} training "
+        "process(es), one thread each; finished runs found on disk are not re-timed).",
+        f"Budget `{budget.name}`: one backbone for every mechanism ({spec.depth} layers, D={spec.dim}, "
+        f"{spec.heads} heads, MLP ratio {spec.mlp_ratio}, {spec.positions} positions), AdamW with warm-up "
+        f"and cosine decay; {budget.seeds} seeds per mechanism, and with the same seed every mechanism sees "
+        "the same batches. Quality: the task's metric on its test split, mean ± sd over the seeds (the "
+        "setups were chosen on the validation split). Local windows T/4, top-k T/8 keys, MiTA T/8 landmarks "
+        "of T/8 keys, Meta-Attention's local expert T/4. FLOPs: attention FLOPs the layers executed, per "
+        f"token. Step/inference ms: medians of {budget.repeats} alternating repetitions on one training "
+        "batch (fresh model); peak MiB: extra memory of one training step. ★: Pareto front of quality "
+        f"against executed FLOPs. A difference counts as real only beyond {SEPARATION_SDS:g} sd (the larger "
+        "of the two).",
+    ]
+    for task, runs in by_task.items():
+        setup = budget.tasks[task]
+        task_summary = summarise_task(task, runs, costs.get(task, {}), floors[task])
+        summary["tasks"][task] = task_summary
+        sections += _task_section(task, setup, task_summary, runs)
+        floor = task_summary["floor"]
+        rows = task_summary["rows"]
+        scatter_plot(out / f"pareto_{task}.png",
+                     {r["mechanism"]: (r["flops_per_token"], r["quality_mean"]) for r in rows},
+                     {r["mechanism"] for r in rows if r["pareto"]},
+                     xlabel="attention FLOPs per token (executed)", ylabel=floor["metric"],
+                     title=f"{task}: quality (mean ± sd, {budget.seeds} seeds) vs executed FLOPs",
+                     errors={r["mechanism"]: r["quality_sd"] for r in rows},
+                     reference=("best floor", task_summary["best_floor"]))
+    if bench_rows:
+        summary["bench"] = bench_rows
+        sections += _bench_section(out, bench_rows)
+    return write_result(out, summary, "\n\n".join(sections) + "\n")
+
+
+def _task_section(task: str, setup: Any, summary: dict[str, Any], runs: dict[str, list]) -> list[str]:
+    floor, rows = summary["floor"], summary["rows"]
+    metric = floor["metric"]
+    table = [[("★ " if r["pareto"] else "") + r["mechanism"], r["parameters"],
+              f"{r['quality_mean']:.4f} ± {r['quality_sd']:.4f}", "yes" if r["above_floor"] else "no",
+              r["flops_per_token"], "-" if r["flops_vs_full"] is None else r["flops_vs_full"],
+              r.get("train_step_ms", "-"), r.get("inference_ms", "-"),
+              "-" if r.get("train_step_peak_mib") is None else r["train_step_peak_mib"],
+              round(r["train_seconds"], 1)] for r in rows]
+    baselines = "; ".join(f"{name}: {value:.4f}" for name, value in floor["baselines"].items())
+    chance_word = "uniform guess (bits/char)" if metric != "accuracy" else "best input-blind guess"
+    pairs = summary["separated_pairs"]
+    lines = [
+        f"## {task}",
+        f"Task `{floor['task']}`; {setup.steps} steps of batch {setup.batch_size}, lr {setup.lr:g} "
+        f"({setup.warmup_steps} warm-up); test on {setup.test_sequences} sequences. "
+        f"Floor: {chance_word} {floor['chance']:.4f}; shortcut rules (measured on the test split): "
+        f"{baselines}.",
+        markdown_table(["mechanism", "params", f"{metric} (mean ± sd)", "beats floor by > 3 sd",
+                        "FLOPs/token",
+                        "vs full", "train step ms", "inference ms", "peak MiB", "train s"], table),
+        ("Pairs separated by more than 3 sd: " + ", ".join(f"{a} / {b}" for a, b in pairs) + "."
+         if pairs else "No pair of mechanisms is separated by more than 3 sd at this budget."),
+        f"Plot: `pareto_{task}.png`.",
+    ]
+    if "meta_tokens" in runs:
+        lines.append("`meta_tokens` trains on windows with `_PAUSE_` injected at density 0.1, so it reads "
+                     "10% fewer characters per window than the others (no loss on meta-tokens).")
+    return lines
+
+
+def _bench_section(out: Path, bench_rows: list[dict[str, Any]]) -> list[str]:
+    mechanisms = list(dict.fromkeys(row["mechanism"] for row in bench_rows))
+    for key, name, ylabel in (("fwd_bwd_ms", "bench_time.png", "forward + backward ms"),
+                              ("fwd_bwd_peak_mib", "bench_memory.png", "peak MiB (forward + backward)")):
+        line_plot(out / name, {m: ([r["T"] for r in bench_rows if r["mechanism"] == m],
+                                   [r[key] or 0.0 for r in bench_rows if r["mechanism"] == m])
+                               for m in mechanisms},
+                  xlabel="T", ylabel=ylabel, title=f"layer {ylabel} vs T (D=256, 4 heads, B=1)",
+                  logx=True, logy=key == "fwd_bwd_ms")
+    return ["## Layer time and memory vs T", (
+        "Causal layers (projections included), D=256, 4 heads, B=1; local and Meta-Attention windows 256, "
+        "top-k 64 keys, MiTA 64 landmarks of 64 keys, meta-token density 0.1; ratios against `full` (SDPA) "
+        "in the same rounds; forward in eval mode without gradients, forward + backward in train mode."),
+        markdown_table(["T", "mechanism", "forward ms", "vs full", "fwd+bwd ms", "vs full", "peak MiB"],
+                       [[r["T"], r["mechanism"], r["forward_ms"], r["forward_vs_full"], r["fwd_bwd_ms"],
+                         r["fwd_bwd_vs_full"], "-" if r["fwd_bwd_peak_mib"] is None
+                         else r["fwd_bwd_peak_mib"]] for r in bench_rows]),
+        "Plots: `bench_time.png`, `bench_memory.png`."]
