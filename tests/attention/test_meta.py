@@ -215,3 +215,30 @@ def test_dirichlet_gate_is_a_normalised_entropy():
     entropy = Dirichlet(concentration).entropy()
     torch.testing.assert_close(certainty, 1 - torch.exp(entropy - (-torch.tensor(2.0).log().double())))
     assert ((certainty >= 0) & (certainty <= 1)).all()  # 1 is reached only by exp underflow
+
+
+def test_cached_decoding_runs_only_the_routed_expert():
+    """Every token hard-routed (eval_eta=0): a decoding step computes queries, attention and output
+    for its one expert; the others only take its keys/values (or state). Same outputs as the
+    parallel pass, whose routing spreads over all three experts."""
+    layer = make(eval_eta=0.0, position_scale=64.0).eval()
+    x = tokens(length=20)[:1]
+    positions = torch.arange(20)[None]
+    calls = []
+    queries = layer._queries
+
+    def counting_queries(index, *args, **kwargs):
+        calls.append(index)
+        return queries(index, *args, **kwargs)
+
+    layer._queries = counting_queries
+    with torch.no_grad():
+        parallel = layer(x).out
+        calls.clear()
+        cache, steps = {}, []
+        for t in range(20):
+            before = len(calls)
+            steps.append(layer.decode(x[:, t:t + 1], positions=positions[:, t:t + 1], cache=cache))
+            assert len(calls) - before == 1, f"token {t} ran {len(calls) - before} experts"
+    assert len(set(calls)) == 3, "the test needs tokens routed to every expert"
+    torch.testing.assert_close(torch.cat(steps, dim=1), parallel)

@@ -52,6 +52,7 @@ from routeformer.attention.meta_router import DEFAULT_POSITION_SCALE, PRIOR_KIND
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
 from routeformer.ops.decode import (
+    advance_linear_state,
     append_keys_values,
     cached_softmax_attention,
     linear_attention_step,
@@ -296,7 +297,9 @@ class MetaAttention(AttentionLayer):
         """Cached decoding (see AttentionLayer.decode), always as at evaluation: posterior-mean
         weights, hard routing by `eval_eta`. Every expert advances its cache on every token (later
         tokens may route to it) — keys/values for full, the window's last keys for local, the
-        running state for linear — so a hard-routed token skips only the unchosen experts' outputs.
+        running state for linear; an expert that no new token is routed to computes nothing else
+        (no queries, no attention, no output projection), so a hard-routed token runs only its
+        expert.
         Needs a fixed `position_scale` (the default): the paper's pos / (T - 1) feature
         (position_scale=None) depends on the final length."""
         if not self.supports_cache:
@@ -314,9 +317,19 @@ class MetaAttention(AttentionLayer):
         out, keys_values = x.new_zeros(x.shape), {}
         for index, name in enumerate(EXPERTS):
             k, v = self._keys_values(index, x, positions, keys_values)
-            q = self._queries(index, x, positions, keys_values)
             expert_cache = cache.setdefault(name, {})
             window = self.window if name == "local" else None
+            if not bool((weights[..., index] != 0).any()):
+                # Every new token is hard-routed elsewhere: this expert only takes their keys and
+                # values (later tokens may route to it) — no queries, attention or output projection.
+                if name == "linear":
+                    advance_linear_state(feature_map(k), v, expert_cache)
+                else:
+                    append_keys_values(expert_cache, k, v)
+                    if window is not None:
+                        trim_keys_values(expert_cache, window - 1)
+                continue
+            q = self._queries(index, x, positions, keys_values)
             if not expert_cache:  # a prefill: the expert's parallel kernel, then its cache
                 heads_out = self._dense(index, q, k, v, None)[0]
                 if name == "linear":

@@ -68,6 +68,17 @@ def start_linear_state(phi_k: Tensor, v: Tensor, cache: dict) -> None:
     cache["normaliser"] = phi_k.sum(dim=2)
 
 
+def advance_linear_state(phi_k: Tensor, v: Tensor, cache: dict) -> None:
+    """Add t new tokens to the running state (started at zero) without reading it: for a step
+    whose tokens do not query this attention (meta's hard routing elsewhere) but whose keys later
+    tokens will read."""
+    if "state" not in cache:
+        start_linear_state(phi_k, v, cache)
+        return
+    cache["state"] = cache["state"] + phi_k.transpose(-1, -2) @ v
+    cache["normaliser"] = cache["normaliser"] + phi_k.sum(dim=2)
+
+
 def linear_attention_step(
     phi_q: Tensor, phi_k: Tensor, v: Tensor, cache: dict, eps: float,
 ) -> Tensor:
