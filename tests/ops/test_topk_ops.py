@@ -194,3 +194,27 @@ def test_non_causal_routing_of_fewer_queries_than_keys():
     index, valid, _ = route_topk(route_q, route_k, 7, causal=False, key_mask=key_mask, global_tokens=2)
     reference = route_topk_reference(route_q, route_k, 7, causal=False, key_mask=key_mask, global_tokens=2)
     assert torch.equal(slot_membership(index, valid, 90), reference)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ties_go_to_the_lower_key_index(implementation, causal):
+    """Routing vectors drawn from a few distinct values tie exactly in most rows; every
+    implementation must pick the same set, the lower indices among equal scores."""
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(6, 4, generator=gen)
+    length = 150
+    route_q = table[torch.randint(0, 6, (2, 3, length), generator=gen)]
+    route_k = table[torch.randint(0, 6, (2, 3, length), generator=gen)]
+    index, valid, _ = route_topk(route_q, route_k, 5, causal=causal, block=16, group=4)
+    member = slot_membership(index, valid, length)
+    reference = route_topk_reference(route_q, route_k, 5, causal=causal)
+    assert torch.equal(member, reference)
+    # The rule itself, on a row where every key scores the same: keys 0..4 (causal: up to i).
+    same = torch.ones(1, 1, length, 4)
+    index, valid, _ = route_topk(same, same, 5, causal=causal, block=16, group=4)
+    member = slot_membership(index, valid, length)[0, 0]
+    expected = torch.zeros(length, length, dtype=torch.bool)
+    expected[:, :5] = True
+    if causal:
+        expected &= torch.ones(length, length, dtype=torch.bool).tril()
+    assert torch.equal(member, expected)

@@ -7,7 +7,10 @@ Routing scores s_ij = rq_i · rk_j (no softmax). Eligible keys: j <= i when caus
 of the padding mask. R_i = the `topk` eligible keys with the highest scores, plus two kinds of
 forced keys that never compete for those slots: the last `local_window` tokens [i - w + 1, i] and
 the first `global_tokens` positions ("memory" tokens every query reads). A query with fewer
-eligible keys than slots takes all of them; the remaining slots are marked invalid.
+eligible keys than slots takes all of them; the remaining slots are marked invalid. Ties: among
+keys with equal scores the lower key index is selected first, in the C kernel, the PyTorch path
+and the reference alike (equal routing vectors, e.g. repeated tokens under a position-blind
+router, tie exactly).
 
 Memory: queries are processed in blocks; one block's scores [B, R, block, S] live in a scratch
 buffer that is reused, so nothing of size T x S is held; the result is O(T·K). Time is O(T·S·r)
@@ -144,19 +147,23 @@ def route_topk(
         if masked_keys is not None:
             scores.masked_fill_(masked_keys[..., :width], float("-inf"))
         take = min(slots, width)
-        if width // group > take:
+        # One score beyond the K slots (when there is one) tells whether the K-th best is tied
+        # with an unselected key: only then does the tie rule have to choose (see _break_ties).
+        extra = int(width > take)
+        if width // group > take + extra:
             # Two-stage exact selection (see the module docstring).
             rows = batch * heads * (stop - start)
             grouped = scores.view(rows, width // group, group)
-            best_groups = grouped.amax(dim=-1).topk(take, dim=-1, sorted=False).indices
+            best_groups = grouped.amax(dim=-1).topk(take + extra, dim=-1, sorted=False).indices
             # Copy each chosen group's G contiguous scores at once (advanced indexing), not per element.
             candidates = grouped[torch.arange(rows, device=scores.device)[:, None], best_groups]
-            values, picked = candidates.view(rows, take * group).topk(take, dim=-1, sorted=False)
+            values, picked = candidates.view(rows, -1).topk(take + extra, dim=-1, sorted=True)
             chosen = best_groups.gather(-1, picked // group) * group + picked % group
-            values = values.view(batch, heads, stop - start, take)
-            chosen = chosen.view(batch, heads, stop - start, take)
+            values = values.view(batch, heads, stop - start, take + extra)
+            chosen = chosen.view(batch, heads, stop - start, take + extra)
         else:
-            values, chosen = scores.topk(take, dim=-1, sorted=False)
+            values, chosen = scores.topk(take + extra, dim=-1, sorted=True)
+        values, chosen = _break_ties(scores, values, chosen, take)
         ok = values > float("-inf")
         index[:, :, start:stop, :take] = torch.where(ok, chosen, torch.zeros_like(chosen))
         valid[:, :, start:stop, :take] = ok
@@ -164,6 +171,26 @@ def route_topk(
             index[:, :, start:stop, take:] = 0
             valid[:, :, start:stop, take:] = False
     return index, valid, scored
+
+
+def _break_ties(scores: Tensor, values: Tensor, chosen: Tensor, take: int) -> tuple[Tensor, Tensor]:
+    """The `take` best keys of each row with the documented tie rule, from the `take` (+1 when the
+    row has more keys) best in descending order: where the K-th best score equals the (K+1)-th,
+    torch.topk's choice among the tied keys is unspecified, so those rows are re-selected by a
+    stable sort, which keeps equal scores in index order (the lower index wins, as in the C kernel
+    and the reference). Ties happen in practice: equal tokens give equal routing vectors when the
+    router ignores position."""
+    if values.shape[-1] > take:
+        ambiguous = (values[..., take - 1] == values[..., take]) & (values[..., take - 1] > float("-inf"))
+        values, chosen = values[..., :take], chosen[..., :take]
+        if bool(ambiguous.any()):
+            rows = scores[ambiguous]  # [n, width]
+            order = torch.sort(rows, dim=-1, descending=True, stable=True).indices[:, :take]
+            chosen = chosen.clone()
+            values = values.clone()
+            chosen[ambiguous] = order
+            values[ambiguous] = rows.gather(-1, order)
+    return values, chosen
 
 
 def _route_topk_native(
@@ -206,7 +233,9 @@ def route_topk_reference(
     if key_mask is not None:
         scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
     slots = routing_slots(topk, local_window, global_tokens, num_keys)
-    values, chosen = scores.topk(slots, dim=-1)
+    # Among equal scores the lower key index wins: a stable sort keeps them in index order.
+    values, chosen = torch.sort(scores, dim=-1, descending=True, stable=True)
+    values, chosen = values[..., :slots], chosen[..., :slots]
     member = torch.zeros_like(scores, dtype=torch.bool)
     return member.scatter_(-1, chosen, values > float("-inf"))
 

@@ -35,11 +35,42 @@
  * score. Keys dropped on the way had m better ones, so the m best overall stay in the buffer. This
  * costs a store per candidate; a min-heap (an exact threshold, half the candidates, but a sift
  * per candidate) was measured 10-15% slower end to end, and so were a sampled-pivot flush that
- * skips the exact select and a ping-pong select on scores alone. */
+ * skips the exact select and a ping-pong select on scores alone.
+ * Ties: among equal scores the lower key index wins (the rule of route_topk's PyTorch path and
+ * reference, so all three select the same set). Keys are scanned in increasing index, so a later
+ * key whose score only equals the threshold loses to the one holding it: the strict `>` test is
+ * exact; inside a flush, only the pivot class that straddles the m-th place needs ordering by key
+ * (every other split separates strictly), so the tie rule costs nothing on rows without ties. */
 #define DEFINE_SELECT(T_)                                                                          \
-/* Reorder so that the m largest scores come first (unordered); returns the m-th largest.         \
- * Quickselect with a branchless partition: the comparisons are unpredictable, and a              \
- * mispredicted branch per element cost more than the select itself. */                          \
+/* Reorder the n candidates of equal score so that the m lowest keys come first (quickselect on   \
+ * the key, branchless partition as below). */                                                    \
+static void lowest_keys_##T_(T_ *score, int64_t *key, int64_t n, int64_t m) {                      \
+    int64_t lo = 0, hi = n;                                                                        \
+    while (hi - lo > 1) {                                                                          \
+        int64_t x = key[lo], y = key[lo + (hi - lo) / 2], z = key[hi - 1];                         \
+        int64_t pivot = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));     \
+        int64_t split = lo; /* [lo, split): keys < pivot (keys are distinct) */                    \
+        for (int64_t e = lo; e < hi; e++) {                                                        \
+            T_ s = score[e]; int64_t k = key[e];                                                   \
+            score[e] = score[split]; key[e] = key[split];                                          \
+            score[split] = s; key[split] = k;                                                      \
+            split += k < pivot;                                                                    \
+        }                                                                                          \
+        if (m <= split) { hi = split; continue; }                                                  \
+        for (int64_t e = split; e < hi; e++) /* the pivot to place split: [lo, split] done */      \
+            if (key[e] == pivot) {                                                                 \
+                T_ s = score[e]; score[e] = score[split]; key[e] = key[split];                     \
+                score[split] = s; key[split] = pivot;                                              \
+                break;                                                                             \
+            }                                                                                      \
+        if (m == split + 1) return;                                                                \
+        lo = split + 1;                                                                            \
+    }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
+/* Reorder so that the m largest scores come first (unordered; among equal scores the lower keys);\
+ * returns the m-th largest. Quickselect with a branchless partition: the comparisons are          \
+ * unpredictable, and a mispredicted branch per element cost more than the select itself. */      \
 static T_ keep_best_##T_(T_ *score, int64_t *key, int64_t n, int64_t m) {                          \
     int64_t lo = 0, hi = n; /* the m-th largest lies in [lo, hi) */                                \
     while (hi - lo > 1) {                                                                          \
@@ -61,7 +92,10 @@ static T_ keep_best_##T_(T_ *score, int64_t *key, int64_t n, int64_t m) {       
             score[equal] = s; key[equal] = k;                                                      \
             equal += s == pivot;                                                                   \
         }                                                                                          \
-        if (m <= equal) break; /* the m-th largest equals the pivot */                             \
+        if (m <= equal) { /* the m-th largest equals the pivot: the lower keys of the tie stay */  \
+            if (m < equal) lowest_keys_##T_(score + split, key + split, equal - split, m - split); \
+            break;                                                                                 \
+        }                                                                                          \
         lo = equal;                                                                                \
     }                                                                                              \
     T_ least = score[0];                                                                           \
