@@ -5,7 +5,7 @@ import json
 import pytest
 
 from routeformer.cli import main
-from routeformer.experiments import compare
+from routeformer.experiments import compare, jobs
 from routeformer.experiments.compare import CompareBudget, TaskSetup, check_selection, run_compare
 from routeformer.experiments.compare_report import mean_sd, pareto_front, separated
 from routeformer.train.on_task import ModelSpec
@@ -78,7 +78,7 @@ def test_toy_compare_writes_the_report_and_resumes(tmp_path, monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("a finished run was run again")
 
-    monkeypatch.setattr(compare, "train_job", must_not_run)
+    monkeypatch.setattr(jobs, "train_job", must_not_run)
     monkeypatch.setattr(compare, "measure_task_costs", must_not_run)
     run_compare(out, mechanisms=["full", "local", "meta_tokens"], budget=toy_budget(), workers=1)
 
@@ -108,3 +108,19 @@ def test_compare_cli_rejects_bad_input_in_one_line(tmp_path, capsys):
     assert "mechanisms: unknown ['nope']" in capsys.readouterr().err
     assert main(["compare", "--seeds", "0", "--out", str(tmp_path)]) == 2
     assert "seeds must be a positive integer" in capsys.readouterr().err
+
+
+def test_mqar_sweep_runs_a_toy_grid_and_resumes(tmp_path, monkeypatch):
+    from routeformer.experiments import mqar_sweep
+
+    toy = {"lengths": (16,), "pairs": (2, 8), "widths": (8, 16), "seeds": 2, "steps": 2,
+           "mechanisms": ("full", "local")}
+    monkeypatch.setattr(mqar_sweep, "QUICK_GRID", toy)
+    report = mqar_sweep.mqar_sweep(tmp_path, quick=True, workers=1)
+    result = json.loads((tmp_path / "result.json").read_text())
+    # pairs=8 needs T >= 32: skipped; 2 widths x 2 mechanisms remain, each with 2 seeds
+    assert {(r["width"], r["mechanism"], r["seeds"]) for r in result["rows"]} == {
+        (8, "full", 2), (16, "full", 2), (8, "local", 2), (16, "local", 2)}
+    assert "| 16 | 2 | full | 8 |" in report.read_text()
+    monkeypatch.setattr(jobs, "train_job", lambda job: pytest.fail("retrained"))
+    mqar_sweep.mqar_sweep(tmp_path, quick=True, workers=1)

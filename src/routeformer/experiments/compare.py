@@ -19,7 +19,6 @@ another on an idle machine, on a freshly initialised model.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -34,25 +33,13 @@ from routeformer.experiments.compare_report import (  # noqa: F401  (pareto_fron
     task_floor,
     write_compare_report,
 )
+from routeformer.experiments.jobs import Job, TaskSetup, run_jobs
 from routeformer.experiments.report import cached_run
 from routeformer.train.on_task import ModelSpec
 
 TASKS = ("lm", "mqar", "listops")
 LM_ONLY = ("meta_tokens",)  # mechanisms that need injected meta-tokens
 META_DENSITY = 0.1
-
-
-@dataclass(frozen=True)
-class TaskSetup:
-    """One task of a budget: what `build_task` gets, and how every mechanism trains on it."""
-    options: dict[str, Any]
-    steps: int
-    batch_size: int
-    lr: float
-    warmup_steps: int
-    evals: int = 4
-    validation_sequences: int = 256
-    test_sequences: int = 1024
 
 
 @dataclass(frozen=True)
@@ -136,44 +123,23 @@ def check_selection(
     return mechanisms, tasks
 
 
-def train_job(task: str, mechanism: str, seed: int, setup: TaskSetup, spec: ModelSpec) -> dict[str, Any]:
-    """One (task, mechanism, seed) run: train on the task, test once (see train.on_task)."""
-    from routeformer.tasks import build_task
-    from routeformer.train.on_task import train_on_task
-    from routeformer.train.task_loop import TaskTrainConfig
-
-    built = build_task(task, **task_options(task, mechanism, setup))
-    train = TaskTrainConfig(steps=setup.steps, batch_size=setup.batch_size, lr=setup.lr,
-                            warmup_steps=setup.warmup_steps, eval_every=max(1, setup.steps // setup.evals),
-                            seed=seed)
-    return train_on_task(built, mechanism, options_for(mechanism, built.seq_len), seed=seed, train=train,
-                         spec=spec, validation_sequences=setup.validation_sequences,
-                         test_sequences=setup.test_sequences)
-
-
-def _cached_job(out: Path, key: str, task: str, mechanism: str, seed: int, setup: TaskSetup,
-                spec: ModelSpec, threads: int) -> tuple[str, dict[str, Any]]:
-    """A worker's unit: the stored record of `key`, or train it (resumable) and store it."""
-    import torch
-
-    torch.set_num_threads(threads)
-    began = time.perf_counter()
-    record = cached_run(out, key, lambda: train_job(task, mechanism, seed, setup, spec))
-    record.setdefault("wall_seconds", time.perf_counter() - began)
-    return key, record
-
-
-def _jobs(tasks: list[str], mechanisms: list[str], budget: CompareBudget, corpus: str):
+def compare_jobs(tasks: list[str], mechanisms: list[str], budget: CompareBudget, corpus: str) -> list[Job]:
+    """One job per (task, mechanism, seed); meta_tokens on the LM only."""
+    jobs = []
     for task in tasks:
         setup = budget.tasks[task]
         if task == "lm":
             setup = replace(setup, options={**setup.options, "corpus": corpus})
+        corpus_tag = "-" + corpus.replace(":", "_").replace("/", "_") if task == "lm" else ""
         for mechanism in mechanisms:
             if task != "lm" and mechanism in LM_ONLY:
                 continue
+            options = task_options(task, mechanism, setup)
+            seq_len = options["seq_len"]
             for seed in range(budget.seeds):
-                corpus_tag = "-" + corpus.replace(":", "_").replace("/", "_") if task == "lm" else ""
-                yield f"{budget.name}-{task}{corpus_tag}-{mechanism}-seed{seed}", task, mechanism, seed, setup
+                jobs.append(Job(f"{budget.name}-{task}{corpus_tag}-{mechanism}-seed{seed}", task, options,
+                                mechanism, options_for(mechanism, seq_len), seed, setup, budget.spec))
+    return jobs
 
 
 def run_compare(
@@ -188,22 +154,21 @@ def run_compare(
         if not isinstance(seeds, int) or seeds < 1:
             raise ValueError(f"seeds must be a positive integer; got {seeds!r}")
         budget = replace(budget, seeds=seeds)
-    if not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be a positive integer; got {workers!r}")
     mechanisms, tasks = check_selection(mechanisms, tasks, budget)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    jobs = list(_jobs(tasks, mechanisms, budget, corpus))
+    jobs = compare_jobs(tasks, mechanisms, budget, corpus)
     began = time.perf_counter()
     log(f"compare ({budget.name}): {len(jobs)} runs = {len(tasks)} tasks x {len(mechanisms)} mechanisms x "
         f"{budget.seeds} seeds, {workers} worker process(es)")
-    records = _run_jobs(out, jobs, budget.spec, workers, began)
+    records = run_jobs(out, jobs, workers, log)
     by_task: dict[str, dict[str, list[dict[str, Any]]]] = {task: {} for task in tasks}
-    for key, task, mechanism, _, _ in jobs:
-        by_task[task].setdefault(mechanism, []).append(records[key])
+    for job in jobs:
+        by_task[job.task].setdefault(job.mechanism, []).append(records[job.key])
     floors = {task: cached_run(out, f"{budget.name}-{task}-floor", lambda task=task: task_floor(
         task, dict(budget.tasks[task].options, **({"corpus": corpus} if task == "lm" else {}))))
         for task in tasks}
+
     def task_costs(task: str) -> dict[str, Any]:
         setup = budget.tasks[task]
         return {m: measure_task_costs(task, m, setup, budget.spec, budget.repeats,
@@ -228,45 +193,6 @@ def run_compare(
         f" --corpus {corpus}" if corpus != "pydoc" else "", "" if bench else " --no-bench"])
     return write_compare_report(out, by_task, floors, costs, bench_rows, budget, command,
                                 elapsed=time.perf_counter() - began, workers=workers)
-
-
-def _run_jobs(
-    out: Path, jobs: list, spec: ModelSpec, workers: int, began: float,
-) -> dict[str, dict[str, Any]]:
-    """Every job's record, by key; finished ones come from disk."""
-    records: dict[str, dict[str, Any]] = {}
-
-    def note(key: str, record: dict[str, Any]) -> None:
-        records[key] = record
-        log(f"  [{len(records)}/{len(jobs)}] {key}: {record['quality']:.4g} "
-            f"({time.perf_counter() - began:.0f} s elapsed)")
-
-    if workers == 1:
-        import torch
-
-        for key, task, mechanism, seed, setup in jobs:
-            note(*_cached_job(out, key, task, mechanism, seed, setup, spec, torch.get_num_threads()))
-        return records
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    pending = []
-    for job in jobs:  # finished runs are read here: no worker process is started for them
-        stored = out / "runs" / f"{job[0]}.json"
-        if stored.exists():
-            note(job[0], json.loads(stored.read_text()))
-        else:
-            pending.append(job)
-    if not pending:
-        return records
-    # spawn, not fork: a forked child inherits the parent's OpenMP thread pool in a broken state
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(min(workers, len(pending)), mp_context=context) as pool:
-        futures = [pool.submit(_cached_job, out, key, task, mechanism, seed, setup, spec, 1)
-                   for key, task, mechanism, seed, setup in pending]
-        for future in as_completed(futures):
-            note(*future.result())
-    return records
 
 
 def budget_summary(budget: CompareBudget) -> dict[str, Any]:

@@ -34,7 +34,14 @@ def register_experiment(name: str, description: str) -> Callable:
 
 def _load_all() -> None:
     # Importing the modules registers their experiments.
-    from routeformer.experiments import meta_attention, meta_tokens, mita, structural, topk  # noqa: F401
+    from routeformer.experiments import (  # noqa: F401
+        meta_attention,
+        meta_tokens,
+        mita,
+        mqar_sweep,
+        structural,
+        topk,
+    )
 
 
 def list_experiments() -> dict[str, Experiment]:

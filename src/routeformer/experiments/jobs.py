@@ -1,0 +1,102 @@
+"""Training runs as independent jobs: one (task, mechanism, options, seed, budget, backbone) each,
+stored as JSON when finished (so an interrupted sweep resumes after its finished runs, and inside a
+run after its last evaluation), run in worker processes with one thread each — tiny models use one
+core better than two, so two processes train twice as many models on a 2-core machine."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from routeformer.experiments.report import cached_run
+from routeformer.train.on_task import ModelSpec
+
+
+@dataclass(frozen=True)
+class TaskSetup:
+    """One task of a budget: what `build_task` gets, and how every mechanism trains on it."""
+    options: dict[str, Any]
+    steps: int
+    batch_size: int
+    lr: float
+    warmup_steps: int
+    evals: int = 4
+    validation_sequences: int = 256
+    test_sequences: int = 1024
+
+
+@dataclass(frozen=True)
+class Job:
+    key: str  # file-name-safe and unique within an output directory
+    task: str
+    task_options: dict[str, Any]
+    mechanism: str
+    options: dict[str, Any]
+    seed: int
+    setup: TaskSetup
+    spec: ModelSpec = field(default_factory=ModelSpec)
+
+
+def train_job(job: Job) -> dict[str, Any]:
+    """Train one fresh model on the job's task and test it once (see train.on_task)."""
+    from routeformer.tasks import build_task
+    from routeformer.train.on_task import train_on_task
+    from routeformer.train.task_loop import TaskTrainConfig
+
+    setup = job.setup
+    task = build_task(job.task, **job.task_options)
+    train = TaskTrainConfig(steps=setup.steps, batch_size=setup.batch_size, lr=setup.lr,
+                            warmup_steps=setup.warmup_steps, eval_every=max(1, setup.steps // setup.evals),
+                            seed=job.seed)
+    record = train_on_task(task, job.mechanism, job.options, seed=job.seed, train=train, spec=job.spec,
+                           validation_sequences=setup.validation_sequences,
+                           test_sequences=setup.test_sequences)
+    return {**record, "task_name": job.task, "task_options": job.task_options}
+
+
+def _run_one(out: Path, job: Job, threads: int | None) -> tuple[str, dict[str, Any]]:
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return job.key, cached_run(out, job.key, lambda: train_job(job))
+
+
+def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str], None]) -> dict[str, dict]:
+    """Every job's record, by key. Finished jobs are read from `out/runs/`; the others run in
+    `workers` spawned processes (or in this one when workers == 1)."""
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive integer; got {workers!r}")
+    began = time.perf_counter()
+    records: dict[str, dict[str, Any]] = {}
+
+    def note(key: str, record: dict[str, Any]) -> None:
+        records[key] = record
+        progress(f"  [{len(records)}/{len(jobs)}] {key}: {record['quality']:.4g} "
+                 f"({time.perf_counter() - began:.0f} s elapsed)")
+
+    pending = []
+    for job in jobs:  # finished runs are read here: no worker process is started for them
+        stored = out / "runs" / f"{job.key}.json"
+        if stored.exists():
+            note(job.key, json.loads(stored.read_text()))
+        else:
+            pending.append(job)
+    if workers == 1 or len(pending) <= 1:
+        for job in pending:
+            note(*_run_one(out, job, None))
+        return records
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    # spawn, not fork: a forked child inherits the parent's OpenMP thread pool in a broken state
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(min(workers, len(pending)), mp_context=context) as pool:
+        futures = [pool.submit(_run_one, out, job, 1) for job in pending]
+        for future in as_completed(futures):
+            note(*future.result())
+    return records
