@@ -52,6 +52,7 @@ from torch.autograd.function import once_differentiable
 from routeformer.ops._checks import check_positive, check_qkv
 from routeformer.ops.native import native_kernels, pointer, suffix
 from routeformer.ops.native.band import NativeBandAttention
+from routeformer.ops.native.kernel_flops import band_attend_flops
 
 DEFAULT_BLOCK = 64
 # Band entries per row group (~4 MB in fp32).
@@ -394,7 +395,9 @@ def _expanding_native(
     value_pairs = int(horizon.sum())
     scored_pairs = int(counts[0]) + value_pairs  # the final pass scores its keys again
     step_entries = int(counts[1]) + value_pairs
-    flops = 2 * dim * scored_pairs + 2 * v.shape[-1] * value_pairs + _STEP_FLOPS_PER_ENTRY * step_entries
+    # The final pass as the query-blocked kernel executes it (whole key tiles, three-query groups).
+    final_pass = band_attend_flops(horizon, torch.arange(length).expand(rows, length), dim, v.shape[-1])
+    flops = 2 * dim * int(counts[0]) + final_pass + _STEP_FLOPS_PER_ENTRY * step_entries
     return ExpandingOutput(
         out=out.view(batch, heads, length, -1), horizon=horizon.view(batch, heads, length),
         iterations=(steps + 1).view(batch, heads, length), scored_pairs=scored_pairs,

@@ -24,8 +24,8 @@ C kernels (ops/native; CPU, fp32/fp64, when a compiler exists): the causal linea
 sweep of the running state per (batch, head), forward and backward; causal, unpadded full and
 local rows run a query-blocked banded pass when no gradient is wanted (inference), each row over
 its own keys — its whole prefix (full) or its window (local) — where the chunks read up to the
-chunk's last row. Their FLOPs count what they execute (the sweep's d·e per key; exactly each
-row's keys).
+chunk's last row. Their FLOPs count what they execute, replayed from the kernels' loops
+(ops/native/kernel_flops.py: whole key tiles and three-row groups).
 
 `select_rows(route)` turns a bool routing mask [B, T] into (rows, valid). The `*_reference`
 twins score each selected row against every key with an explicit mask.
@@ -52,6 +52,7 @@ from routeformer.ops.linear import (
 from routeformer.ops.local import _in_window
 from routeformer.ops.native import native_kernels
 from routeformer.ops.native.band import band_attend
+from routeformer.ops.native.kernel_flops import band_attend_flops, linear_rows_flops
 from routeformer.ops.native.linear_rows import NativeLinearRows
 from routeformer.ops.row_chunks import rows_attention_by_chunks
 
@@ -161,7 +162,10 @@ def _band_rows_native(
     scale = dim ** -0.5 if scale is None else scale
     # k and v go in with their strides (head views of one projection): no copies.
     out = band_attend(native, q_flat, k, v, log_decay, per_row, rows.contiguous(), scale)
-    flops = heads * dense_attention_flops(int(horizon.sum()), dim, v.shape[-1])
+    # What the query-blocked pass executes: whole key tiles of each block's band union, values per
+    # group of three rows (more than the rows' own keys when a block's rows lie far apart).
+    positions = rows[:, None].expand(batch, heads, count).reshape(batch * heads, count)
+    flops = band_attend_flops(per_row, positions, dim, v.shape[-1])
     return out.view(batch, heads, count, -1), flops
 
 
@@ -260,11 +264,9 @@ def _linear_rows_native(
     phi_q = phi_q.reshape(batch * heads, count, dim).contiguous()
     # phi_k and v go in with their strides (e.g. head views of one projection): no copies.
     out = NativeLinearRows.apply(phi_q, phi_k, v, rows.contiguous(), valid, eps, native)
-    # The sweep adds every key up to the batch row's last selected row to the state, and reads
-    # the state once per selected row.
-    swept = int((torch.where(valid, rows, -1).max(dim=1).values + 1).sum()) if count else 0
-    flops = heads * (swept * (matmul_flops(dim, 1, value_dim) + dim)
-                     + int(valid.sum()) * (matmul_flops(1, dim, value_dim) + 2 * dim))
+    # The sweep's chunks join the state; each group of three rows reads it, scores its chunk and
+    # sums values up to its last row (ops/native/kernel_flops.py).
+    flops = linear_rows_flops(rows, valid, heads, dim, value_dim)
     return out.view(batch, heads, count, value_dim), flops
 
 
