@@ -66,3 +66,26 @@ def test_a_row_with_no_key_gets_no_weight_and_no_nan():
 def test_bad_shapes_raise():
     with pytest.raises(ValueError, match=r"q must have shape \[B, H, L, d\]"):
         attention_with_lse(torch.randn(3, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_runs_in_fp32_and_keeps_empty_rows_finite(dtype):
+    """fp16 cannot hold MASKED (-1e30 rounds to -inf): the op computes in fp32, so a bias built in
+    fp16 and a row with no allowed key still give finite outputs, lse and gradients, and the result
+    is the fp32 op's on the same inputs up to rounding the output (relative error <= 1e-2 bf16,
+    2e-3 fp16)."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=gen).to(dtype).requires_grad_() for _ in range(3))
+    bias = torch.zeros(1, 1, 5, 5)
+    bias[0, 0, 2] = MASKED  # query 2 reads nothing here
+    bias[0, 0, 3, :2] = MASKED
+    low = attention_with_lse(q, k, v, bias=bias.to(dtype))
+    high = attention_with_lse(*(t.detach().float() for t in (q, k, v)), bias=bias)
+    assert low[0].dtype == dtype and low[1].dtype == torch.float32
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    assert float((low[0].float() - high[0]).norm() / high[0].norm()) <= tolerance
+    other = attention_with_lse(q, k * 2, v)
+    merged = merge_partials([low, other])
+    assert merged.dtype == dtype and torch.isfinite(merged).all()
+    merged.float().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))

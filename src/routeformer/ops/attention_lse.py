@@ -91,11 +91,20 @@ def attention_with_lse(
     scale: float | None = None, use_kernel: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """(out [B, H, Lq, e], lse [B, H, Lq]) of softmax attention over q [B, H, Lq, d], k [B, H, Lk, d],
-    v [B, H, Lk, e]; `bias` broadcasts to [B, H, Lq, Lk]; `causal` lets query i read keys j <= i."""
+    v [B, H, Lk, e]; `bias` broadcasts to [B, H, Lq, Lk]; `causal` lets query i read keys j <= i.
+    fp16/bf16 inputs are computed in fp32: out comes back in the input dtype, lse stays fp32."""
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if tensor.dim() != 4:
             raise ValueError(f"{name} must have shape [B, H, L, d]; got {tuple(tensor.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if q.dtype in (torch.float16, torch.bfloat16):
+        # Scores, softmax and lse in fp32 (the lse feeds merges that subtract large numbers), and a
+        # bias that fp16 rounded to -inf brought back to MASKED, so an all-excluded row stays finite.
+        if bias is not None:
+            bias = bias.float().clamp_min(MASKED)
+        out, lse = attention_with_lse(q.float(), k.float(), v.float(), bias=bias, causal=causal,
+                                      scale=scale, use_kernel=use_kernel)
+        return out.to(q.dtype), lse
     if use_kernel and flash_kernel_fits(q, v):
         if bias is not None:
             bias = bias.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]).contiguous()
@@ -104,7 +113,10 @@ def attention_with_lse(
 
 
 def merge_partials(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
-    """Online-softmax merge of (out [..., e], lse [...]) computed over disjoint key sets."""
-    lses = torch.stack([lse for _, lse in parts], dim=-1)
+    """Online-softmax merge of (out [..., e], lse [...]) computed over disjoint key sets; the weights
+    and the sum are fp32 (at least), the result in the parts' dtype."""
+    dtype = parts[0][0].dtype
+    work = torch.promote_types(dtype, torch.float32)
+    lses = torch.stack([lse.to(work) for _, lse in parts], dim=-1)
     weights = torch.softmax(lses, dim=-1)
-    return sum(weights[..., i:i + 1].to(out.dtype) * out for i, (out, _) in enumerate(parts))
+    return sum(weights[..., i:i + 1] * out.to(work) for i, (out, _) in enumerate(parts)).to(dtype)
