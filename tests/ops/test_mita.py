@@ -69,9 +69,12 @@ def test_fast_path_matches_reference_forward_and_gradients(causal, settings, pad
 
 @pytest.mark.parametrize("settings", [{"landmarks": 4, "topk": 5}, {"landmarks": 8, "topk": 3, "route": 2},
                                       {"landmarks": 6, "topk": 0}])
-def test_grid_pooling_with_a_cls_token_matches_reference(settings):
+@pytest.mark.parametrize("padded", [False, True])
+def test_grid_pooling_with_a_cls_token_matches_reference(settings, padded):
+    # A padded grid keeps every token's window (the grid fixes it): padding is only left out.
     q, k, v = qkv(length=1 + 6 * 5)
-    assert_matches_reference(q, k, v, grid=(6, 5), extra_tokens=1, pack=2, **settings)
+    mask = padding_mask(2, 31, pad=7, side="scattered") if padded else None
+    assert_matches_reference(q, k, v, grid=(6, 5), extra_tokens=1, pack=2, mask=mask, **settings)
 
 
 def test_grid_landmarks_are_means_over_subgrids():

@@ -327,9 +327,9 @@ def _membership_reference(real: Tensor, landmarks: int, causal: bool, block: int
         return real[:, None, :] & (rank[:, None, :] // block == index[None, :, None])
     if grid is not None:  # fixed 2-D windows over the grid positions
         rows, cols = grid_pool_shape(landmarks)
-        position = torch.ones(1, grid[0] * grid[1], dtype=torch.long, device=real.device)
-        row_windows = pool_windows(position.new_tensor([grid[0]]), rows, grid[0])[0]  # [rows, h]
-        col_windows = pool_windows(position.new_tensor([grid[1]]), cols, grid[1])[0]  # [cols, w]
+        height, width = (torch.tensor([side], device=real.device) for side in grid)
+        row_windows = pool_windows(height, rows, grid[0])[0]  # [rows, h]
+        col_windows = pool_windows(width, cols, grid[1])[0]  # [cols, w]
         body = torch.einsum("ah,bw->abhw", row_windows, col_windows).reshape(landmarks, -1) > 0
         return real[:, None, :] & F.pad(body, (extra_tokens, 0))[None]
     pooled = (real.sum(1) - extra_tokens).clamp_min(0)[:, None, None]  # real tokens after the CLS
