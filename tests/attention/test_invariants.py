@@ -31,6 +31,18 @@ SMALL_OPTIONS = {
     "mita": {"landmarks": 3, "topk": 4},
 }
 NAMES = list(list_attentions())
+
+
+def _spread_meta_routing(layer) -> None:
+    """Larger controller weights, so hard-routed tokens go to all three experts (the routed-rows
+    paths of every expert run, not only the prior's favourite)."""
+    torch.nn.init.normal_(layer.router.increments.weight, std=1.0)
+
+
+# Builds beyond each mechanism's defaults whose code paths differ: name -> (mechanism, options,
+# a function preparing the built layer).
+VARIANTS = {"meta_hard": ("meta", {"eval_eta": 0.0}, _spread_meta_routing)}
+CASES = NAMES + list(VARIANTS)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 # Relative error of the output against the fp32 layer with the same weights. bf16 keeps 8
@@ -52,7 +64,7 @@ BEING_FIXED: dict[tuple[str, str], str] = {
 }
 
 
-def _params(prop: str, names=NAMES) -> list:
+def _params(prop: str, names=CASES) -> list:
     """`names` as pytest params, with a non-strict xfail where BEING_FIXED lists (name, prop)."""
     params = []
     for name in names:
@@ -63,9 +75,14 @@ def _params(prop: str, names=NAMES) -> list:
 
 
 def make_layer(name: str, causal: bool, seed: int = 0, **extra):
+    """The mechanism (or VARIANTS entry) `name` with small options, in eval mode."""
+    mechanism, variant_options, prepare = VARIANTS.get(name, (name, {}, None))
     torch.manual_seed(seed)
-    options = {**SMALL_OPTIONS.get(name, {}), **extra}
-    return build_attention(name, dim=DIM, heads=HEADS, causal=causal, **options).eval()
+    options = {**SMALL_OPTIONS.get(mechanism, {}), **variant_options, **extra}
+    layer = build_attention(mechanism, dim=DIM, heads=HEADS, causal=causal, **options)
+    if prepare is not None:
+        prepare(layer)
+    return layer.eval()
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
