@@ -28,11 +28,14 @@ def test_with_k_covering_every_key_it_is_full_attention(causal):
     x = torch.randn(2, 19, DIM)
     mask = torch.ones(2, 19, dtype=torch.bool)
     mask[1, 15:] = False
-    ours, theirs = layer(x, mask=mask), full(x, mask=mask)
+    with pytest.warns(UserWarning, match="every query reads all its eligible keys"):
+        ours = layer(x, mask=mask)
+    theirs = full(x, mask=mask)
     torch.testing.assert_close(ours.out[mask], theirs.out[mask], atol=1e-5, rtol=1e-5)
     assert ours.stats["routing_recall"].item() == pytest.approx(1.0)
 
 
+@pytest.mark.filterwarnings("ignore:topk attention")  # K = 64 > T on purpose: full attention
 def test_score_bias_adds_scaled_routing_scores_to_the_logits():
     layer = make(topk=64, routing_learning="score_bias", score_bias_scale=0.7, temperature=2.0).eval()
     x = torch.randn(1, 11, DIM)
@@ -169,3 +172,94 @@ def test_dense_path_limit_follows_the_implementation_unless_set():
     assert make(topk=4).dense_limit(q, q, q) == expected
     with pytest.raises(ValueError, match="dense_below"):
         make(topk=4, dense_below=-1)
+
+
+def _position_only_router(layer, routing_dim=16):
+    """Router weights that give every token the same routing vector, nonzero only in rotary pair 1
+    (angle 10000^(-1/8) ≈ 0.32 rad per position): the content score ties everywhere, so only the
+    position term can order keys."""
+    weight = torch.zeros_like(layer.router.net.weight)
+    routing_heads = weight.shape[0] // (2 * routing_dim)
+    for side in range(2):
+        for head in range(routing_heads):
+            weight[(side * routing_heads + head) * routing_dim + 2, 0] = 1.0
+    with torch.no_grad():
+        layer.router.net.weight.copy_(weight)
+        if hasattr(layer.router, "recency_logit"):
+            layer.router.recency_logit.fill_(0.0)
+
+
+@pytest.mark.parametrize("positions, expected", [
+    ("none", lambda i: set(range(min(3, i + 1)))),                 # ties: the lowest indices
+    ("rotary", lambda i: set(range(max(0, i - 2), i + 1))),        # cos(0.32·(i − j)) peaks at j = i
+    ("recency", lambda i: set(range(max(0, i - 2), i + 1))),       # −β·(i − j)
+])
+def test_routing_positions_order_keys_by_offset(positions, expected):
+    """Equal tokens everywhere (T = 10): a position-blind router cannot tell keys apart and takes
+    the lowest indices; rotary and recency routing select the nearest keys."""
+    from routeformer.ops.gathered import slot_membership
+    from routeformer.ops.topk_routing import route_topk
+
+    layer = make(topk=3, routing_positions=positions).eval()
+    _position_only_router(layer)
+    x = torch.zeros(1, 10, DIM)
+    x[..., 0] = 1.0
+    route_q, route_k = layer.router(x, torch.arange(10)[None])
+    index, valid, _ = route_topk(route_q, route_k, 3, causal=True)
+    member = slot_membership(index, valid, 10)[0, 0]
+    for i in range(10):
+        assert set(member[i].nonzero().flatten().tolist()) == expected(i), (positions, i)
+
+
+def test_rotary_routing_scores_depend_on_offset_only():
+    layer = make(topk=3, routing_positions="rotary").eval()
+    x = torch.randn(1, 12, DIM)
+    rq, rk = layer.router(x, torch.arange(12)[None])
+    rq_shift, rk_shift = layer.router(x, torch.arange(12)[None] + 37)
+    torch.testing.assert_close(rq @ rk.transpose(-1, -2), rq_shift @ rk_shift.transpose(-1, -2),
+                               atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(rq, rq_shift), "the positions must reach the routing vectors"
+
+
+def test_recency_slope_learns_through_the_distillation_loss():
+    layer = make(topk=4, routing_positions="recency").train()
+    result = layer(torch.randn(2, 24, DIM))
+    result.aux_loss.backward()
+    assert layer.router.recency_logit.grad is not None and layer.router.recency_logit.grad.abs().sum() > 0
+
+
+def test_temperature_leaves_the_selection_and_scales_the_router_distribution():
+    x = torch.randn(2, 40, DIM)
+    cold, hot = make(topk=4, temperature=0.5), make(topk=4, temperature=2.0)
+    hot.load_state_dict(cold.state_dict())
+    torch.testing.assert_close(cold.eval()(x).out, hot.eval()(x).out)  # same keys, same output
+    assert cold.train()(x).aux_loss.item() != pytest.approx(hot.train()(x).aux_loss.item(), rel=1e-3)
+
+
+def test_exploration_with_one_slot_keeps_it_routed():
+    layer = make(topk=1, exploration=0.6).train()
+    result = layer(torch.randn(2, 20, DIM))
+    assert result.stats["selected_keys"].item() == pytest.approx(1.0)  # min(round(0.6), K - 1) = 0 random
+    layer = make(topk=4, exploration=0.6).train()
+    assert layer(torch.randn(2, 20, DIM)).out.isfinite().all()  # 2 routed + 2 random slots
+
+
+def test_flops_count_forced_keys_on_top_of_the_routed_ones():
+    layer = make(topk=4, local_window=3, global_tokens=2, dense_below=0).eval()
+    stats = layer(torch.randn(1, 64, DIM)).stats
+    attention = 2 * 1 * HEADS * 64 * (4 + 3 + 2) * (2 * (DIM // HEADS))
+    assert stats["flops"].item() == stats["routing_flops"].item() + attention
+    # Query i reads min(K + w + g, i + 1) distinct keys (causal).
+    assert stats["selected_keys"].item() == pytest.approx(sum(min(9, i + 1) for i in range(64)) / 64)
+
+
+def test_more_slots_than_keys_warns_once_per_layer():
+    layer = make(topk=6, local_window=2).eval()
+    with pytest.warns(UserWarning, match="exceeds the 7 keys"):
+        layer(torch.randn(1, 7, DIM))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(torch.randn(1, 5, DIM))  # warned already
+        make(topk=6, local_window=2).eval()(torch.randn(1, 8, DIM))  # 8 slots fit 8 keys

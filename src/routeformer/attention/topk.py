@@ -1,10 +1,36 @@
 """`topk`: Attention as Dynamic Sparse Routing (ADSR) — route in a cheap space, attend exactly.
 
-Per head, routing projections W_r^q, W_r^k map x to r-dim vectors (r = `routing_dim` << d); the
-routing score s_ij = r_q(i)·r_k(j) (no softmax) picks R_i = TopK_j(s_ij) among eligible keys
-(j <= i when causal); the output is exact softmax attention of q_i over k_j, v_j, j in R_i.
-Selection is blockwise with a running top-K (`ops.topk_routing`), the attention gathers keys per
-block of queries (`ops.gathered`): memory O(T·K + block·S·r/d), never T x T.
+Per head, routing projections W_r^q, W_r^k map x to r-dim vectors (r = `routing_dim` << d; the
+paper's §4.1 projects q and k, here the projections read x, which q and k are linear in); the
+routing score s_ij = r_q(i)·r_k(j) (§4.2, no softmax) picks R_i = TopK_j(s_ij) (§4.3) among
+eligible keys (j <= i when causal); the output is exact softmax attention of q_i over k_j, v_j,
+j in R_i (§5). Selection is blockwise with a running top-K (`ops.topk_routing`), the attention
+gathers keys per block of queries (`ops.gathered`): memory O(T·K + block·S·r/d), never T x T.
+Among equal routing scores the lower key index is selected (every implementation alike).
+
+Position in the routing score (`routing_positions`). Attention sees rotated q, k (RoPE), so it
+can prefer a key by its offset; a router that reads only x cannot, and fails a task as simple as
+copying the previous token (K=8, no forced keys: 0.52 test accuracy against full attention's 1.00,
+`routeformer reproduce topk-previous-token`). So position enters s_ij:
+- "rotary" (default): r_q(i), r_k(j) are rotated by the angles of positions i and j (RoPE in the
+  routing space, base `rotary_base`), so s_ij = r_q(i)·R(j - i) r_k(j) depends on the offset j - i
+  the way the rotated q·k does. Needs an even `routing_dim`.
+- "recency": s_ij = r_q(i)·r_k(j) − β·(i − j) with one learned slope β = softplus(a) > 0 per
+  routing head (ALiBi-like), carried by one extra routing dim (β on the query side, the key's
+  position j on the key side; β·i is constant within a row, so the ranking is that of the
+  formula). Monotone in distance: it can prefer recent keys but not a particular offset.
+- "none": the position-blind router (positions reach it only through x).
+Both reach 1.00 on the previous-token task (3 seeds; docs/results/topk.md).
+
+Keys read per query: K routed + `local_window` + `global_tokens` forced ones (§9.2's fixes), at
+most the eligible keys; `stats["flops"]` counts attention over all of them (and the T x S product
+on the dense short path, which is what that path executes). K + w + g larger than the number of
+keys T of an input means every query reads all its eligible keys (the layer is full attention):
+done, and warned once per layer (`UserWarning`), never silently.
+
+`temperature` τ divides the routing scores where they enter a softmax or a logit: the distilled
+and entropy-regularised router distribution softmax(s/τ) over R_i and the score bias λ·s/τ. It
+does not change which keys are selected: top-K of s/τ is top-K of s for any τ > 0.
 
 A hard top-k passes no gradient to W_r, so "routing learns" needs a signal (`routing_learning`):
 - "score_bias": logits of the selected keys become q·k/√d + λ·s_ij/τ (λ = `score_bias_scale`,
@@ -19,14 +45,15 @@ The default is "distill", from evidence: in the 600-step char-LM at T = 512
 (`routeformer reproduce topk-lm`, one seed) it reached 2.51 bits/char against score_bias's 2.72
 (full attention: 2.11); MQAR at our budget separated nothing (no mechanism learned it).
 
-Options for the sketch's failure modes: `entropy_weight` (aux loss -w·H(softmax(s/τ)) over R_i:
-w > 0 keeps the router's distribution over its selection spread, a guard against collapse; needs a
+Options for the sketch's failure modes: `entropy_weight` (aux loss -w·H(softmax(s/τ)) over R_i: w
+> 0 keeps the router's distribution over its selection spread, a guard against collapse; needs a
 learnable router), `exploration` (fraction of the K slots filled with random eligible keys during
-training), `global_tokens` (the first g positions are always read), `local_window` (the last w
-tokens are always read), `shared_routing` (one routing space for all heads instead of one per
-head), `router_hidden` (a GELU MLP router instead of a linear one). Forced keys come on top of the
-K routed ones. `dense_below`: with at most this many keys the routed set is applied as a mask to
-one SDPA call (on CPU, per-query gathers cost more than the dense product at short lengths); the
+training, §9.1: round(exploration·K) slots, at most K − 1 so that at least one slot stays routed),
+`global_tokens` (the first g positions are always read), `local_window` (the last w tokens are
+always read), `shared_routing` (one routing space for all heads instead of one per head),
+`router_hidden` (a GELU MLP router instead of a linear one). Forced keys come on top of the K
+routed ones. `dense_below`: with at most this many keys the routed set is applied as a mask to one
+SDPA call (on CPU, per-query gathers cost more than the dense product at short lengths); the
 function is the same, and `flops` then counts the T x S work actually done. 0 always gathers; the
 default (None) uses the measured crossover: 256 keys with the native kernels of ops/native, 1024
 with the PyTorch ops.
@@ -40,6 +67,7 @@ executed). The recall probe itself is a diagnostic and is not counted in `flops`
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -180,6 +208,7 @@ class TopKAttention(AttentionLayer):
         self.exploration, self.global_tokens, self.local_window = exploration, global_tokens, local_window
         self.shared_routing, self.recall_queries, self.block = shared_routing, recall_queries, block
         self.dense_below = dense_below
+        self._warned_capped = False
         routing_heads = 1 if shared_routing else heads
         self.routing_positions = routing_positions
         self.router = Router(dim, routing_heads, routing_dim, router_hidden,
@@ -200,7 +229,10 @@ class TopKAttention(AttentionLayer):
         q, k, v = self.project_qkv(x, positions)
         batch, heads, length, head_dim = q.shape
         route_q, route_k = self.router(x, positions)
-        explore = round(self.exploration * self.topk) if self.training else 0
+        # Exploration replaces routed slots by random ones (§9.1), but never all of them: with
+        # K = 1 and exploration 0.6 the one slot stays routed (round() alone would leave none).
+        explore = min(round(self.exploration * self.topk), self.topk - 1) if self.training else 0
+        self.warn_if_capped(k.shape[2])
         index, valid, scored = route_topk(
             route_q.detach(), route_k.detach(), self.topk - explore, causal=self.causal, key_mask=mask,
             local_window=self.local_window, global_tokens=self.global_tokens, block=self.block,
@@ -240,6 +272,17 @@ class TopKAttention(AttentionLayer):
             **self.routing_diagnostics(q, k, index, valid, mask),
         }
         return AttentionOutput(out=out, aux_loss=aux_loss, stats=stats)
+
+    def warn_if_capped(self, num_keys: int) -> None:
+        """Warn once per layer when K + local_window + global_tokens exceeds the keys of an input:
+        each query then reads all its eligible keys (see the module docstring)."""
+        wanted = self.topk + self.local_window + self.global_tokens
+        if wanted > num_keys and not self._warned_capped:
+            self._warned_capped = True
+            warnings.warn(
+                f"topk attention: topk + local_window + global_tokens = {wanted} exceeds the {num_keys} "
+                "keys of this input; every query reads all its eligible keys (full attention). "
+                "Warned once per layer.", UserWarning, stacklevel=2)
 
     def routing_aux_loss(
         self, q: Tensor, k: Tensor, route_q: Tensor, route_k: Tensor, index: Tensor, valid: Tensor,
