@@ -45,8 +45,8 @@ The default is "distill", from evidence: in the 600-step char-LM at T = 512
 (`routeformer reproduce topk-lm`, one seed) it reached 2.51 bits/char against score_bias's 2.72
 (full attention: 2.11); MQAR at our budget separated nothing (no mechanism learned it).
 
-Options for the sketch's failure modes: `entropy_weight` (aux loss -w·H(softmax(s/τ)) over R_i: w
-> 0 keeps the router's distribution over its selection spread, a guard against collapse; needs a
+Options for the sketch's failure modes: `entropy_weight` (aux loss -w·H(softmax(s/τ)) over R_i:
+w > 0 keeps the router's distribution over its selection spread, a guard against collapse; needs a
 learnable router), `exploration` (fraction of the K slots filled with random eligible keys during
 training, §9.1: round(exploration·K) slots, at most K − 1 so that at least one slot stays routed),
 `global_tokens` (the first g positions are always read), `local_window` (the last w tokens are

@@ -264,33 +264,47 @@ PREVIOUS_TOKEN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+def _seeded_variants(
+    out_dir: Path, task, variants: dict[str, tuple[str, dict[str, Any]]], seeds: tuple[int, ...],
+    train_for: Callable[[int], TaskTrainConfig], spec, metric: str, test_sequences: int = 1024,
+) -> tuple[dict[str, Any], list[list[str]]]:
+    """Train every variant on `task` with every seed (records cached per run); per variant the
+    test `metric` per seed, mean and sd, and Markdown rows."""
+    from statistics import mean, stdev
+
+    from routeformer.train.on_task import train_on_task
+
+    result, rows = {}, []
+    for name, (mechanism, options) in variants.items():
+        values = []
+        for seed in seeds:
+            record = cached_run(out_dir, f"{run_key(name)}-seed{seed}", lambda: train_on_task(
+                task, mechanism, options, seed=seed, train=train_for(seed), spec=spec,  # noqa: B023
+                test_sequences=test_sequences))
+            values.append(record["test"][metric])
+            _log(f"{name} seed {seed}: test {metric} {values[-1]:.4f}")
+        spread = stdev(values) if len(values) > 1 else 0.0
+        result[name] = {metric: values, "mean": mean(values), "sd": spread}
+        rows.append([name, f"{mean(values):.3f} ± {spread:.3f}", ", ".join(f"{v:.3f}" for v in values)])
+    return result, rows
+
+
 @register_experiment("topk-previous-token", "previous-token copying, 1-layer rotary model: topk K=8 with "
                      "no forced keys, router blind to position vs rotary vs recency routing, vs full")
 def previous_token(out_dir: Path, quick: bool) -> Path:
     """Can the router prefer nearby keys? K=8, local_window=0, global_tokens=0, so key i-1 is read
     only if the router ranks it among the top 8 of up to 64 keys; test accuracy, 3 seeds."""
-    from statistics import mean, stdev
-
     from routeformer.tasks import build_task
-    from routeformer.train.on_task import ModelSpec, train_on_task
+    from routeformer.train.on_task import ModelSpec
 
     steps, seeds = (100, (0,)) if quick else (300, (0, 1, 2))
     task = build_task("previous_token", seq_len=64, vocab_size=32)
     spec = ModelSpec(dim=64, depth=1, heads=2, positions="rotary")
-    rows, result = [], {"task": task.describe(), "model": spec.__dict__, "steps": steps, "variants": {}}
-    for name, (mechanism, options) in PREVIOUS_TOKEN_VARIANTS.items():
-        accuracies = []
-        for seed in seeds:
-            train = TaskTrainConfig(steps=steps, batch_size=64, lr=3e-3, warmup_steps=steps // 10,
-                                    eval_every=steps, seed=seed)
-            record = cached_run(out_dir, f"{run_key(name)}-seed{seed}", lambda: train_on_task(
-                task, mechanism, options, seed=seed, train=train, spec=spec))  # noqa: B023
-            accuracies.append(record["test"]["accuracy"])
-            _log(f"{name} seed {seed}: test accuracy {accuracies[-1]:.4f}")
-        spread = stdev(accuracies) if len(accuracies) > 1 else 0.0
-        result["variants"][name] = {"accuracies": accuracies, "mean": mean(accuracies), "sd": spread}
-        per_seed = ", ".join(f"{a:.3f}" for a in accuracies)
-        rows.append([name, f"{mean(accuracies):.3f} ± {spread:.3f}", per_seed])
+    variants, rows = _seeded_variants(
+        out_dir, task, PREVIOUS_TOKEN_VARIANTS, seeds,
+        lambda seed: TaskTrainConfig(steps=steps, batch_size=64, lr=3e-3, warmup_steps=steps // 10,
+                                     eval_every=steps, seed=seed), spec, "accuracy")
+    result = {"task": task.describe(), "model": spec.__dict__, "steps": steps, "variants": variants}
     command = "routeformer reproduce topk-previous-token" + (" --quick" if quick else "")
     markdown = "\n\n".join([
         "# topk-previous-token: can top-k routing prefer nearby keys?",
@@ -299,6 +313,46 @@ def previous_token(out_dir: Path, quick: bool) -> Path:
         "steps. topk: K=8, local_window=0, global_tokens=0, routing_learning='distill'. "
         f"Test accuracy, mean ± sd over seeds {', '.join(map(str, seeds))}.",
         markdown_table(["variant", "test accuracy", "per seed"], rows),
+        provenance(command),
+    ])
+    return write_result(out_dir, result, markdown + "\n")
+
+
+POSITION_LM_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "full": ("full", {}),
+    "topk(K=16,positions=none)": ("topk", {"topk": 16, "routing_positions": "none"}),
+    "topk(K=16,positions=rotary)": ("topk", {"topk": 16, "routing_positions": "rotary"}),
+    "topk(K=16,positions=recency)": ("topk", {"topk": 16, "routing_positions": "recency"}),
+}
+
+
+@register_experiment("topk-position-lm", "char-LM (pydoc, T=128) at compare's quick budget: the gap of "
+                     "topk K=16 to full with a position-blind, rotary and recency router, 3 seeds")
+def position_lm(out_dir: Path, quick: bool) -> Path:
+    """The budget of `routeformer compare --quick`'s LM row (2 layers, D=64, 2 heads, rotary,
+    300 steps of batch 32 at T=128, K = T/8); bits per character on 256 test sequences."""
+    from routeformer.tasks import build_task
+    from routeformer.train.on_task import ModelSpec
+
+    steps, seeds = (60, (0,)) if quick else (300, (0, 1, 2))
+    task = build_task("lm", corpus="pydoc", seq_len=128)
+    spec = ModelSpec(dim=64, depth=2, heads=2, mlp_ratio=2.0, positions="rotary")
+    variants, rows = _seeded_variants(
+        out_dir, task, POSITION_LM_VARIANTS, seeds,
+        lambda seed: TaskTrainConfig(steps=steps, batch_size=32, lr=3e-3, warmup_steps=steps // 10,
+                                     eval_every=steps, seed=seed), spec, task.metric, test_sequences=256)
+    full = variants["full"]["mean"]
+    for row, name in zip(rows, variants, strict=True):
+        row.append(f"{variants[name]['mean'] - full:+.3f}")
+    result = {"task": task.describe(), "model": spec.__dict__, "steps": steps, "variants": variants}
+    command = "routeformer reproduce topk-position-lm" + (" --quick" if quick else "")
+    markdown = "\n\n".join([
+        "# topk-position-lm: does a position-aware router close topk's char-LM gap?",
+        f"Task: char LM on pydoc, T=128. Model: 2 layers, D=64, 2 heads, MLP ratio 2, rotary positions; "
+        f"{steps} steps of batch 32, AdamW lr 3e-3, {steps // 10} warm-up steps (compare's quick budget). "
+        f"topk: K=16, routing_learning='distill'. Test {task.metric} (256 sequences), mean ± sd over seeds "
+        f"{', '.join(map(str, seeds))}.",
+        markdown_table(["variant", f"test {task.metric}", "per seed", "gap to full"], rows),
         provenance(command),
     ])
     return write_result(out_dir, result, markdown + "\n")
