@@ -59,3 +59,14 @@ def test_bad_values_in_a_file_are_reported_like_overrides(tmp_path):
     path.write_text("train: 5\n")
     with pytest.raises(ValueError, match="config section 'train' must be a mapping"):
         load_config(path)
+
+
+def test_attention_options_read_numeric_text_by_their_defaults_type():
+    config = load_config(None, ["--model.attention_options",
+                                "{local: {window: 3e1, block: 1_024}, topk: {temperature: 1e-2}}"])
+    assert config.model.attention_options == {"local": {"window": 30, "block": 1024},
+                                              "topk": {"temperature": 0.01}}
+    assert isinstance(config.model.attention_options["local"]["window"], int)
+    # Text that is no number is left for the layer, whose error names the option.
+    config = load_config(None, ["--model.attention_options", "{local: {window: abc}}"])
+    assert config.model.attention_options == {"local": {"window": "abc"}}

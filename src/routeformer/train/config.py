@@ -10,7 +10,12 @@ import yaml
 
 from routeformer.models.config import ModelConfig
 from routeformer.ops._checks import check_positive
-from routeformer.train.config_types import coerce_section, field_types, parse_override
+from routeformer.train.config_types import (
+    coerce_attention_options,
+    coerce_section,
+    field_types,
+    parse_override,
+)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -102,6 +107,8 @@ class RunConfig:
         for name, section in SECTIONS.items():
             part = coerce_section(name, section, values.get(name) or {})
             if name == "model":
+                if "attention_options" in part:
+                    part["attention_options"] = coerce_attention_options(part["attention_options"])
                 built[name] = ModelConfig.from_dict(part)
                 continue
             valid = {f.name for f in fields(section)}

@@ -146,3 +146,36 @@ def _to_int(name: str, value: Any) -> int:
 
 def _to_float(name: str, value: Any) -> float:
     return float(_number(name, value, "a number"))
+
+
+def coerce_attention_options(options: Any) -> Any:
+    """model.attention_options with numeric text (`window: 3e1`, `temperature: 1e-2`) read as the
+    number the option's default says (int or float); other values pass through for the layer to
+    check (its error names the option). Options of unknown mechanisms pass through too."""
+    if not isinstance(options, dict):
+        return options
+    from routeformer.attention.registry import attention_options
+
+    typed = {}
+    for mechanism, values in options.items():
+        try:
+            defaults = attention_options(mechanism)
+        except ValueError:
+            defaults = {}
+        if isinstance(values, dict):
+            values = {key: _numeric_text(value, defaults.get(key)) for key, value in values.items()}
+        typed[mechanism] = values
+    return typed
+
+
+def _numeric_text(value: Any, default: Any) -> Any:
+    """`value` as a number of `default`'s type when it is numeric text; otherwise unchanged."""
+    if not isinstance(value, str) or isinstance(default, bool) or not isinstance(default, (int, float)):
+        return value
+    try:
+        number = _number("option", value, "a number")
+    except ValueError:
+        return value
+    if isinstance(default, float):
+        return float(number)
+    return int(number) if isinstance(number, float) and number.is_integer() else number
