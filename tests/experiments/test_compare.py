@@ -124,3 +124,19 @@ def test_mqar_sweep_runs_a_toy_grid_and_resumes(tmp_path, monkeypatch):
     assert "| 16 | 2 | full | 8 |" in report.read_text()
     monkeypatch.setattr(jobs, "train_job", lambda job: pytest.fail("retrained"))
     mqar_sweep.mqar_sweep(tmp_path, quick=True, workers=1)
+
+
+def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, monkeypatch):
+    original = jobs.train_job
+
+    def broken_local(job):
+        if job.mechanism == "local":
+            raise RuntimeError("kernel exploded")
+        return original(job)
+
+    monkeypatch.setattr(jobs, "train_job", broken_local)
+    report = run_compare(tmp_path, mechanisms=["full", "local"], tasks=["mqar"], budget=toy_budget(),
+                         workers=1, bench=False)
+    text = report.read_text()
+    assert "local seed 0: RuntimeError: kernel exploded" in text and "| full |" in text.replace("★ ", "")
+    assert not list((tmp_path / "runs").glob("toy-mqar-local-*.json"))  # not stored: a re-run retries

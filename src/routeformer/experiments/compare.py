@@ -53,17 +53,22 @@ class CompareBudget:
     repeats: int = 5
 
 
-# Quick: the setups below were chosen on validation accuracy (MQAR: `full` needs T = 32 to pass
-# its phase transition within this budget on 2 cores; at T = 64 it was still at 1/pairs after 1500
-# steps). The subset of mechanisms is what fits in 10 minutes; see README.
+# Quick: the setups below were chosen on validation accuracy of `full` (seeds 0-2), never on the
+# test numbers the report shows. MQAR: plain attention learns it through a phase transition whose
+# timing varies by seed; at T = 32 with 4 pairs it came within 600 steps for every seed only with a
+# small vocabulary (16: 7 keys, 8 values) and a long warm-up (200 steps); with vocabulary 32 or a
+# 50-100-step warm-up, seeds 1-2 stayed at 1/pairs. ListOps: T = 32 holds the short expressions
+# (mean 14 tokens), half the cost of T = 64 at the same rule baselines. The mechanisms are the
+# subset that fits in 10 minutes on 2 cores (see README).
 QUICK = CompareBudget(
     "quick",
     tasks={
         "lm": TaskSetup({"corpus": "pydoc", "seq_len": 128}, steps=300, batch_size=32, lr=3e-3,
                         warmup_steps=30, test_sequences=256),
-        "mqar": TaskSetup({"seq_len": 32, "pairs": 4, "vocab_size": 32}, steps=500, batch_size=64, lr=3e-3,
-                          warmup_steps=50),
-        "listops": TaskSetup({"seq_len": 64}, steps=600, batch_size=64, lr=3e-3, warmup_steps=60),
+        "mqar": TaskSetup({"seq_len": 32, "pairs": 4, "vocab_size": 16}, steps=600, batch_size=64, lr=3e-3,
+                          warmup_steps=200),
+        "listops": TaskSetup({"seq_len": 32, "max_length": 31}, steps=1200, batch_size=64, lr=3e-3,
+                             warmup_steps=100),
     },
     spec=ModelSpec(dim=64, depth=2, heads=2, mlp_ratio=2.0, positions="rotary"),
     mechanisms=("full", "linear", "local", "topk", "mita"),
@@ -163,16 +168,27 @@ def run_compare(
         f"{budget.seeds} seeds, {workers} worker process(es)")
     records = run_jobs(out, jobs, workers, log)
     by_task: dict[str, dict[str, list[dict[str, Any]]]] = {task: {} for task in tasks}
+    failed: dict[str, dict[str, str]] = {task: {} for task in tasks}
     for job in jobs:
-        by_task[job.task].setdefault(job.mechanism, []).append(records[job.key])
+        record = records[job.key]
+        if "error" in record:  # reported, and left out of the statistics
+            failed[job.task][f"{job.mechanism} seed {job.seed}"] = record["error"]
+        else:
+            by_task[job.task].setdefault(job.mechanism, []).append(record)
     floors = {task: cached_run(out, f"{budget.name}-{task}-floor", lambda task=task: task_floor(
         task, dict(budget.tasks[task].options, **({"corpus": corpus} if task == "lm" else {}))))
         for task in tasks}
 
     def task_costs(task: str) -> dict[str, Any]:
-        setup = budget.tasks[task]
-        return {m: measure_task_costs(task, m, setup, budget.spec, budget.repeats,
-                                      task_options(task, m, setup), options_for) for m in by_task[task]}
+        setup, costs = budget.tasks[task], {}
+        for m in by_task[task]:
+            try:
+                costs[m] = measure_task_costs(task, m, setup, budget.spec, budget.repeats,
+                                              task_options(task, m, setup), options_for)
+            except Exception as error:  # noqa: BLE001 - a cost we could not measure is shown as "-"
+                log(f"  costs of {m} on {task} not measured: {type(error).__name__}: {error}")
+                costs[m] = {}
+        return costs
 
     costs = {task: cached_run(out, f"{budget.name}-{task}-costs-{'-'.join(by_task[task])}",
                               lambda task=task: task_costs(task)) for task in tasks}
@@ -192,7 +208,7 @@ def run_compare(
         f" --seeds {budget.seeds}" if seeds is not None else "",
         f" --corpus {corpus}" if corpus != "pydoc" else "", "" if bench else " --no-bench"])
     return write_compare_report(out, by_task, floors, costs, bench_rows, budget, command,
-                                elapsed=time.perf_counter() - began, workers=workers)
+                                elapsed=time.perf_counter() - began, workers=workers, failed=failed)
 
 
 def budget_summary(budget: CompareBudget) -> dict[str, Any]:

@@ -85,7 +85,7 @@ def summarise_task(task: str, runs: dict[str, list[dict[str, Any]]], costs: dict
 def write_compare_report(
     out: Path, by_task: dict[str, dict[str, list[dict[str, Any]]]], floors: dict[str, dict[str, Any]],
     costs: dict[str, dict[str, Any]], bench_rows: list[dict[str, Any]], budget: Any, command: str, *,
-    elapsed: float, workers: int,
+    elapsed: float, workers: int, failed: dict[str, dict[str, str]] | None = None,
 ) -> Path:
     from routeformer.experiments.compare import budget_summary
 
@@ -108,9 +108,17 @@ def write_compare_report(
     ]
     for task, runs in by_task.items():
         setup = budget.tasks[task]
+        if not runs:
+            sections += [f"## {task}", "Every run failed: " + "; ".join(
+                f"{name}: {error}" for name, error in (failed or {}).get(task, {}).items())]
+            continue
         task_summary = summarise_task(task, runs, costs.get(task, {}), floors[task])
         summary["tasks"][task] = task_summary
         sections += _task_section(task, setup, task_summary, runs)
+        if (failed or {}).get(task):
+            task_summary["failed"] = failed[task]
+            sections.append("Failed runs (left out of the table; a re-run retries them): " + "; ".join(
+                f"{name}: {error}" for name, error in failed[task].items()) + ".")
         floor = task_summary["floor"]
         rows = task_summary["rows"]
         scatter_plot(out / f"pareto_{task}.png",

@@ -59,11 +59,16 @@ def train_job(job: Job) -> dict[str, Any]:
 
 
 def _run_one(out: Path, job: Job, threads: int | None) -> tuple[str, dict[str, Any]]:
+    """The job's record; a job that raises gives {"error": ...} (not stored: a re-run retries it), so
+    one broken mechanism costs its own runs, not the whole sweep."""
     import torch
 
     if threads is not None:
         torch.set_num_threads(threads)
-    return job.key, cached_run(out, job.key, lambda: train_job(job))
+    try:
+        return job.key, cached_run(out, job.key, lambda: train_job(job))
+    except Exception as error:  # noqa: BLE001 - reported per job, the others go on
+        return job.key, {"error": f"{type(error).__name__}: {error}", "quality": float("nan")}
 
 
 def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str], None]) -> dict[str, dict]:
@@ -76,8 +81,9 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
 
     def note(key: str, record: dict[str, Any]) -> None:
         records[key] = record
-        progress(f"  [{len(records)}/{len(jobs)}] {key}: {record['quality']:.4g} "
-                 f"({time.perf_counter() - began:.0f} s elapsed)")
+        outcome = f"FAILED ({record['error']})" if "error" in record else f"{record['quality']:.4g}"
+        elapsed = time.perf_counter() - began
+        progress(f"  [{len(records)}/{len(jobs)}] {key}: {outcome} ({elapsed:.0f} s elapsed)")
 
     pending = []
     for job in jobs:  # finished runs are read here: no worker process is started for them
