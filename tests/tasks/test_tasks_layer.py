@@ -82,7 +82,8 @@ def test_batch_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("name, options", [("mqar", dict(seq_len=256, pairs=16, vocab_size=8192)),
-                                           ("previous_token", {}), ("listops", {})])
+                                           ("previous_token", {}), ("listops", {}), ("list_recall", {}),
+                                           ("segment_counting", {}), ("parity", {}), ("copying", {})])
 def test_generators_cost_nothing_next_to_training(name, options):
     """>= 1M tokens/s (best of five, so a busy machine does not fail it; idle: ~2e7 for MQAR)."""
     task = build_task(name, **options)

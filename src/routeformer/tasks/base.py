@@ -37,6 +37,11 @@ BASELINE_SEED = 12345
 Rule = Callable[[Tensor, Tensor], Tensor]
 
 
+def check_batch_size(batch_size: int) -> None:
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 0:
+        raise ValueError(f"batch_size must be a non-negative integer; got {batch_size!r}")
+
+
 class Task(ABC):
     """Base class; subclasses set the attributes below and implement `generate` and `rules`."""
 
@@ -71,8 +76,7 @@ class Task(ABC):
         self, batch_size: int, generator: torch.Generator, split: str = "train",
     ) -> tuple[Tensor, Tensor]:
         """`batch_size` sequences of `split` ("train", "validation" or "test")."""
-        if not isinstance(batch_size, int) or batch_size < 0:
-            raise ValueError(f"batch_size must be a non-negative integer; got {batch_size!r}")
+        check_batch_size(batch_size)
         check_split(split)
         inputs, labels = [], []
         have = 0

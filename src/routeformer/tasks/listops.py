@@ -31,10 +31,11 @@ from routeformer.data.listops import (
     PAD,
     VOCAB_SIZE,
     ListOpsConfig,
+    evaluate_tree,
     generate_listops,
 )
 from routeformer.ops._checks import check_positive
-from routeformer.tasks.base import IGNORE_INDEX, Rule, Task
+from routeformer.tasks.base import IGNORE_INDEX, Rule, Task, check_batch_size
 from routeformer.tasks.registry import register_task
 from routeformer.tasks.splits import SPLITS, keep_split
 
@@ -42,16 +43,8 @@ QUESTION = VOCAB_SIZE + 1  # after the reserved _PAUSE_ id (VOCAB_SIZE)
 
 
 def _apply(operator: int, values: list[int]) -> int:
-    name = OPERATORS[operator - OPERATOR_BASE]
-    values = sorted(values)
-    if name == "MAX":
-        return values[-1]
-    if name == "MIN":
-        return values[0]
-    if name == "SM":
-        return sum(values) % 10
-    middle = len(values) // 2
-    return values[middle] if len(values) % 2 else int((values[middle - 1] + values[middle]) / 2)
+    """The operator token applied to digit values (the grammar's own evaluation)."""
+    return evaluate_tree((OPERATORS[operator - OPERATOR_BASE], values))
 
 
 @lru_cache(maxsize=8)
@@ -100,8 +93,7 @@ class ListOps(Task):
     def batch(
         self, batch_size: int, generator: torch.Generator, split: str = "train",
     ) -> tuple[Tensor, Tensor]:
-        if not isinstance(batch_size, int) or batch_size < 0:
-            raise ValueError(f"batch_size must be a non-negative integer; got {batch_size!r}")
+        check_batch_size(batch_size)
         inputs, labels = self.split_pool(split)
         index = torch.randint(0, inputs.shape[0], (batch_size,), generator=generator)
         return inputs[index], labels[index]

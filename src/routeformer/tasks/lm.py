@@ -27,7 +27,7 @@ from routeformer.data.corpora import load_corpus
 from routeformer.data.meta_tokens import check_density, inject_into_batch, real_tokens_per_window
 from routeformer.data.vocab import CharVocab
 from routeformer.ops._checks import check_positive
-from routeformer.tasks.base import Task
+from routeformer.tasks.base import Task, check_batch_size
 from routeformer.tasks.registry import register_task
 from routeformer.tasks.splits import check_split
 
@@ -75,8 +75,7 @@ class CharLM(Task):
         self, batch_size: int, generator: torch.Generator, split: str = "train",
     ) -> tuple[Tensor, Tensor]:
         """Random windows of the split's text (the splits are disjoint stretches of the corpus)."""
-        if not isinstance(batch_size, int) or batch_size < 0:
-            raise ValueError(f"batch_size must be a non-negative integer; got {batch_size!r}")
+        check_batch_size(batch_size)
         return self._inject(*random_batch(self.ids(split), batch_size, self._real, generator), generator)
 
     def fixed_sample(self, split: str, sequences: int, seed: int = 0) -> tuple[Tensor, Tensor]:
