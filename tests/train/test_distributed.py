@@ -18,7 +18,8 @@ from routeformer.train.distributed import DistributedContext, check_shardable, l
 # No dropout: the ranks draw their own dropout masks, which a single process would not.
 TINY = ["--model.dim", "32", "--model.depth", "2", "--model.heads", "2", "--seq_len", "32",
         "--batch_size", "8", "--steps", "6", "--warmup_steps", "2", "--eval_every", "3",
-        "--eval_tokens", "1024", "--log_every", "1", "--checkpoint_every", "3", "--model.dropout", "0"]
+        "--eval_tokens", "1024", "--log_every", "1", "--checkpoint_every", "3", "--model.dropout", "0",
+        "--final_eval_tokens", "4096"]
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ from tests.train.runs import quick_config
 
 def test_the_guard_skips_non_finite_steps_and_stops_after_the_limit():
     warnings = []
-    guard = NonFiniteGuard(3, warn=warnings.append)
+    guard = NonFiniteGuard(3, warn=lambda step, message: warnings.append(message))
     nan, one = torch.tensor(float("nan")), torch.tensor(1.0)
     assert guard.allows(1, one, one)
     assert not guard.allows(2, nan, one) and not guard.allows(3, one, torch.tensor(float("inf")))

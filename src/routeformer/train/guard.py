@@ -27,14 +27,14 @@ def check_finite_weights(weights: Mapping[str, Tensor], *, where: str) -> None:
 class NonFiniteGuard:
     """Decides per step whether the update may be applied (see the module docstring).
 
-    `warn(message)` hears about every skipped step; `all_ranks(flag)` makes the decision the same on
+    `warn(step, message)` hears about every skipped step; `all_ranks(flag)` makes the decision the same on
     every process under DistributedDataParallel (a rank whose loss alone is NaN skips everywhere).
     """
 
-    def __init__(self, limit: int, warn: Callable[[str], None] | None = None,
+    def __init__(self, limit: int, warn: Callable[[int, str], None] | None = None,
                  all_ranks: Callable[[Tensor], Tensor] | None = None) -> None:
         self.limit = limit
-        self.warn = warn or (lambda message: None)
+        self.warn = warn or (lambda step, message: None)
         self.all_ranks = all_ranks or (lambda flag: flag)
         self.consecutive = 0
         self.skipped = 0
@@ -55,6 +55,6 @@ class NonFiniteGuard:
                 f"training diverged: {self.consecutive} consecutive steps with a non-finite loss or "
                 f"gradient (step {step}: {values}); try a lower train.lr or a train.grad_clip, and "
                 "resume from the last checkpoint (written before this, with finite weights)")
-        self.warn(f"step {step}: non-finite {values}; update skipped "
+        self.warn(step, f"step {step}: non-finite {values}; update skipped "
                   f"({self.consecutive} in a row, the run stops at {self.limit})")
         return False

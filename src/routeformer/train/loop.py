@@ -172,13 +172,12 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
         }, keep=config.train.keep_checkpoints)
         last_saved = step
 
-    def skipped(message: str) -> None:
+    def skipped(step: int, message: str) -> None:
         say(f"warning: {message}")
         if log is not None:
-            log.write({"step": guard_step[0], "skipped": message})
+            log.write({"step": step, "skipped": message})
 
     settings = config.train
-    guard_step = [start]  # the step the guard is judging, for the log record of a skipped step
     guard = NonFiniteGuard(settings.max_nonfinite_steps, warn=skipped,
                            all_ranks=lambda flag: mean_over_ranks(flag, context))
     meta_eval = {"meta_density": density, "meta_id": vocab.pause_id} if density > 0 else {}
@@ -204,7 +203,6 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
                 model.parameters(), settings.grad_clip if settings.grad_clip > 0 else math.inf
             )
             step += 1
-            guard_step[0] = step
             # fp16: overflowing gradients are the scaler's to skip (it then lowers its scale).
             if guard.allows(step, result.total_loss, 0.0 if fp16 else grad_norm):
                 scaler.step(optimizer)

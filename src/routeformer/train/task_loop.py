@@ -136,7 +136,7 @@ def train_task(
         except CheckpointError as error:  # nothing was restored: the call starts over
             os.replace(checkpoint, checkpoint.with_name(checkpoint.name + ".corrupt"))
             _warn(f"{error}; moved aside, this run starts over")
-    guard = NonFiniteGuard(MAX_NONFINITE_STEPS, warn=_warn)
+    guard = NonFiniteGuard(MAX_NONFINITE_STEPS, warn=lambda step, message: _warn(message))
     began = time.perf_counter()
     for step in range(first_step, config.steps + 1):
         rate = learning_rate(step - 1, lr=config.lr, warmup_steps=config.warmup_steps,
