@@ -193,6 +193,7 @@ def _position_only_router(layer, routing_dim=16):
     ("none", lambda i: set(range(min(3, i + 1)))),                 # ties: the lowest indices
     ("rotary", lambda i: set(range(max(0, i - 2), i + 1))),        # cos(0.32·(i − j)) peaks at j = i
     ("recency", lambda i: set(range(max(0, i - 2), i + 1))),       # −β·(i − j)
+    ("rotary+recency", lambda i: set(range(max(0, i - 2), i + 1))),
 ])
 def test_routing_positions_order_keys_by_offset(positions, expected):
     """Equal tokens everywhere (T = 10): a position-blind router cannot tell keys apart and takes

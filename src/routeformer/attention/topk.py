@@ -82,7 +82,7 @@ from routeformer.ops.rotary import apply_rotary, rotary_angles
 from routeformer.ops.topk_routing import DEFAULT_ROUTING_BLOCK, add_random_slots, route_topk
 
 ROUTING_LEARNING = ("score_bias", "distill", "none")
-ROUTING_POSITIONS = ("rotary", "recency", "none")
+ROUTING_POSITIONS = ("rotary", "recency", "rotary+recency", "none")
 # Longest key count for which the dense masked path beats gathering (layer fwd+bwd, B=4, D=128,
 # 2 cores, 2026-11-22): the native kernels gather faster from 512 keys (420 vs 490 ms), the
 # PyTorch ops from ~1024.
@@ -99,6 +99,7 @@ class Router(nn.Module):
     β = softplus(a) on the query side and the key's position on the key side, so
     s_ij = rq_i · rk_j + β·j, which ranks keys as rq_i · rk_j − β·(i − j) does (β·i is constant
     in a row): an ALiBi-style preference for nearby keys, one scalar per routing head.
+    "rotary+recency": both (rotation first, then the recency dim).
     """
 
     def __init__(self, dim: int, routing_heads: int, routing_dim: int, hidden: int, frozen: bool,
@@ -117,7 +118,7 @@ class Router(nn.Module):
             self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, out_features))
         else:
             self.net = nn.Linear(dim, out_features, bias=False)
-        if positions == "recency":
+        if "recency" in positions:
             # softplus(0) ≈ 0.69 per position: the recency term starts comparable to the content
             # scores of a freshly initialised router (|s| ~ 1), neither swamping nor lost in them.
             slope = torch.zeros(routing_heads)
@@ -129,7 +130,7 @@ class Router(nn.Module):
     @property
     def space_dim(self) -> int:
         """Width of the routing vectors route_topk sees: r, plus one for the recency term."""
-        return self.routing_dim + (self.positions == "recency")
+        return self.routing_dim + ("recency" in self.positions)
 
     def forward(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         batch, length, _ = x.shape
@@ -143,10 +144,10 @@ class Router(nn.Module):
                 projected = _fp32_forward(self.net, x32)
         projected = projected.view(batch, length, 2, self.routing_heads, self.routing_dim)
         route_q, route_k = projected.permute(2, 0, 3, 1, 4).unbind(0)
-        if self.positions == "rotary":
+        if "rotary" in self.positions:
             cos, sin = rotary_angles(positions, self.routing_dim, self.rotary_base)
             route_q, route_k = apply_rotary(route_q, cos, sin), apply_rotary(route_k, cos, sin)
-        elif self.positions == "recency":
+        if "recency" in self.positions:
             slope = F.softplus(self.recency_logit.float()).view(1, -1, 1, 1)
             route_q = torch.cat([route_q, slope.expand(batch, -1, length, 1)], dim=-1)
             where = positions.to(torch.float32)[:, None, :, None].expand(batch, self.routing_heads, length, 1)
@@ -187,7 +188,7 @@ class TopKAttention(AttentionLayer):
         if routing_positions not in ROUTING_POSITIONS:
             raise ValueError(f"routing_positions must be one of {ROUTING_POSITIONS}; "
                              f"got {routing_positions!r}")
-        if routing_positions == "rotary" and routing_dim % 2:
+        if "rotary" in routing_positions and routing_dim % 2:
             raise ValueError(f"routing_positions='rotary' needs an even routing_dim; got {routing_dim}")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0; got {temperature}")

@@ -261,6 +261,7 @@ PREVIOUS_TOKEN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "topk(K=8,positions=none)": ("topk", {"topk": 8, "routing_positions": "none"}),
     "topk(K=8,positions=rotary)": ("topk", {"topk": 8, "routing_positions": "rotary"}),
     "topk(K=8,positions=recency)": ("topk", {"topk": 8, "routing_positions": "recency"}),
+    "topk(K=8,positions=rotary+recency)": ("topk", {"topk": 8, "routing_positions": "rotary+recency"}),
 }
 
 
@@ -323,6 +324,7 @@ POSITION_LM_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "topk(K=16,positions=none)": ("topk", {"topk": 16, "routing_positions": "none"}),
     "topk(K=16,positions=rotary)": ("topk", {"topk": 16, "routing_positions": "rotary"}),
     "topk(K=16,positions=recency)": ("topk", {"topk": 16, "routing_positions": "recency"}),
+    "topk(K=16,positions=rotary+recency)": ("topk", {"topk": 16, "routing_positions": "rotary+recency"}),
 }
 
 
