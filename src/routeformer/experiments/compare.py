@@ -6,7 +6,8 @@ attention layers differ. Quality is the task's metric on its test split, reporte
 over the seeds beside the task's chance level and the measured accuracy of its shortcut rules.
 
 Length-dependent budgets (the only options that differ from a mechanism's defaults): local
-windows T/4, top-k T/8 keys, MiTA T/8 landmarks of T/8 keys, Meta-Attention's local expert T/4.
+windows T/4, top-k T/8 keys, MiTA T/8 landmarks of T/8 keys (causal: blocks of T/8),
+Meta-Attention's local expert T/4.
 `meta_tokens` needs injected meta-tokens: it runs on the LM only, whose windows then carry
 `_PAUSE_` at density 0.1 (so it reads 10% fewer characters per window: stated in the report).
 
@@ -95,8 +96,9 @@ def options_for(mechanism: str, seq_len: int) -> dict[str, Any]:
         return {"window": max(1, seq_len // 4)}
     if mechanism == "topk":
         return {"topk": max(1, seq_len // 8)}
-    if mechanism == "mita":
-        return {"landmarks": max(1, seq_len // 8), "topk": max(1, seq_len // 8)}
+    if mechanism == "mita":  # causal: blocks of T/8, every completed block's landmark read
+        budget = max(1, seq_len // 8)
+        return {"landmarks": budget, "topk": budget, "block": budget}
     return {}
 
 

@@ -100,6 +100,7 @@ def write_compare_report(
         f"and cosine decay; {budget.seeds} seeds per mechanism, and with the same seed every mechanism sees "
         "the same batches. Quality: the task's metric on its test split, mean ± sd over the seeds (the "
         "setups were chosen on the validation split). Local windows T/4, top-k T/8 keys, MiTA T/8 landmarks "
+        "(causal: blocks of T/8) "
         "of T/8 keys, Meta-Attention's local expert T/4. FLOPs: attention FLOPs the layers executed, per "
         f"token. Step/inference ms: medians of {budget.repeats} alternating repetitions on one training "
         "batch (fresh model); peak MiB: extra memory of one training step. ★: Pareto front of quality "
