@@ -242,3 +242,19 @@ def test_cached_decoding_runs_only_the_routed_expert():
             assert len(calls) - before == 1, f"token {t} ran {len(calls) - before} experts"
     assert len(set(calls)) == 3, "the test needs tokens routed to every expert"
     torch.testing.assert_close(torch.cat(steps, dim=1), parallel)
+
+
+def test_hard_routing_skips_the_projections_of_unused_experts():
+    """Every token hard-routed to the linear expert: the full and local experts project no keys,
+    values or queries (their K/V/Q projections are what the skipped attention would have paid)."""
+    layer = make(eval_eta=0.0).eval()
+    with torch.no_grad():
+        layer.router.increments.bias.copy_(torch.tensor([-20.0, 20.0, -20.0]))
+    projected = []
+    keys_values, queries = layer._keys_values, layer._queries
+    layer._keys_values = lambda index, *a, **k: projected.append(("kv", index)) or keys_values(index, *a, **k)
+    layer._queries = lambda index, *a, **k: projected.append(("q", index)) or queries(index, *a, **k)
+    with torch.no_grad():
+        result = layer(tokens())
+    assert result.stats["rows_linear"] == 1 and result.stats["rows_full"] == 0
+    assert sorted(projected) == [("kv", 1), ("q", 1)]
