@@ -14,7 +14,7 @@ SMALL_OPTIONS = {
     "topk": {"topk": 3, "block": 4, "local_window": 1, "dense_below": 0},
     "expanding": {"block": 4, "prior_beta": 3.0},
     "meta": {"window": 5, "linear_chunk": 4, "full_chunk": 4},
-    "mita": {"landmarks": 3, "topk": 4},
+    "mita": {"landmarks": 3, "topk": 4, "block": 4},
 }
 
 
