@@ -124,7 +124,8 @@ def test_flops_count_routing_and_attention(monkeypatch):
     assert stats["flops"].item() == stats["routing_flops"].item() + attention
     # causal: query block b scores only keys up to its end, 32·(32 + 64 + ... + 256) per head
     scored = sum(32 * 32 * (b + 1) for b in range(8))
-    assert stats["routing_flops"].item() == 2 * 16 * HEADS * scored
+    # routing space: r = 16 dims plus the recency dim of the default routing_positions
+    assert stats["routing_flops"].item() == 2 * (16 + 1) * HEADS * scored
 
 
 @pytest.mark.parametrize("learning", ["score_bias", "distill"])

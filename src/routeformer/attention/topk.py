@@ -10,17 +10,20 @@ Among equal routing scores the lower key index is selected (every implementation
 
 Position in the routing score (`routing_positions`). Attention sees rotated q, k (RoPE), so it
 can prefer a key by its offset; a router that reads only x cannot, and fails a task as simple as
-copying the previous token (K=8, no forced keys: 0.52 test accuracy against full attention's 1.00,
-`routeformer reproduce topk-previous-token`). So position enters s_ij:
-- "rotary" (default): r_q(i), r_k(j) are rotated by the angles of positions i and j (RoPE in the
-  routing space, base `rotary_base`), so s_ij = r_q(i)·R(j - i) r_k(j) depends on the offset j - i
-  the way the rotated q·k does. Needs an even `routing_dim`.
+copying the previous token (K=8, no forced keys: 0.49 ± 0.04 test accuracy against full
+attention's 1.00, `routeformer reproduce topk-previous-token`, 3 seeds). So position enters s_ij:
+- "rotary": r_q(i), r_k(j) are rotated by the angles of positions i and j (RoPE in the routing
+  space, base `rotary_base`), so s_ij = r_q(i)·R(j - i) r_k(j) depends on the offset j - i the
+  way the rotated q·k does. Needs an even `routing_dim`.
 - "recency": s_ij = r_q(i)·r_k(j) − β·(i − j) with one learned slope β = softplus(a) > 0 per
-  routing head (ALiBi-like), carried by one extra routing dim (β on the query side, the key's
-  position j on the key side; β·i is constant within a row, so the ranking is that of the
-  formula). Monotone in distance: it can prefer recent keys but not a particular offset.
+  routing head (ALiBi-like, starting at 0.05), carried by one extra routing dim (β on the query
+  side, the key's position j on the key side; β·i is constant within a row, so the ranking is
+  that of the formula). Monotone in distance: it can prefer recent keys, not a given offset.
+- "rotary+recency" (default): both. The measured choice (docs/results/topk.md, 3 seeds each):
+  previous-token accuracy none 0.49, rotary 0.92 ± 0.14 (one seed stuck at 0.76), recency and
+  rotary+recency 1.00; char-LM gap to full at compare's quick budget none 0.54 bits/char,
+  rotary 0.23, rotary+recency: see the results file.
 - "none": the position-blind router (positions reach it only through x).
-Both reach 1.00 on the previous-token task (3 seeds; docs/results/topk.md).
 
 Keys read per query: K routed + `local_window` + `global_tokens` forced ones (§9.2's fixes), at
 most the eligible keys; `stats["flops"]` counts attention over all of them (and the T x S product
@@ -119,9 +122,11 @@ class Router(nn.Module):
         else:
             self.net = nn.Linear(dim, out_features, bias=False)
         if "recency" in positions:
-            # softplus(0) ≈ 0.69 per position: the recency term starts comparable to the content
-            # scores of a freshly initialised router (|s| ~ 1), neither swamping nor lost in them.
-            slope = torch.zeros(routing_heads)
+            # β starts at softplus(-3) ≈ 0.05 per position: a mild preference the router can grow.
+            # Starting at softplus(0) ≈ 0.69 (16 keys back cost 11, a near-local window from
+            # step 0) solved previous-token as well but lost 0.3 bits/char on the char LM
+            # (2.90 against 2.58 at seed 0; topk-position-lm, 2026-11-25).
+            slope = torch.full((routing_heads,), -3.0)
             if frozen:
                 self.register_buffer("recency_logit", slope)
             else:
@@ -177,7 +182,7 @@ class TopKAttention(AttentionLayer):
         temperature: float = 1.0, entropy_weight: float = 0.0, exploration: float = 0.0,
         global_tokens: int = 0, local_window: int = 0, shared_routing: bool = False,
         router_hidden: int = 0, recall_queries: int = 16, block: int = DEFAULT_ROUTING_BLOCK,
-        dense_below: int | None = None, routing_positions: str = "rotary", **common,
+        dense_below: int | None = None, routing_positions: str = "rotary+recency", **common,
     ) -> None:
         super().__init__(dim, heads, causal, **common)
         check_positive("topk", topk)
