@@ -56,11 +56,13 @@ LOW_PRECISION_RTOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
 # day the fix lands (then delete the entry).
 BEING_FIXED: dict[tuple[str, str], str] = {}
 
-# Mechanisms whose routing is a hard choice per token (MiTA's top-r experts): in low precision a
-# near-tied choice may flip, which moves that one token's output by O(1) while every other token
-# stays within the tolerance. For them the criterion is per token: the median token within the
-# tolerance, and at most 10% of the tokens beyond it (measured: 2-5 of 120 tokens flip).
-PER_TOKEN_CRITERION = {"mita"}
+# Mechanisms whose routing is a hard choice per token (MiTA's top-r experts, topk's top-K keys):
+# in low precision a near-tied choice may flip, which moves that one token's output by O(1) while
+# every other token stays within the tolerance. For them the criterion is per token: the median
+# token within the tolerance, and at most 10% of the tokens beyond it (measured: mita 2-5 of 120
+# tokens flip; topk, routing in fp32 from bf16-rounded x and weights, 1-7 of 120 over 4 seeds,
+# median token error 5e-3).
+PER_TOKEN_CRITERION = {"mita", "topk"}
 
 
 def _params(prop: str, names=CASES) -> list:
