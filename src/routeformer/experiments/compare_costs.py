@@ -1,7 +1,7 @@
 """What one training step and one inference pass of a compare model cost: median times over
 alternating repetitions and the peak memory of a training step, measured on one training batch of
 the task with a freshly initialised model (the same for every mechanism: only the attention
-differs)."""
+differs), with one thread, as the training workers run."""
 
 from __future__ import annotations
 
@@ -36,9 +36,14 @@ def measure_task_costs(task_name: str, mechanism: str, setup: Any, spec: Any, re
         model.zero_grad(set_to_none=True)
         forward().total_loss.backward()
 
-    model.eval()
-    inference_s = median_times({"inference": inference}, repeats)["inference"]
-    model.train()
-    step_s = median_times({"step": training_step}, repeats)["step"]
-    peak = peak_memory_mib(training_step)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the training workers run; two threads on tiny models only wait
+    try:
+        model.eval()
+        inference_s = median_times({"inference": inference}, repeats, warmup=2)["inference"]
+        model.train()
+        step_s = median_times({"step": training_step}, repeats, warmup=2)["step"]
+        peak = peak_memory_mib(training_step)
+    finally:
+        torch.set_num_threads(threads)
     return {"inference_ms": 1000 * inference_s, "train_step_ms": 1000 * step_s, "train_step_peak_mib": peak}

@@ -20,11 +20,10 @@ def mean_sd(values: list[float]) -> tuple[float, float]:
 
 
 def separated(a: tuple[float, float], b: tuple[float, float], sds: float = SEPARATION_SDS) -> bool:
-    """Whether two (mean, sd) results differ by more than `sds` times the larger sd (and sd > 0
-    unless the means differ at all: with one seed nothing is separated)."""
+    """Whether two (mean, sd) results differ by more than `sds` times the larger sd. (Callers ask
+    for at least two seeds: a single seed's sd of 0 would separate everything.)"""
     (mean_a, sd_a), (mean_b, sd_b) = a, b
-    spread = max(sd_a, sd_b)
-    return abs(mean_a - mean_b) > sds * spread if spread > 0 else False
+    return abs(mean_a - mean_b) > sds * max(sd_a, sd_b)
 
 
 def pareto_front(points: dict[str, tuple[float, float]], higher_is_better: bool) -> set[str]:
@@ -70,11 +69,13 @@ def summarise_task(task: str, runs: dict[str, list[dict[str, Any]]], costs: dict
     best_floor = (max if higher else min)([floor["chance"], *floor["baselines"].values()])
     for row in rows.values():
         row["flops_vs_full"] = row["flops_per_token"] / full_flops if full_flops else None
-        row["above_floor"] = separated((row["quality_mean"], row["quality_sd"]), (best_floor, 0.0)) and (
+        row["above_floor"] = len(row["qualities"]) > 1 and separated(
+            (row["quality_mean"], row["quality_sd"]), (best_floor, 0.0)) and (
             row["quality_mean"] > best_floor if higher else row["quality_mean"] < best_floor)
     pairs = [[a, b] for a, b in combinations(rows, 2)
-             if separated((rows[a]["quality_mean"], rows[a]["quality_sd"]),
-                          (rows[b]["quality_mean"], rows[b]["quality_sd"]))]
+             if min(len(rows[a]["qualities"]), len(rows[b]["qualities"])) > 1
+             and separated((rows[a]["quality_mean"], rows[a]["quality_sd"]),
+                           (rows[b]["quality_mean"], rows[b]["quality_sd"]))]
     points = {m: (r["flops_per_token"], r["quality_mean"]) for m, r in rows.items()}
     front = pareto_front(points, higher)
     for mechanism, row in rows.items():
@@ -102,8 +103,9 @@ def write_compare_report(
         "setups were chosen on the validation split). Local windows T/4, top-k T/8 keys, MiTA T/8 landmarks "
         "of T/8 keys (causal: blocks of T/8), Meta-Attention's local expert T/4. FLOPs: attention FLOPs the "
         "layers executed, per "
-        f"token. Step/inference ms: medians of {budget.repeats} alternating repetitions on one training "
-        "batch (fresh model); peak MiB: extra memory of one training step. ★: Pareto front of quality "
+        f"token. Step/inference ms: medians of {budget.repeats} repetitions on one training batch, one "
+        "thread as in training (fresh model); peak MiB: extra memory of one training step. ★: Pareto "
+        "front of quality "
         f"against executed FLOPs. A difference counts as real only beyond {SEPARATION_SDS:g} sd (the larger "
         "of the two).",
     ]
