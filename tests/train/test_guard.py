@@ -41,9 +41,11 @@ def inject_nan_loss(monkeypatch, bad_calls):
     monkeypatch.setattr(CausalLM, "forward", poisoned)
 
 
-def test_a_nan_step_is_skipped_and_the_run_finishes(tmp_path, monkeypatch):
+def test_a_nan_step_is_skipped_and_the_run_finishes(tmp_path, monkeypatch, capsys):
     inject_nan_loss(monkeypatch, {4})
     result = train(quick_config(tmp_path / "run"), quiet=True)
+    # Even a quiet run says so: one line on stderr.
+    assert capsys.readouterr().err.startswith("routeformer: warning: step 4: non-finite loss nan")
     assert result.skipped_steps == 1 and result.step == 12
     assert all(torch.isfinite(p).all() for p in result.model.parameters())
     records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]

@@ -98,7 +98,9 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
     check_out_dir(out_dir)
     progress = Progress(config.train.steps, 0)
     say = (lambda message: None) if quiet else progress.message
-    state = find_resume_state(out_dir, resume=resume, is_main=context.is_main, report=say)
+    # What happens to the run's files and skipped updates is told even to a quiet run (rank 0).
+    notice = (lambda message: progress.message(f"routeformer: {message}")) if context.is_main else say
+    state = find_resume_state(out_dir, resume=resume, is_main=context.is_main, report=notice)
 
     corpus = load_corpus(config.data.corpus)
     vocab = CharVocab.from_dict(state["vocab"]) if state else CharVocab.from_text(corpus.train)
@@ -144,7 +146,7 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
         if changes:  # the run's log says from which step which settings changed
             log.write({"step": start, "config_changes": {key: list(pair) for key, pair in changes.items()}})
         if kept is not None:
-            say(f"config.yaml differed from this run's config; the earlier one is kept as {kept.name}")
+            notice(f"config.yaml differed from this run's config; the earlier one is kept as {kept.name}")
     progress = Progress(config.train.steps, start)
     parameters = sum(p.numel() for p in model.parameters())
     say(f"routeformer: {corpus.name}, {len(vocab)} symbols, {len(train_ids):,} training chars; "
@@ -153,7 +155,7 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
         + (f"; precision {config.train.precision}" if config.train.precision != "fp32" else "")
         + (f"; resuming at step {start}" if state else ""))
     if changes:
-        say(f"resuming with changed settings (recorded in metrics.jsonl): {describe(changes)}")
+        notice(f"resuming with changed settings (recorded in metrics.jsonl): {describe(changes)}")
 
     last_saved = start if state else None
 
@@ -173,7 +175,7 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
         last_saved = step
 
     def skipped(step: int, message: str) -> None:
-        say(f"warning: {message}")
+        notice(f"warning: {message}")
         if log is not None:
             log.write({"step": step, "skipped": message})
 

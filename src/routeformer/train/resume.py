@@ -45,7 +45,8 @@ def find_resume_state(out_dir: Path, *, resume: bool, is_main: bool,
         return None
     if not checkpoint_files(out_dir):
         return None
-    path, state = latest_checkpoint(out_dir, report=report, quarantine=is_main)
+    path, state = latest_checkpoint(out_dir, report=lambda message: report(f"warning: {message}"),
+                                    quarantine=is_main)
     if path.name != "checkpoint.pt":
         report(f"resuming from {str(path)!r} (step {state['step']}), the newest intact checkpoint")
     return state
