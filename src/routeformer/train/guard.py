@@ -53,8 +53,8 @@ class NonFiniteGuard:
         if self.consecutive >= self.limit:
             raise TrainingDiverged(
                 f"training diverged: {self.consecutive} consecutive steps with a non-finite loss or "
-                f"gradient (step {step}: {values}); try a lower train.lr or a train.grad_clip, and "
-                "resume from the last checkpoint (written before this, with finite weights)")
+                f"gradient (step {step}: {values}); try a lower train.lr or a train.grad_clip (any "
+                "checkpoint of the run predates this and holds finite weights)")
         self.warn(step, f"step {step}: non-finite {values}; update skipped "
                   f"({self.consecutive} in a row, the run stops at {self.limit})")
         return False
