@@ -15,15 +15,16 @@ attention's 1.00, `routeformer reproduce topk-previous-token`, 3 seeds). So posi
 - "rotary": r_q(i), r_k(j) are rotated by the angles of positions i and j (RoPE in the routing
   space, base `rotary_base`), so s_ij = r_q(i)·R(j - i) r_k(j) depends on the offset j - i the
   way the rotated q·k does. Needs an even `routing_dim`.
-- "recency": s_ij = r_q(i)·r_k(j) − β·(i − j) with one learned slope β = softplus(a) > 0 per
-  routing head (ALiBi-like, starting at 0.05), carried by one extra routing dim (β on the query
-  side, the key's position j on the key side; β·i is constant within a row, so the ranking is
-  that of the formula). Monotone in distance: it can prefer recent keys, not a given offset.
-- "rotary+recency" (default): both. The measured choice (docs/results/topk.md, 3 seeds each):
-  previous-token accuracy none 0.49, rotary 0.92 ± 0.14 (one seed stuck at 0.76), recency and
-  rotary+recency 1.00; char-LM gap to full at compare's quick budget none 0.54 bits/char,
-  rotary 0.23, rotary+recency: see the results file.
+- "recency" (default): s_ij = r_q(i)·r_k(j) − β·(i − j) with one learned slope β = softplus(a) > 0
+  per routing head (ALiBi-like, starting at 0.05), carried by one extra routing dim (β on the
+  query side, the key's position j on the key side; β·i is constant within a row, so the ranking
+  is that of the formula). Monotone in distance: it can prefer recent keys, not a given offset.
+- "rotary+recency": both.
 - "none": the position-blind router (positions reach it only through x).
+The default is the measured choice (docs/results/topk.md, 3 seeds each, mean ± sd):
+previous-token accuracy none 0.49 ± 0.04, rotary 0.92 ± 0.14 (one seed stuck at 0.76), recency
+0.999 ± 0.000, rotary+recency 1.00 ± 0.00; char-LM gap to full at compare's quick budget (pydoc,
+T=128, K=16) none +0.54, rotary +0.23, rotary+recency +0.23, recency +0.005 bits/char.
 
 Keys read per query: K routed + `local_window` + `global_tokens` forced ones (§9.2's fixes), at
 most the eligible keys; `stats["flops"]` counts attention over all of them (and the T x S product
@@ -123,9 +124,10 @@ class Router(nn.Module):
             self.net = nn.Linear(dim, out_features, bias=False)
         if "recency" in positions:
             # β starts at softplus(-3) ≈ 0.05 per position: a mild preference the router can grow.
-            # Starting at softplus(0) ≈ 0.69 (16 keys back cost 11, a near-local window from
-            # step 0) solved previous-token as well but lost 0.3 bits/char on the char LM
-            # (2.90 against 2.58 at seed 0; topk-position-lm, 2026-11-25).
+            # Starting at softplus(0) ≈ 0.69 (16 keys back cost 11: a near-local window from
+            # step 0) solved previous-token as well but lost on the char LM (topk-position-lm,
+            # 3 seeds): recency 2.84 ± 0.43 bits/char against 2.40 ± 0.04, rotary+recency
+            # 2.90 ± 0.06 against 2.63 ± 0.04.
             slope = torch.full((routing_heads,), -3.0)
             if frozen:
                 self.register_buffer("recency_logit", slope)
@@ -182,7 +184,7 @@ class TopKAttention(AttentionLayer):
         temperature: float = 1.0, entropy_weight: float = 0.0, exploration: float = 0.0,
         global_tokens: int = 0, local_window: int = 0, shared_routing: bool = False,
         router_hidden: int = 0, recall_queries: int = 16, block: int = DEFAULT_ROUTING_BLOCK,
-        dense_below: int | None = None, routing_positions: str = "rotary+recency", **common,
+        dense_below: int | None = None, routing_positions: str = "recency", **common,
     ) -> None:
         super().__init__(dim, heads, causal, **common)
         check_positive("topk", topk)
