@@ -10,7 +10,10 @@ the first `global_tokens` positions ("memory" tokens every query reads). A query
 eligible keys than slots takes all of them; the remaining slots are marked invalid. Ties: among
 keys with equal scores the lower key index is selected first, in the C kernel, the PyTorch path
 and the reference alike (equal routing vectors, e.g. repeated tokens under a position-blind
-router, tie exactly).
+router, tie exactly). "Equal" means equal as computed: in float32 every path gives equal vectors
+bitwise equal scores (tested); CPU float64 GEMM (the PyTorch path and the reference) may compute
+the same dot product 1 ulp apart in different key columns, so in float64 such near-ties follow
+the computed scores and the implementations can pick different tied keys.
 
 Memory: queries are processed in blocks; one block's scores [B, R, block, S] live in a scratch
 buffer that is reused, so nothing of size T x S is held; the result is O(T·K). Time is O(T·S·r)
