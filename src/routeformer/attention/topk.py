@@ -368,7 +368,7 @@ class TopKAttention(AttentionLayer):
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", topk={self.topk}, routing_dim={self.routing_dim}, "
-                f"routing_learning={self.routing_learning!r}")
+                f"routing_learning={self.routing_learning!r}, routing_positions={self.routing_positions!r}")
 
 
 def _safe_log_softmax(logits: Tensor, valid: Tensor) -> Tensor:
