@@ -5,17 +5,8 @@ import torch
 
 from routeformer.attention import AttentionOutput, build_attention, list_attentions
 
-DIM, HEADS = 32, 4
-# Small windows/chunks so that the tests cross block and chunk boundaries.
-SMALL_OPTIONS = {
-    "local": {"window": 5},
-    "linear": {"chunk": 4},
-    # dense_below=0: the gathered path (the dense short-sequence path is checked against it)
-    "topk": {"topk": 3, "block": 4, "local_window": 1, "dense_below": 0},
-    "expanding": {"block": 4, "prior_beta": 3.0},
-    "meta": {"window": 5, "linear_chunk": 4, "full_chunk": 4},
-    "mita": {"landmarks": 3, "topk": 4, "block": 4},
-}
+# The same small options as the invariants (windows/chunks/blocks crossed by short sequences).
+from tests.attention.test_invariants import DIM, HEADS, SMALL_OPTIONS  # noqa: E402
 
 
 def make_layer(name, causal, seed=0, **extra):
