@@ -52,10 +52,6 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # for only where a tie is rare at these sizes.
 LOW_PRECISION_RTOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
-# Mechanisms still being fixed by other work of issue 25; strict=False so the mark goes quiet the
-# day the fix lands (then delete the entry).
-BEING_FIXED: dict[tuple[str, str], str] = {}
-
 # Mechanisms whose routing is a hard choice per token (MiTA's top-r experts, topk's top-K keys):
 # in low precision a near-tied choice may flip, which moves that one token's output by O(1) while
 # every other token stays within the tolerance. For them the criterion is per token: the median
@@ -63,16 +59,6 @@ BEING_FIXED: dict[tuple[str, str], str] = {}
 # tokens flip; topk, routing in fp32 from bf16-rounded x and weights, 1-7 of 120 over 4 seeds,
 # median token error 5e-3).
 PER_TOKEN_CRITERION = {"mita", "topk"}
-
-
-def _params(prop: str, names=CASES) -> list:
-    """`names` as pytest params, with a non-strict xfail where BEING_FIXED lists (name, prop)."""
-    params = []
-    for name in names:
-        reason = BEING_FIXED.get((name, prop))
-        marks = [pytest.mark.xfail(reason=reason, strict=False)] if reason else []
-        params.append(pytest.param(name, marks=marks, id=name))
-    return params
 
 
 def make_layer(name: str, causal: bool, seed: int = 0, **extra):
@@ -92,7 +78,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 # -- prefix (streaming) invariance ---------------------------------------------------------------
-@pytest.mark.parametrize("name", _params("prefix"))
+@pytest.mark.parametrize("name", CASES)
 def test_causal_prefix_is_independent_of_total_length(name):
     layer = make_layer(name, causal=True, rotary=True)
     x = torch.randn(2, 29, DIM, generator=torch.Generator().manual_seed(3))
@@ -121,7 +107,7 @@ def _padded_batch(side: str, fill: float) -> tuple[torch.Tensor, torch.Tensor, l
     return x, mask, spans
 
 
-@pytest.mark.parametrize("name", _params("padding"))
+@pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("fill", [float("nan"), 1e4], ids=["nan", "huge"])
@@ -140,7 +126,7 @@ def test_padding_leaves_real_rows_as_if_alone(name, causal, side, fill):
                                        msg=lambda m, b=b: f"{name}: sequence {b} moved\n{m}")
 
 
-@pytest.mark.parametrize("name", _params("padding"))
+@pytest.mark.parametrize("name", CASES)
 def test_padding_gradients_are_finite_and_skip_padded_rows(name):
     """Training on a NaN-padded batch: finite gradients, none reaching padded inputs."""
     layer = make_layer(name, causal=True).train()
@@ -172,7 +158,7 @@ def test_empty_inputs_give_empty_outputs(name, causal, shape):
         assert x.grad.shape == x.shape
 
 
-@pytest.mark.parametrize("name", _params("single"))
+@pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_single_token(name, causal):
     layer = make_layer(name, causal=causal)
@@ -205,7 +191,7 @@ def test_non_contiguous_inputs(name, causal):
 
 
 # -- low precision --------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", _params("dtype"))
+@pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("device", DEVICES)
@@ -243,7 +229,7 @@ def test_low_precision_forward_backward(name, causal, dtype, device):
             assert torch.isfinite(param.grad).all(), f"{name} {dtype}: {param_name} gradient not finite"
 
 
-@pytest.mark.parametrize("name", _params("padding"))
+@pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_padding_mask_is_never_a_dense_square_mask(name, causal, monkeypatch):
     """A key-padding mask costs O(T) memory: no SDPA call receives a mask with ≥ T²/2 entries per

@@ -256,13 +256,17 @@ def lm(out_dir: Path, quick: bool) -> Path:
 
 
 # -- the positional routing probe (issue 25) ----------------------------------------------------
-PREVIOUS_TOKEN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "full": ("full", {}),
-    "topk(K=8,positions=none)": ("topk", {"topk": 8, "routing_positions": "none"}),
-    "topk(K=8,positions=rotary)": ("topk", {"topk": 8, "routing_positions": "rotary"}),
-    "topk(K=8,positions=recency)": ("topk", {"topk": 8, "routing_positions": "recency"}),
-    "topk(K=8,positions=rotary+recency)": ("topk", {"topk": 8, "routing_positions": "rotary+recency"}),
-}
+ROUTING_POSITIONS = ("none", "rotary", "recency", "rotary+recency")
+
+
+def routing_position_variants(k: int) -> dict[str, tuple[str, dict[str, Any]]]:
+    """full, and topk with K keys under each router position mode."""
+    topk = {f"topk(K={k},positions={mode})": ("topk", {"topk": k, "routing_positions": mode})
+            for mode in ROUTING_POSITIONS}
+    return {"full": ("full", {}), **topk}
+
+
+PREVIOUS_TOKEN_VARIANTS = routing_position_variants(8)
 
 
 def _seeded_variants(
@@ -319,13 +323,7 @@ def previous_token(out_dir: Path, quick: bool) -> Path:
     return write_result(out_dir, result, markdown + "\n")
 
 
-POSITION_LM_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "full": ("full", {}),
-    "topk(K=16,positions=none)": ("topk", {"topk": 16, "routing_positions": "none"}),
-    "topk(K=16,positions=rotary)": ("topk", {"topk": 16, "routing_positions": "rotary"}),
-    "topk(K=16,positions=recency)": ("topk", {"topk": 16, "routing_positions": "recency"}),
-    "topk(K=16,positions=rotary+recency)": ("topk", {"topk": 16, "routing_positions": "rotary+recency"}),
-}
+POSITION_LM_VARIANTS = routing_position_variants(16)
 
 
 @register_experiment("topk-position-lm", "char-LM (pydoc, T=128) at compare's quick budget: the gap of "
