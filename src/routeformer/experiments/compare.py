@@ -29,11 +29,7 @@ from typing import Any
 from routeformer.experiments.common import log
 from routeformer.experiments.compare_bench import BENCH_OPTIONS  # noqa: F401  (bench compile reads it)
 from routeformer.experiments.compare_costs import measure_task_costs
-from routeformer.experiments.compare_report import (  # noqa: F401  (pareto_front: re-exported)
-    pareto_front,
-    task_floor,
-    write_compare_report,
-)
+from routeformer.experiments.compare_report import task_floor, write_compare_report
 from routeformer.experiments.jobs import Job, TaskSetup, run_jobs
 from routeformer.experiments.report import cached_run
 from routeformer.train.on_task import ModelSpec
