@@ -169,8 +169,27 @@ def test_prior_free_ablation_has_no_prior_and_no_penalty():
             (positions / expected_scale).to(x.dtype)[..., None]], -1))))
         expected = torch.nn.functional.softplus(increments) + 0.01
         torch.testing.assert_close(layer.router(x, positions), expected)
-    with pytest.raises(ValueError, match="elbo_weight must be 0"):
-        build_attention("meta", dim=DIM, heads=HEADS, prior="none")
+
+
+def test_kl_free_and_prior_free_each_change_one_thing():
+    """KL-free keeps the posterior β + δ and drops the penalty; prior-free drops the offset β (ε + δ)
+    and keeps the penalty KL[Dir(ε + δ) ‖ Dir(β)]. Same seed, same controller weights throughout."""
+    x = tokens()
+    positions = torch.arange(LENGTH).expand(2, -1)
+    prior = torch.tensor([0.01, 0.86, 0.71], dtype=torch.float64)
+    bayesian, kl_free = make(elbo_weight=0.7).eval(), make(elbo_weight=0.0).eval()
+    prior_free = make(prior="none", elbo_weight=0.7).eval()
+    increments = bayesian.router(x, positions) - prior  # δ(x), shared by all three (same weights)
+    torch.testing.assert_close(kl_free.router(x, positions), prior + increments)
+    torch.testing.assert_close(prior_free.router(x, positions), 0.01 + increments)
+    torch.testing.assert_close(kl_free(x).out, bayesian(x).out)  # the KL weight does not touch routing
+    assert kl_free(x).aux_loss == 0 and kl_free(x).stats["kl"] > 0
+    expected = kl_divergence(Dirichlet(0.01 + increments), Dirichlet(prior.expand_as(increments))).mean()
+    result = prior_free(x)
+    torch.testing.assert_close(result.aux_loss, 0.7 * expected)
+    assert not torch.allclose(result.out, bayesian(x).out)  # the offset does change routing
+    result.aux_loss.backward()  # the penalty reaches the controller
+    assert prior_free.router.increments.weight.grad.abs().sum() > 0
 
 
 def test_eta_anneals_over_training_calls_and_the_step_is_checkpointed():

@@ -14,6 +14,12 @@ Loss: aux_loss = elbo_weight · mean_t KL[Dir(β̂_t) ‖ Dir(β)] (Eq. 9, over 
 task loss. The preprint's Eq. 2/8 *subtract* it; that sign rewards moving away from the prior, so
 this is the ELBO penalty (+), as the ELBO itself prescribes.
 
+The two ablations are separate switches, so each changes one thing:
+- KL-free: `elbo_weight=0` — the posterior keeps the prior as its offset (β̂ = β + δ), no KL term.
+- prior-free: `prior="none"` — the posterior loses the offset (β̂ = ε + δ); the KL term to the cost
+  prior Dir(β) stays, weighted by `elbo_weight` (default 1).
+- both (`prior="none", elbo_weight=0`): the preprint's "non-Bayesian / prior-free" model.
+
 Hard routing (the preprint's Phase 3, made real): a token whose normalised certainty is ≥ η runs
 only its argmax expert argmax_i ᾱ_t,i; the others stay soft. Each expert computes only the query
 rows routed to it (ops/routed_rows.py) while reading keys/values — and, for linear attention, the
@@ -117,9 +123,6 @@ class MetaAttention(AttentionLayer):
             raise ValueError(f"prior must be one of {PRIOR_KINDS}; got {prior!r}")
         if not elbo_weight >= 0:
             raise ValueError(f"elbo_weight must be >= 0; got {elbo_weight!r}")
-        if prior == "none" and elbo_weight != 0:
-            raise ValueError("prior='none' is the prior-free ablation: it has no prior to stay close to, "
-                             f"so elbo_weight must be 0; got {elbo_weight!r}")
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}; got {gate!r}")
         for name, value in (("eval_eta", eval_eta), ("train_eta", train_eta),

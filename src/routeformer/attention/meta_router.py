@@ -7,7 +7,8 @@ which expert attends for each token.
     routing      ᾱ_t = β̂_t / Σ_i β̂_t,i  (posterior mean, Eq. 5)
 
 With `prior="none"` (the prior-free ablation) β̂_t = ε + δ(x_t): the floor ε keeps the Dirichlet
-proper, and nothing pulls it toward the cost prior.
+proper, and the cost prior is no longer part of the posterior; only the layer's KL term (if its
+`elbo_weight` > 0) still pulls toward it. `prior` is kept as the KL's target either way.
 
 `pos_t` is position / `position_scale` (default 1024: a fixed scale, so a token's routing depends on
 its position only, never on the length of the sequence it sits in). `position_scale=None` is the
