@@ -1,0 +1,30 @@
+"""Hugging Face `transformers` integration (optional: `pip install routeformer[hf]`).
+
+- `patch_attention(model, mechanism, **options)`: a GPT-2 or Llama-family transformers model with a
+  routeformer mechanism in place of its attention (patch.py); `from_pretrained(path)` reloads one
+  saved with `save_pretrained` (loading.py).
+- `RouteformerConfig` / `RouteformerForCausalLM`: routeformer's own causal LM as a transformers
+  model (model.py), registered with `AutoConfig` and `AutoModelForCausalLM` on import.
+- Cached generation in both through routeformer's decode caches (cache.py).
+- `export_hf(run_dir, out_dir)`: a `routeformer train` checkpoint in this format (export.py).
+"""
+
+try:
+    import transformers  # noqa: F401
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError("routeformer.integrations.hf needs transformers: "
+                      "pip install 'routeformer[hf]'") from error
+
+from routeformer.integrations.hf.cache import RouteformerCacheLayer
+from routeformer.integrations.hf.patch import (
+    RouteformerAttention,
+    key_padding_mask,
+    patch_attention,
+    routeformer_aux_loss,
+    routeformer_layers,
+)
+
+__all__ = [
+    "RouteformerAttention", "RouteformerCacheLayer", "key_padding_mask", "patch_attention",
+    "routeformer_aux_loss", "routeformer_layers",
+]
