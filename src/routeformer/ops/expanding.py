@@ -50,8 +50,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from routeformer.ops._checks import check_positive, check_qkv
-from routeformer.ops.native import native_kernels, pointer, suffix
-from routeformer.ops.native.band import NativeBandAttention
+from routeformer.ops.native import native_kernels
+from routeformer.ops.native.band import NativeBandAttention, expanding_infer_op
 from routeformer.ops.native.kernel_flops import band_attend_flops
 
 DEFAULT_BLOCK = 64
@@ -378,17 +378,13 @@ def _expanding_native(
     gradient), then the final pass with log(1 - q) from the learnable α, β plus the counts."""
     batch, heads, length, dim = q.shape
     rows = batch * heads
-    q_rows, k_rows, v_rows = (t.reshape(rows, length, -1).contiguous() for t in (q, k, v))
-    prior = [t.detach().to(q.dtype).contiguous() for t in (alpha, beta)]
-    horizon = torch.empty(rows, length, dtype=torch.long, device=q.device)
-    steps = torch.empty_like(horizon)
-    distance_sum = q.new_empty(rows, length)
-    counts = torch.zeros(2, dtype=torch.long)
-    getattr(native, f"expanding_infer_{suffix(q.dtype)}")(
-        pointer(q_rows.detach()), pointer(k_rows.detach()), pointer(prior[0]), pointer(prior[1]), rows,
-        heads, length, dim, float(tol), max_iters, scale, pointer(horizon), pointer(steps),
-        pointer(distance_sum), pointer(counts), torch.get_num_threads())
-    per_query = (lambda per_head: per_head.to(q.dtype).view(1, heads, 1).expand(batch, heads, length)
+    q_rows, k_rows, v_rows = (t.reshape(rows, length, -1) for t in (q, k, v))
+    # Custom ops (ops/native/band.py): compile-safe; bf16/fp16 computed in fp32, and the prior's
+    # statistics kept in fp32 (the δ·log(1 - q) prior needs the digits).
+    horizon, steps, distance_sum, counts = expanding_infer_op(
+        q_rows.detach(), k_rows.detach(), alpha.detach(), beta.detach(), heads, float(tol), max_iters, scale)
+    stats_dtype = distance_sum.dtype
+    per_query = (lambda per_head: per_head.to(stats_dtype).view(1, heads, 1).expand(batch, heads, length)
                  .reshape(rows, length))
     log_decay = _log_decay(per_query(alpha) + steps, per_query(beta) + distance_sum).contiguous()
     out = NativeBandAttention.apply(q_rows, k_rows, v_rows, log_decay, horizon, scale, native)

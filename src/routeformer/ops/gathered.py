@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from routeformer.ops.full import masked_attention_reference
-from routeformer.ops.native import native_kernels, pointer, suffix
+from routeformer.ops.native import native_kernels
+from routeformer.ops.native.topk import routed_attention_op
 
 DEFAULT_BLOCK = 64  # small blocks keep the gathered keys in cache: measured fastest
 
@@ -48,59 +49,11 @@ def _gather(rows_source: Tensor, rows: Tensor, shape: tuple[int, ...]) -> Tensor
     return rows_source.index_select(0, rows).view(*shape, rows_source.shape[-1])
 
 
-def _kernel_layout(index: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-    """index and valid as the kernels read them: row (b, h) at b·stride(0) + h·stride(1) (0 when
-    every head shares one routing), each row's slots contiguous, the same strides for both."""
-    if index.stride()[2:] != (index.shape[-1], 1) or valid.stride() != index.stride():
-        return index.contiguous(), valid.contiguous()
-    return index, valid
-
-
-def _routed_attention_native(native, q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: Tensor,
-                             scale: float) -> tuple[Tensor, Tensor]:
-    """The forward by the fused C kernel (ops/native): (out, lse), as the PyTorch loop computes them."""
-    batch, heads, length, dim = q.shape
-    index, valid = _kernel_layout(index, valid)
-    q = q.contiguous()
-    out = q.new_empty(batch, heads, length, v.shape[-1])
-    lse = q.new_empty(batch, heads, length)
-    getattr(native, f"routed_attention_{suffix(q.dtype)}")(
-        pointer(q), pointer(k), pointer(v), index.data_ptr(), valid.data_ptr(), batch, heads, length,
-        k.shape[2], dim, v.shape[-1], index.shape[-1], index.stride(0), index.stride(1), scale, pointer(out),
-        pointer(lse), torch.get_num_threads())
-    return out, lse
-
-
-def _routed_attention_backward_native(native, q: Tensor, k: Tensor, v: Tensor, index: Tensor,
-                                      valid: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
-                                      scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward by the fused C kernel: (grad_q, grad_k, grad_v), as the PyTorch loop computes them."""
-    batch, heads, length, dim = q.shape
-    index, valid = _kernel_layout(index, valid)
-    q, out, lse, grad_out = (t.contiguous() for t in (q, out, lse, grad_out))
-    grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    getattr(native, f"routed_attention_backward_{suffix(q.dtype)}")(
-        pointer(q), pointer(k), pointer(v), index.data_ptr(), valid.data_ptr(), pointer(out), pointer(lse),
-        pointer(grad_out), batch, heads, length, k.shape[2], dim, v.shape[-1], index.shape[-1],
-        index.stride(0), index.stride(1), scale, pointer(grad_q), pointer(grad_k), pointer(grad_v),
-        torch.get_num_threads())
-    return grad_q, grad_k, grad_v
-
-
 class _RoutedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, index, valid, scale, block):
         batch, heads, length, _ = q.shape
         num_keys, slots = k.shape[2], index.shape[-1]
-        native = native_kernels(q, k, v)
-        # The backward follows the forward's choice (e.g. inside native_enabled(False) for both).
-        ctx.native = native is not None and q.dtype == k.dtype == v.dtype
-        if ctx.native and slots <= native.route_topk_max_slots():
-            out, lse = _routed_attention_native(native, q, k, v, index, valid, scale)
-            ctx.save_for_backward(q, k, v, index, valid, out, lse)
-            ctx.scale, ctx.block = scale, block
-            ctx.mark_non_differentiable(lse)
-            return out, lse
         k_rows = k.reshape(batch * heads * num_keys, -1)
         v_rows = v.reshape(batch * heads * num_keys, -1)
         out = q.new_empty(batch, heads, length, v.shape[-1])
@@ -129,11 +82,6 @@ class _RoutedAttention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, index, valid, out, lse = ctx.saved_tensors
         scale, block = ctx.scale, ctx.block
-        native = native_kernels(q, k, v) if ctx.native else None
-        if native is not None and grad_out.dtype == q.dtype:
-            grads = _routed_attention_backward_native(native, q, k, v, index, valid, out, lse, grad_out,
-                                                      scale)
-            return (*grads, None, None, None, None)
         batch, heads, length, _ = q.shape
         num_keys, slots = k.shape[2], index.shape[-1]
         k_rows = k.reshape(batch * heads * num_keys, -1)
@@ -180,6 +128,11 @@ def routed_attention(
             f"v must be [B, H, S, e] with k's [B, H, S] = {tuple(k.shape[:3])}; got {tuple(v.shape)}"
         )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    native = native_kernels(q, k, v) if q.dtype == k.dtype == v.dtype else None
+    if native is not None and index.shape[-1] <= native.route_topk_max_slots():
+        # The fused C kernel as a custom op (compile-safe; bf16 computed in fp32).
+        out, lse = routed_attention_op(q, k, v, index, valid, scale)
+        return out, lse.to(q.dtype).detach()
     return _RoutedAttention.apply(q, k.contiguous(), v.contiguous(), index, valid, scale, block)
 
 

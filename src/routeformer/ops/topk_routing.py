@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops._checks import check_positive
-from routeformer.ops.native import native_kernels, pointer, suffix
+from routeformer.ops.native import native_kernels
+from routeformer.ops.native.topk import route_topk_op, route_topk_scored
 
 DEFAULT_ROUTING_BLOCK = 64
 DEFAULT_GROUP = 32
@@ -200,23 +201,20 @@ def _route_topk_native(
     native, route_q: Tensor, route_k: Tensor, slots: int, causal: bool, key_mask: Tensor | None,
     local_window: int, global_tokens: int,
 ) -> tuple[Tensor, Tensor, int]:
-    """`route_topk` by the fused C kernel (ops/native): same contract; forced keys first in a row."""
-    batch, heads, length, dim = route_q.shape
+    """`route_topk` by the fused C kernel (ops/native/topk.py, a custom op): same contract; forced
+    keys first in a row."""
+    batch, heads, length, _ = route_q.shape
     num_keys = route_k.shape[2]
-    queries = route_q.contiguous()
     # [B, R, S' / V, r, V]: tiles of V keys, each transposed (see the kernel's layout note).
     tile = native.route_topk_chunk()
     stride = -(-num_keys // tile) * tile
     keys_t = F.pad(route_k, (0, 0, 0, stride - num_keys)).unflatten(2, (stride // tile, tile))
     keys_t = keys_t.transpose(-1, -2).contiguous()
-    mask = None if key_mask is None else key_mask.to(torch.uint8).contiguous()
-    index = torch.empty(batch, heads, length, slots, dtype=torch.long)
-    valid = torch.empty(batch, heads, length, slots, dtype=torch.uint8)
-    scored = getattr(native, f"route_topk_{suffix(queries.dtype)}")(
-        pointer(queries), pointer(keys_t), pointer(mask), batch * heads, heads, length, num_keys, stride,
-        dim, slots, int(causal), local_window, global_tokens, pointer(index), pointer(valid),
-        torch.get_num_threads())
-    return index, valid.view(torch.bool), int(scored)
+    mask = None if key_mask is None else key_mask.to(torch.uint8)
+    index, valid = route_topk_op(route_q, keys_t, mask, heads, num_keys, slots, causal, local_window,
+                                 global_tokens)
+    scored = route_topk_scored(batch * heads, length, stride, causal, tile, native.route_topk_query_tile())
+    return index, valid, scored
 
 
 def route_topk_reference(

@@ -12,11 +12,17 @@ directory (`$ROUTEFORMER_CACHE_DIR`, else ~/.cache/routeformer, else the tempora
 keyed by the sources, the flags and the CPU; later processes load the cached library (~2 s to
 compile, no PyTorch headers involved).
 
+Every kernel is called through a `torch.library` custom op (`routeformer::*`, ops/native/
+custom_ops.py) with a fake (shape) implementation and registered autograd, so `torch.compile`
+keeps the kernels in its graphs. The kernels compute in float32 or float64; bfloat16 and float16
+inputs are converted to float32 at the op boundary (fp32 copies of the op's inputs, O(T·d)) and
+the results converted back.
+
 Every kernel has a PyTorch twin in `routeformer.ops` that is the reference in the tests and the
 fallback: `native_kernels()` returns None — and the ops run in PyTorch — when
-`ROUTEFORMER_NATIVE=0` or inside `native_enabled(False)`, under `torch.compile`, on a machine
-with no C compiler (one warning), or for tensors the kernels do not take (not CPU, not
-float32/float64).
+`ROUTEFORMER_NATIVE=0` or inside `native_enabled(False)` (both read when a graph is traced, under
+`torch.compile`), on a machine with no C compiler (one warning), or for tensors the kernels do
+not take (not CPU, or not float32/float64/bfloat16/float16).
 """
 
 from __future__ import annotations
@@ -158,17 +164,89 @@ def native_enabled(enabled: bool) -> Iterator[None]:
         _ENABLED.reset(token)
 
 
-def native_kernels(*tensors: Tensor) -> ctypes.CDLL | None:
-    """The loaded kernel library if it can serve these tensors, else None (use the PyTorch path)."""
-    # Under torch.compile the PyTorch ops are traced instead: a ctypes call writing into tensors
-    # is invisible to the compiler.
-    if torch.compiler.is_compiling():  # first: nothing below is traced
+class NativeKernels:
+    """What the ops need to know of the loaded library: its size limits, as plain ints (read once,
+    so torch.compile traces them as constants). The kernels themselves are reached through the
+    custom ops of ops/native/custom_ops.py."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.library = library
+        self.max_slots = int(library.route_topk_max_slots())
+        self.max_dim = int(library.route_topk_max_dim())
+        self.chunk = int(library.route_topk_chunk())
+        self.query_tile = int(library.route_topk_query_tile())
+
+    def route_topk_max_slots(self) -> int:
+        return self.max_slots
+
+    def route_topk_max_dim(self) -> int:
+        return self.max_dim
+
+    def route_topk_chunk(self) -> int:
+        return self.chunk
+
+    def route_topk_query_tile(self) -> int:
+        return self.query_tile
+
+
+KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+_HANDLES: dict[int, NativeKernels] = {}
+
+
+def _handle() -> NativeKernels | None:
+    library = _load()  # cached; a test may clear that cache, so the handle follows the library
+    if library is None:
         return None
-    if not _ENABLED.get() or os.environ.get("ROUTEFORMER_NATIVE", "1") == "0":
+    if id(library) not in _HANDLES:
+        _HANDLES[id(library)] = NativeKernels(library)
+    return _HANDLES[id(library)]
+
+
+def _switched_on() -> bool:
+    return _ENABLED.get() and os.environ.get("ROUTEFORMER_NATIVE", "1") != "0"
+
+
+@torch.compiler.assume_constant_result
+def _usable_when_compiling() -> bool:
+    """Whether the kernels serve a graph being traced: run once at trace time, its answer baked in
+    (dynamo traces neither ContextVars nor ctypes)."""
+    global _HANDLE_WHEN_COMPILING
+    _HANDLE_WHEN_COMPILING = _handle() if _switched_on() else None
+    return _HANDLE_WHEN_COMPILING is not None
+
+
+def native_kernels(*tensors: Tensor) -> NativeKernels | None:
+    """The loaded kernels if they can serve these tensors, else None (use the PyTorch path)."""
+    if any(t.device.type != "cpu" or t.dtype not in KERNEL_DTYPES for t in tensors):
         return None
-    if any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64) for t in tensors):
-        return None
-    return _load()
+    if torch.compiler.is_compiling():
+        # The custom ops keep the kernels in the graph; the switches are read at trace time.
+        return _HANDLE_WHEN_COMPILING if _usable_when_compiling() else None
+    return _handle() if _switched_on() else None
+
+
+_HANDLE_WHEN_COMPILING: NativeKernels | None = None  # set by _usable_when_compiling
+
+
+def library() -> ctypes.CDLL:
+    """The loaded library, for the custom ops' implementations (called only after
+    `native_kernels` said yes)."""
+    loaded = _load()
+    if loaded is None:
+        raise RuntimeError("routeformer: the native kernels are not available on this machine")
+    return loaded
+
+
+def widened(tensor: Tensor) -> Tensor:
+    """float32 for bfloat16/float16 (the kernels compute in fp32), else the tensor itself."""
+    return tensor.float() if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a kernel computes in for inputs of `dtype`."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 def pointer(tensor: Tensor | None) -> int | None:
@@ -180,4 +258,7 @@ def pointer(tensor: Tensor | None) -> int | None:
 
 
 def suffix(dtype: torch.dtype) -> str:
+    """The kernel name's suffix for a compute dtype (float32 or float64)."""
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"the native kernels compute in float32 or float64; got {dtype}")
     return "f32" if dtype == torch.float32 else "f64"

@@ -1,5 +1,6 @@
-"""The banded softmax pass of the C kernels: `band_attend` (forward, band_kernels.c) and
-`NativeBandAttention` (forward and backward, the final pass of causal expanding attention).
+"""The banded softmax pass of the C kernels as `torch.library` custom ops: `band_attend` (forward,
+band_kernels.c) and `NativeBandAttention` (forward and backward, the final pass of causal
+expanding attention), plus expanding attention's inference steps (`expanding_infer`).
 
 Per query m of (batch, head) row bh, at key position p (`positions[b, m]`, or m itself):
 
@@ -9,58 +10,148 @@ over its own horizon H[m] of keys ending at p. With log_decay from the Beta prio
 inference steps it is expanding attention's final pass (ops/expanding.py); with log_decay = 0 and
 H = min(window, p + 1) it is causal sliding-window attention at selected rows (the local expert
 of hard-routed `meta`, ops/routed_rows.py). A query with H = 0 (a padding slot) returns zeros.
+
+Custom ops (with fake implementations) keep the kernels inside torch.compile's graphs.
+bfloat16/float16 inputs are computed in float32 and the results returned in the input's dtype.
 """
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
-from routeformer.ops.native import pointer, suffix
+from routeformer.ops.native import compute_dtype, library, pointer, suffix, widened
 
 
-def band_attend(native: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, horizon: Tensor,
-                positions: Tensor | None, scale: float) -> Tensor:
-    """q [BH, M, d], log_decay [BH, M], horizon long [BH, M], positions long [B, M] or None (query m
-    at position m), all contiguous; k [B, H, T, d] and v [B, H, T, e] with any strides (their last
-    axis is made contiguous if it is not) -> out [BH, M, e]. No autograd: the caller detaches or
-    wraps it."""
+def _band_forward(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, horizon: Tensor,
+                  positions: Tensor | None, scale: float) -> Tensor:
+    """The kernel call: q [BH, M, d], k [B, H, T, d], v [B, H, T, e] (any strides) -> out [BH, M, e]
+    in the compute dtype."""
     rows, queries, dim = q.shape
-    k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+    work = compute_dtype(q.dtype)
+    q, log_decay = widened(q).contiguous(), log_decay.to(work).contiguous()
+    k, v = (t if t.dtype == work and t.stride(-1) == 1 else t.to(work).contiguous() for t in (k, v))
+    horizon = horizon.contiguous()
+    positions = None if positions is None else positions.contiguous()
     layout = torch.tensor([*k.stride()[:3], *v.stride()[:3]], dtype=torch.long)
     out = q.new_empty(rows, queries, v.shape[-1])
-    getattr(native, f"band_attend_{suffix(q.dtype)}")(
+    getattr(library(), f"band_attend_{suffix(work)}")(
         pointer(q), k.data_ptr(), v.data_ptr(), pointer(layout), pointer(log_decay), pointer(horizon),
         pointer(positions), rows, queries, k.shape[1], k.shape[2], dim, v.shape[-1], scale, pointer(out),
         torch.get_num_threads())
     return out
 
 
-class NativeBandAttention(torch.autograd.Function):
+@torch.library.custom_op("routeformer::band_attend", mutates_args=())
+def band_attend_op(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, horizon: Tensor,
+                   positions: Tensor | None, scale: float) -> Tensor:
+    """The banded pass (no autograd): see the module docstring; out [BH, M, e] in q's dtype."""
+    return _band_forward(q, k, v, log_decay, horizon, positions, scale).to(q.dtype)
+
+
+@band_attend_op.register_fake
+def _band_attend_fake(q, k, v, log_decay, horizon, positions, scale):
+    return q.new_empty(*q.shape[:2], v.shape[-1])
+
+
+def band_attend(native, q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, horizon: Tensor,
+                positions: Tensor | None, scale: float) -> Tensor:
+    """q [BH, M, d], log_decay [BH, M], horizon long [BH, M], positions long [B, M] or None (query m
+    at position m); k [B, H, T, d] and v [B, H, T, e] with any strides -> out [BH, M, e]. Not
+    differentiable: for inference (`native`, the handle of `native_kernels`, says the kernels
+    serve these tensors)."""
+    return band_attend_op(q, k, v, log_decay, horizon, positions, scale)
+
+
+# -- the final pass of expanding attention, with its backward ---------------------------------------
+@torch.library.custom_op("routeformer::band_attention", mutates_args=())
+def band_attention_op(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, horizon: Tensor,
+                      scale: float) -> Tensor:
+    """q, k [BH, T, d], v [BH, T, e], log_decay [BH, T], horizon long [BH, T]; query i at position i
+    -> out [BH, T, e] in q's dtype; differentiable in q, k, v and log_decay."""
+    return _band_forward(q, k[None], v[None], log_decay, horizon, None, scale).to(q.dtype)
+
+
+@band_attention_op.register_fake
+def _band_attention_fake(q, k, v, log_decay, horizon, scale):
+    return q.new_empty(*q.shape[:2], v.shape[-1])
+
+
+@torch.library.custom_op("routeformer::band_attention_backward", mutates_args=())
+def band_attention_backward_op(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, horizon: Tensor,
+                               out: Tensor, grad_out: Tensor, scale: float
+                               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad_q, grad_k, grad_v, grad_log_decay), each in its input's dtype (per query,
+    expanding_kernels.c)."""
+    rows, length, dim = q.shape
+    dtypes = (q.dtype, k.dtype, v.dtype, log_decay.dtype)
+    work = compute_dtype(q.dtype)
+    q, k, v, log_decay, out, grad_out = (t.to(work).contiguous() for t in (q, k, v, log_decay, out, grad_out))
+    grad_q, grad_log_decay = torch.empty_like(q), torch.empty_like(log_decay)
+    grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+    horizon = horizon.contiguous()  # a name: a temporary would be freed before the call reads it
+    getattr(library(), f"expanding_attend_backward_{suffix(work)}")(
+        pointer(q), pointer(k), pointer(v), pointer(log_decay), pointer(horizon), pointer(out),
+        pointer(grad_out), rows, length, dim, v.shape[-1], scale, pointer(grad_q), pointer(grad_k),
+        pointer(grad_v), pointer(grad_log_decay), torch.get_num_threads())
+    grads = (grad_q, grad_k, grad_v, grad_log_decay)
+    return tuple(grad.to(dtype) for dtype, grad in zip(dtypes, grads, strict=True))
+
+
+@band_attention_backward_op.register_fake
+def _band_attention_backward_fake(q, k, v, log_decay, horizon, out, grad_out, scale):
+    return tuple(t.new_empty(t.shape) for t in (q, k, v, log_decay))
+
+
+def _band_attention_setup(ctx, inputs, output):
+    q, k, v, log_decay, horizon, scale = inputs
+    ctx.save_for_backward(q, k, v, log_decay, horizon, output)
+    ctx.scale = scale
+
+
+def _band_attention_backward(ctx, grad_out):
+    q, k, v, log_decay, horizon, out = ctx.saved_tensors
+    grads = band_attention_backward_op(q, k, v, log_decay, horizon, out, grad_out, ctx.scale)
+    return (*grads, None, None)
+
+
+band_attention_op.register_autograd(_band_attention_backward, setup_context=_band_attention_setup)
+
+
+class NativeBandAttention:
     """apply(q, k, v [BH, T, ·], log_decay [BH, T], horizon long [BH, T], scale, native) -> out
     [BH, T, e], query i at position i; differentiable in q, k, v and log_decay. The forward is
     query-blocked (band_kernels.c); the backward runs one query at a time (expanding_kernels.c)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, log_decay, horizon, scale, native):
-        out = band_attend(native, q, k[None], v[None], log_decay, horizon, None, scale)
-        ctx.save_for_backward(q, k, v, log_decay, horizon, out)
-        ctx.scale, ctx.native = scale, native
-        return out
+    def apply(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, horizon: Tensor, scale: float,
+              native) -> Tensor:
+        return band_attention_op(q, k, v, log_decay, horizon, scale)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        q, k, v, log_decay, horizon, out = ctx.saved_tensors
-        rows, length, dim = q.shape
-        grad_out = grad_out.contiguous()
-        grad_q, grad_log_decay = torch.empty_like(q), torch.empty_like(log_decay)
-        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
-        getattr(ctx.native, f"expanding_attend_backward_{suffix(q.dtype)}")(
-            pointer(q), pointer(k), pointer(v), pointer(log_decay), pointer(horizon), pointer(out),
-            pointer(grad_out), rows, length, dim, v.shape[-1], ctx.scale, pointer(grad_q),
-            pointer(grad_k), pointer(grad_v), pointer(grad_log_decay), torch.get_num_threads())
-        return grad_q, grad_k, grad_v, grad_log_decay, None, None, None
+
+# -- expanding attention's inference steps -----------------------------------------------------------
+@torch.library.custom_op("routeformer::expanding_infer", mutates_args=())
+def expanding_infer_op(q: Tensor, k: Tensor, alpha: Tensor, beta: Tensor, heads: int, tol: float,
+                       max_iters: int, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per query of q, k [BH, T, d] with the Beta prior alpha, beta [H]: (horizon long [BH, T],
+    steps long [BH, T], the expected distances' sum [BH, T] in the compute dtype, counts long [2]:
+    the q·k products and the softmax entries the steps computed). No gradient."""
+    rows, length, dim = q.shape
+    work = compute_dtype(q.dtype)
+    q, k, alpha, beta = (t.detach().to(work).contiguous() for t in (q, k, alpha, beta))
+    horizon = torch.empty(rows, length, dtype=torch.long)
+    steps = torch.empty_like(horizon)
+    distance_sum = q.new_empty(rows, length)
+    counts = torch.zeros(2, dtype=torch.long)
+    getattr(library(), f"expanding_infer_{suffix(work)}")(
+        pointer(q), pointer(k), pointer(alpha), pointer(beta), rows, heads, length, dim, float(tol),
+        max_iters, scale, pointer(horizon), pointer(steps), pointer(distance_sum), pointer(counts),
+        torch.get_num_threads())
+    return horizon, steps, distance_sum, counts
+
+
+@expanding_infer_op.register_fake
+def _expanding_infer_fake(q, k, alpha, beta, heads, tol, max_iters, scale):
+    shape = q.shape[:2]
+    return (q.new_empty(shape, dtype=torch.long), q.new_empty(shape, dtype=torch.long),
+            q.new_empty(shape, dtype=compute_dtype(q.dtype)), q.new_empty(2, dtype=torch.long))

@@ -1,62 +1,105 @@
-"""Causal linear attention at selected query rows by the C kernels, as an autograd function.
+"""Causal linear attention at selected query rows by the C kernels, as a `torch.library` custom op.
 
     out[m] = phi_q[m]ᵀ S_p / (phi_q[m] · z_p + eps),   S_p = Σ_{j <= p} phi_k[j] v[j]ᵀ,   z_p = Σ phi_k[j]
 
 at the key position p = positions[b, m] of each valid slot (invalid slots return zeros). The
 features phi = elu + 1 are applied by the caller (ops/routed_rows.py), so autograd differentiates
-them; this function is differentiable in phi_q, phi_k and v. See linear_rows_kernels.c.
+them; the op is differentiable in phi_q, phi_k and v (`routeformer::linear_rows_backward`). See
+linear_rows_kernels.c. bfloat16/float16 inputs are computed in float32 and returned in their dtype.
 """
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
-from routeformer.ops.native import pointer, suffix
-
-
-def _inner_contiguous(t: Tensor) -> Tensor:
-    """t itself when its last axis is contiguous (the kernels take the other strides), else a copy."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+from routeformer.ops.native import compute_dtype, library, pointer, suffix
 
 
-class NativeLinearRows(torch.autograd.Function):
+def _inner_contiguous(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t itself when it has `dtype` and a contiguous last axis (the kernels take the other
+    strides), else a contiguous copy in `dtype`."""
+    return t if t.dtype == dtype and t.stride(-1) == 1 else t.to(dtype).contiguous()
+
+
+def _layout(phi_k: Tensor, v: Tensor) -> Tensor:
+    return torch.tensor([*phi_k.stride()[:3], *v.stride()[:3]], dtype=torch.long)
+
+
+@torch.library.custom_op("routeformer::linear_rows", mutates_args=())
+def linear_rows_op(phi_q: Tensor, phi_k: Tensor, v: Tensor, positions: Tensor, valid: Tensor,
+                   eps: float) -> Tensor:
+    """phi_q [BH, M, d], phi_k [B, H, T, d], v [B, H, T, e] (any strides), positions long [B, M]
+    (ascending over the valid slots), valid bool [B, M] -> out [BH, M, e] in phi_q's dtype."""
+    rows, queries, dim = phi_q.shape
+    work = compute_dtype(phi_q.dtype)
+    phi_q = phi_q.to(work).contiguous()
+    phi_k, v = _inner_contiguous(phi_k, work), _inner_contiguous(v, work)
+    out = phi_q.new_empty(rows, queries, v.shape[-1])
+    # Bound to names: a temporary's memory would be freed before the call reads it.
+    valid, positions, layout = valid.to(torch.uint8).contiguous(), positions.contiguous(), _layout(phi_k, v)
+    getattr(library(), f"linear_rows_{suffix(work)}")(
+        pointer(phi_q), phi_k.data_ptr(), v.data_ptr(), pointer(layout), pointer(positions), pointer(valid),
+        rows, queries, phi_k.shape[1], phi_k.shape[2], dim, v.shape[-1], eps,
+        pointer(out), torch.get_num_threads())
+    return out
+
+
+@linear_rows_op.register_fake
+def _linear_rows_fake(phi_q, phi_k, v, positions, valid, eps):
+    return phi_q.new_empty(*phi_q.shape[:2], v.shape[-1], dtype=compute_dtype(phi_q.dtype))
+
+
+@torch.library.custom_op("routeformer::linear_rows_backward", mutates_args=())
+def linear_rows_backward_op(phi_q: Tensor, phi_k: Tensor, v: Tensor, positions: Tensor, valid: Tensor,
+                            out: Tensor, grad_out: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_phi_q, grad_phi_k, grad_v), contiguous, each in its input's dtype."""
+    rows, queries, dim = phi_q.shape
+    dtypes = (phi_q.dtype, phi_k.dtype, v.dtype)
+    work = compute_dtype(phi_q.dtype)
+    phi_q, out, grad_out = (t.to(work).contiguous() for t in (phi_q, out, grad_out))
+    phi_k, v = _inner_contiguous(phi_k, work), _inner_contiguous(v, work)
+    value_dim = v.shape[-1]
+    grad_phi_q = torch.empty_like(phi_q)
+    grad_phi_k = phi_k.new_empty(phi_k.shape)  # contiguous, whatever phi_k's strides
+    grad_v = v.new_empty(v.shape)
+    scratch = phi_q.new_empty(rows, queries, value_dim + 1)  # g_num and g_den between the sweeps
+    valid, positions, layout = valid.to(torch.uint8).contiguous(), positions.contiguous(), _layout(phi_k, v)
+    getattr(library(), f"linear_rows_backward_{suffix(work)}")(
+        pointer(phi_q), phi_k.data_ptr(), v.data_ptr(), pointer(layout), pointer(positions), pointer(valid),
+        pointer(out), pointer(grad_out), rows, queries,
+        phi_k.shape[1], phi_k.shape[2], dim, value_dim, eps, pointer(grad_phi_q), pointer(grad_phi_k),
+        pointer(grad_v), pointer(scratch), torch.get_num_threads())
+    grads = (grad_phi_q, grad_phi_k, grad_v)
+    return tuple(grad.to(dtype) for dtype, grad in zip(dtypes, grads, strict=True))
+
+
+@linear_rows_backward_op.register_fake
+def _linear_rows_backward_fake(phi_q, phi_k, v, positions, valid, out, grad_out, eps):
+    return tuple(t.new_empty(t.shape) for t in (phi_q, phi_k, v))
+
+
+def _setup(ctx, inputs, output):
+    phi_q, phi_k, v, positions, valid, eps = inputs
+    ctx.save_for_backward(phi_q, phi_k, v, positions, valid, output)
+    ctx.eps = eps
+
+
+def _backward(ctx, grad_out):
+    phi_q, phi_k, v, positions, valid, out = ctx.saved_tensors
+    grads = linear_rows_backward_op(phi_q, phi_k, v, positions, valid, out, grad_out, ctx.eps)
+    return (*grads, None, None, None)
+
+
+linear_rows_op.register_autograd(_backward, setup_context=_setup)
+
+
+class NativeLinearRows:
     """apply(phi_q [BH, M, d] contiguous, phi_k [B, H, T, d], v [B, H, T, e] (any strides),
-    positions long [B, M], valid bool [B, M], eps, native library) -> out [BH, M, e]; positions
-    ascending over the valid slots."""
+    positions long [B, M], valid bool [B, M], eps, native handle) -> out [BH, M, e] in phi_q's
+    dtype; positions ascending over the valid slots."""
 
     @staticmethod
-    def forward(ctx, phi_q: Tensor, phi_k: Tensor, v: Tensor, positions: Tensor, valid: Tensor,
-                eps: float, native: ctypes.CDLL) -> Tensor:
-        rows, queries, dim = phi_q.shape
-        phi_k, v = _inner_contiguous(phi_k), _inner_contiguous(v)
-        layout = torch.tensor([*phi_k.stride()[:3], *v.stride()[:3]], dtype=torch.long)
-        out = phi_q.new_empty(rows, queries, v.shape[-1])
-        valid = valid.to(torch.uint8).contiguous()
-        getattr(native, f"linear_rows_{suffix(phi_q.dtype)}")(
-            pointer(phi_q), phi_k.data_ptr(), v.data_ptr(), pointer(layout), pointer(positions),
-            pointer(valid), rows, queries, phi_k.shape[1], phi_k.shape[2], dim, v.shape[-1], eps,
-            pointer(out), torch.get_num_threads())
-        ctx.save_for_backward(phi_q, phi_k, v, layout, positions, valid, out)
-        ctx.eps, ctx.native = eps, native
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out: Tensor):
-        phi_q, phi_k, v, layout, positions, valid, out = ctx.saved_tensors
-        rows, queries, dim = phi_q.shape
-        value_dim = v.shape[-1]
-        grad_phi_q = torch.empty_like(phi_q)
-        grad_phi_k = phi_k.new_empty(phi_k.shape)  # contiguous, whatever phi_k's strides
-        grad_v = v.new_empty(v.shape)
-        scratch = phi_q.new_empty(rows, queries, value_dim + 1)  # g_num and g_den between the sweeps
-        getattr(ctx.native, f"linear_rows_backward_{suffix(phi_q.dtype)}")(
-            pointer(phi_q), phi_k.data_ptr(), v.data_ptr(), pointer(layout), pointer(positions),
-            pointer(valid), pointer(out), pointer(grad_out.contiguous()), rows, queries, phi_k.shape[1],
-            phi_k.shape[2], dim, value_dim, ctx.eps, pointer(grad_phi_q), pointer(grad_phi_k),
-            pointer(grad_v), pointer(scratch), torch.get_num_threads())
-        return grad_phi_q, grad_phi_k, grad_v, None, None, None, None
+    def apply(phi_q: Tensor, phi_k: Tensor, v: Tensor, positions: Tensor, valid: Tensor, eps: float,
+              native) -> Tensor:
+        return linear_rows_op(phi_q, phi_k, v, positions, valid, eps).to(phi_q.dtype)

@@ -1,0 +1,135 @@
+"""The `topk` layer's C kernels (topk_kernels.c) as `torch.library` custom ops.
+
+Axes: B batch, R routing heads (1 when every head shares one routing), H heads, T queries, S keys,
+K slots, r routing dim, d key dim, e value dim, V the kernel's key tile.
+
+- `routeformer::route_topk`: each query's K best keys (no gradient: a hard choice).
+- `routeformer::routed_attention`: softmax attention over each query's gathered keys -> (out, lse),
+  differentiable in q, k, v through `routeformer::routed_attention_backward`.
+
+As custom ops with fake (shape-only) implementations, torch.compile keeps them in its graphs
+instead of tracing the PyTorch twins (ops/topk_routing.py, ops/gathered.py). bfloat16/float16
+inputs are computed in float32 (see `widened`); outputs come back in the input's dtype, except
+the log-sum-exp, which stays in float32 so the backward rebuilds the weights to fp32 accuracy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from routeformer.ops.native import compute_dtype, library, pointer, suffix, widened
+
+
+def kernel_layout(index: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """index and valid as the kernels read them: row (b, h) at b·stride(0) + h·stride(1) (0 when
+    every head shares one routing), each row's slots contiguous, the same strides for both."""
+    if index.stride()[2:] != (index.shape[-1], 1) or valid.stride() != index.stride():
+        return index.contiguous(), valid.contiguous()
+    return index, valid
+
+
+# -- routing ------------------------------------------------------------------------------------
+@torch.library.custom_op("routeformer::route_topk", mutates_args=())
+def route_topk_op(queries: Tensor, keys_t: Tensor, key_mask: Tensor | None, heads: int, num_keys: int,
+                  slots: int, causal: bool, local_window: int, global_tokens: int) -> tuple[Tensor, Tensor]:
+    """queries [B, R, T, r]; keys_t [B, R, S'/V, r, V] (tiles of V keys, each transposed, S' >= S
+    padded); key_mask uint8 [B, S] or None -> (index long [B, R, T, K], valid bool [B, R, T, K]);
+    forced keys first in a row, invalid slots point at key 0."""
+    batch, routes, length, dim = queries.shape
+    queries, keys_t = widened(queries).contiguous(), widened(keys_t).contiguous()
+    mask = None if key_mask is None else key_mask.to(torch.uint8).contiguous()
+    index = torch.empty(batch, routes, length, slots, dtype=torch.long, device=queries.device)
+    valid = torch.empty(batch, routes, length, slots, dtype=torch.bool, device=queries.device)
+    stride = keys_t.shape[2] * keys_t.shape[4]
+    getattr(library(), f"route_topk_{suffix(queries.dtype)}")(
+        pointer(queries), pointer(keys_t), pointer(mask), batch * routes, heads, length, num_keys, stride,
+        dim, slots, int(causal), local_window, global_tokens, pointer(index), valid.data_ptr(),
+        torch.get_num_threads())
+    return index, valid
+
+
+@route_topk_op.register_fake
+def _route_topk_fake(queries, keys_t, key_mask, heads, num_keys, slots, causal, local_window, global_tokens):
+    shape = (*queries.shape[:3], slots)
+    return queries.new_empty(shape, dtype=torch.long), queries.new_empty(shape, dtype=torch.bool)
+
+
+def route_topk_scored(rows: int, length: int, stride: int, causal: bool, tile: int, query_tile: int) -> int:
+    """The routing products the kernel executes (as it counts them): all `query_tile` rows of a
+    query tile, keys up to a whole key tile past the tile's last query (causal) or all keys."""
+    total = 0
+    for start in range(0, length, query_tile):
+        stop = min(length, start + query_tile)
+        total += query_tile * (-(-stop // tile) * tile if causal else stride)
+    return rows * total
+
+
+# -- attention over the routed keys ---------------------------------------------------------------
+@torch.library.custom_op("routeformer::routed_attention", mutates_args=())
+def routed_attention_op(q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: Tensor,
+                        scale: float) -> tuple[Tensor, Tensor]:
+    """q [B, H, T, d], k [B, H, S, d], v [B, H, S, e], index long / valid bool [B, H, T, K] (heads may
+    have stride 0) -> (out [B, H, T, e] in q's dtype, lse [B, H, T] in the compute dtype)."""
+    batch, heads, length, dim = q.shape
+    dtype = q.dtype
+    q, k, v = (widened(t).contiguous() for t in (q, k, v))
+    index, valid = kernel_layout(index, valid)
+    out = q.new_empty(batch, heads, length, v.shape[-1])
+    lse = q.new_empty(batch, heads, length)
+    getattr(library(), f"routed_attention_{suffix(q.dtype)}")(
+        pointer(q), pointer(k), pointer(v), index.data_ptr(), valid.data_ptr(), batch, heads, length,
+        k.shape[2], dim, v.shape[-1], index.shape[-1], index.stride(0), index.stride(1), scale,
+        pointer(out), pointer(lse), torch.get_num_threads())
+    return out.to(dtype), lse
+
+
+@routed_attention_op.register_fake
+def _routed_attention_fake(q, k, v, index, valid, scale):
+    batch, heads, length, _ = q.shape
+    return (q.new_empty(batch, heads, length, v.shape[-1]),
+            q.new_empty(batch, heads, length, dtype=compute_dtype(q.dtype)))
+
+
+@torch.library.custom_op("routeformer::routed_attention_backward", mutates_args=())
+def routed_attention_backward_op(
+    q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_q, grad_k, grad_v), each in its input's dtype, from the forward's out and lse."""
+    batch, heads, length, dim = q.shape
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    work = compute_dtype(q.dtype)
+    q, k, v, out, grad_out = (widened(t).contiguous() for t in (q, k, v, out, grad_out))
+    lse = lse.to(work).contiguous()
+    index, valid = kernel_layout(index, valid)
+    grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    getattr(library(), f"routed_attention_backward_{suffix(work)}")(
+        pointer(q), pointer(k), pointer(v), index.data_ptr(), valid.data_ptr(), pointer(out), pointer(lse),
+        pointer(grad_out), batch, heads, length, k.shape[2], dim, v.shape[-1], index.shape[-1],
+        index.stride(0), index.stride(1), scale, pointer(grad_q), pointer(grad_k), pointer(grad_v),
+        torch.get_num_threads())
+    return tuple(grad.to(dtype) for dtype, grad in zip(dtypes, (grad_q, grad_k, grad_v), strict=True))
+
+
+@routed_attention_backward_op.register_fake
+def _routed_attention_backward_fake(q, k, v, index, valid, out, lse, grad_out, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as computed
+
+
+def _routed_attention_setup(ctx, inputs, output):
+    q, k, v, index, valid, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, index, valid, out, lse)
+    ctx.scale = scale
+
+
+def _routed_attention_backward(ctx, grad_out, _grad_lse):
+    # lse is returned detached by ops/gathered.py: it has no gradient.
+    q, k, v, index, valid, out, lse = ctx.saved_tensors
+    grad_q, grad_k, grad_v = routed_attention_backward_op(q, k, v, index, valid, out, lse,
+                                                          grad_out.contiguous(), ctx.scale)
+    return grad_q, grad_k, grad_v, None, None, None
+
+
+routed_attention_op.register_autograd(_routed_attention_backward, setup_context=_routed_attention_setup)
