@@ -99,7 +99,7 @@ def _resume(path: Path, config: TaskTrainConfig, model: nn.Module, optimizer: to
     optimizer.load_state_dict(state["optimizer"])
     generator.set_state(state["rng"]["batches"])
     torch.set_rng_state(state["rng"]["torch"])
-    return state["step"] + 1, state["history"]
+    return state["step"] + 1, TaskHistory(**state["history"])
 
 
 def _warn(message: str) -> None:
@@ -163,7 +163,7 @@ def train_task(
                              for k, v in record.items()))
             if checkpoint is not None:  # after evaluating: the RNG state includes what it drew
                 save_checkpoint(checkpoint, {
-                    "config": asdict(config), "step": step, "history": history,
+                    "config": asdict(config), "step": step, "history": asdict(history),
                     "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "rng": {"batches": generator.get_state(), "torch": torch.get_rng_state()},
                 })
