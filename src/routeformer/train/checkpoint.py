@@ -1,15 +1,25 @@
-"""Checkpoints that resume exactly and cannot rot: model, optimizer, step, every RNG, vocabulary, config.
+"""Checkpoints that resume exactly, cannot rot and never run code (model, optimizer, step, RNGs, ...).
 
-A checkpoint file is one header line, `ROUTEFORMER-CHECKPOINT 1 sha256=<hex of the payload>`, then
-the `torch.save` payload. The checksum is verified before anything is unpickled, so a file with
-overwritten or missing bytes is reported as corrupt (`CheckpointError`, one line naming the file)
-instead of loading garbage weights. Files are written atomically (temporary file, fsync, rename):
-a run killed mid-write keeps its previous checkpoint.
+A checkpoint file is one header line, `ROUTEFORMER-CHECKPOINT 2 sha256=<hex of the payload>`, then
+the payload: a safetensors file holding every tensor, whose header metadata holds the rest of the
+state as JSON (train/checkpoint_format.py). Loading parses JSON and tensor bytes only; nothing is
+unpickled, so a checkpoint from someone else cannot execute code. The checksum is verified first,
+so a file with overwritten or missing bytes is reported as corrupt (`CheckpointError`, one line
+naming the file) instead of loading garbage weights. Files are written atomically (temporary file,
+fsync, rename): a run killed mid-write keeps its previous checkpoint.
+
+Files written by older versions (`ROUTEFORMER-CHECKPOINT 1`, or a bare `torch.save` zip) hold a
+pickle; they are read with `torch.load(weights_only=True)`, PyTorch's restricted unpickler that
+builds only tensors and plain containers. One that needs anything else gets a one-line
+CheckpointError instead of being unpickled.
 
 A run directory keeps its last `keep` checkpoints: `checkpoint.pt` (newest), `checkpoint.1.pt`,
 `checkpoint.2.pt`, ... `latest_checkpoint` returns the newest intact one, reporting (and moving
-aside, as `<name>.corrupt`) any corrupt file it passes. Files written by older versions (a bare
-`torch.save` zip, no checksum) still load.
+aside, as `<name>.corrupt`) any corrupt file it passes.
+
+The public readers, for code outside training (an exporter, an evaluation script):
+`load_checkpoint(path) -> dict` (the state) and `load_trained_model(path) -> (model, vocab,
+config)`; both take a run directory or a checkpoint file.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import pickle
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -24,13 +35,20 @@ from typing import Any
 
 import torch
 
+from routeformer.train import checkpoint_format
+
 CHECKPOINT_NAME = "checkpoint.pt"
-_MAGIC = b"ROUTEFORMER-CHECKPOINT 1 sha256="
+_MAGIC = b"ROUTEFORMER-CHECKPOINT 2 sha256="
+_MAGIC_PICKLE = b"ROUTEFORMER-CHECKPOINT 1 sha256="  # version 1: a torch.save payload
 _LEGACY_ZIP = b"PK\x03\x04"  # what torch.save wrote before checksums
 
 
 class CheckpointError(Exception):
     """A checkpoint is missing, corrupt or truncated; the message is one line naming the file."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """An intact checkpoint of an older version whose pickle needs more than tensors and plain values."""
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
@@ -40,9 +58,7 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
 
     if "model" in state:
         check_finite_weights(state["model"], where=f"checkpoint {str(path)!r}")
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getvalue()
+    payload = checkpoint_format.encode(state)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
@@ -65,19 +81,37 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     data = path.read_bytes()
-    if data.startswith(_MAGIC):
-        header, _, payload = data.partition(b"\n")
-        expected = header[len(_MAGIC):].decode("ascii", "replace")
-        if hashlib.sha256(payload).hexdigest() != expected:
-            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or truncated (checksum mismatch, "
-                                  f"{len(data):,} bytes)")
-    elif data.startswith(_LEGACY_ZIP):
-        payload = data
-    else:
-        raise CheckpointError(f"checkpoint {str(path)!r} is not a routeformer checkpoint (unknown header)")
+    for magic in (_MAGIC, _MAGIC_PICKLE):
+        if data.startswith(magic):
+            header, _, payload = data.partition(b"\n")
+            expected = header[len(magic):].decode("ascii", "replace")
+            if hashlib.sha256(payload).hexdigest() != expected:
+                raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or truncated (checksum mismatch, "
+                                      f"{len(data):,} bytes)")
+            if magic == _MAGIC:
+                try:
+                    return checkpoint_format.decode(payload)
+                except Exception as error:  # checksum intact: written by something else
+                    raise CheckpointError(f"checkpoint {str(path)!r} cannot be read: {error}") from None
+            return _load_pickled(path, payload)
+    if data.startswith(_LEGACY_ZIP):
+        return _load_pickled(path, data)
+    raise CheckpointError(f"checkpoint {str(path)!r} is not a routeformer checkpoint (unknown header)")
+
+
+def _load_pickled(path: Path, payload: bytes) -> dict[str, Any]:
+    """A checkpoint of an older version, through PyTorch's restricted (weights_only) unpickler."""
     try:
-        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
-    except Exception as error:  # a legacy file without checksum: any unpickling failure is corruption
+        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "weights only load failed" in str(error).lower():
+            raise UnsafeCheckpointError(
+                f"checkpoint {str(path)!r} was written by an older routeformer and holds objects other than "
+                "tensors and plain values, so it is not unpickled (that could run code); retrain, or, only "
+                "if you trust the file, torch.load it yourself and re-save its state with "
+                "routeformer.train.checkpoint.save_checkpoint") from None
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read (UnpicklingError)") from None
+    except Exception as error:  # (a legacy file has no checksum: any unpickling failure is corruption)
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({type(error).__name__})") from None
 
 
@@ -110,6 +144,8 @@ def latest_checkpoint(directory: str | Path, *, report: Callable[[str], None] | 
             return path, load_checkpoint(path)
         except FileNotFoundError:  # another process moved it aside meanwhile
             continue
+        except UnsafeCheckpointError:
+            raise  # intact, only refused: never moved aside as corrupt
         except CheckpointError as error:
             moved = ""
             if quarantine:
