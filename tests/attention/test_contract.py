@@ -52,7 +52,10 @@ def test_padded_tokens_do_not_change_real_outputs(name, causal):
 def test_output_contract_and_gradients(name):
     layer = make_layer(name, causal=True).train()
     x = torch.randn(2, 9, DIM, requires_grad=True)
-    result = layer(x)
+    # Layers that read meta-tokens get some, so their meta-attention's parameters are used too.
+    reads_meta = getattr(layer, "reads_meta_mask", False)
+    extra = {"meta_mask": torch.arange(9).expand(2, 9) % 3 == 1} if reads_meta else {}
+    result = layer(x, **extra)
     assert isinstance(result, AttentionOutput)
     assert result.out.shape == x.shape and result.aux_loss.shape == ()
     assert result.stats["flops"].item() > 0
