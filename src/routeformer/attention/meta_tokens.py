@@ -1,23 +1,33 @@
 """`meta_tokens`: causal self-attention plus meta-attention among meta-token positions (Shah et al.,
 "Language Modeling with Learned Meta-Tokens", arXiv 2509.16278).
 
-    out = W_o( Attn_causal(x)  +  [meta] · g · Attn_meta(x) )
+Two forms, chosen by `meta_input`:
+
+- `"sequential"` (default, the paper's layout: causal self-attention, *then* a meta-attention
+  layer with its own projections):
+
+      a   = W_o · Attn_causal(x)
+      out = a + [meta] · g · W_o' · Attn_meta(W_q', W_k', W_v' applied to x + a)
+
+  The meta-attention reads the residual stream after the standard attention, so a meta-token
+  already carries its context when the meta-tokens exchange it. Needs `meta_projections="separate"`
+  (it owns W_q', W_k', W_v' and W_o').
+- `"parallel"` (the earlier form): out = W_o( Attn_causal(x) + [meta] · g · Attn_meta(x) ), both
+  reading the block input x, with the standard Q/K/V (`"shared"`) or its own (`"separate"`).
+  Its defect: in the first layer every meta-token holds the same input (the `_PAUSE_` embedding;
+  rotary only turns q and k), so all values among meta-tokens are equal and Attn_meta returns the
+  same vector at every meta position whatever the context (tests/attention/test_meta_tokens.py
+  shows it, and shows the sequential form does not).
 
 Attn_meta lets a meta-token (`_PAUSE_`) read only earlier meta-tokens; it is zero at ordinary
-tokens. The combination g is
-
-- `combine="add"` (default): g = 1. The paper adds the meta-attention to the standard attention
-  output at meta positions; this is its combination.
-- `combine="gated"`: g = sigmoid(w_h · x + b_h), one gate per head and meta-token (ours: lets a head
-  switch the meta path off).
-
-The meta-attention reuses the standard Q/K/V projections (`meta_projections="shared"`, as the paper
-writes a single attention with an extra mask) or owns its own (`"separate"`, computed only at the
-meta rows). The packed op (ops/meta_tokens.py) costs O(M²) for M meta-tokens, not O(T²).
+tokens. The combination g is 1 for `combine="add"` (the paper's) or sigmoid(w_h · x + b_h) per head
+and meta-token for `combine="gated"` (ours: lets a head switch the meta path off). The packed op
+(ops/meta_tokens.py) costs O(M²) for M meta-tokens, not O(T²).
 
 Which tokens are meta-tokens: the backbone passes `meta_mask` [B, T] (True at `_PAUSE_`, from
-`ModelConfig.meta_token_id`). Called without one, the layer is plain causal attention. Positional
-encodings at meta positions are zeroed (or not) by the backbone; see models/transformer.py.
+`ModelConfig.meta_token_id`). Called without one, the layer is plain causal attention. Positions at
+meta-tokens: see data/meta_tokens.py (`meta_positions`: keep, skip, or the paper's zeroing, which
+breaks shift invariance).
 """
 
 from __future__ import annotations
@@ -29,7 +39,9 @@ from torch import Tensor, nn
 from routeformer.attention.base import AttentionLayer, AttentionOutput
 from routeformer.attention.registry import register_attention
 from routeformer.ops.decode import allowed_cached, append_keys_values, cached_softmax_attention
+from routeformer.ops.full import full_attention
 from routeformer.ops.meta_tokens import (
+    attention_among_meta,
     gather_rows,
     meta_token_attention,
     meta_token_attention_flops,
@@ -38,6 +50,7 @@ from routeformer.ops.meta_tokens import (
 
 COMBINE_KINDS = ("add", "gated")
 PROJECTION_KINDS = ("shared", "separate")
+INPUT_KINDS = ("sequential", "parallel")
 
 
 @register_attention("meta_tokens")
@@ -48,16 +61,23 @@ class MetaTokensAttention(AttentionLayer):
 
     def __init__(
         self, dim: int, heads: int, causal: bool = True, *, combine: str = "add",
-        meta_projections: str = "shared", **common,
+        meta_projections: str = "separate", meta_input: str = "sequential", **common,
     ) -> None:
         super().__init__(dim, heads, causal, **common)
         if combine not in COMBINE_KINDS:
             raise ValueError(f"combine must be one of {COMBINE_KINDS}; got {combine!r}")
         if meta_projections not in PROJECTION_KINDS:
             raise ValueError(f"meta_projections must be one of {PROJECTION_KINDS}; got {meta_projections!r}")
-        self.combine, self.meta_projections = combine, meta_projections
+        if meta_input not in INPUT_KINDS:
+            raise ValueError(f"meta_input must be one of {INPUT_KINDS}; got {meta_input!r}")
+        if meta_input == "sequential" and meta_projections != "separate":
+            raise ValueError("meta_input='sequential' reads the stream after the standard attention with "
+                             "its own projections: meta_projections must be 'separate' (or pass "
+                             f"meta_input='parallel'); got {meta_projections!r}")
+        self.combine, self.meta_projections, self.meta_input = combine, meta_projections, meta_input
         inner = self.heads * self.head_dim
         self.meta_qkv_proj = nn.Linear(dim, 3 * inner, bias=False) if meta_projections == "separate" else None
+        self.meta_out_proj = nn.Linear(inner, dim, bias=False) if meta_input == "sequential" else None
         self.gate_proj = nn.Linear(dim, self.heads) if combine == "gated" else None
 
     def forward(
@@ -72,6 +92,13 @@ class MetaTokensAttention(AttentionLayer):
                              f"got {meta_mask.dtype} {tuple(meta_mask.shape)}")
         q, k, v = self.project_qkv(x, positions)
         packing = pack_meta_positions(meta_mask, mask)
+        flops = meta_token_attention_flops(q, packing, masked=mask is not None, causal=self.causal)
+        real = x.shape[0] * x.shape[1] if mask is None else int(mask.sum())
+        stats = {"flops": torch.tensor(float(flops)),
+                 "meta_fraction": torch.tensor(float(packing.counts.sum()) / max(real, 1))}
+        if self.meta_input == "sequential":
+            out = self._sequential(x, q, k, v, packing, mask, positions)
+            return AttentionOutput(out=out, aux_loss=x.new_zeros(()), stats=stats)
         meta_qkv = meta_gate = None
         if packing.width and (self.meta_qkv_proj is not None or self.gate_proj is not None):
             rows = gather_rows(x, packing.index)  # [B, M, D]: the meta rows only
@@ -81,14 +108,25 @@ class MetaTokensAttention(AttentionLayer):
                 meta_gate = self.gate_proj(rows).sigmoid().transpose(1, 2)[..., None]  # [B, H, M, 1]
         heads_out = meta_token_attention(q, k, v, packing, mask=mask, causal=self.causal,
                                          meta_qkv=meta_qkv, meta_gate=meta_gate)
-        real = x.shape[0] * x.shape[1] if mask is None else int(mask.sum())
-        flops = meta_token_attention_flops(q, packing, masked=mask is not None, causal=self.causal)
-        return AttentionOutput(
-            out=self.out_proj(self.merge_heads(heads_out, x)),
-            aux_loss=x.new_zeros(()),
-            stats={"flops": torch.tensor(float(flops)),
-                   "meta_fraction": torch.tensor(float(packing.counts.sum()) / max(real, 1))},
-        )
+        return AttentionOutput(out=self.out_proj(self.merge_heads(heads_out, x)), aux_loss=x.new_zeros(()),
+                               stats=stats)
+
+    def _sequential(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, packing, mask: Tensor | None,
+                    positions: Tensor) -> Tensor:
+        """The paper's layout: standard attention, then meta-attention on x + its output (meta rows)."""
+        standard = self.out_proj(self.merge_heads(full_attention(q, k, v, mask=mask, causal=self.causal), x))
+        if packing.width == 0:
+            return standard
+        rows = gather_rows(x + standard, packing.index)  # [B, M, D]: the stream at the meta rows
+        meta_q, meta_k, meta_v = self._project_rows(rows, positions.gather(1, packing.index))
+        meta_heads = attention_among_meta(meta_q, meta_k, meta_v, packing.valid, self.causal)
+        if self.gate_proj is not None:
+            meta_heads = meta_heads * self.gate_proj(rows).sigmoid().transpose(1, 2)[..., None]
+        meta_rows = self.meta_out_proj(meta_heads.transpose(1, 2).flatten(2))  # [B, M, D]
+        # Filler slots (valid False) point at position 0: where(), not a product, keeps them out.
+        meta_rows = torch.where(packing.valid[..., None], meta_rows, 0.0)
+        return torch.stack([standard[b].index_add(0, packing.index[b], meta_rows[b])
+                            for b in range(x.shape[0])])
 
     def decode(self, x: Tensor, *, positions: Tensor, cache: dict, meta_mask: Tensor | None = None) -> Tensor:
         """Cached decoding (see AttentionLayer.decode). The cache keeps every token's keys/values and
@@ -105,23 +143,39 @@ class MetaTokensAttention(AttentionLayer):
         heads_out = cached_softmax_attention(q, k_all, v_all, start, 0)
         meta_keys = torch.cat([cache["meta"], meta_mask], dim=1) if "meta" in cache else meta_mask
         cache["meta"], cache["length"] = meta_keys, start + length
+        if self.meta_input == "sequential":
+            standard = self.out_proj(self.merge_heads(heads_out, x))
+            stream = x + standard  # the meta projections read the stream after the standard attention
+            q, k, v = self._project_rows(stream, positions)
+            k, v, _ = append_keys_values(cache, k, v, prefix="meta_")
+            if not bool(meta_mask.any()):
+                return standard
+            meta_heads = self._cached_meta_attention(q, k, v, meta_keys, meta_mask, start, stream)
+            meta_out = self.meta_out_proj(meta_heads.transpose(1, 2).flatten(2))
+            return standard + meta_out * meta_mask[..., None].to(meta_out.dtype)
         if self.meta_qkv_proj is not None:
             q, k, v = self._project_rows(x, positions)
             k, v, _ = append_keys_values(cache, k, v, prefix="meta_")
         else:
             k, v = k_all, v_all
         if bool(meta_mask.any()):
-            device = x.device
-            causal = allowed_cached(torch.arange(start, start + length, device=device),
-                                    torch.arange(start + length, device=device))
-            # Meta queries read meta keys only; other rows get the causal mask (never empty) and
-            # their meta output is dropped below.
-            allowed = causal & (meta_keys[:, None, :] | ~meta_mask[:, :, None])
-            meta_out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
-            if self.gate_proj is not None:
-                meta_out = meta_out * self.gate_proj(x).sigmoid().transpose(1, 2)[..., None]
+            meta_out = self._cached_meta_attention(q, k, v, meta_keys, meta_mask, start, x)
             heads_out = heads_out + meta_out * meta_mask[:, None, :, None].to(meta_out.dtype)
         return self.out_proj(self.merge_heads(heads_out, x))
+
+    def _cached_meta_attention(self, q: Tensor, k: Tensor, v: Tensor, meta_keys: Tensor, meta_mask: Tensor,
+                               start: int, gate_input: Tensor) -> Tensor:
+        """Meta-attention of the new rows over the cached keys, [B, H, L, d] (meaningful at meta rows)."""
+        device, length = q.device, q.shape[2]
+        causal = allowed_cached(torch.arange(start, start + length, device=device),
+                                torch.arange(start + length, device=device))
+        # Meta queries read meta keys only; other rows get the causal mask (never empty) and
+        # their meta output is dropped by the caller.
+        allowed = causal & (meta_keys[:, None, :] | ~meta_mask[:, :, None])
+        meta_out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+        if self.gate_proj is not None:
+            meta_out = meta_out * self.gate_proj(gate_input).sigmoid().transpose(1, 2)[..., None]
+        return meta_out
 
     def _project_rows(self, rows: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         batch, width, _ = rows.shape
@@ -130,4 +184,5 @@ class MetaTokensAttention(AttentionLayer):
         return self.rotate(q, positions), self.rotate(k, positions), v
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, combine={self.combine}, meta_projections={self.meta_projections}"
+        return (f"{super().extra_repr()}, combine={self.combine}, meta_projections={self.meta_projections}, "
+                f"meta_input={self.meta_input}")

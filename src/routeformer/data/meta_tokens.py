@@ -89,3 +89,34 @@ def meta_labels(targets: Tensor, meta_id: int) -> Tensor:
 def real_tokens_per_window(seq_len: int, density: float) -> int:
     """Real tokens in an injected window of `seq_len` slots (its last target not counted)."""
     return seq_len - meta_count(seq_len, density)
+
+
+# -- positions at meta-tokens --------------------------------------------------------------------
+# The paper zeroes the positional encoding at meta-tokens (for rotary: angle 0, "position 0"). A
+# query at position i then meets a meta key rotated by 0, not by its place: the score depends on i
+# itself, not on the distance, so shifting the whole sequence changes the output (rotary's shift
+# invariance is lost). Two schemes keep every relative position intact:
+#
+# - "keep": every token, meta or not, at its place in the sequence (positions 0, 1, 2, ...);
+# - "skip": meta-tokens do not advance the position counter. A token's position is the number of
+#   real (non-meta) tokens before it, so the real tokens stand at exactly the distances they would
+#   have without meta-tokens (what a model pre-trained without them learned), and a meta-token
+#   shares the position of the real token that follows it.
+#
+# Both are shift invariant: a prefix of r real tokens adds r to every position.
+META_POSITION_SCHEMES = ("keep", "skip")
+
+
+def meta_positions(meta: Tensor, scheme: str = "skip", offset: int = 0) -> Tensor:
+    """Positions [B, T] long for the tokens of a batch whose meta-tokens are `meta` (bool [B, T]).
+
+    "keep": offset + t. "skip": offset + (real tokens before t). Causal: position t depends on
+    `meta` at indices < t only (so decoding token by token gives the same positions)."""
+    if scheme not in META_POSITION_SCHEMES:
+        raise ValueError(f"scheme must be one of {META_POSITION_SCHEMES}; got {scheme!r}")
+    if meta.dtype != torch.bool or meta.dim() != 2:
+        raise ValueError(f"meta must be a bool tensor [B, T]; got {meta.dtype} {tuple(meta.shape)}")
+    batch, length = meta.shape
+    steps = torch.ones_like(meta, dtype=torch.long) if scheme == "keep" else (~meta).long()
+    before = steps.cumsum(dim=1) - steps  # exclusive: what comes before t
+    return before + offset if length else before.view(batch, 0)
