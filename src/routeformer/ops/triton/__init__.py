@@ -1,0 +1,28 @@
+"""Triton kernels for the routed ops: the GPU path (issue 29).
+
+One file per kernel, each with its forward and backward wrapped as a `torch.autograd.Function`:
+
+- `gathered`: attention over each query's gathered keys (top-k routing's exact half, and MiTA's
+  routed experts, whose slots are the keys of the experts a query is routed to), returning the
+  log-sum-exp with a gradient so partial results can be merged;
+- `topk_routing`: the routing top-K selection (scores in tiles, a running sorted top-K per query);
+- `lse_merge`: the online-softmax merge of partial results (`merge_partials`), with the gradient
+  through every part's log-sum-exp.
+
+`dispatch` decides: CUDA tensors go to these kernels, CPU tensors stay on the native C kernels and
+the PyTorch ops. Every kernel is tested against the PyTorch reference twin of its op on CPU tensors
+through Triton's interpreter (`TRITON_INTERPRET=1`, tests/ops/triton), and on CUDA where one exists.
+
+`triton` is optional (`pip install routeformer[gpu]`): nothing here imports it until a kernel runs,
+so `import routeformer` works without it. `TRITON_INTERPRET`
+is not needed: kernels run interpreted when their tensors are on the CPU (`_common.Kernel`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+
+def triton_available() -> bool:
+    """Whether the `triton` package can be imported (it is not imported here)."""
+    return importlib.util.find_spec("triton") is not None
