@@ -356,3 +356,7 @@ def position_lm(out_dir: Path, quick: bool) -> Path:
         provenance(command),
     ])
     return write_result(out_dir, result, markdown + "\n")
+
+
+# Registers `topk-routing-learning` (its own module: the routing_learning x routing_positions grid).
+from routeformer.experiments import topk_routing_learning  # noqa: E402, F401
