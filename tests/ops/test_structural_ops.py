@@ -239,3 +239,86 @@ def test_expanding_reports_executed_flops(implementation):
         inside = int(result.horizon.sum())
         assert result.value_pairs == inside
         assert inside < result.scored_pairs <= 2 * inside and result.step_entries >= inside
+
+
+# -- expanding, update="mean_field" ---------------------------------------------------------------
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("length,block,padded", [(37, 4, True), (64, 16, False), (5, 8, False)])
+def test_expanding_mean_field_matches_reference(causal, length, block, padded):
+    """The mean-field update runs on the band path; it equals its dense reference (forward,
+    horizons, iterations, gradients to q, k, v and the prior)."""
+    q, k, v, mask = make_inputs(length, padded, seed=length)
+    alpha, beta = (torch.tensor(values, dtype=torch.float64, requires_grad=True) for values in PRIORS["wide"])
+    leaves = [t.requires_grad_() for t in (q, k, v)] + [alpha, beta]
+    fast = expanding_attention(q, k, v, alpha, beta, causal=causal, mask=mask, block=block,
+                               update="mean_field", max_iters=30)
+    reference, horizon, iterations = expanding_attention_reference(
+        q, k, v, alpha, beta, causal=causal, mask=mask, update="mean_field", max_iters=30)
+    assert torch.equal(fast.horizon, horizon) and torch.equal(fast.iterations, iterations)
+    torch.testing.assert_close(fast.out, reference, atol=1e-10, rtol=1e-10)
+    for got, want in zip(grads(fast.out, leaves), grads(reference, leaves), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+def _final_mean_distance(q, k, alpha, beta, **options):
+    """E[δ] of every query's final attention, read from the output with v = key position:
+    E[δ] = i - Σ_j p_ij j."""
+    length = q.shape[2]
+    positions = torch.arange(length, dtype=q.dtype)
+    v = positions.view(1, 1, length, 1).expand(*q.shape[:3], 1)
+    out, _, iterations = expanding_attention_reference(q, k, v, alpha, beta, **options)
+    return positions - out[..., 0], iterations
+
+
+def test_expanding_mean_field_converges_to_a_fixed_point():
+    """The mean-field iteration is monotone in E[δ] and stops on its own, long before max_iters;
+    past that, more iterations change nothing. Its E[δ] after n steps is monotone in n."""
+    q, k, _, _ = make_inputs(120, padded=False, seed=5)
+    alpha = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
+    beta = torch.tensor([9.0, 20.0, 3.0], dtype=torch.float64)
+    # From the second step on every step is the same map E -> E[δ | Beta(α + 1, β + E)], increasing in E.
+    means = [_final_mean_distance(q, k, alpha, beta, update="mean_field", max_iters=n)[0]
+             for n in (2, 3, 4, 5)]
+    increments = [later - earlier for earlier, later in zip(means, means[1:], strict=False)]
+    # Each query moves the same way at every step (monotone sequence), and the steps shrink.
+    same_sign = (increments[0] * increments[1] >= -1e-9) & (increments[1] * increments[2] >= -1e-9)
+    assert bool(same_sign.all())
+    assert float(increments[2].abs().sum()) < float(increments[0].abs().sum())
+    converged, iterations = _final_mean_distance(q, k, alpha, beta, update="mean_field", max_iters=60)
+    assert int(iterations.max()) < 60, "every query must stop by its convergence rule"
+    again, _ = _final_mean_distance(q, k, alpha, beta, update="mean_field", max_iters=90)
+    assert torch.equal(converged, again)
+
+
+def test_expanding_paper_update_depends_on_max_iters():
+    """The paper's update accumulates one pseudo-observation per step, so its result depends on
+    how many steps run: more steps than the default move the output (documented, not a bug)."""
+    q, k, v, _ = make_inputs(120, padded=False, seed=5)
+    alpha, beta = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64), torch.tensor([9.0, 20.0, 3.0],
+                                                                                    dtype=torch.float64)
+    few = expanding_attention_reference(q, k, v, alpha, beta, max_iters=4)[0]
+    default = expanding_attention_reference(q, k, v, alpha, beta, max_iters=8)[0]
+    assert float((few - default).abs().max()) > 1e-3
+
+
+def test_expanding_bad_update_raises():
+    with pytest.raises(ValueError, match="update must be one of"):
+        expanding_attention(*(torch.randn(1, 2, 5, 4) for _ in range(3)), torch.ones(2), torch.ones(2),
+                            update="exact")
+
+
+def test_expanding_layer_takes_the_update_option():
+    from routeformer.attention import build_attention
+
+    torch.manual_seed(0)
+    layer = build_attention("expanding", dim=16, heads=2, update="mean_field", block=8).double()
+    x = torch.randn(2, 30, 16, dtype=torch.float64, requires_grad=True)
+    result = layer(x)
+    q, k, v = layer.project_qkv(x, torch.arange(30).expand(2, 30))
+    reference = expanding_attention_reference(q, k, v, *layer.prior(), update="mean_field")[0]
+    expected = layer.out_proj(layer.merge_heads(reference, x))
+    torch.testing.assert_close(result.out, expected, atol=1e-10, rtol=1e-10)
+    result.out.sum().backward()
+    assert layer.alpha_raw.grad is not None and "update='mean_field'" in repr(layer)
+    with pytest.raises(ValueError, match="update must be one of"):
+        build_attention("expanding", dim=16, heads=2, update="exact")

@@ -33,7 +33,10 @@ class ExpandingAttention(AttentionLayer):
     Options: `prior_alpha`, `prior_beta` (initial concentrations, positive; the starting window is
     ceil(log(tol) / log(1 - α/(α+β))), 44 keys by default); `tol` (prior tail mass left outside the
     window); `max_iters` (inference steps); `block` (query block length of the blockwise kernel: keys
-    are scored a block at a time, so up to block - 1 keys past a query's horizon are scored too).
+    are scored a block at a time, so up to block - 1 keys past a query's horizon are scored too);
+    `update` ("paper", the default: the paper's accumulating update, which is not a mean-field step
+    and does not converge — its window depends on `max_iters`; "mean_field": the true
+    coordinate-ascent step, which converges; see `routeformer.ops.expanding`).
     stats: `window_mean`, `window_max` (final horizons), `iterations_mean`, `iterations_max`,
     `score_pairs` (q·k products computed), `score_ops_vs_full` (score_pairs over those of full
     attention with the same masking rule), `flops` (scores + P·V + inference steps).
@@ -42,15 +45,15 @@ class ExpandingAttention(AttentionLayer):
     def __init__(
         self, dim: int, heads: int, causal: bool = True, *, prior_alpha: float = 1.0,
         prior_beta: float = 9.0, tol: float = 0.01, max_iters: int = 8, block: int = DEFAULT_BLOCK,
-        **common,
+        update: str = "paper", **common,
     ) -> None:
         super().__init__(dim, heads, causal, **common)
         for name, value in (("prior_alpha", prior_alpha), ("prior_beta", prior_beta)):
             if not (isinstance(value, float | int) and value > _CONCENTRATION_FLOOR):
                 raise ValueError(f"{name} must be a number > {_CONCENTRATION_FLOOR}; got {value!r}")
-        check_expanding_options(tol, max_iters)
+        check_expanding_options(tol, max_iters, update)
         check_positive("block", block)
-        self.tol, self.max_iters, self.block = tol, max_iters, block
+        self.tol, self.max_iters, self.block, self.update = tol, max_iters, block, update
         floor = _CONCENTRATION_FLOOR
         self.alpha_raw = nn.Parameter(torch.full((heads,), _inverse_softplus(prior_alpha - floor)))
         self.beta_raw = nn.Parameter(torch.full((heads,), _inverse_softplus(prior_beta - floor)))
@@ -68,7 +71,7 @@ class ExpandingAttention(AttentionLayer):
         q, k, v = self.project_qkv(x, positions)
         alpha, beta = self.prior()
         result = expanding_attention(q, k, v, alpha, beta, tol=self.tol, max_iters=self.max_iters,
-                                     mask=mask, causal=self.causal, block=self.block)
+                                     mask=mask, causal=self.causal, block=self.block, update=self.update)
         out = self.out_proj(self.merge_heads(result.out, x))
         batch, heads, length, _ = q.shape
         full_pairs = batch * heads * (length * (length + 1) // 2 if self.causal else length * length)
@@ -87,4 +90,4 @@ class ExpandingAttention(AttentionLayer):
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", tol={self.tol}, max_iters={self.max_iters}, "
-                f"block={self.block}")
+                f"block={self.block}, update={self.update!r}")

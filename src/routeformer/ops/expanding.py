@@ -16,6 +16,23 @@ is p_t V of the last step. Content far back (large expected δ) lowers q and wid
 
 Non-causal (our extension): δ = |i - j| and the horizon is two-sided.
 
+This update (`update="paper"`, the default, and what every experiment of ours used) is **not a
+mean-field step and does not converge**: it adds one pseudo-observation of the same edge per
+iteration (α_t = α + t, β_t = β + Σ_s E_s[δ]), so after t steps the posterior counts the single edge
+t times, and it plugs in log(1 - E[q]) instead of E[log(1 - q)]. Its output therefore depends on how
+many steps run; the stopping rule "the horizon stopped growing" is a heuristic, and in practice the
+window is set by `max_iters` as much as by the data.
+
+`update="mean_field"` is coordinate-ascent mean-field inference for one query's latent edge δ and
+decay q under q(δ) q(q):
+    q-step: q(q) = Beta(α + 1, β + E_t[δ])        (the prior plus the one edge, not accumulated)
+    δ-step: p_{t+1}(δ) ∝ exp(q·k·scale + δ E[log(1 - q)]),  E[log(1 - q)] = ψ(β_t) - ψ(α_t + β_t)
+with the horizon ceil(log(tol) / E[log(1 - q)]). E_{t+1}[δ] is an increasing function of E_t[δ]
+(a larger mean distance lowers the decay, which moves mass further back), so the sequence E_t[δ]
+is monotone and bounded by the context: it converges. A query stops once
+|E_t[δ] - E_{t-1}[δ]| <= 1e-3 · max(1, E_{t-1}[δ]) (`MEAN_FIELD_RTOL`), or at `max_iters`.
+It runs on the band path (not the C kernels).
+
 Band path. The sequence is cut into blocks of b queries; a block's keys are organised in rings:
 ring o holds the key block o blocks back (o < 0: ahead). The q·k products of ring o are computed
 for a block row only once some query of the block needs them (its horizon reaches that ring) and
@@ -64,6 +81,9 @@ _EXCLUDED = 1e30
 _GATHER_BELOW = 0.5
 # Elementwise work per (query, key) entry of one inference step: prior, mask, exp, sum, δ·p.
 _STEP_FLOPS_PER_ENTRY = 5
+UPDATES = ("paper", "mean_field")
+# Mean-field convergence: relative change of E[δ] between two steps (see the module docstring).
+MEAN_FIELD_RTOL = 1e-3
 
 
 @dataclass
@@ -77,10 +97,27 @@ class ExpandingOutput:
     flops: int  # executed FLOPs: scores + P·V + elementwise inference work
 
 
-def check_expanding_options(tol: float, max_iters: int) -> None:
+def check_expanding_options(tol: float, max_iters: int, update: str = "paper") -> None:
     if not (isinstance(tol, float | int) and 0.0 < tol < 1.0):
         raise ValueError(f"tol must be a number in (0, 1); got {tol!r}")
     check_positive("max_iters", max_iters)
+    if update not in UPDATES:
+        raise ValueError(f"update must be one of {UPDATES}; got {update!r}")
+
+
+def _mean_field_log_decay(alpha: Tensor, beta: Tensor) -> Tensor:
+    """E[log(1 - q)] under Beta(α, β): ψ(β) - ψ(α + β) (the mean-field δ-step's per-unit prior)."""
+    return torch.digamma(beta) - torch.digamma(alpha + beta)
+
+
+def _mean_field_horizon(log_decay: Tensor, tol: float, context: Tensor) -> Tensor:
+    """ceil(log(tol) / E[log(1 - q)]) clamped to [1, context] (long)."""
+    horizon = torch.ceil(math.log(tol) / log_decay.clamp(max=-1e-7))
+    return torch.minimum(horizon.clamp(min=1), context.to(horizon.dtype)).long()
+
+
+def _mean_field_converged(mean: Tensor, previous_mean: Tensor) -> Tensor:
+    return (mean - previous_mean).abs() <= MEAN_FIELD_RTOL * previous_mean.clamp(min=1.0)
 
 
 def geometric_horizon(alpha: Tensor, beta: Tensor, tol: float, context: Tensor) -> Tensor:
@@ -424,18 +461,20 @@ def _softmax_rows(logits: Tensor) -> Tensor:
 def expanding_attention(
     q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, *, tol: float = 0.01,
     max_iters: int = 8, mask: Tensor | None = None, causal: bool = True, scale: float | None = None,
-    block: int = DEFAULT_BLOCK,
+    block: int = DEFAULT_BLOCK, update: str = "paper",
 ) -> ExpandingOutput:
     """Expanding attention over [B, H, T, d] tensors; `alpha`, `beta` [H] are the Beta prior's
-    positive concentrations (the starting point of every query's inference). See the module
-    docstring."""
+    positive concentrations (the starting point of every query's inference). `update`: "paper"
+    (the paper's accumulating update, which does not converge) or "mean_field" (a true
+    coordinate-ascent step, which does). See the module docstring."""
     check_qkv(q, k, v, mask, causal=True)
-    check_expanding_options(tol, max_iters)
+    check_expanding_options(tol, max_iters, update)
     check_positive("block", block)
     batch, heads, length, dim = q.shape
     _check_prior(alpha, beta, heads)
     scale = dim ** -0.5 if scale is None else scale
-    native = native_kernels(q, k, v) if causal and mask is None else None
+    # The C kernels implement the paper's update only.
+    native = native_kernels(q, k, v) if causal and mask is None and update == "paper" else None
     # The C kernels (ops/native) for causal, unpadded inputs: faster than the band path below at
     # every prior measured, from 47-key windows to the whole context (2026-11-22, T = 1024-16384;
     # docs/results/structural.md).
@@ -448,7 +487,7 @@ def expanding_attention(
         # digits, and the exclusion penalty overflows fp16. Memory: fp32 copies of q, k, v, O(T·d).
         result = expanding_attention(
             q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype), alpha, beta, tol=tol,
-            max_iters=max_iters, mask=mask, causal=causal, scale=scale, block=block)
+            max_iters=max_iters, mask=mask, causal=causal, scale=scale, block=block, update=update)
         return replace(result, out=result.out.to(q.dtype))
     block = min(block, length)  # a block longer than the sequence would only score padding
     blocks = -(-length // block)
@@ -477,25 +516,45 @@ def expanding_attention(
     # Padded queries take no inference step: their window stays the prior's.
     active = is_query & rings.key_valid
     step_entries = 0
+    mean_field = update == "mean_field"
+    # mean_field: E[δ] of the last step, and the queries whose E[δ] has converged (they take one
+    # more step to set their horizon from it, then stop).
+    last_mean = torch.zeros(shape, dtype=stats_dtype, device=q.device)
+    converged = torch.zeros_like(is_query)
     for step in range(max_iters):
-        alpha_t, beta_t = alpha_start + steps, beta_start + expected_distance_sum
-        new_horizon = geometric_horizon(alpha_t, beta_t, tol, context)
+        if mean_field:
+            step_decay = _mean_field_log_decay(alpha_start + (steps > 0).to(stats_dtype),
+                                               beta_start + last_mean)
+            new_horizon = _mean_field_horizon(step_decay, tol, context)
+            stop = converged | (step == max_iters - 1)
+        else:
+            alpha_t, beta_t = alpha_start + steps, beta_start + expected_distance_sum
+            new_horizon = geometric_horizon(alpha_t, beta_t, tol, context)
+            stop = _stop_now(step, max_iters, new_horizon, previous, context)
+            step_decay = _log_decay(alpha_t, beta_t)
         horizon = torch.where(is_query & (active | (step == 0)), new_horizon, horizon)
         rings.compute(horizon)  # the final pass reuses these products
-        going_on = active & ~_stop_now(step, max_iters, new_horizon, previous, context)
+        going_on = active & ~stop
         if bool(going_on.any()):
             with torch.no_grad():  # the inference steps pass no gradient (module docstring)
-                log_decay = _log_decay(alpha_t, beta_t)
-                mean_distance, entries = rings.mean_distance(going_on, horizon, log_decay)
+                mean_distance, entries = rings.mean_distance(going_on, horizon, step_decay)
             step_entries += entries
-            expected_distance_sum += torch.where(going_on, mean_distance, 0.0)
+            if mean_field:
+                converged = going_on & (steps > 0) & _mean_field_converged(mean_distance, last_mean)
+                last_mean = torch.where(going_on, mean_distance, last_mean)
+            else:
+                expected_distance_sum += torch.where(going_on, mean_distance, 0.0)
             steps += going_on.long()
         previous = new_horizon
         active = going_on
         if not bool(active.any()):
             break
     # Final step with gradients: the prior's q from the learnable α, β plus the inferred counts.
-    log_decay = _log_decay(per_query(alpha) + steps, per_query(beta) + expected_distance_sum)
+    if mean_field:
+        log_decay = _mean_field_log_decay(per_query(alpha) + (steps > 0).to(stats_dtype),
+                                          per_query(beta) + last_mean)
+    else:
+        log_decay = _log_decay(per_query(alpha) + steps, per_query(beta) + expected_distance_sum)
     out = _BandAttention.apply(q.reshape(rings.rows, block, dim), k.reshape(rings.rows, block, dim),
                                v.reshape(rings.rows, block, -1), log_decay, rings, horizon, scale)
     step_entries += rings.rows * block * rings.width
@@ -518,12 +577,13 @@ def expanding_attention(
 def expanding_attention_reference(
     q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, *, tol: float = 0.01,
     max_iters: int = 8, mask: Tensor | None = None, causal: bool = True, scale: float | None = None,
+    update: str = "paper",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The specification: every q·k product, the iterations with an explicit horizon mask.
 
     Returns (out [B, H, T, d], horizon [B, H, T], iterations [B, H, T])."""
     check_qkv(q, k, v, mask, causal=True)
-    check_expanding_options(tol, max_iters)
+    check_expanding_options(tol, max_iters, update)
     batch, heads, length, dim = q.shape
     _check_prior(alpha, beta, heads)
     scale = dim ** -0.5 if scale is None else scale
@@ -543,19 +603,37 @@ def expanding_attention_reference(
     previous = torch.zeros_like(steps)
     # Padded queries take no inference step: their window stays the prior's.
     active = key_valid[:, :, 0, :].expand(batch, heads, length).clone()
+    mean_field = update == "mean_field"
+    last_mean = torch.zeros_like(distance_sum)  # mean_field: E[δ] of the last step
+    converged = torch.zeros_like(active)
     with torch.no_grad():
         for step in range(max_iters):
-            alpha_t, beta_t = alpha_start.detach() + steps, beta_start.detach() + distance_sum
-            new_horizon = geometric_horizon(alpha_t, beta_t, tol, context)
+            if mean_field:
+                step_decay = _mean_field_log_decay(alpha_start.detach() + (steps > 0).to(scores.dtype),
+                                                   beta_start.detach() + last_mean)
+                new_horizon = _mean_field_horizon(step_decay, tol, context)
+                stop = converged | (step == max_iters - 1)
+            else:
+                alpha_t, beta_t = alpha_start.detach() + steps, beta_start.detach() + distance_sum
+                new_horizon = geometric_horizon(alpha_t, beta_t, tol, context)
+                stop = _stop_now(step, max_iters, new_horizon, previous, context)
+                step_decay = _log_decay(alpha_t, beta_t)
             horizon = torch.where(active | (step == 0), new_horizon, horizon)
-            stop = _stop_now(step, max_iters, new_horizon, previous, context)
-            probs = _softmax_rows(_masked_logits(scores, distance, key_valid, horizon,
-                                                 _log_decay(alpha_t, beta_t), scale, causal))
+            probs = _softmax_rows(_masked_logits(scores, distance, key_valid, horizon, step_decay, scale,
+                                                 causal))
             lengths = distance if causal else distance.abs()
             going_on = active & ~stop
-            distance_sum += torch.where(going_on, (probs * lengths.to(probs.dtype)).sum(-1), 0.0)
+            mean = (probs * lengths.to(probs.dtype)).sum(-1)
+            if mean_field:
+                converged = going_on & (steps > 0) & _mean_field_converged(mean, last_mean)
+                last_mean = torch.where(going_on, mean, last_mean)
+            else:
+                distance_sum += torch.where(going_on, mean, 0.0)
             steps += going_on.long()
             previous, active = new_horizon, going_on
-    log_decay = _log_decay(alpha_start + steps, beta_start + distance_sum)
+    if mean_field:
+        log_decay = _mean_field_log_decay(alpha_start + (steps > 0).to(scores.dtype), beta_start + last_mean)
+    else:
+        log_decay = _log_decay(alpha_start + steps, beta_start + distance_sum)
     probs = _softmax_rows(_masked_logits(scores, distance, key_valid, horizon, log_decay, scale, causal))
     return probs @ v, horizon, steps + 1
