@@ -38,6 +38,7 @@ def _load_all() -> None:
         meta_attention,
         meta_tokens,
         mita,
+        mita_tasks,
         mqar_sweep,
         structural,
         topk,

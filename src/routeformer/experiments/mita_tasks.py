@@ -1,0 +1,228 @@
+"""MiTA on the shared ListOps task (issue 27): `routeformer reproduce mita-listops`.
+
+One setup, LISTOPS below: the `listops` task (bidirectional, LRA's grammar) at a length
+where plain attention clears the task's shortcut rules at this budget, the compare backbone
+(2 layers, D = 64, 2 heads, rotary), the same batches per seed for every mechanism, validation
+during training, test once at the end.
+
+- full / linear / local (w = T/4) / MiTA (m = k = T/8), 3 seeds, mean ± sd, beside chance and the
+  shortcut rules; parameters and executed attention FLOPs per mechanism.
+- Paper Fig. 7: the MiTA models evaluated with other landmark
+  counts m and expert sizes k (changed at inference with `set_budget`), against models *trained*
+  at those budgets; and Fig. 8: MiTA-trained weights evaluated with full attention and
+  full-trained weights evaluated with MiTA (the two layers have the same parameters).
+
+Every trained model is one cached run (out/runs), so a killed run resumes after its finished runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from routeformer.experiments.common import log
+from routeformer.experiments.compare_report import mean_sd, separated, task_floor
+from routeformer.experiments.jobs import TaskSetup
+from routeformer.experiments.registry import register_experiment
+from routeformer.experiments.report import cached_run, markdown_table, provenance, write_result
+from routeformer.train.on_task import ModelSpec, build_task_model, evaluate_on_task, train_on_task
+from routeformer.train.task_loop import TaskTrainConfig
+
+SEQ_LEN = 32
+# compare --quick's ListOps setup (chosen there on the validation accuracy of `full`, seeds 0-2): the
+# MiTA runs below are those of the quick compare plus their Fig. 7/8 evaluations. T = 64 cleared the
+# flat rule as well on validation (full, seed 0: 0.527 vs 0.434 at step 900) but costs twice as much:
+# more than this 2-core machine could give while it was shared.
+LISTOPS = TaskSetup({"seq_len": SEQ_LEN, "max_length": SEQ_LEN - 1}, steps=1200, batch_size=64, lr=3e-3,
+                    warmup_steps=100, validation_sequences=256, test_sequences=1024)
+QUICK_LISTOPS = TaskSetup({"seq_len": 32, "max_length": 31, "pool": 2000}, steps=20, batch_size=16, lr=3e-3,
+                          warmup_steps=2, evals=1, validation_sequences=32, test_sequences=64)
+SPEC = ModelSpec(dim=64, depth=2, heads=2, mlp_ratio=2.0, positions="rotary")
+SEEDS = (0, 1, 2)
+PAPER_LISTOPS = {"full": 37.10, "mita": 37.20}  # LRA ListOps accuracy (%), MiTA paper Table 5
+
+
+def _setup(quick: bool) -> tuple[TaskSetup, tuple[int, ...]]:
+    return (QUICK_LISTOPS, (0,)) if quick else (LISTOPS, SEEDS)
+
+
+def mechanisms(seq_len: int) -> dict[str, tuple[str, dict[str, Any]]]:
+    budget = max(1, seq_len // 8)  # compare's budgets (`options_for`)
+    return {"full": ("full", {}), "linear": ("linear", {}),
+            "local": ("local", {"window": max(1, seq_len // 4)}),
+            "mita": ("mita", {"landmarks": budget, "topk": budget})}
+
+
+def budget_grid(seq_len: int) -> list[tuple[int, int]]:
+    """(m, k) evaluated on the model trained at m = k = T/8: m varied at k = T/8, k varied at m = T/8,
+    and the diagonal — from T/32 to T/2."""
+    trained = max(1, seq_len // 8)
+    values = sorted({max(1, seq_len // d) for d in (32, 16, 8, 4, 2)})
+    grid = [(m, trained) for m in values] + [(trained, k) for k in values] + [(v, v) for v in values]
+    return list(dict.fromkeys(grid))
+
+
+def _mita_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from routeformer.attention.mita import MitaAttention
+
+    return [module for module in model.modules() if isinstance(module, MitaAttention)]
+
+
+def _evaluate(model, task, setup: TaskSetup) -> dict[str, float]:
+    return {"validation": evaluate_on_task(model, task, "validation", setup.validation_sequences)["accuracy"],
+            "test": evaluate_on_task(model, task, "test", setup.test_sequences)["accuracy"]}
+
+
+def _after_training(task, setup: TaskSetup, mechanism: str, options: dict[str, Any]):
+    """Fig. 7 / Fig. 8 evaluations of a freshly trained model, stored in its record."""
+    def evaluate(model) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if mechanism == "mita":
+            layers = _mita_layers(model)
+            grid = {}
+            for m, k in budget_grid(task.seq_len):
+                for layer in layers:
+                    layer.set_budget(landmarks=m, topk=k)
+                grid[f"{m},{k}"] = _evaluate(model, task, setup)
+            for layer in layers:
+                layer.set_budget(landmarks=options["landmarks"], topk=options["topk"])
+            extra["budget_grid"] = grid
+        swapped = "full" if mechanism == "mita" else "mita"
+        if mechanism in ("full", "mita"):
+            swap_options = mechanisms(task.seq_len)[swapped][1]
+            other = build_task_model(task, swapped, swap_options, SPEC)
+            other.load_state_dict(model.state_dict())  # strict: the two layers share parameter names
+            extra["swapped"] = {"evaluated_with": swapped, **_evaluate(other, task, setup)}
+        return extra
+    return evaluate
+
+
+def listops_run(out: Path, name: str, mechanism: str, options: dict[str, Any], seed: int, quick: bool
+                ) -> dict[str, Any]:
+    """One trained model (cached under out/runs): test accuracy, validation history, parameters,
+    and for full / MiTA the swapped and budget evaluations."""
+    from routeformer.tasks import build_task
+
+    setup, _ = _setup(quick)
+    key = f"{'quick-' if quick else ''}listops{setup.options['seq_len']}-{name}-seed{seed}"
+
+    def compute() -> dict[str, Any]:
+        torch.set_num_threads(1)
+        task = build_task("listops", **setup.options)
+        train = TaskTrainConfig(steps=setup.steps, batch_size=setup.batch_size, lr=setup.lr,
+                                warmup_steps=setup.warmup_steps,
+                                eval_every=max(1, setup.steps // setup.evals), seed=seed)
+        return train_on_task(task, mechanism, options, seed=seed, train=train, spec=SPEC,
+                             validation_sequences=setup.validation_sequences,
+                             test_sequences=setup.test_sequences,
+                             after_training=_after_training(task, setup, mechanism, options))
+    log(f"  {key}")
+    return cached_run(out, key, compute)
+
+
+def _floor(out: Path, quick: bool) -> dict[str, Any]:
+    setup, _ = _setup(quick)
+    return cached_run(out, f"{'quick-' if quick else ''}listops{setup.options['seq_len']}-floor",
+                      lambda: task_floor("listops", setup.options))
+
+
+def _floor_lines(floor: dict[str, Any]) -> str:
+    rules = "; ".join(f"{name}: {value:.3f}" for name, value in floor["baselines"].items())
+    return f"Chance (majority value): {floor['chance']:.3f}. Shortcut rules on the test split: {rules}."
+
+
+def _setup_line(setup: TaskSetup, seeds: tuple[int, ...]) -> str:
+    return (f"Task `listops` ({', '.join(f'{k}={v}' for k, v in setup.options.items())}), bidirectional, "
+            f"the answer read at a `?` token; {setup.steps} steps of batch {setup.batch_size}, lr {setup.lr} "
+            f"({setup.warmup_steps} warm-up), AdamW + cosine; backbone {SPEC}; seeds {list(seeds)}, every "
+            "mechanism on the same batches per seed. Setup chosen on validation (full, seed 0); test "
+            f"accuracy on {setup.test_sequences} held-out sequences.")
+
+
+def listops_table(out_dir: Path, quick: bool) -> tuple[list[str], dict[str, Any]]:
+    """The comparison's Markdown sections and JSON."""
+    setup, seeds = _setup(quick)
+    seq_len = setup.options["seq_len"]
+    runs = {name: [listops_run(out_dir, name, mechanism, options, seed, quick) for seed in seeds]
+            for name, (mechanism, options) in mechanisms(seq_len).items()}
+    floor = _floor(out_dir, quick)
+    best_rule = max(floor["baselines"].values())
+    summary = {name: mean_sd([r["quality"] for r in records]) for name, records in runs.items()}
+    rows = []
+    for name, records in runs.items():
+        mean, sd = summary[name]
+        rows.append([name, f"{mean:.4f} ± {sd:.4f}", "yes" if mean - 3 * sd > best_rule else "no",
+                     records[0]["parameters"], f"{records[0]['attention_flops_per_token']:.4g}",
+                     PAPER_LISTOPS.get(name, "-")])
+    pairs = [f"{a} / {b}" for i, a in enumerate(summary) for b in list(summary)[i + 1:]
+             if len(seeds) > 1 and separated(summary[a], summary[b])]
+    markdown = [
+        _setup_line(setup, seeds), _floor_lines(floor), "## Test accuracy",
+        markdown_table(["mechanism", "test accuracy (mean ± sd)", "above the best rule by > 3 sd",
+                        "parameters", "attention FLOPs/token", "paper, LRA ListOps %"], rows),
+        f"Pairs separated by more than 3 sd: {', '.join(pairs) or 'none'}. The paper's numbers are LRA "
+        "(sequences up to 2k tokens, 96k training expressions, larger models): quoted for reference, not "
+        "comparable one to one.",
+    ]
+    return markdown, {"summary": {k: list(v) for k, v in summary.items()}, "floor": floor, "runs": runs}
+
+
+def _budget_cell(records: list[dict[str, Any]], grid_key: str, split: str) -> str:
+    mean, sd = mean_sd([r["budget_grid"][grid_key][split] for r in records])
+    return f"{mean:.3f} ± {sd:.3f}"
+
+
+def budget_tables(out_dir: Path, quick: bool) -> tuple[list[str], dict[str, Any]]:
+    """Fig. 7 and Fig. 8 sections (Markdown) and JSON, from the comparison's MiTA and full runs plus
+    MiTA runs trained at T/16 and T/4."""
+    setup, seeds = _setup(quick)
+    seq_len = setup.options["seq_len"]
+    variants = mechanisms(seq_len)
+    trained_mita = [listops_run(out_dir, "mita", *variants["mita"], seed, quick) for seed in seeds]
+    trained_full = [listops_run(out_dir, "full", *variants["full"], seed, quick) for seed in seeds]
+    trained_at = {}
+    for value in sorted({max(1, seq_len // 16), max(1, seq_len // 4)}):
+        options = {"landmarks": value, "topk": value}
+        trained_at[value] = [listops_run(out_dir, f"mita-m{value}k{value}", "mita", options, seed, quick)
+                             for seed in seeds]
+    trained = max(1, seq_len // 8)
+    grid_rows = [[m, k, _budget_cell(trained_mita, f"{m},{k}", "validation"),
+                  _budget_cell(trained_mita, f"{m},{k}", "test")] for m, k in budget_grid(seq_len)]
+    diagonal_rows = []
+    for value, records in trained_at.items():
+        mean, sd = mean_sd([r["quality"] for r in records])
+        diagonal_rows.append([f"m = k = {value}", _budget_cell(trained_mita, f"{value},{value}", "test"),
+                              f"{mean:.3f} ± {sd:.3f}"])
+    swap_rows = []
+    for name, records in (("mita", trained_mita), ("full", trained_full)):
+        own = mean_sd([r["quality"] for r in records])
+        other = mean_sd([r["swapped"]["test"] for r in records])
+        swap_rows.append([name, f"{own[0]:.3f} ± {own[1]:.3f}", records[0]["swapped"]["evaluated_with"],
+                          f"{other[0]:.3f} ± {other[1]:.3f}"])
+    markdown = [
+        f"## Fig. 7: trained at m = k = {trained}, evaluated at (m, k)",
+        "Accuracy mean ± sd over the seeds; the validation column is shown so that nothing is chosen on "
+        "test.",
+        markdown_table(["m (landmarks)", "k (keys per expert)", "validation", "test"], grid_rows),
+        "## Changed at inference vs trained at that budget (test)",
+        markdown_table(["budget", f"trained at m = k = {trained}, evaluated there",
+                        "trained there"], diagonal_rows),
+        "## Fig. 8: weights swapped at inference (test)",
+        markdown_table(["trained with", "own test accuracy", "evaluated with", "test accuracy"], swap_rows),
+    ]
+    return markdown, {"grid_rows": grid_rows, "diagonal_rows": diagonal_rows, "swap_rows": swap_rows,
+                      "trained_at": {f"m=k={v}": r for v, r in trained_at.items()}}
+
+
+@register_experiment("mita-listops", "MiTA on the shared ListOps task: full / linear / local / MiTA with 3 "
+                     "seeds beside the shortcut rules; budget changed at inference and weights swapped "
+                     "(paper Figs. 7-8)")
+def listops(out_dir: Path, quick: bool) -> Path:
+    comparison, result = listops_table(out_dir, quick)
+    budgets, budget_result = budget_tables(out_dir, quick)
+    markdown = "\n\n".join(["# mita-listops: MiTA on the shared ListOps task",
+                             provenance(f"routeformer reproduce mita-listops{' --quick' if quick else ''}"),
+                             *comparison, *budgets])
+    return write_result(out_dir, {**result, **budget_result}, markdown)
