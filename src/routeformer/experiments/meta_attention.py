@@ -457,3 +457,7 @@ def run_long(out_dir: Path, quick: bool) -> Path:
     result = {"runs": runs, "evaluations": {f"{name}@{eta}": m for (name, eta), m in measured.items()},
               "forward_seconds": seconds, "criteria": criteria}
     return write_result(out_dir, result, markdown)
+
+
+# The issue-27 redo on the shared tasks lives in its own module; importing it here registers it.
+from routeformer.experiments import meta_attention_matched  # noqa: E402, F401

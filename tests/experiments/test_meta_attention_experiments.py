@@ -1,0 +1,91 @@
+"""meta-attention-matched (issue 27): the variants change one thing each, full-matched matches meta's
+parameter count, the criterion and paired differences are computed as stated, and a toy run writes
+its report end to end."""
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from routeformer.experiments.meta_attention_matched import (
+    FULL_BUDGET,
+    QUICK_BUDGET,
+    run_matched,
+    variants,
+)
+from routeformer.experiments.meta_attention_report import criterion, summarise
+from routeformer.experiments.registry import list_experiments
+from routeformer.models.config import ModelConfig
+from routeformer.models.heads import TokenPredictor
+from routeformer.train.on_task import parameter_count
+
+
+def test_each_ablation_changes_one_option_of_the_bayesian_model():
+    table = variants(FULL_BUDGET)
+    bayesian = table["bayesian"][1]
+    for name, changed in (("kl-free", {"elbo_weight"}), ("prior-free", {"prior"})):
+        options = table[name][1]
+        assert {k for k in {*options, *bayesian} if options.get(k) != bayesian.get(k)} == changed, name
+    assert table["non-bayesian"][1] == {**bayesian, "prior": "none", "elbo_weight": 0.0}
+    assert {table[n][2] for n in ("bayesian", "kl-free", "prior-free", "non-bayesian", "full")} == {
+        FULL_BUDGET.spec}, "only full-matched changes the backbone"
+
+
+def test_full_matched_is_within_one_percent_of_meta_parameters():
+    """The full budget's backbone at vocabulary 105 (the pydoc corpus); the count does not depend on T."""
+    counts = {}
+    for name in ("bayesian", "full-matched", "full"):
+        mechanism, options, spec = variants(FULL_BUDGET)[name]
+        config = ModelConfig(vocab_size=105, dim=spec.dim, depth=spec.depth, heads=spec.heads,
+                             mlp_ratio=spec.mlp_ratio, attention=mechanism,
+                             attention_options={mechanism: options} if options else {},
+                             positions=spec.positions, max_seq_len=128, tie_embeddings=False)
+        counts[name] = parameter_count(TokenPredictor(config))
+    assert abs(counts["full-matched"] / counts["bayesian"] - 1) < 0.01
+    assert counts["full"] < 0.6 * counts["bayesian"], "the unmatched full is far smaller: why matching matters"
+
+
+def _fake_run(seed, loss, flops, hard_loss=None, hard_flops=None):
+    soft = {"loss": loss, "attention_flops_per_token": flops,
+            "routing": {"routing_entropy_pct": 50.0, "projected_cost": 0.3, "kl": 0.1, "weight_full": 0.2,
+                        "rows_full": 1.0, "rows_linear": 1.0, "rows_local": 1.0}}
+    modes = {"soft": soft}
+    if hard_loss is not None:
+        modes["hard"] = {"loss": hard_loss, "attention_flops_per_token": hard_flops,
+                         "routing": {**soft["routing"], "rows_full": 0.1, "rows_linear": 0.6, "rows_local": 0.3}}
+    return {"seed": seed, "quality": loss / math.log(2), "parameters": 10, "lengths": {"8": modes}}
+
+
+def test_criterion_and_paired_gaps_are_taken_seed_by_seed():
+    runs = {
+        "full-matched": [_fake_run(0, 2.0, 100.0), _fake_run(1, 1.0, 100.0)],
+        "bayesian": [_fake_run(1, 1.2, 300.0, hard_loss=1.4, hard_flops=60.0),  # order differs from full's
+                     _fake_run(0, 2.5, 300.0, hard_loss=2.6, hard_flops=80.0)],
+    }
+    result = criterion(runs, "bayesian", 8)
+    assert result["flops_saving"] == pytest.approx([0.4, 0.2])
+    assert result["loss_gap_nats"] == pytest.approx([0.4, 0.6])
+    assert (result["seeds_met"], result["seeds"]) == (1, 2)  # seed 1: 40 % saved, 0.4 nats; seed 0 fails both
+    summary = summarise(runs, [8])["variants"]["bayesian"]
+    assert summary["gap_vs_full-matched@8"] == pytest.approx([0.2, 0.5])
+    assert summary["hard_shares@train"] == [[0.1, 0.6, 0.3]] * 2
+
+
+def test_toy_run_writes_report_and_result(tmp_path):
+    assert "meta-attention-matched" in list_experiments()
+    toy = replace(QUICK_BUDGET, setup=replace(QUICK_BUDGET.setup, options={"corpus": "pydoc", "seq_len": 16},
+                                              steps=1, validation_sequences=2, test_sequences=2),
+                  spec=replace(QUICK_BUDGET.spec, dim=16), test_characters=128, routing_sequences=2)
+    report = run_matched(tmp_path, toy, "toy")
+    text = report.read_text()
+    for heading in ("## Parameters", "Table 3", "## Length extrapolation", "falsifiability criterion at the "
+                    "training length (T = 16)", "At 32 (extrapolation", "At 64 (extrapolation", "Table 4"):
+        assert heading in text, heading
+    assert "0.613× (−39%)" in text and "~0.36× (−64%)" in text, "the paper's Table 4 as printed"
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["lengths"] == [16, 32, 64]
+    assert set(result["summary"]["variants"]) == set(variants(toy))
+    bayesian = result["runs"]["bayesian"][0]
+    assert bayesian["lengths"]["16"]["hard"]["routing"]["hard_fraction"] == 1.0  # η = 0: every token hard
+    assert "hard" not in result["runs"]["full"][0]["lengths"]["16"]
