@@ -15,7 +15,14 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("routeformer.integrations.hf needs transformers: "
                       "pip install 'routeformer[hf]'") from error
 
+from transformers import AutoConfig, AutoModelForCausalLM
+
 from routeformer.integrations.hf.cache import RouteformerCacheLayer
+from routeformer.integrations.hf.model import (
+    RouteformerCausalLMOutput,
+    RouteformerConfig,
+    RouteformerForCausalLM,
+)
 from routeformer.integrations.hf.patch import (
     RouteformerAttention,
     key_padding_mask,
@@ -24,7 +31,11 @@ from routeformer.integrations.hf.patch import (
     routeformer_layers,
 )
 
+AutoConfig.register("routeformer", RouteformerConfig, exist_ok=True)
+AutoModelForCausalLM.register(RouteformerConfig, RouteformerForCausalLM, exist_ok=True)
+
 __all__ = [
-    "RouteformerAttention", "RouteformerCacheLayer", "key_padding_mask", "patch_attention",
+    "RouteformerAttention", "RouteformerCausalLMOutput", "RouteformerConfig", "RouteformerForCausalLM",
+    "RouteformerCacheLayer", "key_padding_mask", "patch_attention",
     "routeformer_aux_loss", "routeformer_layers",
 ]
