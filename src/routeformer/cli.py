@@ -115,12 +115,12 @@ def command_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def command_eval(args: argparse.Namespace) -> int:
-    from routeformer.data.corpora import load_corpus
+    from routeformer.data.corpora import load_corpus, load_data
     from routeformer.train.checkpoint import load_trained_model
     from routeformer.train.evaluate import evaluate_lm
 
     model, vocab, config = load_trained_model(args.checkpoint)
-    corpus = load_corpus(args.corpus or config.data.corpus)
+    corpus = load_corpus(args.corpus) if args.corpus else load_data(config.data.corpus, config.data.path)
     ids = vocab.encode(corpus.val)
     density = config.data.meta_density  # a meta-token run is scored as it was trained
     meta = {"meta_density": density, "meta_id": vocab.pause_id} if density > 0 else {}
@@ -145,6 +145,15 @@ def command_sample(args: argparse.Namespace) -> int:
     tokens = model.generate(prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
                             generator=generator)
     print(vocab.decode(tokens[0].tolist()))
+    return 0
+
+
+def command_export_hf(args: argparse.Namespace) -> int:
+    try:
+        from routeformer.integrations.hf.export import export_hf
+    except ImportError as error:  # transformers is an optional extra
+        raise ValueError(str(error)) from error
+    print(f"wrote {export_hf(args.run_dir, args.out_dir)}")
     return 0
 
 
@@ -401,6 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser("list", help="list the registered attention mechanisms and their options")
 
+    export_hf = commands.add_parser("export-hf", help="a trained checkpoint as a transformers model")
+    export_hf.add_argument("run_dir", help="run directory or checkpoint file")
+    export_hf.add_argument("out_dir", help="new directory for config.json + model.safetensors")
+
     bench = commands.add_parser("bench", help="speed and memory benchmarks")
     bench.add_argument("suite", choices=["ops", "topk", "structural", "meta", "mita", "meta_tokens",
                                          "compile", "generate"])
@@ -446,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return command_train(args, extra)
         handlers = {"compare": command_compare, "eval": command_eval, "sample": command_sample,
-                    "list": command_list, "bench": command_bench, "reproduce": command_reproduce}
+                    "list": command_list, "bench": command_bench, "reproduce": command_reproduce,
+                    "export-hf": command_export_hf}
         return handlers[args.command](args)
     except (ValueError, CheckpointError) as error:
         return _fail(error, EXIT_BAD_INPUT)
