@@ -72,3 +72,38 @@ def test_batches_are_reproducible_from_the_generator_seed():
 def test_bad_task_options_raise(options, message):
     with pytest.raises(ValueError, match=message):
         StructuralTask(**options)
+
+
+def _least_squares_mse(features, y) -> float:
+    """Test MSE of the best affine predictor of y from `features` (fit on the first half)."""
+    features = torch.cat([features, torch.ones(features.shape[0], 1)], dim=1)
+    half = features.shape[0] // 2
+    solution = torch.linalg.lstsq(features[:half], y[:half]).solution
+    return float((features[half:] @ solution - y[half:]).square().mean())
+
+
+def test_recency_plain_is_solvable_from_the_last_node_keyed_is_not():
+    """The plain recency task is largely solved without attention (y is linear in x2 up to the noise
+    W_r⁻¹ amplifies, W_r being full rank but ill-conditioned); the
+    keyed one makes y independent of x2 — the best affine read-out of x2 is no better than 0 —
+    while y is exact given x1."""
+    plain = StructuralTask(length=16, dim=8, rank=8, noise=0.1, recency=4.0)
+    weights = StructuralWeights.sample(plain, seed=0)
+    x, y, _ = recency_batch(plain, weights, 8000, torch.Generator().manual_seed(1))
+    assert _least_squares_mse(x[:, -1], y) < 0.5 * float(y.square().mean())  # W_r ill-conditioned: not 0
+    keyed = StructuralTask(length=16, dim=8, rank=8, noise=0.1, recency=4.0, keyed=True)
+    weights = StructuralWeights.sample(keyed, seed=0)
+    x, y, distance = recency_batch(keyed, weights, 8000, torch.Generator().manual_seed(1))
+    floor = float(y[4000:].square().mean())
+    assert floor > 0.3
+    assert _least_squares_mse(x[:, -1], y) > 0.98 * floor
+    x1 = x[torch.arange(8000), 15 - distance]
+    torch.testing.assert_close(y, x1 @ weights.readout.T)
+    # x2 keys x1: its first half is Q a + ε with Q orthogonal.
+    half = 4
+    relation = weights.relation[:half, :half]
+    torch.testing.assert_close(relation @ relation.T, torch.eye(half), atol=1e-5, rtol=0)
+    residual = x[:, -1, :half] - x1[:, :half] @ relation.T
+    assert abs(float(residual.std()) - 0.1) < 0.01
+    with pytest.raises(ValueError, match="keyed=True needs dim >= 2"):
+        StructuralTask(dim=1, rank=1, keyed=True)

@@ -12,7 +12,12 @@ of the chain at its last node, which sits at the last position of the sequence.
   x2 = W_r ε₁ + ε₂ carries no information about x0 at all; with it the premise holds exactly.
 - `recency_batch` (Figure 3, expanding): x2 = W_r x1 + ε, y = W_y x1; x1 sits δ positions before
   x2 with δ ~ Geometric(p) on {1, 2, ...} (mean 1/p, clipped to the context), every other position
-  holds noise.
+  holds noise. With a full-rank W_r this task needs no attention: x1 = W_r⁻¹(x2 - ε) is a linear
+  function of the last node, so a model with its attention removed solves it.
+- `keyed=True` (recency task): x1 = [a; b] (halves of the features); x2 = [Q a + ε; n] with Q
+  orthogonal and n fresh N(0, I) noise, and y = W_y b. x2 only *keys* x1 (by a) and carries
+  nothing about b, so y is independent of the last node: without attention the best prediction
+  is 0. A model must find x1 by content (match Q a) and read its b half.
 
 All vectors x0 and noise are N(0, I); ε ~ N(0, noise² I). Weights come from `StructuralWeights`
 (seeded); batches from a `torch.Generator`, so a seed fixes every split.
@@ -38,6 +43,8 @@ class StructuralTask:
     recency: float = 8.0  # recency task: mean distance 1/p of x1 before x2
     # chain task: W_r² = 0, so x2 tells nothing about x0 (needs 2·rank <= dim; see the module doc)
     nilpotent: bool = False
+    # recency task: x2 keys x1 by half its features, y reads the other half (see the module doc)
+    keyed: bool = False
 
     def __post_init__(self) -> None:
         for name in ("length", "dim", "rank", "target_dim"):
@@ -48,6 +55,8 @@ class StructuralTask:
             raise ValueError(f"noise must be >= 0; got {self.noise}")
         if not self.recency >= 1:
             raise ValueError(f"recency (mean distance 1/p) must be >= 1; got {self.recency}")
+        if self.keyed and self.dim < 2:
+            raise ValueError(f"keyed=True needs dim >= 2 (a key half and a value half); got {self.dim}")
         if self.nilpotent and 2 * self.rank > self.dim:
             raise ValueError(f"nilpotent=True needs 2 * rank <= dim (W_r's row and column spaces must be "
                              f"orthogonal); got rank={self.rank}, dim={self.dim}")
@@ -70,12 +79,18 @@ class StructuralWeights:
             relation = left @ torch.randn(task.dim, rank, generator=gen).T
             relation = relation / torch.linalg.matrix_norm(relation, ord=2)
         readout = torch.randn(task.target_dim, task.dim, generator=gen) / task.dim ** 0.5
+        if task.keyed:  # Q on the key half only; the read-out sees only the value half
+            half = task.dim // 2
+            relation = torch.zeros(task.dim, task.dim)
+            relation[:half, :half] = torch.linalg.qr(torch.randn(half, half, generator=gen)).Q
+            readout[:, :half] = 0.0
+            readout = readout * (task.dim / (task.dim - half)) ** 0.5
         return cls(relation, readout)
 
 
 def _step(task: StructuralTask, weights: StructuralWeights, previous: Tensor, gen: torch.Generator) -> Tensor:
     """x_{i+1} = g W_r x_i + ε with g = √(d / rank), so that the chain keeps roughly unit scale."""
-    gain = (task.dim / min(task.rank, task.dim)) ** 0.5
+    gain = 1.0 if task.keyed else (task.dim / min(task.rank, task.dim)) ** 0.5  # keyed: Q is orthogonal
     return gain * previous @ weights.relation.T + task.noise * torch.randn(previous.shape, generator=gen)
 
 
@@ -112,5 +127,9 @@ def recency_batch(
     x1 = torch.randn(batch, task.dim, generator=gen)
     rows = torch.arange(batch)
     x[rows, task.length - 1 - distance] = x1
-    x[:, -1] = _step(task, weights, x1, gen)
+    last = _step(task, weights, x1, gen)
+    if task.keyed:  # the value half of x2 is fresh noise, like any noise node's
+        half = task.dim // 2
+        last[:, half:] = torch.randn(batch, task.dim - half, generator=gen)
+    x[:, -1] = last
     return x, x1 @ weights.readout.T, distance
