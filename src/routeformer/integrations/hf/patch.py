@@ -137,6 +137,8 @@ def refusal(module: nn.Module, config: Any, head_dim: int) -> str | None:
         return "q/k normalisation (q_norm/k_norm)"
     if getattr(module, "is_cross_attention", False):
         return "cross-attention"
+    if getattr(module, "is_causal", True) is False or getattr(config, "use_bidirectional_attention", None):
+        return "bidirectional (non-causal) attention"
     return None
 
 

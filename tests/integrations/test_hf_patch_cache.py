@@ -1,0 +1,151 @@
+"""Patched transformers models: cached generation exact or refused, attention the swap cannot
+reproduce refused, mode/dtype kept, save/load keeps the mechanism (tiny models, no downloads)."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from routeformer.integrations.hf import patch_attention, routeformer_layers  # noqa: E402
+from routeformer.integrations.hf.loading import from_pretrained  # noqa: E402
+from tests.integrations.test_hf import MECHANISMS, VOCAB, gpt2, llama  # noqa: E402
+
+FAMILIES = {"gpt2": gpt2, "llama": llama}
+CACHED = ("full", "local", "linear", "gated", "meta", "mita")  # the issue asks for the first four
+
+
+def prompt(batch=2, length=6, seed=3):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(model, ids, use_cache, new=10):
+    # no_repeat_ngram_size=1 keeps a random tiny model from repeating one token; raw logits compared too.
+    out = model.generate(ids, max_new_tokens=new, do_sample=False, use_cache=use_cache, pad_token_id=0,
+                         no_repeat_ngram_size=1, output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("mechanism", list(MECHANISMS))
+def test_cached_generation_is_exact_or_refused(family, mechanism):
+    model = patch_attention(FAMILIES[family](), mechanism, **MECHANISMS[mechanism])
+    ids = prompt()
+    tokens, logits = greedy(model, ids, use_cache=False)
+    if mechanism in CACHED:
+        cached_tokens, cached_logits = greedy(model, ids, use_cache=True)
+        assert torch.equal(cached_tokens, tokens)
+        torch.testing.assert_close(cached_logits, logits, atol=2e-5, rtol=1e-4)
+        assert model.config.use_cache  # default generation takes the cache
+    else:
+        with pytest.raises(ValueError, match=f"{mechanism}.*pass use_cache=False"):
+            greedy(model, ids, use_cache=True)
+        assert not model.config.use_cache  # default generation re-reads the context
+        assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                                          no_repeat_ngram_size=1), tokens)
+
+
+def test_local_cache_keeps_only_the_window():
+    model = patch_attention(gpt2(), "local", window=4)
+    output = model(prompt(length=12), use_cache=True)
+    layer = output.past_key_values.layers[0]
+    assert layer.get_seq_length() == 12 and layer.state["k"].shape[2] <= 4
+
+
+def test_a_cache_filled_in_training_or_from_padding_cannot_continue():
+    model = patch_attention(llama(), "full")
+    ids = prompt()
+    output = model.train()(ids, use_cache=True)
+    model.eval()
+    with pytest.raises(ValueError, match="training mode.*pass use_cache=False"):
+        model(ids[:, :1], past_key_values=output.past_key_values, use_cache=True)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, :2] = 0
+    with pytest.raises(ValueError, match="padding.*pass use_cache=False"):
+        model.generate(ids, attention_mask=attention_mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+
+def mistral(sliding_window):
+    config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=64, sliding_window=sliding_window)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.MistralForCausalLM(config).eval()
+
+
+def qwen2(use_sliding_window):
+    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, use_sliding_window=use_sliding_window,
+                                      sliding_window=4, max_window_layers=0)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+def gemma2(**overrides):
+    values = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    config = transformers.Gemma2Config(**(values | overrides))
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.Gemma2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("build, feature", [
+    (lambda: mistral(4), "sliding-window attention"),
+    (lambda: qwen2(True), "sliding-window attention"),
+    (lambda: gemma2(), "sliding-window attention"),
+    (lambda: gemma2(sliding_window=None), "soft-capping"),
+    (lambda: gemma2(sliding_window=None, attn_logit_softcapping=None, query_pre_attn_scalar=16),
+     "attention scale"),
+], ids=["mistral-window", "qwen2-window", "gemma2", "gemma2-softcap", "gemma2-scale"])
+def test_attention_the_swap_cannot_reproduce_is_refused_untouched(build, feature):
+    model = build()
+    before = {name: type(module) for name, module in model.named_modules()}
+    with pytest.raises(ValueError, match=feature):
+        patch_attention(model, "full")
+    assert {name: type(module) for name, module in model.named_modules()} == before
+
+
+@pytest.mark.parametrize("build", [lambda: mistral(None), lambda: qwen2(False)], ids=["mistral", "qwen2"])
+def test_plain_causal_variants_are_carried_exactly(build):
+    model = build()
+    ids = prompt(length=12)
+    with torch.no_grad():
+        expected = model(ids).logits
+        torch.testing.assert_close(patch_attention(model, "full")(ids).logits, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_patch_keeps_mode_and_dtype(training):
+    model = gpt2().to(torch.bfloat16).train(training)
+    patch_attention(model, "meta", window=4, linear_chunk=4)
+    for module in routeformer_layers(model):
+        assert module.training == training and module.layer.training == training
+        assert all(p.dtype == torch.bfloat16 for p in module.parameters())
+    if not training:  # Meta-Attention's routing noise is off in eval mode: two passes agree
+        ids = prompt()
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_save_and_from_pretrained_keep_the_mechanism(tmp_path, family):
+    model = patch_attention(FAMILIES[family](), "local", window=3)
+    model.save_pretrained(tmp_path)
+    entry = json.loads((tmp_path / "config.json").read_text())["routeformer"]
+    assert entry == {"mechanism": "local", "options": {"window": 3}}
+    loaded = from_pretrained(tmp_path)
+    assert not loaded.training and routeformer_layers(loaded)[0].layer.window == 3
+    ids = prompt(length=10)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+
+
+def test_from_pretrained_refuses_an_unpatched_model(tmp_path):
+    gpt2().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no 'routeformer' entry"):
+        from_pretrained(tmp_path)
