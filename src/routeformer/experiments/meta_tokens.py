@@ -450,3 +450,7 @@ def run_lm(out_dir: Path, quick: bool) -> Path:
     ])
     return write_result(out_dir, {"records": records, "steps": steps, "corpus": corpus}, markdown)
 
+
+
+# The redone experiments of issue 27 (shared tasks, seeds, 2x lengths, fine-tuning) register on import.
+from routeformer.experiments import meta_tokens_recall  # noqa: E402, F401

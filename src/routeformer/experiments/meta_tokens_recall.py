@@ -1,0 +1,233 @@
+"""`routeformer reproduce meta-tokens-recall | meta-tokens-ablations | meta-tokens-finetune`:
+"Language Modeling with Learned Meta-Tokens" (arXiv 2509.16278) redone on the shared recall tasks
+(issue 27). Each run is one `RecallRun` (experiments/meta_tokens_runs.py); runs are stored under
+`<out>/../meta-tokens-runs/` and shared by the three experiments (the same run is trained once).
+
+- meta-tokens-recall: list recall, segment counting, parity and copying; `plain` (no `_PAUSE_`,
+  `full`), `pause` (`_PAUSE_` closing each segment, `full`: the tokens alone) and `meta` (the same
+  tokens and the meta-attention); 3 seeds; test accuracy at the training length and at twice the
+  segments, reported apart, beside each task's chance and measured shortcut floor.
+- meta-tokens-ablations (copying): the position scheme at meta-tokens (skip / keep / the paper's
+  zeroing) and the meta-attention's form (the paper's sequential layout vs the parallel shared
+  form), one change at a time from the `meta` run of meta-tokens-recall.
+- meta-tokens-finetune (copying): a `full` model pre-trained on the char-LM task without
+  meta-tokens, fine-tuned with meta-tokens (`meta`) or without (`plain`), beside the same two
+  trained from scratch with the same steps.
+
+The paper fine-tunes GPT-2 124M on these tasks; ours are 2-layer models of about 0.1M parameters
+trained for a few hundred steps on a loaded 2-core CPU — a check of direction, not of size.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from routeformer.experiments.common import log
+from routeformer.experiments.meta_tokens_runs import (
+    LENGTH_FACTORS,
+    RecallRun,
+    floors,
+    pretrain_body,
+    train_recall,
+)
+from routeformer.experiments.registry import register_experiment
+from routeformer.experiments.report import cached_run, markdown_table, provenance, write_result
+
+# Task settings: the largest of the probed ones (docs/results/meta_tokens.md) at which the `plain`
+# baseline leaves its floor on validation data within the step budget.
+TASK_OPTIONS = {
+    "list_recall": {"segments": 4, "segment_length": 2},
+    "segment_counting": {"segments": 4, "segment_length": 3},
+    "parity": {"segments": 4, "segment_length": 2},
+    "copying": {"segments": 4, "segment_length": 3},
+}
+ABLATION_TASK = "copying"
+
+
+@dataclass(frozen=True)
+class Settings:
+    tasks: tuple[str, ...]
+    seeds: tuple[int, ...]
+    steps: int
+    pretrain_steps: int
+    validation_sequences: int = 256
+    test_sequences: int = 512
+
+
+def settings(quick: bool) -> Settings:
+    if quick:
+        return Settings(("copying",), (0,), 20, 10, validation_sequences=64, test_sequences=64)
+    return Settings(tuple(TASK_OPTIONS), (0, 1, 2), 800, 400)
+
+
+def run_key(run: RecallRun) -> str:
+    options = "x".join(str(run.task_options[name]) for name in sorted(run.task_options))
+    init = "-ft" + Path(run.init).stem if run.init else ""
+    return f"{run.task}{options}-{run.variant}-{run.positions}-s{run.seed}-{run.steps}{init}"
+
+
+def _runs_dir(out_dir: Path) -> Path:
+    return out_dir.parent / "meta-tokens-runs"
+
+
+def base_run(task: str, variant: str, seed: int, s: Settings, **changes) -> RecallRun:
+    return RecallRun(task, TASK_OPTIONS[task], variant=variant, seed=seed, steps=s.steps,
+                     validation_sequences=s.validation_sequences, test_sequences=s.test_sequences,
+                     **changes)
+
+
+def train(out_dir: Path, run: RecallRun) -> dict[str, Any]:
+    key = run_key(run)
+    return cached_run(_runs_dir(out_dir), key,
+                      lambda: train_recall(run, log=lambda line: log(f"{key}: {line}")))
+
+
+def mean_sd(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.3f} (1 seed)"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"seeds": [r["run"]["seed"] for r in records],
+                           "parameters": sorted({r["parameters"] for r in records})}
+    for factor in LENGTH_FACTORS:
+        for split in ("validation", "test"):
+            values = [r[f"{split}_{factor}x"] for r in records]
+            out[f"{split}_{factor}x"] = {"values": values, "mean": statistics.mean(values),
+                                         "sd": statistics.stdev(values) if len(values) > 1 else 0.0}
+    return out
+
+
+def _row(label: str, stats: dict[str, Any]) -> list[Any]:
+    def cell(key: str) -> str:
+        values = stats[key]["values"]
+        return mean_sd(values)
+    return [label, "/".join(str(p) for p in stats["parameters"]), cell("validation_1x"), cell("test_1x"),
+            cell("validation_2x"), cell("test_2x")]
+
+
+HEADER = ["variant", "parameters", "validation 1×", "**test 1×**", "validation 2×", "**test 2×**"]
+
+
+def _floor_line(run: RecallRun, seq_lens: dict[str, int]) -> tuple[str, dict[str, Any]]:
+    measured = floors(run)
+    parts = [f"{factor} (T = {seq_lens[factor]}): chance {values['chance']:.3f}, shortcut floor "
+             f"{values['floor']:.3f}" for factor, values in measured.items()]
+    text = "Chance and floor (best measured shortcut rule, test split) at " + "; at ".join(parts) + "."
+    return text, measured
+
+
+def _grid(out_dir: Path, s: Settings, task: str, variants: list[tuple[str, dict[str, Any]]]
+          ) -> tuple[list[list[Any]], dict[str, Any]]:
+    rows, results = [], {}
+    for label, changes in variants:
+        records = [train(out_dir, base_run(task, changes.get("variant", "meta"), seed, s,
+                                           **{k: v for k, v in changes.items() if k != "variant"}))
+                   for seed in s.seeds]
+        results[label] = summary(records)
+        results[label]["seq_len"] = {f"{f}x": records[0][f"seq_len_{f}x"] for f in LENGTH_FACTORS}
+        rows.append(_row(label, results[label]))
+    return rows, results
+
+
+def _setup_line(s: Settings) -> str:
+    spec = RecallRun("copying", {}).spec
+    return (f"Models: {spec.depth} layers, D = {spec.dim}, {spec.heads} heads, MLP ×{spec.mlp_ratio}, "
+            f"rotary positions; AdamW lr 3e-3, batch 32, {s.steps} steps (warm-up 60, cosine); seeds "
+            f"{list(s.seeds)}, mean ± sd. Accuracy of the asked tokens on fixed samples "
+            f"({s.validation_sequences} validation, {s.test_sequences} test sequences); 2× = twice the "
+            "segments, never trained on. Positions: `skip` (meta-tokens do not advance the position "
+            "counter) unless a row says otherwise. Every variant of a seed sees the same sequences.")
+
+
+RECALL_VARIANTS = [
+    ("plain: no `_PAUSE_`, `full`", {"variant": "plain"}),
+    ("pause: `_PAUSE_`, `full` (no meta-attention)", {"variant": "pause"}),
+    ("meta: `_PAUSE_` + meta-attention", {"variant": "meta"}),
+]
+
+
+@register_experiment("meta-tokens-recall",
+                     "recall tasks (no shortcuts) with vs without meta-tokens, 1x and 2x")
+def run_recall(out_dir: Path, quick: bool) -> Path:
+    s = settings(quick)
+    sections, results = [], {}
+    for task in s.tasks:
+        rows, results[task] = _grid(out_dir, s, task, RECALL_VARIANTS)
+        seq_lens = next(iter(results[task].values()))["seq_len"]
+        line, results[task]["floors"] = _floor_line(base_run(task, "plain", 0, s), seq_lens)
+        sections += [f"## {task} {TASK_OPTIONS[task]}", "", line, "", markdown_table(HEADER, rows), ""]
+    command = "routeformer reproduce meta-tokens-recall" + (" --quick" if quick else "")
+    markdown = "\n".join(["# meta-tokens-recall", "", provenance(command), "", _setup_line(s), "", *sections])
+    return write_result(out_dir, {"settings": s.__dict__, "task_options": TASK_OPTIONS, "results": results},
+                        markdown)
+
+
+ABLATION_VARIANTS = [
+    ("meta, positions skip (as in meta-tokens-recall)", {"variant": "meta"}),
+    ("meta, positions keep", {"variant": "meta", "positions": "keep"}),
+    ("meta, positions zeroed at meta-tokens (the paper's)", {"variant": "meta", "positions": "zero"}),
+    ("meta, parallel shared-Q/K/V form (the earlier layer)", {"variant": "meta_parallel"}),
+]
+
+
+@register_experiment("meta-tokens-ablations",
+                     "copying: position scheme at meta-tokens; sequential vs parallel form")
+def run_ablations(out_dir: Path, quick: bool) -> Path:
+    s = settings(quick)
+    rows, results = _grid(out_dir, s, ABLATION_TASK, ABLATION_VARIANTS)
+    seq_lens = next(iter(results.values()))["seq_len"]
+    line, results["floors"] = _floor_line(base_run(ABLATION_TASK, "plain", 0, s), seq_lens)
+    command = "routeformer reproduce meta-tokens-ablations" + (" --quick" if quick else "")
+    markdown = "\n".join([
+        "# meta-tokens-ablations", "", provenance(command), "", _setup_line(s), "",
+        f"Task: {ABLATION_TASK} {TASK_OPTIONS[ABLATION_TASK]}. Each row changes one thing from the first.",
+        "", line, "", markdown_table(HEADER, rows), ""])
+    return write_result(out_dir, {"settings": s.__dict__, "results": results}, markdown)
+
+
+@register_experiment("meta-tokens-finetune",
+                     "pre-train without meta-tokens (char LM), fine-tune with vs without")
+def run_finetune(out_dir: Path, quick: bool) -> Path:
+    s = settings(quick)
+    bodies = _runs_dir(out_dir) / "bodies"
+    pretrained = {}
+    for seed in s.seeds:
+        path = bodies / f"lm-full-s{seed}-{s.pretrain_steps}.pt"
+        spec = RecallRun(ABLATION_TASK, {}).spec
+        pretrained[seed] = cached_run(_runs_dir(out_dir), f"pretrain-{path.stem}",
+                                      lambda seed=seed, path=path, spec=spec: pretrain_body(
+                                          path, seed, s.pretrain_steps, spec,
+                                          log=lambda line: log(f"pretrain s{seed}: {line}")))
+        if not path.exists():  # the record was kept but the weights were removed: train again
+            pretrained[seed] = pretrain_body(path, seed, s.pretrain_steps, spec)
+    rows, results = [], {}
+    for variant in ("plain", "meta"):
+        for start in ("scratch", "pre-trained"):
+            records = []
+            for seed in s.seeds:
+                path = bodies / f"lm-full-s{seed}-{s.pretrain_steps}.pt"
+                run = base_run(ABLATION_TASK, variant, seed, s)
+                records.append(train(out_dir, run if start == "scratch" else replace(run, init=str(path))))
+            label = f"{variant}, {start}"
+            results[label] = summary(records)
+            results[label]["seq_len"] = {f"{f}x": records[0][f"seq_len_{f}x"] for f in LENGTH_FACTORS}
+            rows.append(_row(label, results[label]))
+    line, results["floors"] = _floor_line(base_run(ABLATION_TASK, "plain", 0, s),
+                                          next(iter(results.values()))["seq_len"])
+    bits = [p["validation_history"][-1]["bits_per_char"] for p in pretrained.values()]
+    command = "routeformer reproduce meta-tokens-finetune" + (" --quick" if quick else "")
+    markdown = "\n".join([
+        "# meta-tokens-finetune", "", provenance(command), "", _setup_line(s), "",
+        f"Pre-training: `full`, the same backbone, char-LM task (corpus pydoc, T = 128), {s.pretrain_steps} "
+        f"steps, one body per seed, no meta-tokens; validation bits/char at the end: {mean_sd(bits)}. "
+        "Fine-tuning loads the blocks and final norm (embeddings and head are new: the vocabularies "
+        "differ; the meta-attention's output projection starts at zero) and trains on "
+        f"{ABLATION_TASK} {TASK_OPTIONS[ABLATION_TASK]} exactly as the scratch runs.", "",
+        line, "", markdown_table(HEADER, rows), ""])
+    result = {"settings": s.__dict__, "pretrain": pretrained, "results": results}
+    return write_result(out_dir, result, markdown)
