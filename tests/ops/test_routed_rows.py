@@ -211,9 +211,9 @@ def test_rows_reject_mismatched_shapes():
 
 @pytest.mark.parametrize("name", ["full", "local"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_rows_without_the_flash_kernel_match_reference(name, causal, monkeypatch):
-    """The per-chunk SDPA fallback (GPU, bf16) equals the reference too, forward and backward."""
-    monkeypatch.setattr(row_chunks, "flash_kernel_fits", lambda q, v: False)
+def test_rows_without_the_blocked_pass_match_reference(name, causal, monkeypatch):
+    """The per-chunk SDPA fallback (GPU) equals the reference too, forward and backward."""
+    monkeypatch.setattr(row_chunks, "blocked_attention_fits", lambda q, v: False)
     fast, reference, fast_options, reference_options = CASES[name]
     q, k, v, rows, valid, mask = inputs(23, seed=5, masked=True)
     q_rows = gather_rows(q, rows).requires_grad_()

@@ -9,11 +9,11 @@ rule): out = Σ_i exp(lse_i − logsumexp_j lse_j) out_i. Keys are excluded thro
 float mask; use `MASKED` (a large finite negative, so a row with no allowed key gets lse ≈ MASKED
 and weight 0 in the merge, never a NaN; `masked_bias(dtype)` gives the value that fits fp16).
 
-Fast path (CPU): PyTorch's fused flash kernel, which computes the lse anyway. Its backward has no
-lse input, so the lse gradient g is folded in through one extra value column: with v' = [v, 0],
-out' = [out, −g] and grad_out' = [dO, 1], the kernel's D = rowsum(grad_out'·out') becomes
-rowsum(dO·out) − g, which is exactly the score gradient P∘(dO vᵀ − D + g). Elsewhere (or with
-`use_kernel=False`) `attention_with_lse_reference` runs: dense scores and `torch.logsumexp`.
+Fast path (any device and dtype): a blocked online softmax in public PyTorch ops — keys in blocks
+of `DEFAULT_KEY_BLOCK`, running max and sum in fp32 (at least), so memory is O(Lq·block) beside
+the inputs, never O(Lq·Lk) — and a backward that recomputes each block's weights from the lse
+and folds the lse gradient g into D = rowsum(dO∘O) − g (the score gradient is P∘(dO vᵀ − D)).
+With `use_kernel=False`, `attention_with_lse_reference` runs: dense scores and `torch.logsumexp`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ def masked_bias(dtype: torch.dtype) -> float:
     exp is still exactly 0, and a score added to it does not overflow to -inf)."""
     return max(MASKED, torch.finfo(dtype).min / 2)
 
-_KERNEL = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_KERNEL_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+DEFAULT_KEY_BLOCK = 256  # keys per step of the blocked pass: scores [.., Lq, 256] at a time
 
 
 def attention_with_lse_reference(
@@ -49,10 +48,92 @@ def attention_with_lse_reference(
     return torch.exp(scores - lse[..., None]) @ v, lse
 
 
-class _FlashWithLse(torch.autograd.Function):
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _summed(t: Tensor, leading: torch.Size) -> Tensor:
+    """t summed over the leading axes that were broadcast from `leading` (a gradient's shape)."""
+    return t if t.shape[:-2] == leading else t.sum_to_size(*leading, *t.shape[-2:])
+
+
+def _leading_shape(q: Tensor, k: Tensor, bias: Tensor | None) -> torch.Size:
+    """The scores' leading axes: q's, k's and the bias's broadcast together."""
+    return torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], *(() if bias is None else (bias.shape[:-2],)))
+
+
+def _block_logits(q: Tensor, k: Tensor, bias: Tensor | None, causal: bool, scale: float, lo: int,
+                  hi: int) -> Tensor:
+    """Scores of q (already in the work dtype) against keys [lo, hi), in the work dtype, with the
+    bias's columns [lo, hi) (or its broadcast column) and the causal triangle (query i reads j <= i)."""
+    work = q.dtype
+    scores = (q @ k[..., lo:hi, :].to(work).transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + (bias if bias.shape[-1] == 1 else bias[..., lo:hi]).to(work)
+    if causal:
+        rows = torch.arange(q.shape[-2], device=q.device)[:, None]
+        ahead = torch.arange(lo, hi, device=q.device)[None, :] > rows
+        scores = scores.masked_fill(ahead, masked_bias(work))
+    return scores
+
+
+def lse_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, causal: bool, scale: float,
+                block: int | None = None) -> tuple[Tensor, Tensor]:
+    """(out in q's dtype, lse in the work dtype) by an online softmax over blocks of `block` keys:
+    scores, weights and the running sums in fp32 (at least), memory O(Lq·block + Lq·e) beside the
+    inputs (`block` defaults to DEFAULT_KEY_BLOCK). No autograd (see `lse_backward`)."""
+    block = block or DEFAULT_KEY_BLOCK
+    work = _work_dtype(q.dtype)
+    queries = q.to(work)
+    shape = _leading_shape(q, k, bias)
+    row_max = queries.new_full((*shape, q.shape[-2]), float("-inf"))
+    total = queries.new_zeros((*shape, q.shape[-2]))
+    acc = queries.new_zeros((*shape, q.shape[-2], v.shape[-1]))
+    for lo in range(0, k.shape[-2], block):
+        hi = min(lo + block, k.shape[-2])
+        scores = _block_logits(queries, k, bias, causal, scale, lo, hi)
+        new_max = torch.maximum(row_max, scores.amax(dim=-1))
+        correction = torch.exp(row_max - new_max)  # exp(-inf) = 0 on the first block
+        weights = torch.exp(scores - new_max[..., None])
+        total = total * correction + weights.sum(dim=-1)
+        acc = acc * correction[..., None] + weights @ v[..., lo:hi, :].to(work)
+        row_max = new_max
+    if k.shape[-2] == 0:  # no keys: zeros and lse = -inf, as the reference
+        return acc.to(q.dtype), row_max
+    return (acc / total[..., None]).to(q.dtype), row_max + total.log()
+
+
+def lse_backward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, causal: bool, scale: float,
+                 out: Tensor, lse: Tensor, grad_out: Tensor, grad_lse: Tensor | None,
+                 block: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_q, grad_k, grad_v) in the inputs' dtypes, recomputing each key block's weights from
+    the lse (FlashAttention's backward): with D = rowsum(dO∘O) − g_lse, dS = P∘(dO vᵀ − D), since
+    ∂lse/∂s = P. Memory O(Lq·block) beside the inputs and the gradients."""
+    block = block or DEFAULT_KEY_BLOCK
+    work = _work_dtype(q.dtype)
+    queries, grad_out = q.to(work), grad_out.to(work)
+    delta = (grad_out * out.to(work)).sum(dim=-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(work)
+    shape = _leading_shape(q, k, bias)
+    grad_q = queries.new_zeros((*shape, *q.shape[-2:]))
+    grad_k = k.new_zeros(k.shape, dtype=work)
+    grad_v = v.new_zeros(v.shape, dtype=work)
+    for lo in range(0, k.shape[-2], block):
+        hi = min(lo + block, k.shape[-2])
+        weights = torch.exp(_block_logits(queries, k, bias, causal, scale, lo, hi) - lse.to(work)[..., None])
+        values = v[..., lo:hi, :].to(work)
+        grad_v[..., lo:hi, :] = _summed(weights.transpose(-1, -2) @ grad_out, v.shape[:-2])
+        grad_scores = weights * (grad_out @ values.transpose(-1, -2) - delta[..., None]) * scale
+        grad_q += grad_scores @ k[..., lo:hi, :].to(work)
+        grad_k[..., lo:hi, :] = _summed(grad_scores.transpose(-1, -2) @ queries, k.shape[:-2])
+    return _summed(grad_q, q.shape[:-2]).to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
+
+
+class _BlockedWithLse(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, causal, scale):
-        out, lse = _KERNEL(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+        out, lse = lse_forward(q, k, v, bias, causal, scale)
         ctx.save_for_backward(q, k, v, bias, out, lse)
         ctx.causal, ctx.scale = causal, scale
         return out, lse
@@ -62,28 +143,8 @@ class _FlashWithLse(torch.autograd.Function):
         q, k, v, bias, out, lse = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        if grad_lse is None:
-            grad_q, grad_k, grad_v = _KERNEL_BACKWARD(
-                grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.causal, attn_mask=bias, scale=ctx.scale)
-            return grad_q, grad_k, grad_v, None, None, None
-        # The kernel wants one head size for q, k and v: q and k get a zero column too (scores
-        # unchanged; the scale is passed explicitly).
-        def widen(t: Tensor, column: Tensor) -> Tensor:
-            return torch.cat([t, column], dim=-1)
-
-        grad_out = widen(grad_out, out.new_ones(*out.shape[:-1], 1))
-        out = widen(out, -grad_lse.to(out.dtype)[..., None])
-        q, k, v = (widen(t, torch.zeros_like(t[..., :1])) for t in (q, k, v))
-        grad_q, grad_k, grad_v = _KERNEL_BACKWARD(
-            grad_out, q, k, v, out, lse, 0.0, ctx.causal, attn_mask=bias, scale=ctx.scale)
-        return grad_q[..., :-1], grad_k[..., :-1], grad_v[..., :-1], None, None, None
-
-
-def flash_kernel_fits(q: Tensor, v: Tensor) -> bool:
-    """Whether PyTorch's CPU flash kernel (and its backward) can run these tensors: CPU, fp32/fp64,
-    one head size for q, k and v."""
-    return (_KERNEL is not None and _KERNEL_BACKWARD is not None and q.device.type == "cpu"
-            and q.dtype in (torch.float32, torch.float64) and q.shape[-1] == v.shape[-1])
+        grads = lse_backward(q, k, v, bias, ctx.causal, ctx.scale, out, lse, grad_out, grad_lse)
+        return (*grads, None, None, None)
 
 
 def attention_with_lse(
@@ -92,24 +153,23 @@ def attention_with_lse(
 ) -> tuple[Tensor, Tensor]:
     """(out [B, H, Lq, e], lse [B, H, Lq]) of softmax attention over q [B, H, Lq, d], k [B, H, Lk, d],
     v [B, H, Lk, e]; `bias` broadcasts to [B, H, Lq, Lk]; `causal` lets query i read keys j <= i.
-    fp16/bf16 inputs are computed in fp32: out comes back in the input dtype, lse stays fp32."""
+    The fast path is the blocked online softmax (`lse_forward`/`lse_backward`, O(Lq·block)
+    memory, any device); `use_kernel=False` runs the dense reference. fp16/bf16 inputs are computed
+    in fp32: out comes back in the input dtype, lse stays fp32."""
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if tensor.dim() != 4:
             raise ValueError(f"{name} must have shape [B, H, L, d]; got {tuple(tensor.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if q.dtype in (torch.float16, torch.bfloat16):
-        # Scores, softmax and lse in fp32 (the lse feeds merges that subtract large numbers), and a
-        # bias that fp16 rounded to -inf brought back to MASKED, so an all-excluded row stays finite.
-        if bias is not None:
-            bias = bias.float().clamp_min(MASKED)
-        out, lse = attention_with_lse(q.float(), k.float(), v.float(), bias=bias, causal=causal,
-                                      scale=scale, use_kernel=use_kernel)
-        return out.to(q.dtype), lse
-    if use_kernel and flash_kernel_fits(q, v):
-        if bias is not None:
-            bias = bias.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]).contiguous()
-        return _FlashWithLse.apply(q.contiguous(), k.contiguous(), v.contiguous(), bias, causal, scale)
-    return attention_with_lse_reference(q, k, v, bias=bias, causal=causal, scale=scale)
+    if bias is not None and bias.dtype in (torch.float16, torch.bfloat16):
+        # A bias that fp16 rounded to -inf brought back to MASKED, so an all-excluded row stays finite.
+        bias = bias.float().clamp_min(MASKED)
+    if not use_kernel:
+        if q.dtype in (torch.float16, torch.bfloat16):
+            out, lse = attention_with_lse_reference(q.float(), k.float(), v.float(), bias=bias, causal=causal,
+                                                    scale=scale)
+            return out.to(q.dtype), lse
+        return attention_with_lse_reference(q, k, v, bias=bias, causal=causal, scale=scale)
+    return _BlockedWithLse.apply(q, k, v, bias, causal, scale)
 
 
 def merge_partials(parts: list[tuple[Tensor, Tensor]]) -> Tensor:

@@ -7,10 +7,12 @@ routed_rows.py). Rows are ascending, so `chunk` consecutive rows read one contig
 [lo, hi) — a view of k and v, never a copy — under a bool mask `rule(keys, rows)` (and the key
 padding mask). `rows_attention_by_chunks` returns the rows' outputs and the FLOPs it executed.
 
-Fast path (CPU, fp32/fp64): PyTorch's fused flash kernel per chunk, inside one autograd function
-whose backward runs the kernel's backward per chunk and adds each chunk's key/value gradient into
-one buffer. (Plain autograd over the sliced views would allocate a zero tensor the size of k and v
-per chunk for the slices' gradients.) Elsewhere: SDPA per chunk under autograd.
+Fast path (CPU, any dtype): the blocked online softmax of attention_lse.py per chunk (public
+PyTorch ops, keys in blocks, fp32 accumulation, O(chunk·block) memory), inside one autograd
+function whose backward runs the blocked backward per chunk and adds each chunk's key/value
+gradient into one buffer. (Plain autograd over the sliced views would allocate a zero tensor the
+size of k and v per chunk for the slices' gradients.) Elsewhere (GPU): SDPA per chunk under
+autograd.
 Rows with no allowed key (key padding) return zeros and pass no gradient.
 """
 
@@ -21,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from routeformer.ops.attention_lse import _KERNEL, _KERNEL_BACKWARD, MASKED, flash_kernel_fits
+from routeformer.ops.attention_lse import MASKED, lse_backward, lse_forward
 from routeformer.ops.flops import dense_attention_flops
 from routeformer.ops.full import sdpa_allowed
 
@@ -51,15 +53,20 @@ def chunk_starts(positions: Tensor, chunk: int, bucket: int | None) -> list[int]
     return torch.nonzero(opens | ((slots - bucket_start) % chunk == 0)).flatten().tolist()
 
 
-class _ChunkedFlash(torch.autograd.Function):
-    """out_rows = concat over chunks of flash(q_rows[start:stop], k[lo:hi], v[lo:hi], bias)."""
+def blocked_attention_fits(q_rows: Tensor, v: Tensor) -> bool:
+    """Whether the chunks run the blocked pass (CPU, any dtype); elsewhere (GPU) SDPA per chunk."""
+    return q_rows.device.type == "cpu"
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    """out_rows = concat over chunks of attention(q_rows[start:stop], k[lo:hi], v[lo:hi], bias)."""
 
     @staticmethod
     def forward(ctx, q_rows, k, v, plan, bias_of, scale):
         outs, lses = [], []
         for index, (start, stop, lo, hi) in enumerate(plan):
-            out, lse = _KERNEL(q_rows[:, :, start:stop], k[:, :, lo:hi], v[:, :, lo:hi], 0.0, False,
-                               attn_mask=bias_of(index), scale=scale)[:2]
+            out, lse = lse_forward(q_rows[:, :, start:stop], k[:, :, lo:hi], v[:, :, lo:hi], bias_of(index),
+                                   False, scale)
             outs.append(out)
             lses.append(lse)
         ctx.save_for_backward(q_rows, k, v)
@@ -71,10 +78,9 @@ class _ChunkedFlash(torch.autograd.Function):
         q_rows, k, v = ctx.saved_tensors
         grad_q, grad_k, grad_v = torch.empty_like(q_rows), torch.zeros_like(k), torch.zeros_like(v)
         for index, (start, stop, lo, hi) in enumerate(ctx.plan):
-            chunk_grads = _KERNEL_BACKWARD(
-                grad_out[:, :, start:stop].contiguous(), q_rows[:, :, start:stop], k[:, :, lo:hi],
-                v[:, :, lo:hi], ctx.outs[index], ctx.lses[index], 0.0, False,
-                attn_mask=ctx.bias_of(index), scale=ctx.scale)
+            chunk_grads = lse_backward(
+                q_rows[:, :, start:stop], k[:, :, lo:hi], v[:, :, lo:hi], ctx.bias_of(index), False,
+                ctx.scale, ctx.outs[index], ctx.lses[index], grad_out[:, :, start:stop], None)
             grad_q[:, :, start:stop] = chunk_grads[0]
             grad_k[:, :, lo:hi] += chunk_grads[1]
             grad_v[:, :, lo:hi] += chunk_grads[2]
@@ -112,13 +118,15 @@ def rows_attention_by_chunks(
         allowed_masks.append(allowed[:, None])  # [B, 1, rows, keys]
         flops += batch * heads * dense_attention_flops((stop - start) * (hi - lo), dim, value_dim)
     real = valid[:, None, :, None]
-    if not flash_kernel_fits(q_rows, v):
+    if not blocked_attention_fits(q_rows, v):
         parts = [sdpa_allowed(q_rows[:, :, start:stop], k[:, :, lo:hi], v[:, :, lo:hi], allowed, scale)
                  for (start, stop, lo, hi), allowed in zip(plan, allowed_masks, strict=True)]
         return torch.cat(parts, dim=2) * real.to(q_rows.dtype), flops
     if mask is not None:  # rows whose keys are all padding: zeroed, no gradient
         real = real & torch.cat([allowed.any(dim=-1, keepdim=True) for allowed in allowed_masks], dim=2)
-    allowed_bias, excluded_bias = (torch.tensor(value, dtype=q_rows.dtype, device=q_rows.device)
+    # The bias in fp32 at least (MASKED does not fit fp16); the chunks compute in fp32 at least.
+    bias_dtype = torch.promote_types(q_rows.dtype, torch.float32)
+    allowed_bias, excluded_bias = (torch.tensor(value, dtype=bias_dtype, device=q_rows.device)
                                    for value in (0.0, MASKED))
 
     def bias_of(index: int) -> Tensor:
@@ -127,5 +135,5 @@ def rows_attention_by_chunks(
         return torch.where(allowed_masks[index], allowed_bias, excluded_bias)
 
     scale = dim ** -0.5 if scale is None else scale
-    out = _ChunkedFlash.apply(q_rows, k, v, plan, bias_of, scale)
+    out = _ChunkedAttention.apply(q_rows, k, v, plan, bias_of, scale)
     return out * real.to(out.dtype), flops
