@@ -62,13 +62,14 @@ def test_console_script_runs():
 
 def test_bench_ops_writes_a_table(tmp_path, capsys):
     output = tmp_path / "ops.md"
-    assert main(["bench", "ops", "--lengths", "256", "--repeats", "1", "--window", "32",
-                 "--output", str(output)]) == 0
+    assert main(["bench", "ops", "--lengths", "128", "--repeats", "1", "--window", "32", "--topk", "8",
+                 "--no-flex", "--output", str(output)]) == 0
     text = output.read_text()
-    assert "| 256 | sdpa |" in text and "local(w=32)" in text
+    assert "| 128 | fp32 | sdpa |" in text and "| 128 | bf16 | local(w=32) |" in text
+    assert "speed-up = baseline time / op time" in text
     rows = json.loads(output.with_suffix(".json").read_text())["rows"]
-    sdpa = next(r for r in rows if r["impl"] == "sdpa")
-    assert sdpa["forward_speedup"] == 1.0
+    sdpa = next(r for r in rows if r["op"] == "sdpa" and r["dtype"] == "fp32")
+    assert sdpa["forward_vs_sdpa"] == 1.0 and sdpa["forward_gflop"] > 0
 
 
 def test_bench_meta_times_soft_and_hard_layers(tmp_path, capsys):

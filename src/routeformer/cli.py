@@ -189,6 +189,10 @@ def command_bench(args: argparse.Namespace) -> int:
 
     settings = {"B": args.batch, "H": args.heads, "d": args.head_dim, "dtype": "fp32",
                 "causal": True, "window": args.window, "repeats": args.repeats}
+    if args.suite == "ops":
+        from routeformer.bench.ops_suite import command_ops
+
+        return command_ops(args)
     if args.suite == "meta":
         return _bench_meta(args, settings)
     if args.suite == "compile":
@@ -435,6 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--density", type=non_negative_float, default=0.1,
                        help="meta_tokens suite: meta-token density")
     bench.add_argument("--new-tokens", type=positive_int, default=32, help="generate suite: tokens to sample")
+    bench.add_argument("--no-flex", action="store_true",
+                       help="ops suite: leave FlexAttention out (compiling it takes seconds)")
     bench.add_argument("--output", default=None, help="write a Markdown table (and JSON beside it)")
 
     reproduce = commands.add_parser("reproduce", help="run a reproduced paper experiment")
