@@ -1,28 +1,43 @@
-"""Character-level corpora, by spec string.
+"""Text corpora for language modelling, by spec string or by local path.
 
 | spec | what |
 |---|---|
 | `pydoc` | the embedded default: CPython's own help text (`pydoc_data.topics`), ~465 KB, split 90/10 |
-| `text:PATH` | any UTF-8 file, split 90/10 |
+| `text:PATH` | any UTF-8 file, split 90/10 (`data.path` does the same and takes folders too) |
 | `tinyshakespeare` or `tinyshakespeare:PATH` | Tiny Shakespeare, split 90/10 |
-| `wikitext2` or `wikitext2:DIR` | WikiText-2 (tokenised release, `wikitext-2-v1`) |
+| `wikitext2` or `wikitext2:DIR` | WikiText-2, the raw text (`wikitext-2-raw-v1`, as LM papers report) |
+
+`load_path(PATH)` (the training config's `data.path`, which replaces `data.corpus`) reads a file
+(split 90/10) or a folder: one with `train`/`valid` splits (`train.txt` + `valid.txt`, or
+WikiText's `wiki.train.raw` + `wiki.valid.raw`) trains on the first and evaluates on the second;
+any other folder is every `.txt`, `.md`, `.raw` and `.text` file under it, in path order, joined
+and split 90/10.
 
 Where a corpus is looked up without a path, routeformer searches `$ROUTEFORMER_DATA_DIR`, then
-`./data` and `../shared/data`. `wikitext2` with no local copy uses the Hugging Face `datasets`
-loader (needs `pip install routeformer[datasets]` and a network). A local WikiText-2 directory
-needs `valid.txt` and `test.txt`; with `train.txt` the model trains on it and evaluates on
-`valid.txt`, without it (as in ../shared/data, ~1 MB) it trains on `valid.txt` and evaluates on
-`test.txt` — the corpus name says which.
+`./data` and `../shared/data`. For `wikitext2` it looks for `wikitext-2-raw/` (the raw release);
+failing that, a local `wikitext-2/` folder of the tokenised release (`wikitext-2-v1`, rare words
+replaced by `<unk>`, as ../shared/data holds) is used and the corpus name says "tokenised". With
+no local copy, the Hugging Face `datasets` loader fetches `wikitext-2-raw-v1` (needs
+`pip install 'routeformer[datasets]'`). Without network that is one ValueError line within a
+few seconds saying how to supply the data locally (`HF_HUB_OFFLINE=1` or `HF_DATASETS_OFFLINE=1`
+make it immediate). A WikiText directory needs a validation split; without a training split (as in
+../shared/data, ~1 MB) it trains on the validation split and evaluates on the test split — the
+corpus name says which.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 SPLIT_FRACTION = 0.9
 CORPORA = ("pydoc", "text:PATH", "tinyshakespeare[:PATH]", "wikitext2[:DIR]")
+TEXT_SUFFIXES = (".txt", ".md", ".raw", ".text")
+HUB_HOST, HUB_PORT = "huggingface.co", 443
+NETWORK_PROBE_SECONDS = 3.0
 
 
 @dataclass
@@ -50,11 +65,34 @@ def load_corpus(spec: str) -> Corpus:
             )
         return _split("tinyshakespeare", _read(path))
     if kind == "wikitext2":
-        directory = Path(argument) if argument else _find("wikitext-2")
+        directory = Path(argument) if argument else _find("wikitext-2-raw") or _find("wikitext-2")
         if directory is not None:
             return _wikitext_from_directory(directory)
         return _wikitext_from_hub()
     raise ValueError(f"unknown corpus {spec!r}; valid: {', '.join(CORPORA)}")
+
+
+def load_path(path: str | Path) -> Corpus:
+    """The corpus in a local file or folder (see the module docstring): `data.path`."""
+    path = Path(path)
+    if path.is_file():
+        return _split(f"path:{path}", _read(path))
+    if not path.is_dir():
+        raise ValueError(f"data.path {str(path)!r} is neither a file nor a folder")
+    for train_name, valid_name in (("train.txt", "valid.txt"), ("wiki.train.raw", "wiki.valid.raw"),
+                                   ("wiki.train.tokens", "wiki.valid.tokens")):
+        if (path / train_name).is_file() and (path / valid_name).is_file():
+            return Corpus(f"path:{path} ({train_name} / {valid_name})", _read(path / train_name),
+                          _read(path / valid_name))
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+    if not files:
+        raise ValueError(f"data.path {str(path)!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
+    return _split(f"path:{path} ({len(files)} files)", "\n".join(_read(file) for file in files))
+
+
+def load_data(corpus: str, path: str | None = None) -> Corpus:
+    """A training config's text: `data.path` when set, else the `data.corpus` spec."""
+    return load_path(path) if path else load_corpus(corpus)
 
 
 def _pydoc_text() -> str:
@@ -90,24 +128,65 @@ def _find(relative: str) -> Path | None:
 
 
 def _wikitext_from_directory(directory: Path) -> Corpus:
-    valid, test, train = (directory / f"{split}.txt" for split in ("valid", "test", "train"))
-    if not valid.is_file():
-        raise ValueError(f"WikiText-2 directory {str(directory)!r} has no valid.txt")
-    if train.is_file():
-        return Corpus("wikitext2 (train / valid)", _read(train), _read(valid))
-    if not test.is_file():
-        raise ValueError(f"WikiText-2 directory {str(directory)!r} has neither train.txt nor test.txt")
-    return Corpus("wikitext2 (trained on valid, evaluated on test)", _read(valid), _read(test))
+    """WikiText splits under either naming: {train,valid,test}.txt or the release's wiki.*.raw/.tokens."""
+    def split(name: str) -> Path | None:
+        for candidate in (f"{name}.txt", f"wiki.{name}.raw", f"wiki.{name}.tokens"):
+            if (directory / candidate).is_file():
+                return directory / candidate
+        return None
+
+    valid, test, train = split("valid"), split("test"), split("train")
+    if valid is None:
+        raise ValueError(f"WikiText-2 directory {str(directory)!r} has no valid.txt (or wiki.valid.raw)")
+    raw = directory.name != "wikitext-2" and not valid.name.endswith(".tokens")
+    name = "wikitext2" if raw else "wikitext2 tokenised release"
+    if train is not None:
+        return Corpus(f"{name} (train / valid)", _read(train), _read(valid))
+    if test is None:
+        raise ValueError(f"WikiText-2 directory {str(directory)!r} has neither a train nor a test split")
+    return Corpus(f"{name} (trained on valid, evaluated on test)", _read(valid), _read(test))
+
+
+_HOW_TO_SUPPLY = ("download wikitext-2-raw-v1 where there is network (e.g. the parquet or wiki.*.raw "
+                  "files of the Hugging Face dataset 'wikitext') and pass --data.path DIR, or put it in "
+                  "$ROUTEFORMER_DATA_DIR/wikitext-2-raw/ (train.txt, valid.txt, test.txt or wiki.*.raw)")
 
 
 def _wikitext_from_hub() -> Corpus:
+    where = ", ".join(str(d) for d in data_dirs())
+    if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or \
+            os.environ.get("HF_DATASETS_OFFLINE", "") not in ("", "0"):
+        raise ValueError(f"corpus 'wikitext2': no local copy (looked in {where}) and offline mode is set; "
+                         + _HOW_TO_SUPPLY)
+    if not hub_reachable():
+        raise ValueError(f"corpus 'wikitext2': no local copy (looked in {where}) and {HUB_HOST} is "
+                         f"unreachable; " + _HOW_TO_SUPPLY)
     try:
         import datasets
-    except ImportError as error:
-        raise ValueError(
-            "no local WikiText-2 found and the `datasets` package is not installed: "
-            "pip install 'routeformer[datasets]', or pass wikitext2:DIR"
-        ) from error
-    splits = datasets.load_dataset("wikitext", "wikitext-2-v1")
+    except ImportError:
+        raise ValueError(f"corpus 'wikitext2': no local copy (looked in {where}) and the `datasets` "
+                         "package is not installed: pip install 'routeformer[datasets]', or "
+                         + _HOW_TO_SUPPLY) from None
+    splits = datasets.load_dataset("wikitext", "wikitext-2-raw-v1")
     join = lambda split: "".join(splits[split]["text"])  # noqa: E731 - lines keep their newlines
     return Corpus("wikitext2 (train / validation)", join("train"), join("validation"))
+
+
+def hub_reachable(host: str | None = None, port: int | None = None,
+                  timeout: float = NETWORK_PROBE_SECONDS) -> bool:
+    """Whether a TCP connection to the Hugging Face hub opens within `timeout` seconds. Name lookup
+    cannot be given a timeout, so the probe runs in a daemon thread that is abandoned when late."""
+    host, port = host or HUB_HOST, port or HUB_PORT
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(result and result[0])

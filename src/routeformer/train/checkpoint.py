@@ -187,8 +187,10 @@ def remove_checkpoints(directory: str | Path) -> int:
 
 
 def load_trained_model(path: str | Path):
-    """(CausalLM in eval mode, CharVocab, RunConfig) from a run directory or checkpoint file."""
-    from routeformer.data.vocab import CharVocab
+    """(CausalLM in eval mode, tokeniser, RunConfig) from a `routeformer train` run directory or
+    checkpoint file. The tokeniser is the run's own (CharVocab or BPETokenizer, data/tokenizers.py),
+    rebuilt from the checkpoint: `tokeniser.encode(text)` gives the model's input ids."""
+    from routeformer.data.tokenizers import tokenizer_from_dict
     from routeformer.models.heads import CausalLM
     from routeformer.train.config import RunConfig
 
@@ -196,7 +198,7 @@ def load_trained_model(path: str | Path):
     config = RunConfig.from_dict(state["config"])
     model = CausalLM(config.model)
     model.load_state_dict(state["model"])
-    return model.eval(), CharVocab.from_dict(state["vocab"]), config
+    return model.eval(), tokenizer_from_dict(state["vocab"]), config
 
 
 def _print_warning(message: str) -> None:

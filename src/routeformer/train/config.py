@@ -23,6 +23,11 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 @dataclass
 class DataConfig:
     corpus: str = "pydoc"  # see routeformer.data.corpora
+    # A local text file or folder to train on; when set it replaces `corpus` (data/corpora.py).
+    path: str | None = None
+    # "char" (one id per character) or a tokenizers BPE model: a tokenizer.json or a Hugging Face
+    # tokenizer directory (data/tokenizers.py).
+    tokenizer: str = "char"
     seq_len: int = 128
     # Meta-tokens: the fraction of each window's slots that hold an injected `_PAUSE_` (training and
     # evaluation; no loss on predicting one). 0 = none. See data/meta_tokens.py.
@@ -57,6 +62,12 @@ class TrainConfig:
     # "bf16": forward under torch.autocast in bfloat16 (CPU or CUDA); "fp16": float16 autocast with a
     # gradient scaler (CUDA only). Weights, optimizer and evaluation stay fp32.
     precision: str = "fp32"
+    # Where metrics go besides metrics.jsonl (always written): "jsonl" (nowhere else) or
+    # "tensorboard" (event files in out_dir/tensorboard; pip install 'routeformer[tensorboard]').
+    logger: str = "jsonl"
+
+
+LOGGERS = ("jsonl", "tensorboard")
 
 
 @dataclass
@@ -82,6 +93,10 @@ class RunConfig:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1]; got {self.train.min_lr_ratio!r}")
         if self.train.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"train.device must be 'cpu', 'cuda' or 'auto'; got {self.train.device!r}")
+        if self.train.logger not in LOGGERS:
+            raise ValueError(f"train.logger must be one of {LOGGERS}; got {self.train.logger!r}")
+        if not self.data.tokenizer:
+            raise ValueError("data.tokenizer must be 'char' or a path to a tokenizer.json or its folder")
         if self.train.precision not in PRECISIONS:
             raise ValueError(f"train.precision must be one of {PRECISIONS}; got {self.train.precision!r}")
         for name in ("warmup_steps", "grad_clip", "weight_decay"):

@@ -7,15 +7,35 @@ seeded generator and keeps its own contiguous slice. The data stream is therefor
 single process would see, whatever the world size: a run resumes from its checkpoint on any
 number of processes, and 2 processes match 1 process with the same global batch up to the order
 of floating-point reductions. Rank 0 alone evaluates, logs and writes checkpoints.
+
+Randomness: the ranks share the batch generator but each draws its own dropout and routing samples
+from its own torch RNG (rank r > 0 seeded with `seed + r` at a fresh start). A checkpoint carries
+every rank's RNG state (`gather_rng_states`, collected over a gloo group with a 60 s timeout), so a
+run resumed on the same number of processes continues bit-identically to one never interrupted.
+A rank the checkpoint has no state for (more processes than before, or a checkpoint whose
+interrupted ranks could not be reached) is reseeded, and the run says so.
+
+DistributedDataParallel searches for parameters without gradient after every backward only when
+the model needs it (`needs_unused_parameter_search`): that search costs a graph traversal per
+step, and the mechanisms that always use every parameter skip it.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
+
+# Mechanisms whose every parameter takes part in every forward (no data-dependent choice of
+# experts or projections); checked by tests/train/test_distributed.py. Any other mechanism, a new
+# one included, gets DDP's unused-parameter search: correct for all, slower.
+EVERY_PARAMETER_USED = frozenset({"full", "local", "linear", "gated", "expanding", "multihop"})
+RNG_GATHER_TIMEOUT = datetime.timedelta(seconds=60)
 
 
 @dataclass(frozen=True)
@@ -24,6 +44,7 @@ class DistributedContext:
     world_size: int = 1
     local_rank: int = 0
     initialised_here: bool = False  # this process created the process group (and destroys it)
+    cpu_group: Any = None  # a gloo group for gathering RNG states (CPU tensors) with a short timeout
 
     @property
     def is_main(self) -> bool:
@@ -45,8 +66,9 @@ def init_distributed(device: str) -> DistributedContext:
     initialised_here = not dist.is_initialized()
     if initialised_here:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    cpu_group = dist.new_group(backend="gloo", timeout=RNG_GATHER_TIMEOUT)
     return DistributedContext(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")),
-                              initialised_here)
+                              initialised_here, cpu_group)
 
 
 def resolve_device(device: str, context: DistributedContext) -> torch.device:
@@ -81,6 +103,57 @@ def mean_over_ranks(value: Tensor, context: DistributedContext) -> Tensor:
     reduced = value.detach().clone()
     dist.all_reduce(reduced)
     return reduced / context.world_size
+
+
+def needs_unused_parameter_search(mechanisms: Iterable[str]) -> bool:
+    """Whether DDP must look for parameters left without gradient (`find_unused_parameters`): true
+    unless every layer's mechanism is one of EVERY_PARAMETER_USED."""
+    return not set(mechanisms) <= EVERY_PARAMETER_USED
+
+
+def rank_rng_state(device: torch.device) -> Tensor:
+    """This process's torch RNG state (CPU, then CUDA's when training on CUDA) as one byte tensor."""
+    parts = [torch.get_rng_state()]
+    if device.type == "cuda":
+        parts.append(torch.cuda.get_rng_state(device))
+    return torch.cat(parts)
+
+
+def set_rank_rng_state(state: Tensor, device: torch.device) -> None:
+    cpu_size = torch.get_rng_state().numel()
+    torch.set_rng_state(state[:cpu_size].clone())
+    if device.type == "cuda" and state.numel() > cpu_size:
+        torch.cuda.set_rng_state(state[cpu_size:].clone(), device)
+
+
+def gather_rng_states(context: DistributedContext, device: torch.device) -> list[Tensor] | None:
+    """Every rank's `rank_rng_state`, in rank order (every rank must call it; all get the list).
+    None when a rank does not answer within RNG_GATHER_TIMEOUT (an interrupted run whose ranks
+    stopped at different places)."""
+    own = rank_rng_state(device)
+    if not context.enabled:
+        return [own]
+    import torch.distributed as dist
+
+    states = [torch.empty_like(own) for _ in range(context.world_size)]
+    try:
+        dist.all_gather(states, own, group=context.cpu_group)
+    except RuntimeError:
+        return None
+    return states
+
+
+def restore_rank_rng(rng: dict[str, Any], context: DistributedContext, device: torch.device,
+                     seed: int, step: int) -> str | None:
+    """Set this rank's torch RNG from a checkpoint's `rng`; a message when it had to be reseeded
+    (no saved state for this rank), else None."""
+    states = rng.get("ranks") or [rng["torch"]]
+    if context.rank < len(states):
+        set_rank_rng_state(states[context.rank], device)
+        return None
+    torch.manual_seed(seed + context.rank + 1000 * step)
+    return (f"the checkpoint holds RNG states for {len(states)} process(es); rank {context.rank} was "
+            "reseeded, so its dropout and routing samples differ from an uninterrupted run")
 
 
 def finish_distributed(context: DistributedContext) -> None:

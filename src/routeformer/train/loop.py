@@ -4,9 +4,15 @@ A run lives in `config.out_dir`: `config.yaml`, `metrics.jsonl`, `checkpoint.pt`
 `train.keep_checkpoints - 1` checkpoints (`checkpoint.1.pt`, ...; checksummed, written atomically:
 train/checkpoint.py). Starting a run whose directory holds a checkpoint resumes from the newest
 intact one (unless `resume=False`, which deletes them); the resumed run is bit-identical to one
-that was never interrupted, because the checkpoint carries the model, optimizer, step, vocabulary
-and the state of every random generator the loop uses. Resuming with a changed config: see
-train/resume.py. A step with a non-finite loss or gradient is skipped (train/guard.py).
+that was never interrupted, because the checkpoint carries the model, optimizer, step, tokeniser
+and the state of every random generator the loop uses (every rank's, under torchrun). Resuming
+with a changed config: see train/resume.py. A step with a non-finite loss or gradient is skipped
+(train/guard.py).
+
+The text is `data.path` (a local file or folder) or the `data.corpus` spec (data/corpora.py),
+tokenised by `data.tokenizer` (characters, or a BPE tokenizer.json: data/tokenizers.py) through the
+on-disk cache of tokenised corpora (data/token_cache.py). Metrics go to metrics.jsonl and, with
+`train.logger: tensorboard`, to TensorBoard too (train/logging.py).
 
 Under `torchrun` the same loop runs DistributedDataParallel (see train/distributed.py).
 """
@@ -25,9 +31,10 @@ __all__ = ["TrainResult", "build_optimizer", "train", "training_batch", "weight_
 import torch
 
 from routeformer.data.batches import random_batch
-from routeformer.data.corpora import load_corpus
+from routeformer.data.corpora import load_data
 from routeformer.data.meta_tokens import inject_into_batch, real_tokens_per_window
-from routeformer.data.vocab import CharVocab
+from routeformer.data.token_cache import tokenise_corpus
+from routeformer.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_from_dict
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import CausalLM
 from routeformer.train.checkpoint import save_rotating
@@ -36,16 +43,20 @@ from routeformer.train.distributed import (
     DistributedContext,
     check_shardable,
     finish_distributed,
+    gather_rng_states,
     init_distributed,
     local_shard,
     mean_over_ranks,
+    needs_unused_parameter_search,
     resolve_device,
+    restore_rank_rng,
 )
 from routeformer.train.evaluate import evaluate_lm
 from routeformer.train.guard import NonFiniteGuard
+from routeformer.train.logging import RunLog
 from routeformer.train.optim import apply_optimizer_settings, build_optimizer, weight_decay_groups
 from routeformer.train.precision import autocast, check_precision, gradient_scaler
-from routeformer.train.progress import MetricsLog, Progress, peak_memory_mib
+from routeformer.train.progress import Progress, peak_memory_mib
 from routeformer.train.resume import (
     check_changes,
     check_out_dir,
@@ -62,7 +73,7 @@ class TrainResult:
     step: int
     final_eval: dict[str, float] | None
     model: CausalLM
-    vocab: CharVocab
+    vocab: Tokenizer  # CharVocab (data.tokenizer "char") or BPETokenizer
     out_dir: Path
     train_seconds: float
     skipped_steps: int = 0  # updates the non-finite guard skipped
@@ -75,7 +86,7 @@ def train(
     after_step: Callable[[int], None] | None = None,
     quiet: bool = False,
 ) -> TrainResult:
-    """Train a character-level CausalLM as `config` says; see the module docstring.
+    """Train a CausalLM (character-level by default) as `config` says; see the module docstring.
 
     `after_step(step)` is called after each optimizer step (tests use it to interrupt a run).
     A KeyboardInterrupt saves a checkpoint at the last completed step before propagating.
@@ -102,8 +113,10 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
     notice = (lambda message: progress.message(f"routeformer: {message}")) if context.is_main else say
     state = find_resume_state(out_dir, resume=resume, is_main=context.is_main, report=notice)
 
-    corpus = load_corpus(config.data.corpus)
-    vocab = CharVocab.from_dict(state["vocab"]) if state else CharVocab.from_text(corpus.train)
+    corpus = load_data(config.data.corpus, config.data.path)
+    # A resumed run keeps its saved tokeniser (its ids are the model's), whatever the file now holds.
+    vocab = tokenizer_from_dict(state["vocab"]) if state else build_tokenizer(config.data.tokenizer,
+                                                                                corpus.train)
     model_values = {**config.model.to_dict(), "vocab_size": len(vocab)}
     if config.model.positions == "learned":
         model_values["max_seq_len"] = max(config.model.max_seq_len, config.data.seq_len)
@@ -114,7 +127,7 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
     start = state["step"] if state else 0
     changes = config_changes(state["config"], config.to_dict()) if state else {}
     check_changes(changes, out_dir, start)
-    train_ids, val_ids = vocab.encode(corpus.train), vocab.encode(corpus.val)
+    train_ids, val_ids = tokenise_corpus(corpus, vocab)
 
     torch.manual_seed(config.train.seed)
     model = CausalLM(config.model).to(device)
@@ -128,28 +141,31 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
         if state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         data_generator.set_state(state["rng"]["data"])
-        torch.set_rng_state(state["rng"]["torch"])
-    if context.rank:  # ranks other than 0 draw their own dropout / routing samples
-        torch.manual_seed(config.train.seed + context.rank + 1000 * start)
+        reseeded = restore_rank_rng(state["rng"], context, device, config.train.seed, start)
+        if reseeded:
+            notice(f"warning: {reseeded}")
+    elif context.rank:  # ranks other than 0 draw their own dropout / routing samples
+        torch.manual_seed(config.train.seed + context.rank)
     trained = model
     if context.enabled:
         from torch.nn.parallel import DistributedDataParallel
 
         # Routed layers may leave a parameter without gradient in a step (an expert no token chose).
-        trained = DistributedDataParallel(model, find_unused_parameters=True)
+        search = needs_unused_parameter_search(config.model.layer_attention())
+        trained = DistributedDataParallel(model, find_unused_parameters=search)
 
     log = None  # rank 0 alone writes the run directory
     if context.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         kept = write_config(out_dir, config, step=start)
-        log = MetricsLog(out_dir / "metrics.jsonl", resume_step=start if state else None)
+        log = RunLog(out_dir, resume_step=start if state else None, logger=config.train.logger)
         if changes:  # the run's log says from which step which settings changed
             log.write({"step": start, "config_changes": {key: list(pair) for key, pair in changes.items()}})
         if kept is not None:
             notice(f"config.yaml differed from this run's config; the earlier one is kept as {kept.name}")
     progress = Progress(config.train.steps, start)
     parameters = sum(p.numel() for p in model.parameters())
-    say(f"routeformer: {corpus.name}, {len(vocab)} symbols, {len(train_ids):,} training chars; "
+    say(f"routeformer: {corpus.name}, {len(vocab)} symbols, {len(train_ids):,} training tokens; "
         f"model {parameters / 1e6:.2f}M parameters, attention {config.model.attention}"
         + (f"; {context.world_size} processes" if context.enabled else "")
         + (f"; precision {config.train.precision}" if config.train.precision != "fp32" else "")
@@ -161,18 +177,24 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
 
     def checkpoint(step: int) -> None:
         nonlocal last_saved
-        if not context.is_main or step == last_saved:
+        if step == last_saved:
             return
+        rank_states = gather_rng_states(context, device)  # every rank takes part
+        last_saved = step
+        if not context.is_main:
+            return
+        rng = {"data": data_generator.get_state(), "torch": torch.get_rng_state()}
+        if rank_states is not None:
+            rng["ranks"] = rank_states
         save_rotating(out_dir, {
             "step": step,
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "scaler": scaler.state_dict(),
-            "rng": {"data": data_generator.get_state(), "torch": torch.get_rng_state()},
+            "rng": rng,
             "vocab": vocab.to_dict(),
             "config": config.to_dict(),
         }, keep=config.train.keep_checkpoints)
-        last_saved = step
 
     def skipped(step: int, message: str) -> None:
         notice(f"warning: {message}")
@@ -231,6 +253,7 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
     final = evaluate_lm(model, val_ids, seq_len=config.data.seq_len, batch_size=settings.batch_size,
                         max_tokens=settings.final_eval_tokens, **meta_eval)
     log.write({"step": step, "final": True, **{f"val_{k}": v for k, v in final.items()}})
+    log.close()
     say(f"final validation ({final['tokens']:,} chars): loss {final['loss']:.4f} nats, "
         f"bits per character {final['bpc']:.4f}, perplexity {final['ppl']:.3f}"
         + (f"; {guard.skipped} non-finite step(s) skipped" if guard.skipped else ""))
@@ -238,7 +261,7 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
 
 
 def training_batch(
-    ids: torch.Tensor, batch_size: int, seq_len: int, meta_density: float, vocab: CharVocab,
+    ids: torch.Tensor, batch_size: int, seq_len: int, meta_density: float, vocab: Tokenizer,
     generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows of seq_len slots; with meta_density > 0, meta-tokens injected (no loss on them)."""
@@ -250,7 +273,7 @@ def training_batch(
 
 
 def _after_update(
-    step: int, settings, result, rate: float, grad_norm, tokens: int, log: MetricsLog | None,
+    step: int, settings, result, rate: float, grad_norm, tokens: int, log: RunLog | None,
     progress: Progress, quiet: bool, context: DistributedContext, device: torch.device,
     run_eval: Callable[[], dict[str, float]],
 ) -> None:
