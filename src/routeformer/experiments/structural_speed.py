@@ -8,7 +8,7 @@ causal SDPA is timed in the same rounds for reference only.
 
 Method: causal, fp32, B=1, H=4, d=64, random q, k, v seeded by the length; one thread (the machine
 is shared, see the report's load line); for each length and prior, the ops run in alternation
-(expanding, local, SDPA, expanding, ...) for `repeats` rounds after one warm-up round; we report
+(expanding, local, SDPA, expanding, ...) for `repeats` rounds after two warm-up rounds; we report
 the median of the per-round ratios expanding / local (a noisy neighbour slows a whole round, so a
 round's ratio is steadier than a ratio of medians) and the medians of the times.
 """
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from routeformer.experiments.registry import register_experiment
 from routeformer.experiments.report import markdown_table, provenance, write_result
-from routeformer.ops import expanding_attention
+from routeformer.ops import expanding_attention, multihop_attention
 from routeformer.ops.local import local_attention
 
 PRIORS = {"Beta(1, 9)": (1.0, 9.0), "Beta(1, 99)": (1.0, 99.0)}
@@ -47,23 +47,23 @@ def _forward_backward(op, leaves):
     return run
 
 
-def alternating_rounds(fns: dict[str, Any], repeats: int) -> dict[str, list[float]]:
-    """Seconds of each callable per round, the callables alternating within a round (one warm-up
-    round discarded)."""
+def alternating_rounds(fns: dict[str, Any], repeats: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds of each callable per round, the callables alternating within a round (`warmup`
+    rounds discarded)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for round_index in range(repeats + 1):
+    for round_index in range(repeats + warmup):
         for name, fn in fns.items():
             start = time.perf_counter()
             fn()
-            if round_index > 0:
+            if round_index >= warmup:
                 times[name].append(time.perf_counter() - start)
     return times
 
 
 def time_against_local(length: int, alpha: float, beta: float, *, repeats: int, heads: int = 4,
-                       head_dim: int = 64) -> dict[str, Any]:
+                       head_dim: int = 64, with_multihop: bool = False) -> dict[str, Any]:
     """Mean final window of expanding at this prior, and expanding / local(same mean window) / SDPA
-    times, forward and forward+backward."""
+    times, forward and forward+backward (and multihop's, two hops, with `with_multihop`)."""
     gen = torch.Generator().manual_seed(length)
     q, k, v = (torch.randn(1, heads, length, head_dim, generator=gen) for _ in range(3))
     prior = (torch.full((heads,), alpha), torch.full((heads,), beta))
@@ -75,6 +75,8 @@ def time_against_local(length: int, alpha: float, beta: float, *, repeats: int, 
         "local": lambda q, k, v: local_attention(q, k, v, window=window, causal=True),
         "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     }
+    if with_multihop:
+        ops["multihop"] = lambda q, k, v: multihop_attention(q, k, v, hops=2, causal=True)
     record: dict[str, Any] = {"length": length, "prior": [alpha, beta], "mean_window": window,
                               "max_window": int(result.horizon.max()),
                               "iterations_mean": float(result.iterations.float().mean())}
@@ -90,6 +92,9 @@ def time_against_local(length: int, alpha: float, beta: float, *, repeats: int, 
             "expanding_over_sdpa_median": statistics.median(
                 e / s for e, s in zip(times["expanding"], times["sdpa"], strict=True)),
         }
+        if with_multihop:
+            record[mode]["multihop_over_sdpa_median"] = statistics.median(
+                m / s for m, s in zip(times["multihop"], times["sdpa"], strict=True))
     return record
 
 
@@ -97,13 +102,14 @@ def time_against_local(length: int, alpha: float, beta: float, *, repeats: int, 
                      "mean window (alternating repetitions, one thread)")
 def speed(out_dir: Path, quick: bool) -> Path:
     lengths = [256] if quick else [1024, 4096, 16384]
-    repeats = 2 if quick else 7
+    repeats = 2 if quick else 5
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     load_before = os.getloadavg()
     try:
-        records = [time_against_local(length, alpha, beta, repeats=repeats)
-                   for length in lengths for alpha, beta in PRIORS.values()]
+        # multihop (two SDPA-like passes) is timed beside SDPA in the first prior's rounds only.
+        records = [time_against_local(length, alpha, beta, repeats=repeats, with_multihop=index == 0)
+                   for length in lengths for index, (alpha, beta) in enumerate(PRIORS.values())]
     finally:
         torch.set_num_threads(threads)
     load_after = os.getloadavg()
@@ -133,11 +139,16 @@ def speed(out_dir: Path, quick: bool) -> Path:
         f"{', '.join(f'{x:.2f}' for x in load_after)}. **The machine was shared with other jobs while "
         "this ran: absolute times are not reliable; the ratios come from alternating repetitions in one "
         "process.**",
-        f"Causal, fp32, B=1, H=4, d=64; random q, k, v. {repeats} rounds after a warm-up, ops alternating "
-        "within a round; ratios are medians of per-round ratios (> 1: expanding is slower). local's window "
-        "is expanding's mean final window at that prior on the same inputs, so both read the same number "
-        "of keys on average.",
+        f"Causal, fp32, B=1, H=4, d=64; random q, k, v. {repeats} rounds after two warm-up rounds, ops "
+        "alternating within a round; ratios are medians of per-round ratios (> 1: expanding is slower). "
+        "local's window is expanding's mean final window at that prior on the same inputs, so both read "
+        "the same number of keys on average.",
         markdown_table(headers, rows),
+        "multihop (two hops, P V + P (P V)), timed in the Beta(1, 9) rounds: time / SDPA time (fwd, "
+        "fwd+bwd): " + "; ".join(
+            f"T={r['length']}: {r['forward']['multihop_over_sdpa_median']:.2f}x, "
+            f"{r['forward+backward']['multihop_over_sdpa_median']:.2f}x" for r in records
+            if "multihop_over_sdpa_median" in r["forward"]) + ".",
     ])
     result = {"repeats": repeats, "load_before": load_before, "load_after": load_after, "records": records}
     return write_result(out_dir, result, markdown)
