@@ -111,7 +111,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 @register_experiment("structural-recency", "Figure 3 on a keyed recency task where attention is necessary: "
                      "attention-free baselines vs self-attention vs expanding (3 seeds)")
 def recency(out_dir: Path, quick: bool) -> Path:
-    length, dim = (32, 8) if quick else (128, 32)
+    length, dim = (32, 8) if quick else (64, 32)
     steps = 40 if quick else 600
     seeds = [0, 1] if quick else [0, 1, 2]
     recencies = [4.0] if quick else [2.0, 16.0]
