@@ -140,6 +140,21 @@ class RunConfig:
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
 
 
+def describe_keys() -> str:
+    """Every config key as `--section.key TYPE (default VALUE)`, one per line (`train --help`)."""
+    defaults = RunConfig().to_dict()
+    lines = []
+    for section, schema in SECTIONS.items():
+        for key, annotation in field_types(schema).items():
+            lines.append(f"  --{section}.{key} {_type_name(annotation)} (default {defaults[section][key]!r})")
+    lines.append(f"  --out_dir str (default {defaults['out_dir']!r})")
+    return "\n".join(lines)
+
+
+def _type_name(annotation: Any) -> str:
+    return annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config (or the defaults) and apply `--key value` overrides.
 
