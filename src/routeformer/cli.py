@@ -35,8 +35,13 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad command line as one line (`routeformer: error: ...`, exit 2,
     via `main`) instead of printing the usage block and exiting from inside the parser."""
 
+    help_tail = None  # a callable returning text appended to --help (computed only when asked)
+
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+    def format_help(self) -> str:
+        return super().format_help() + (self.help_tail() if self.help_tail else "")
 
 
 def positive_int(text: str) -> int:
@@ -365,6 +370,13 @@ def _bench_meta(args: argparse.Namespace, settings: dict) -> int:
     return 0
 
 
+def _config_keys_help() -> str:
+    from routeformer.train.config import describe_keys
+
+    return ("\nconfig keys (--key value; the code's defaults, which the --config file may change):\n"
+            + describe_keys() + "\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="routeformer", description="Routed attention for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -398,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default=DEFAULT_CONFIG,
                        help=f"YAML file or bundled config name (default: {DEFAULT_CONFIG})")
     train.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint and start over")
+    train.help_tail = _config_keys_help
 
     evaluate = commands.add_parser("eval", help="evaluate a checkpoint on its validation split")
     evaluate.add_argument("checkpoint", help="run directory or checkpoint file")
