@@ -83,7 +83,7 @@ def test_opcheck(name):
     if differentiable:  # the autograd registration is checked with gradients flowing
         args = tuple(a.detach().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a
                      for a in args)
-    torch.library.opcheck(op, args)
+    torch.library.opcheck(op.op, args)
 
 
 class _GraphRecorder:

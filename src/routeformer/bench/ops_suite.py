@@ -4,7 +4,8 @@ this machine's matmul peak, in fp32 and bf16.
 Ops (causal, q, k, v [B, H, T, d]): SDPA (the baseline), local (window w, blockwise SDPA),
 FlexAttention's compiled sliding window (forward only: its CPU backward is not implemented),
 causal linear attention (chunked), and top-k routing (route in r dims with `route_topk`, then
-exact attention over K keys with `routed_attention`; the C kernels where a compiler exists).
+exact attention over K keys with `routed_attention`; the C kernels where a compiler exists), with
+its two halves also timed alone (where its time goes).
 
 Every figure of one length comes from the same alternating rounds (all ops and both dtypes take
 turns, `median_times`), so the ratios compare like with like on a noisy machine:
@@ -115,6 +116,15 @@ def op_list(length: int, *, batch: int, heads: int, head_dim: int, window: int, 
            linear_attention_flops(batch, heads, length, head_dim, head_dim, causal=True)),
         Op(f"topk(K={topk},r={routing_dim})", topk_attention,
            2 * scored * routing_dim + 2 * batch * heads * length * min(topk, length) * 2 * head_dim),
+    ]
+    # Where top-k's time goes: the routing alone, and the attention over a fixed routing.
+    index, valid, _ = route_topk(route_q, route_k, topk, causal=True)
+    ops += [
+        Op("  topk: routing only", lambda q, k, v: route_topk(route_q.to(q.dtype), route_k.to(q.dtype), topk,
+                                                              causal=True)[0],
+           2 * scored * routing_dim, backward=False),
+        Op("  topk: attention only", lambda q, k, v: routed_attention(q, k, v, index, valid)[0],
+           2 * batch * heads * length * min(topk, length) * 2 * head_dim),
     ]
     if flex:
         ops.insert(2, Op(f"flex local(w={window})", *_flex_local(length, window, heads, batch, head_dim),

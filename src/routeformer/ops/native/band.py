@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from routeformer.ops.native import compute_dtype, library, pointer, suffix, widened
+from routeformer.ops.native import compute_dtype, library, native_op, pointer, suffix, widened
 
 
 def _band_forward(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, horizon: Tensor,
@@ -42,14 +42,14 @@ def _band_forward(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, horizon: T
     return out
 
 
-@torch.library.custom_op("routeformer::band_attend", mutates_args=())
+@native_op("band_attend")
 def band_attend_op(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, horizon: Tensor,
                    positions: Tensor | None, scale: float) -> Tensor:
     """The banded pass (no autograd): see the module docstring; out [BH, M, e] in q's dtype."""
     return _band_forward(q, k, v, log_decay, horizon, positions, scale).to(q.dtype)
 
 
-@band_attend_op.register_fake
+@band_attend_op.op.register_fake
 def _band_attend_fake(q, k, v, log_decay, horizon, positions, scale):
     return q.new_empty(*q.shape[:2], v.shape[-1])
 
@@ -64,7 +64,7 @@ def band_attend(native, q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, hori
 
 
 # -- the final pass of expanding attention, with its backward ---------------------------------------
-@torch.library.custom_op("routeformer::band_attention", mutates_args=())
+@native_op("band_attention")
 def band_attention_op(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, horizon: Tensor,
                       scale: float) -> Tensor:
     """q, k [BH, T, d], v [BH, T, e], log_decay [BH, T], horizon long [BH, T]; query i at position i
@@ -72,12 +72,12 @@ def band_attention_op(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, horizo
     return _band_forward(q, k[None], v[None], log_decay, horizon, None, scale).to(q.dtype)
 
 
-@band_attention_op.register_fake
+@band_attention_op.op.register_fake
 def _band_attention_fake(q, k, v, log_decay, horizon, scale):
     return q.new_empty(*q.shape[:2], v.shape[-1])
 
 
-@torch.library.custom_op("routeformer::band_attention_backward", mutates_args=())
+@native_op("band_attention_backward")
 def band_attention_backward_op(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, horizon: Tensor,
                                out: Tensor, grad_out: Tensor, scale: float
                                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -98,7 +98,7 @@ def band_attention_backward_op(q: Tensor, k: Tensor, v: Tensor, log_decay: Tenso
     return tuple(grad.to(dtype) for dtype, grad in zip(dtypes, grads, strict=True))
 
 
-@band_attention_backward_op.register_fake
+@band_attention_backward_op.op.register_fake
 def _band_attention_backward_fake(q, k, v, log_decay, horizon, out, grad_out, scale):
     return tuple(t.new_empty(t.shape) for t in (q, k, v, log_decay))
 
@@ -111,11 +111,11 @@ def _band_attention_setup(ctx, inputs, output):
 
 def _band_attention_backward(ctx, grad_out):
     q, k, v, log_decay, horizon, out = ctx.saved_tensors
-    grads = band_attention_backward_op(q, k, v, log_decay, horizon, out, grad_out, ctx.scale)
+    grads = band_attention_backward_op.op(q, k, v, log_decay, horizon, out, grad_out, ctx.scale)
     return (*grads, None, None)
 
 
-band_attention_op.register_autograd(_band_attention_backward, setup_context=_band_attention_setup)
+band_attention_op.op.register_autograd(_band_attention_backward, setup_context=_band_attention_setup)
 
 
 class NativeBandAttention:
@@ -130,7 +130,7 @@ class NativeBandAttention:
 
 
 # -- expanding attention's inference steps -----------------------------------------------------------
-@torch.library.custom_op("routeformer::expanding_infer", mutates_args=())
+@native_op("expanding_infer")
 def expanding_infer_op(q: Tensor, k: Tensor, alpha: Tensor, beta: Tensor, heads: int, tol: float,
                        max_iters: int, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per query of q, k [BH, T, d] with the Beta prior alpha, beta [H]: (horizon long [BH, T],
@@ -150,7 +150,7 @@ def expanding_infer_op(q: Tensor, k: Tensor, alpha: Tensor, beta: Tensor, heads:
     return horizon, steps, distance_sum, counts
 
 
-@expanding_infer_op.register_fake
+@expanding_infer_op.op.register_fake
 def _expanding_infer_fake(q, k, alpha, beta, heads, tol, max_iters, scale):
     shape = q.shape[:2]
     return (q.new_empty(shape, dtype=torch.long), q.new_empty(shape, dtype=torch.long),

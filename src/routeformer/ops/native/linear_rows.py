@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from routeformer.ops.native import compute_dtype, library, pointer, suffix
+from routeformer.ops.native import compute_dtype, library, native_op, pointer, suffix
 
 
 def _inner_contiguous(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -26,7 +26,7 @@ def _layout(phi_k: Tensor, v: Tensor) -> Tensor:
     return torch.tensor([*phi_k.stride()[:3], *v.stride()[:3]], dtype=torch.long)
 
 
-@torch.library.custom_op("routeformer::linear_rows", mutates_args=())
+@native_op("linear_rows")
 def linear_rows_op(phi_q: Tensor, phi_k: Tensor, v: Tensor, positions: Tensor, valid: Tensor,
                    eps: float) -> Tensor:
     """phi_q [BH, M, d], phi_k [B, H, T, d], v [B, H, T, e] (any strides), positions long [B, M]
@@ -45,12 +45,12 @@ def linear_rows_op(phi_q: Tensor, phi_k: Tensor, v: Tensor, positions: Tensor, v
     return out
 
 
-@linear_rows_op.register_fake
+@linear_rows_op.op.register_fake
 def _linear_rows_fake(phi_q, phi_k, v, positions, valid, eps):
     return phi_q.new_empty(*phi_q.shape[:2], v.shape[-1], dtype=compute_dtype(phi_q.dtype))
 
 
-@torch.library.custom_op("routeformer::linear_rows_backward", mutates_args=())
+@native_op("linear_rows_backward")
 def linear_rows_backward_op(phi_q: Tensor, phi_k: Tensor, v: Tensor, positions: Tensor, valid: Tensor,
                             out: Tensor, grad_out: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_phi_q, grad_phi_k, grad_v), contiguous, each in its input's dtype."""
@@ -74,7 +74,7 @@ def linear_rows_backward_op(phi_q: Tensor, phi_k: Tensor, v: Tensor, positions: 
     return tuple(grad.to(dtype) for dtype, grad in zip(dtypes, grads, strict=True))
 
 
-@linear_rows_backward_op.register_fake
+@linear_rows_backward_op.op.register_fake
 def _linear_rows_backward_fake(phi_q, phi_k, v, positions, valid, out, grad_out, eps):
     return tuple(t.new_empty(t.shape) for t in (phi_q, phi_k, v))
 
@@ -87,11 +87,11 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     phi_q, phi_k, v, positions, valid, out = ctx.saved_tensors
-    grads = linear_rows_backward_op(phi_q, phi_k, v, positions, valid, out, grad_out, ctx.eps)
+    grads = linear_rows_backward_op.op(phi_q, phi_k, v, positions, valid, out, grad_out, ctx.eps)
     return (*grads, None, None, None)
 
 
-linear_rows_op.register_autograd(_backward, setup_context=_setup)
+linear_rows_op.op.register_autograd(_backward, setup_context=_setup)
 
 
 class NativeLinearRows:

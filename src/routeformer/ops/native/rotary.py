@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from routeformer.ops.native import compute_dtype, library, pointer, suffix
+from routeformer.ops.native import compute_dtype, library, native_op, pointer, suffix
 
 
-@torch.library.custom_op("routeformer::rotary", mutates_args=())
+@native_op("rotary")
 def rotary_op(x: Tensor, cos_half: Tensor, sin_half: Tensor, rows: Tensor | None, sign: float) -> Tensor:
     """x [B, H, M, d] (any strides), cos_half and sin_half [B, T, d/2], rows long [B, M] or None ->
     x rotated by sign·angle, contiguous, in x's dtype."""
@@ -30,7 +30,7 @@ def rotary_op(x: Tensor, cos_half: Tensor, sin_half: Tensor, rows: Tensor | None
     return out.to(dtype)
 
 
-@rotary_op.register_fake
+@rotary_op.op.register_fake
 def _rotary_fake(x, cos_half, sin_half, rows, sign):
     return x.new_empty(x.shape)
 
@@ -43,10 +43,10 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     cos_half, sin_half, rows = ctx.saved_tensors
-    return rotary_op(grad_out, cos_half, sin_half, rows, -ctx.sign), None, None, None, None
+    return rotary_op.op(grad_out, cos_half, sin_half, rows, -ctx.sign), None, None, None, None
 
 
-rotary_op.register_autograd(_backward, setup_context=_setup)
+rotary_op.op.register_autograd(_backward, setup_context=_setup)
 
 
 class NativeRotary:

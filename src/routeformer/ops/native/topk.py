@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from routeformer.ops.native import compute_dtype, library, pointer, suffix, widened
+from routeformer.ops.native import compute_dtype, library, native_op, pointer, suffix, widened
 
 
 def kernel_layout(index: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -30,7 +30,7 @@ def kernel_layout(index: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # -- routing ------------------------------------------------------------------------------------
-@torch.library.custom_op("routeformer::route_topk", mutates_args=())
+@native_op("route_topk")
 def route_topk_op(queries: Tensor, keys_t: Tensor, key_mask: Tensor | None, heads: int, num_keys: int,
                   slots: int, causal: bool, local_window: int, global_tokens: int) -> tuple[Tensor, Tensor]:
     """queries [B, R, T, r]; keys_t [B, R, S'/V, r, V] (tiles of V keys, each transposed, S' >= S
@@ -49,7 +49,7 @@ def route_topk_op(queries: Tensor, keys_t: Tensor, key_mask: Tensor | None, head
     return index, valid
 
 
-@route_topk_op.register_fake
+@route_topk_op.op.register_fake
 def _route_topk_fake(queries, keys_t, key_mask, heads, num_keys, slots, causal, local_window, global_tokens):
     shape = (*queries.shape[:3], slots)
     return queries.new_empty(shape, dtype=torch.long), queries.new_empty(shape, dtype=torch.bool)
@@ -66,7 +66,7 @@ def route_topk_scored(rows: int, length: int, stride: int, causal: bool, tile: i
 
 
 # -- attention over the routed keys ---------------------------------------------------------------
-@torch.library.custom_op("routeformer::routed_attention", mutates_args=())
+@native_op("routed_attention")
 def routed_attention_op(q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: Tensor,
                         scale: float) -> tuple[Tensor, Tensor]:
     """q [B, H, T, d], k [B, H, S, d], v [B, H, S, e], index long / valid bool [B, H, T, K] (heads may
@@ -84,14 +84,14 @@ def routed_attention_op(q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: T
     return out.to(dtype), lse
 
 
-@routed_attention_op.register_fake
+@routed_attention_op.op.register_fake
 def _routed_attention_fake(q, k, v, index, valid, scale):
     batch, heads, length, _ = q.shape
     return (q.new_empty(batch, heads, length, v.shape[-1]),
             q.new_empty(batch, heads, length, dtype=compute_dtype(q.dtype)))
 
 
-@torch.library.custom_op("routeformer::routed_attention_backward", mutates_args=())
+@native_op("routed_attention_backward")
 def routed_attention_backward_op(
     q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
     scale: float,
@@ -112,7 +112,7 @@ def routed_attention_backward_op(
     return tuple(grad.to(dtype) for dtype, grad in zip(dtypes, (grad_q, grad_k, grad_v), strict=True))
 
 
-@routed_attention_backward_op.register_fake
+@routed_attention_backward_op.op.register_fake
 def _routed_attention_backward_fake(q, k, v, index, valid, out, lse, grad_out, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as computed
 
@@ -127,9 +127,10 @@ def _routed_attention_setup(ctx, inputs, output):
 def _routed_attention_backward(ctx, grad_out, _grad_lse):
     # lse is returned detached by ops/gathered.py: it has no gradient.
     q, k, v, index, valid, out, lse = ctx.saved_tensors
-    grad_q, grad_k, grad_v = routed_attention_backward_op(q, k, v, index, valid, out, lse,
-                                                          grad_out.contiguous(), ctx.scale)
+    # Always the op (never the bare function): under AOT tracing the tensors are fake.
+    grad_q, grad_k, grad_v = routed_attention_backward_op.op(q, k, v, index, valid, out, lse,
+                                                             grad_out.contiguous(), ctx.scale)
     return grad_q, grad_k, grad_v, None, None, None
 
 
-routed_attention_op.register_autograd(_routed_attention_backward, setup_context=_routed_attention_setup)
+routed_attention_op.op.register_autograd(_routed_attention_backward, setup_context=_routed_attention_setup)
