@@ -88,6 +88,7 @@ def summarise(records: list[dict[str, Any]], metric: str) -> dict[str, Any]:
     return {"seeds": [r["seed"] for r in records], "parameters": records[0]["parameters"],
             "validation": validation, "test": test, "validation_mean_sd": mean_sd(validation),
             "test_mean_sd": mean_sd(test),
+            "attention_flops_per_token": records[0]["test"]["attention_flops_per_token"],
             "routing_recall": [r["test"].get("routing_recall") for r in records]}
 
 
@@ -111,16 +112,17 @@ def task_section(task: str, setup: TaskSetup, rows: dict[str, dict[str, Any]], f
     metric = floor["metric"]
     shortcuts = "; ".join(f"{name}: {value:.4f}" for name, value in floor["baselines"].items())
     table = markdown_table(
-        ["variant", "params", f"validation {metric}", f"test {metric}", "test per seed",
-         "test routing recall"],
-        [[name, row["parameters"], _fmt(row["validation_mean_sd"]), _fmt(row["test_mean_sd"]),
+        ["variant", "params", "attention FLOPs/token", f"validation {metric}", "validation per seed",
+         f"test {metric}", "test per seed", "test routing recall"],
+        [[name, row["parameters"], f"{row['attention_flops_per_token']:.0f}", _fmt(row["validation_mean_sd"]),
+          ", ".join(f"{v:.3f}" for v in row["validation"]), _fmt(row["test_mean_sd"]),
           ", ".join(f"{v:.3f}" for v in row["test"]),
           "-" if row["routing_recall"][0] is None else f"{mean_sd(row['routing_recall'])[0]:.3f}"]
          for name, row in rows.items()])
     picks = "\n".join(
         f"- {c['varied']} (held: `{c['held']}`): best on validation `{c['best_on_validation']}`; "
-        f"separated (> 3 sd) from {c['separated_from'] or 'none'}; not separated from "
-        f"{c['not_separated_from'] or 'none'}." for c in choices)
+        f"separated (> 3 sd) from {c['separated_from'] or 'no other'}; not separated from "
+        f"{c['not_separated_from'] or 'no other'}." for c in choices)
     return "\n\n".join([
         f"## {task}",
         f"Task `{floor['task']}`; {setup.steps} steps of batch {setup.batch_size}, lr {setup.lr} "
