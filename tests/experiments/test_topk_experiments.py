@@ -55,7 +55,8 @@ def test_choose_picks_on_validation_and_reports_separation():
 
 def test_summarise_uses_last_validation_and_test():
     records = [{"seed": s, "parameters": 10, "validation": [{"accuracy": 0.0}, {"accuracy": v}],
-                "test": {"accuracy": t}} for s, v, t in [(0, 0.5, 0.4), (1, 0.7, 0.6)]]
+                "test": {"accuracy": t, "attention_flops_per_token": 5.0}}
+               for s, v, t in [(0, 0.5, 0.4), (1, 0.7, 0.6)]]
     summary = trl.summarise(records, "accuracy")
     assert summary["validation"] == [0.5, 0.7] and summary["test"] == [0.4, 0.6]
     assert summary["validation_mean_sd"][0] == pytest.approx(0.6)
