@@ -45,9 +45,13 @@ A hard top-k passes no gradient to W_r, so "routing learns" needs a signal (`rou
   distribution over R_i, detached (the objective DeepSeek's sparse attention uses to train its
   lightning indexer). Attention logits are plain q·k/√d.
 - "none": W_r are fixed random projections (an LSH-style baseline); nothing learns the routing.
-The default is "distill", from evidence: in the 600-step char-LM at T = 512
-(`routeformer reproduce topk-lm`, one seed) it reached 2.51 bits/char against score_bias's 2.72
-(full attention: 2.11); MQAR at our budget separated nothing (no mechanism learned it).
+The default is "distill", chosen on validation data (`routeformer reproduce topk-routing-learning`,
+compare --quick's MQAR and char LM, recency router, K = T/8, 3 seeds; docs/results/topk.md) as the
+cheaper of two options the seeds do not separate: char-LM validation bits/char score_bias
+2.521 ± 0.032, distill 2.609 ± 0.041 (score_bias lower on every seed, not by 3 sd), none
+2.828 ± 0.027 (worse than both by > 3 sd); MQAR (T=32, 4 pairs) is solved by distill on 1 seed of
+3 and by score_bias on none (both otherwise at the 0.25 shortcut floor). distill adds nothing at
+inference; score_bias reads r more dims per routed key (+21-23% attention FLOPs per token).
 
 Options for the sketch's failure modes: `entropy_weight` (aux loss -w·H(softmax(s/τ)) over R_i:
 w > 0 keeps the router's distribution over its selection spread, a guard against collapse; needs a
