@@ -23,10 +23,11 @@ CACHED = {"full": {}, "gated": {}, "local": {"window": 3}, "linear": {"chunk": 4
 UNCACHED = {"topk": {"topk": 4, "block": 8}, "multihop": {}}
 
 
-def build(mechanism, options, positions="rotary", seed=0):
+def build(mechanism, options, positions="rotary", seed=0, tie_embeddings=True):
     torch.manual_seed(seed)
     config = RouteformerConfig(vocab_size=VOCAB, dim=32, depth=2, heads=4, attention=mechanism,
-                               attention_options={mechanism: options}, positions=positions, max_seq_len=48)
+                               attention_options={mechanism: options}, positions=positions, max_seq_len=48,
+                               tie_embeddings=tie_embeddings)
     model = RouteformerForCausalLM(config).eval()
     with torch.no_grad():  # larger weights than the init, so cache mistakes change the argmax
         for parameter in model.parameters():
@@ -125,15 +126,16 @@ def test_loss_is_next_token_loss_plus_aux_loss():
     assert model.model.backbone.blocks[0].attention.router.hidden.weight.grad is not None
 
 
-@pytest.mark.parametrize("mechanism", ["local", "meta"])
-def test_save_and_auto_load_give_the_same_logits(tmp_path, mechanism):
-    model = build(mechanism, CACHED[mechanism])
+@pytest.mark.parametrize("mechanism, tied", [("local", True), ("meta", True), ("full", False)])
+def test_save_and_auto_load_give_the_same_logits(tmp_path, mechanism, tied):
+    model = build(mechanism, CACHED[mechanism], tie_embeddings=tied)
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists()
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "routeformer"
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert isinstance(loaded, RouteformerForCausalLM)
-    assert loaded.model.lm_head.weight is loaded.model.backbone.token_embedding.weight  # still tied
+    tied_after = loaded.model.lm_head.weight is loaded.model.backbone.token_embedding.weight
+    assert tied_after == tied
     ids = prompt()
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(ids).logits, model(ids).logits, atol=0, rtol=0)

@@ -13,7 +13,11 @@ from routeformer.integrations.hf.loading import from_pretrained  # noqa: E402
 from tests.integrations.test_hf import MECHANISMS, VOCAB, gpt2, llama  # noqa: E402
 
 FAMILIES = {"gpt2": gpt2, "llama": llama}
-CACHED = ("full", "local", "linear", "gated", "meta", "mita")  # the issue asks for the first four
+# meta_tokens without meta-tokens in the input (a patched model has no meta_mask): plain attention
+# whose meta-token parameters stay unused, so it is only in this file's generation test.
+MECHANISMS = MECHANISMS | {"meta_tokens": {}}
+# The issue asks for the first four; the others decode exactly as well.
+CACHED = ("full", "local", "linear", "gated", "meta", "mita", "meta_tokens")
 
 
 def prompt(batch=2, length=6, seed=3):

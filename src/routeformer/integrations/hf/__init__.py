@@ -18,6 +18,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from routeformer.integrations.hf.cache import RouteformerCacheLayer
+from routeformer.integrations.hf.loading import from_pretrained
 from routeformer.integrations.hf.model import (
     RouteformerCausalLMOutput,
     RouteformerConfig,
@@ -36,6 +37,6 @@ AutoModelForCausalLM.register(RouteformerConfig, RouteformerForCausalLM, exist_o
 
 __all__ = [
     "RouteformerAttention", "RouteformerCausalLMOutput", "RouteformerConfig", "RouteformerForCausalLM",
-    "RouteformerCacheLayer", "key_padding_mask", "patch_attention",
+    "RouteformerCacheLayer", "from_pretrained", "key_padding_mask", "patch_attention",
     "routeformer_aux_loss", "routeformer_layers",
 ]

@@ -50,7 +50,8 @@ def models(max_len: int, window: int) -> dict[str, Callable[[], torch.nn.Module]
             f"RouteformerForCausalLM local (window {window})": native}
 
 
-def bench(prompt_length: int, new_tokens: int, repeats: int, window: int) -> list[dict]:
+def bench(prompt_length: int, new_tokens: int, repeats: int, window: int,
+          report: Callable[[dict], None] | None = None) -> list[dict]:
     torch.set_num_threads(1)
     ids = torch.randint(0, VOCAB, (1, prompt_length), generator=torch.Generator().manual_seed(0))
     rows = []
@@ -69,6 +70,8 @@ def bench(prompt_length: int, new_tokens: int, repeats: int, window: int) -> lis
                      "speedup": times["no cache"] / times["cache"],
                      "cache_peak_mib": peak_memory_mib(lambda: run(True)),
                      "no_cache_peak_mib": peak_memory_mib(lambda: run(False))})
+        if report is not None:
+            report(rows[-1])
     return rows
 
 
@@ -97,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("prompt", "new_tokens", "repeats", "window"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer")
-    rows = bench(args.prompt, args.new_tokens, args.repeats, args.window)
+    rows = bench(args.prompt, args.new_tokens, args.repeats, args.window,
+                 report=lambda row: print(f"measured: {row}", flush=True))
     print(table(rows, f"Batch 1, prompt {args.prompt}, {args.new_tokens} new tokens greedy, dim {DIM}, "
                       f"depth {DEPTH}, {HEADS} heads, vocab {VOCAB}, one thread; medians of {args.repeats} "
                       "alternating rounds; peak MiB = extra resident memory of one generate call"))

@@ -50,6 +50,9 @@ class RouteformerCacheLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def get_max_cache_shape(self) -> int:  # transformers < 5.x's name for get_max_length
+        return -1
+
     def offload(self) -> None:
         pass
 

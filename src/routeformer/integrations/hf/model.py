@@ -87,13 +87,12 @@ class RouteformerForCausalLM(PreTrainedModel, GenerationMixin):
     config: RouteformerConfig
     base_model_prefix = "model"
     _no_split_modules = ["Block"]
+    # Read only when config.tie_word_embeddings (= tie_embeddings, set in RouteformerConfig).
     _tied_weights_keys = {"model.lm_head.weight": "model.backbone.token_embedding.weight"}
 
     def __init__(self, config: RouteformerConfig) -> None:
         super().__init__(config)
-        self.model = CausalLM(config.to_model_config())
-        if not config.tie_embeddings:
-            type(self)._tied_weights_keys = {}
+        self.model = CausalLM(config.to_model_config())  # ties lm_head to the embedding if tie_embeddings
         self.post_init()
 
     @classmethod
