@@ -1,9 +1,12 @@
 """`routeformer reproduce topk-*`: ADSR top-k routed attention (issue: topk).
 
-- topk-mqar: multi-query associative recall; accuracy and routing recall over training for
-  full, local, linear and topk (K and routing-learning options).
-- topk-lm: char-level LM on WikiText-2 text at T = 512, bits per character of topk vs full vs local.
+- topk-previous-token, topk-position-lm: the position-aware router (3 seeds each, test split).
+- topk-routing-learning (topk_routing_learning.py): distill / score_bias / none and the
+  position-blind router on compare --quick's MQAR and char LM, 3 seeds, chosen on validation.
 - topk-speed: time and peak memory of the topk op vs SDPA (also `routeformer bench topk`).
+- topk-mqar, topk-mqar-small (MQAR, one seed per cell), topk-lm (char LM at T = 512, one seed):
+  their earlier results are withdrawn (old MQAR generator, single seeds; docs/results/topk.md);
+  the commands still run, on `routeformer.tasks`' MQAR, and have not been re-run since.
 """
 
 from __future__ import annotations
