@@ -7,6 +7,11 @@
   executed FLOPs); Table 4 from the measured routing; a routing map of a text sample.
 - meta-attention-long: the falsifiability criterion — a char-LM trained at T=1024 and evaluated at
   T=4096, hard-routed meta vs full: executed attention FLOPs, forward wall clock, loss.
+- meta-attention-matched (meta_attention_matched.py): the issue-27 redo on the shared `lm` task —
+  one change per ablation, a parameter-matched `full`, 3 seeds, training length and 2x/4x apart.
+  docs/results/meta.md quotes only it and meta-attention-init; the ablation and long results above
+  were not re-run and are withdrawn as evidence (their "prior-free" removes both the prior offset
+  and the KL term, and their `full` is not parameter-matched).
 """
 
 from __future__ import annotations
