@@ -1,0 +1,80 @@
+"""Which path an op takes: CUDA tensors go to the Triton kernels, CPU tensors stay where they were.
+
+Every op file that has a Triton kernel holds a two-line hook, `if use_triton(q): return <this
+module's function>(...)`, placed after its argument checks; the functions here keep the op's
+contract (shapes, dtypes, return values), so the caller cannot tell which path ran. `triton` is
+imported only when a kernel runs: this module itself imports nothing heavy, so `import routeformer`
+works without triton (the ops then run in PyTorch on CUDA too).
+
+- `use_triton(*tensors)`: True when triton is importable and every tensor is on CUDA, or inside
+  `force_triton()`; False whenever `ROUTEFORMER_TRITON=0` (read at each call: a switch for
+  measuring the PyTorch path on a GPU).
+- `force_triton()`: run the Triton kernels on CPU tensors too (through Triton's interpreter: exact
+  and slow). This is how the dispatch is tested on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+from torch import Tensor
+
+from routeformer.ops.triton import triton_available
+
+_FORCED: ContextVar[bool] = ContextVar("routeformer_triton_forced", default=False)
+
+
+@contextmanager
+def force_triton(enabled: bool = True) -> Iterator[None]:
+    """Within the block, ops whose kernels exist run them whatever the device (tests, CPU)."""
+    token = _FORCED.set(enabled)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def use_triton(*tensors: Tensor) -> bool:
+    """Whether the op should run its Triton kernel for these tensors (see the module docstring)."""
+    if os.environ.get("ROUTEFORMER_TRITON", "1") == "0" or not triton_available():
+        return False
+    if _FORCED.get():
+        return True
+    return bool(tensors) and all(t.is_cuda for t in tensors)
+
+
+def routed_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: Tensor,
+                     scale: float) -> tuple[Tensor, Tensor]:
+    """`ops.gathered.routed_attention`'s contract: (out, lse in q's dtype). The kernel's lse is
+    differentiable where the PyTorch op's is not; callers that ignore it are unaffected."""
+    from routeformer.ops.triton.gathered import triton_routed_attention
+
+    out, lse = triton_routed_attention(q, k, v, index, valid, scale=scale)
+    return out, lse.to(q.dtype)
+
+
+def route_topk(route_q: Tensor, route_k: Tensor, topk: int, *, causal: bool, key_mask: Tensor | None,
+               local_window: int, global_tokens: int) -> tuple[Tensor, Tensor, int]:
+    """`ops.topk_routing.route_topk`'s contract: (index, valid, scores computed)."""
+    from routeformer.ops.triton.topk_routing import triton_route_topk
+
+    return triton_route_topk(route_q, route_k, topk, causal=causal, key_mask=key_mask,
+                             local_window=local_window, global_tokens=global_tokens)
+
+
+def routed_parts(q: Tensor, expert_keys: Tensor, expert_values: Tensor, expert_valid: Tensor,
+                 assignment: Tensor, slot_valid: Tensor, scale: float) -> tuple[Tensor, Tensor, int, Tensor]:
+    """`ops.mita_experts.routed_parts`'s contract (no packing: `pack` does not apply)."""
+    from routeformer.ops.triton.mita import triton_routed_parts
+
+    return triton_routed_parts(q, expert_keys, expert_values, expert_valid, assignment, slot_valid, scale)
+
+
+def merge_partials(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """`ops.attention_lse.merge_partials`'s contract."""
+    from routeformer.ops.triton.lse_merge import triton_merge_partials
+
+    return triton_merge_partials(parts)
