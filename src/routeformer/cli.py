@@ -6,8 +6,8 @@
     routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N]
     routeformer sample RUN_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
     routeformer list
-    routeformer bench ops|topk|structural|meta|mita|meta_tokens|compile|generate [--lengths 1024 4096 16384]
-                      [--repeats 5] [--window 256] [--output FILE]
+    routeformer bench ops|topk|structural|meta|mita|meta_tokens|compile|generate|gpu
+                      [--lengths 1024 4096 16384] [--repeats 5] [--window 256] [--output FILE]
     routeformer reproduce NAME [--quick] [--out DIR]      (routeformer reproduce --list)
 """
 
@@ -206,6 +206,10 @@ def command_bench(args: argparse.Namespace) -> int:
         return _bench_generate(args)
     if args.suite == "mita":
         return _bench_mita(args, settings)
+    if args.suite == "gpu":  # the Triton kernels on CUDA vs SDPA flash and FlexAttention (issue 29)
+        from routeformer.bench.gpu_bench import command_gpu
+
+        return command_gpu(args)
     print(TABLE_HEADER, flush=True)
     ops = None
     if args.suite == "meta_tokens":
@@ -433,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="speed and memory benchmarks")
     bench.add_argument("suite", choices=["ops", "topk", "structural", "meta", "mita", "meta_tokens",
-                                         "compile", "generate"])
+                                         "compile", "generate", "gpu"])
     bench.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 4096, 16384])
     bench.add_argument("--repeats", type=positive_int, default=5)
     bench.add_argument("--window", type=positive_int, default=256)
