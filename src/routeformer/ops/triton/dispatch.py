@@ -8,7 +8,7 @@ works without triton (the ops then run in PyTorch on CUDA too).
 
 - `use_triton(*tensors)`: True when triton is importable and every tensor is on CUDA, or inside
   `force_triton()`; False whenever `ROUTEFORMER_TRITON=0` (read at each call: a switch for
-  measuring the PyTorch path on a GPU).
+  measuring the PyTorch path on a GPU) and inside `torch.compile`d graphs (see below).
 - `force_triton()`: run the Triton kernels on CPU tensors too (through Triton's interpreter: exact
   and slow). This is how the dispatch is tested on a machine without a GPU.
 """
@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+import torch
 from torch import Tensor
 
 from routeformer.ops.triton import triton_available
@@ -38,12 +39,15 @@ def force_triton(enabled: bool = True) -> Iterator[None]:
 
 
 def use_triton(*tensors: Tensor) -> bool:
-    """Whether the op should run its Triton kernel for these tensors (see the module docstring)."""
-    if os.environ.get("ROUTEFORMER_TRITON", "1") == "0" or not triton_available():
+    """Whether the op should run its Triton kernel for these tensors (see the module docstring).
+    Inside a graph being compiled the answer is False (the kernels are not registered as custom
+    ops yet, and dynamo traces neither ContextVars nor the import check): compiled code keeps the
+    PyTorch paths, and a CPU graph is unchanged."""
+    if torch.compiler.is_compiling():
         return False
-    if _FORCED.get():
-        return True
-    return bool(tensors) and all(t.is_cuda for t in tensors)
+    if not _FORCED.get() and not (tensors and all(t.is_cuda for t in tensors)):
+        return False
+    return os.environ.get("ROUTEFORMER_TRITON", "1") != "0" and triton_available()
 
 
 def routed_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: Tensor,
