@@ -52,12 +52,12 @@ def use_triton(*tensors: Tensor) -> bool:
 
 def routed_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: Tensor,
                      scale: float) -> tuple[Tensor, Tensor]:
-    """`ops.gathered.routed_attention`'s contract: (out, lse in q's dtype). The kernel's lse is
-    differentiable where the PyTorch op's is not; callers that ignore it are unaffected."""
+    """`ops.gathered.routed_attention`'s contract: (out, lse in q's dtype, detached as the op's is;
+    MiTA, which needs the lse gradient, calls the kernel directly)."""
     from routeformer.ops.triton.gathered import triton_routed_attention
 
     out, lse = triton_routed_attention(q, k, v, index, valid, scale=scale)
-    return out, lse.to(q.dtype)
+    return out, lse.to(q.dtype).detach()
 
 
 def route_topk(route_q: Tensor, route_k: Tensor, topk: int, *, causal: bool, key_mask: Tensor | None,
