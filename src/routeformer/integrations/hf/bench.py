@@ -50,6 +50,29 @@ def models(max_len: int, window: int) -> dict[str, Callable[[], torch.nn.Module]
             f"RouteformerForCausalLM local (window {window})": native}
 
 
+def cache_state_mib(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> float:
+    """MiB of tensors the cache holds after cached generation of `new_tokens` after `ids`:
+    transformers' keys/values for the unpatched model, routeformer's decode states otherwise."""
+    with torch.no_grad():
+        # attention_mask given: generate would otherwise take every token equal to pad_token_id as padding.
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=0,
+                             eos_token_id=None, return_dict_in_generate=True)
+    total = 0
+    for layer in out.past_key_values.layers:
+        tensors = list(getattr(layer, "state", {}).values()) + [layer.keys, layer.values]
+        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return total / 2**20
+
+
+def state_sizes(prompt_length: int, new_tokens: int, window: int) -> list[dict]:
+    """The cache state of each model after cached generation (no timing: deterministic sizes)."""
+    torch.set_num_threads(1)
+    ids = torch.randint(0, VOCAB, (1, prompt_length), generator=torch.Generator().manual_seed(0))
+    return [{"model": name, "cache_state_mib": cache_state_mib(build(), ids, new_tokens)}
+            for name, build in models(prompt_length + new_tokens, window).items()]
+
+
 def bench(prompt_length: int, new_tokens: int, repeats: int, window: int,
           report: Callable[[dict], None] | None = None) -> list[dict]:
     torch.set_num_threads(1)
@@ -61,7 +84,8 @@ def bench(prompt_length: int, new_tokens: int, repeats: int, window: int,
         def run(use_cache: bool, model=model) -> torch.Tensor:
             with torch.no_grad():
                 return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                      do_sample=False, use_cache=use_cache, pad_token_id=0, eos_token_id=None)
+                                      do_sample=False, use_cache=use_cache,
+                                      attention_mask=torch.ones_like(ids), pad_token_id=0, eos_token_id=None)
 
         assert torch.equal(run(True), run(False)), name  # the two paths generate the same tokens
         times = median_times({"cache": lambda: run(True), "no cache": lambda: run(False)}, repeats)
@@ -96,10 +120,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated (default 64)")
     parser.add_argument("--repeats", type=int, default=5, help="alternating timing rounds (default 5)")
     parser.add_argument("--window", type=int, default=64, help="local attention window (default 64)")
+    parser.add_argument("--state-only", action="store_true",
+                        help="only the MiB each cache holds after generation (no timing)")
     args = parser.parse_args(argv)
     for name in ("prompt", "new_tokens", "repeats", "window"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer")
+    if args.state_only:
+        print(f"Cache state after a {args.prompt}-token prompt and {args.new_tokens} new tokens "
+              f"(fp32, batch 1, dim {DIM}, depth {DEPTH}):\n\n| model | cache state MiB |\n|---|---|")
+        for row in state_sizes(args.prompt, args.new_tokens, args.window):
+            print(f"| {row['model']} | {row['cache_state_mib']:.2f} |")
+        return
     rows = bench(args.prompt, args.new_tokens, args.repeats, args.window,
                  report=lambda row: print(f"measured: {row}", flush=True))
     print(table(rows, f"Batch 1, prompt {args.prompt}, {args.new_tokens} new tokens greedy, dim {DIM}, "
