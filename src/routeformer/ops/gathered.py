@@ -19,6 +19,7 @@ from torch import Tensor
 from routeformer.ops.full import masked_attention_reference
 from routeformer.ops.native import native_kernels
 from routeformer.ops.native.topk import routed_attention_op
+from routeformer.ops.triton import dispatch as triton_dispatch
 
 DEFAULT_BLOCK = 64  # small blocks keep the gathered keys in cache: measured fastest
 
@@ -128,6 +129,8 @@ def routed_attention(
             f"v must be [B, H, S, e] with k's [B, H, S] = {tuple(k.shape[:3])}; got {tuple(v.shape)}"
         )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if triton_dispatch.use_triton(q):  # CUDA: the Triton kernel (ops/triton)
+        return triton_dispatch.routed_attention(q, k, v, index, valid, scale)
     native = native_kernels(q, k, v) if q.dtype == k.dtype == v.dtype else None
     if native is not None and index.shape[-1] <= native.route_topk_max_slots():
         # The fused C kernel as a custom op (compile-safe; bf16 computed in fp32).
