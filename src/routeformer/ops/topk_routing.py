@@ -34,6 +34,7 @@ from torch import Tensor
 from routeformer.ops._checks import check_positive
 from routeformer.ops.native import native_kernels
 from routeformer.ops.native.topk import route_topk_op, route_topk_scored
+from routeformer.ops.triton import dispatch as triton_dispatch
 
 DEFAULT_ROUTING_BLOCK = 64
 DEFAULT_GROUP = 32
@@ -120,6 +121,9 @@ def route_topk(
     check_positive("group", group)
     if local_window < 0 or global_tokens < 0:
         raise ValueError(f"local_window and global_tokens must be >= 0; got {local_window}, {global_tokens}")
+    if triton_dispatch.use_triton(route_q):  # CUDA: the Triton kernel (ops/triton)
+        return triton_dispatch.route_topk(route_q, route_k, topk, causal=causal, key_mask=key_mask,
+                                          local_window=local_window, global_tokens=global_tokens)
     batch, heads, length, _ = route_q.shape
     num_keys = route_k.shape[2]
     slots = routing_slots(topk, local_window, global_tokens, num_keys)
