@@ -15,7 +15,7 @@ returned alone as `aux_loss`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -202,8 +202,3 @@ class RouteformerForCausalLM(PreTrainedModel, GenerationMixin):
             return "the batch has padding (routeformer decode caches hold real tokens only)"
         return None
 
-
-def config_fields() -> list[str]:
-    """The names of RouteformerConfig's own fields (those beyond PreTrainedConfig's)."""
-    base = {f.name for f in fields(PreTrainedConfig)}
-    return [f.name for f in fields(RouteformerConfig) if f.name not in base]
