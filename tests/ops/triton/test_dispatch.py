@@ -21,6 +21,7 @@ def test_cpu_tensors_stay_on_their_paths_unless_forced(monkeypatch):
         assert use_triton(cpu)
         with force_triton(False):
             assert not use_triton(cpu)
+        assert not use_triton(cpu.double())  # the kernels compute fp32/bf16/fp16
         monkeypatch.setenv("ROUTEFORMER_TRITON", "0")
         assert not use_triton(cpu)
 

@@ -8,7 +8,8 @@ works without triton (the ops then run in PyTorch on CUDA too).
 
 - `use_triton(*tensors)`: True when triton is importable and every tensor is on CUDA, or inside
   `force_triton()`; False whenever `ROUTEFORMER_TRITON=0` (read at each call: a switch for
-  measuring the PyTorch path on a GPU) and inside `torch.compile`d graphs (see below).
+  measuring the PyTorch path on a GPU), for float64 tensors (the kernels compute in fp32) and inside
+  `torch.compile`d graphs (see below).
 - `force_triton()`: run the Triton kernels on CPU tensors too (through Triton's interpreter: exact
   and slow). This is how the dispatch is tested on a machine without a GPU.
 """
@@ -46,6 +47,8 @@ def use_triton(*tensors: Tensor) -> bool:
     if torch.compiler.is_compiling():
         return False
     if not _FORCED.get() and not (tensors and all(t.is_cuda for t in tensors)):
+        return False
+    if any(t.dtype == torch.float64 for t in tensors):  # the kernels compute fp32/bf16/fp16
         return False
     return os.environ.get("ROUTEFORMER_TRITON", "1") != "0" and triton_available()
 
