@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from routeformer.ops.full import masked_attention_reference
-from routeformer.ops.native import native_kernels
+from routeformer.ops.native import compute_dtype, native_kernels
 from routeformer.ops.native.topk import routed_attention_op
 from routeformer.ops.triton import dispatch as triton_dispatch
 
@@ -133,9 +133,13 @@ def routed_attention(
         return triton_dispatch.routed_attention(q, k, v, index, valid, scale)
     native = native_kernels(q, k, v) if q.dtype == k.dtype == v.dtype else None
     if native is not None and index.shape[-1] <= native.route_topk_max_slots():
-        # The fused C kernel as a custom op (compile-safe; bf16 computed in fp32).
-        out, lse = routed_attention_op(q, k, v, index, valid, scale)
-        return out, lse.to(q.dtype).detach()
+        # The fused C kernel as a custom op (compile-safe). bf16/fp16 are widened here, under
+        # autograd, rather than inside the op: the backward then reuses the saved fp32 copies
+        # instead of converting q, k, v, out and grad_out again (`routeformer bench ops`, the
+        # "topk: attention only" row's bf16 speed-up).
+        work = compute_dtype(q.dtype)
+        out, lse = routed_attention_op(q.to(work), k.to(work), v.to(work), index, valid, scale)
+        return out.to(q.dtype), lse.to(q.dtype).detach()
     return _RoutedAttention.apply(q, k.contiguous(), v.contiguous(), index, valid, scale, block)
 
 
