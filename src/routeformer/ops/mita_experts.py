@@ -20,6 +20,7 @@ from routeformer.ops.attention_lse import MASKED, attention_with_lse
 from routeformer.ops.flops import dense_attention_flops
 from routeformer.ops.full import sdpa_allowed
 from routeformer.ops.gathered import _flat_rows
+from routeformer.ops.triton import dispatch as triton_dispatch
 
 # Buckets averaging at least this many packs of queries run one SDPA call each instead of packing.
 _LOOP_FACTOR = 4
@@ -97,6 +98,9 @@ def routed_parts(
     assignment, slot_valid [B, H, N, R]. Returns (out [B, H, N, R, e], lse [B, H, N, R], executed
     FLOPs, per-bucket item counts [B·H·E]).
     """
+    if triton_dispatch.use_triton(q):  # CUDA: the Triton kernel (ops/triton), no packing needed
+        return triton_dispatch.routed_parts(q, expert_keys, expert_values, expert_valid, assignment,
+                                            slot_valid, scale)
     batch, heads, length, dim = q.shape
     experts, width, value_dim = expert_keys.shape[2], expert_keys.shape[3], expert_values.shape[-1]
     routes = assignment.shape[-1]
