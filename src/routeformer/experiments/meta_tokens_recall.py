@@ -54,15 +54,15 @@ class Settings:
     tasks: tuple[str, ...]
     seeds: tuple[int, ...]
     steps: int
-    pretrain_steps: int
+    pretrain_steps: tuple[int, ...]  # one pre-trained body per seed and entry
     validation_sequences: int = 256
     test_sequences: int = 512
 
 
 def settings(quick: bool) -> Settings:
     if quick:
-        return Settings(("copying",), (0,), 20, 10, validation_sequences=64, test_sequences=64)
-    return Settings(tuple(TASK_OPTIONS), (0, 1, 2), 800, 300)
+        return Settings(("copying",), (0,), 20, (10,), validation_sequences=64, test_sequences=64)
+    return Settings(tuple(TASK_OPTIONS), (0, 1, 2), 800, (300, 400))
 
 
 def run_key(run: RecallRun) -> str:
@@ -173,6 +173,7 @@ def run_recall(out_dir: Path, quick: bool) -> Path:
 
 ABLATION_VARIANTS = [
     ("meta, positions skip (as in meta-tokens-recall)", {"variant": "meta"}),
+    ("meta, positions keep", {"variant": "meta", "positions": "keep"}),
     ("meta, positions zeroed at meta-tokens (the paper's)", {"variant": "meta", "positions": "zero"}),
     ("meta, parallel shared-Q/K/V form (the earlier layer)", {"variant": "meta_parallel"}),
 ]
@@ -198,36 +199,42 @@ def run_ablations(out_dir: Path, quick: bool) -> Path:
 def run_finetune(out_dir: Path, quick: bool) -> Path:
     s = settings(quick)
     bodies = _runs_dir(out_dir) / "bodies"
-    pretrained = {}
-    for seed in s.seeds:
-        path = bodies / f"lm-full-s{seed}-{s.pretrain_steps}.pt"
-        spec = RecallRun(ABLATION_TASK, {}).spec
-        pretrained[seed] = cached_run(_runs_dir(out_dir), f"pretrain-{path.stem}",
-                                      lambda seed=seed, path=path, spec=spec: pretrain_body(
-                                          path, seed, s.pretrain_steps, spec,
-                                          log=lambda line: log(f"pretrain s{seed}: {line}")))
-        if not path.exists():  # the record was kept but the weights were removed: train again
-            pretrained[seed] = pretrain_body(path, seed, s.pretrain_steps, spec)
+    spec = RecallRun(ABLATION_TASK, {}).spec
+    pretrained: dict[str, dict[str, Any]] = {}
+    paths: dict[tuple[int, int], Path] = {}
+    for steps in s.pretrain_steps:
+        for seed in s.seeds:
+            path = paths[steps, seed] = bodies / f"lm-full-s{seed}-{steps}.pt"
+            pretrained[path.stem] = cached_run(
+                _runs_dir(out_dir), f"pretrain-{path.stem}",
+                lambda seed=seed, path=path, steps=steps: pretrain_body(
+                    path, seed, steps, spec, log=lambda line: log(f"pretrain {path.stem}: {line}")))
+            if not path.exists():  # the record was kept but the weights were removed: train again
+                pretrained[path.stem] = pretrain_body(path, seed, steps, spec)
     rows, results = [], {}
+    starts = [("scratch", None)] + [(f"pre-trained {steps} steps", steps) for steps in s.pretrain_steps]
     for variant in ("plain", "meta"):
-        for start in ("scratch", "pre-trained"):
+        for start, steps in starts:
             records = []
             for seed in s.seeds:
-                path = bodies / f"lm-full-s{seed}-{s.pretrain_steps}.pt"
                 run = base_run(ABLATION_TASK, variant, seed, s)
-                records.append(train(out_dir, run if start == "scratch" else replace(run, init=str(path))))
+                if steps is not None:
+                    run = replace(run, init=str(paths[steps, seed]))
+                records.append(train(out_dir, run))
             label = f"{variant}, {start}"
             results[label] = summary(records)
             results[label]["seq_len"] = {f"{f}x": records[0][f"seq_len_{f}x"] for f in LENGTH_FACTORS}
             rows.append(_row(label, results[label]))
     line, results["floors"] = _floor_line(base_run(ABLATION_TASK, "plain", 0, s),
                                           next(iter(results.values()))["seq_len"])
-    bits = [p["validation_history"][-1]["bits_per_char"] for p in pretrained.values()]
+    bits = {steps: mean_sd([pretrained[f"lm-full-s{seed}-{steps}"]["validation_history"][-1]["bits_per_char"]
+                            for seed in s.seeds]) for steps in s.pretrain_steps}
     command = "routeformer reproduce meta-tokens-finetune" + (" --quick" if quick else "")
     markdown = "\n".join([
         "# meta-tokens-finetune", "", provenance(command), "", _setup_line(s), "",
-        f"Pre-training: `full`, the same backbone, char-LM task (corpus pydoc, T = 128), {s.pretrain_steps} "
-        f"steps, one body per seed, no meta-tokens; validation bits/char at the end: {mean_sd(bits)}. "
+        "Pre-training: `full`, the same backbone, char-LM task (corpus pydoc, T = 128, batch 32, lr 3e-3), "
+        f"{' or '.join(map(str, s.pretrain_steps))} steps, one body per seed, no meta-tokens; validation "
+        f"bits/char at the end: {', '.join(f'{k} steps {v}' for k, v in bits.items())}. "
         "Fine-tuning loads the blocks and final norm (embeddings and head are new: the vocabularies "
         "differ; the meta-attention's output projection starts at zero) and trains on "
         f"{ABLATION_TASK} {TASK_OPTIONS[ABLATION_TASK]} exactly as the scratch runs.", "",
