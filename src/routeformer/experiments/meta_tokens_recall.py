@@ -118,7 +118,8 @@ HEADER = ["variant", "parameters", "validation 1×", "**test 1×**", "validation
 
 def _floor_line(run: RecallRun, seq_lens: dict[str, int]) -> tuple[str, dict[str, Any]]:
     measured = floors(run)
-    parts = [f"{factor} (T = {seq_lens[factor]}): chance {values['chance']:.3f}, shortcut floor "
+    parts = [f"{factor} (T = {seq_lens[factor]} as the first row reads it): chance {values['chance']:.3f}, "
+             f"shortcut floor "
              f"{values['floor']:.3f}" for factor, values in measured.items()]
     text = "Chance and floor (best measured shortcut rule, test split) at " + "; at ".join(parts) + "."
     return text, measured
