@@ -4,8 +4,10 @@ with the op's contract; importing the package never needs triton."""
 import subprocess
 import sys
 
+import pytest
 import torch
 
+from routeformer.ops import mita_attention, route_topk, routed_attention
 from routeformer.ops.gathered import routed_attention_reference
 from routeformer.ops.topk_routing import route_topk_reference
 from routeformer.ops.triton import dispatch
@@ -52,3 +54,35 @@ def test_dispatch_functions_keep_the_ops_contracts(device):
                                                key_mask=None, local_window=1, global_tokens=1)
     want = route_topk_reference(route_q, route_k, 3, causal=True, local_window=1, global_tokens=1)
     assert torch.equal(selected_set(index, valid, length), want) and scored > 0
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_mita_through_the_hooks_equals_the_cpu_op(causal):
+    """force_triton() sends routed_parts and merge_partials (inside mita_attention) to the kernels:
+    outputs and gradients equal the CPU op's (what CUDA tensors get, checked on CPU)."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=generator).requires_grad_() for _ in range(3))
+    options = dict(landmarks=4, topk=3, route=2, causal=causal, block=8 if causal else None)
+    want = mita_attention(q, k, v, **options)
+    with force_triton():
+        got = mita_attention(q, k, v, **options)
+    torch.testing.assert_close(got.out, want.out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.expert_load, want.expert_load)
+    weight = torch.randn(want.out.shape, generator=generator)
+    for a, b in zip(torch.autograd.grad((got.out * weight).sum(), (q, k, v)),
+                    torch.autograd.grad((want.out * weight).sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_topk_ops_through_the_hooks_equal_the_cpu_ops():
+    generator = torch.Generator().manual_seed(1)
+    route_q, route_k = (torch.randn(2, 1, 33, 4, generator=generator) for _ in range(2))
+    want = route_topk(route_q, route_k, 5, causal=True, local_window=2)
+    q, k, v = make_qkv(2, 2, 33, 8, 8)
+    with force_triton():
+        index, valid, scored = route_topk(route_q, route_k, 5, causal=True, local_window=2)
+        got, _ = routed_attention(q, k, v, index.expand(-1, 2, -1, -1), valid.expand(-1, 2, -1, -1))
+    assert torch.equal(selected_set(index, valid, 33), selected_set(want[0], want[1], 33))
+    assert got.grad_fn is not None and "Triton" in type(got.grad_fn).__name__
+    expected, _ = routed_attention(q, k, v, index.expand(-1, 2, -1, -1), valid.expand(-1, 2, -1, -1))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
