@@ -211,3 +211,16 @@ def triton_band_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, ho
     out, _ = _TritonBand.apply(q.contiguous(), k.contiguous(), v.contiguous(), log_decay.contiguous(),
                                horizon.contiguous(), positions, scale)
     return out
+
+
+def band_flops(horizon: Tensor, dim: int, value_dim: int) -> int:
+    """FLOPs the kernel executes for horizon [B·H, M]: each block of BLOCK_M queries walks whole
+    BLOCK_K tiles up to its largest horizon (masked lanes included), scoring and weighting."""
+    block_m, block_k, _, _ = _blocks(dim, value_dim, horizon.device)
+    rows, queries = horizon.shape
+    if horizon.numel() == 0:
+        return 0
+    padded = torch.nn.functional.pad(horizon, (0, -queries % block_m))
+    reach = padded.view(rows, -1, block_m).amax(dim=-1)
+    tiles = (reach + block_k - 1) // block_k
+    return int(tiles.sum()) * block_m * block_k * 2 * (dim + value_dim)

@@ -85,3 +85,20 @@ def merge_partials(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
     from routeformer.ops.triton.lse_merge import triton_merge_partials
 
     return triton_merge_partials(parts)
+
+
+def band_rows(q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, horizon: Tensor,
+              scale: float | None) -> tuple[Tensor, int]:
+    """`ops.routed_rows`' causal, unpadded full and local rows (their contract: (out_rows [B, H, M, e],
+    executed FLOPs)): each selected row over the `horizon` [B, M] keys ending at its position (row + 1
+    for full attention, min(window, row + 1) for local), no decay; padding slots return zeros.
+    Differentiable (the C kernel serves inference only)."""
+    from routeformer.ops.triton.band import band_flops, triton_band_attention
+
+    batch, heads, count, dim = q_rows.shape
+    horizon = torch.where(valid, horizon, 0)
+    per_row = horizon[:, None].expand(batch, heads, count).reshape(batch * heads, count)
+    log_decay = torch.zeros(batch * heads, count, dtype=torch.float32, device=q_rows.device)
+    out = triton_band_attention(q_rows.reshape(batch * heads, count, dim), k, v, log_decay, per_row,
+                                rows, scale=scale)
+    return out.view(batch, heads, count, -1), band_flops(per_row, dim, v.shape[-1])
