@@ -55,6 +55,7 @@ from routeformer.ops.native.band import band_attend
 from routeformer.ops.native.kernel_flops import band_attend_flops, linear_rows_flops
 from routeformer.ops.native.linear_rows import NativeLinearRows
 from routeformer.ops.row_chunks import rows_attention_by_chunks
+from routeformer.ops.triton import dispatch as triton_dispatch
 
 # Position given to an empty packed slot: outside every window, so the slot reads nothing.
 _EMPTY_POSITION = -(1 << 40)
@@ -100,6 +101,8 @@ def full_attention_rows(
     check_positive("chunk", chunk)
     batch, heads, count, dim = q_rows.shape
     length, value_dim = k.shape[2], v.shape[-1]
+    if causal and mask is None and triton_dispatch.use_triton(q_rows):  # CUDA: the Triton banded pass
+        return triton_dispatch.band_rows(q_rows, k, v, rows, valid, rows + 1, scale)
     native = _inference_kernels(q_rows, k, v, causal, mask)
     if native is not None:  # each row over its own prefix, where a chunk reads up to its last row
         # Every value row is read by most rows' prefixes: a contiguous copy pays for itself (T=4096,
@@ -125,6 +128,8 @@ def local_attention_rows(
     _check_rows(q_rows, k, v, rows, valid, mask)
     check_positive("window", window)
     check_positive("chunk", chunk)
+    if causal and mask is None and triton_dispatch.use_triton(q_rows):  # CUDA: the Triton banded pass
+        return triton_dispatch.band_rows(q_rows, k, v, rows, valid, (rows + 1).clamp(max=window), scale)
     native = _inference_kernels(q_rows, k, v, causal, mask)
     if native is not None:
         return _band_rows_native(native, q_rows, k, v, rows, valid, (rows + 1).clamp(max=window), scale)
