@@ -9,6 +9,13 @@ import torch
 
 from routeformer.ops import mita_attention, route_topk, routed_attention
 from routeformer.ops.gathered import routed_attention_reference
+from routeformer.ops.routed_rows import (
+    full_attention_rows,
+    full_attention_rows_reference,
+    local_attention_rows,
+    local_attention_rows_reference,
+    select_rows,
+)
 from routeformer.ops.topk_routing import route_topk_reference
 from routeformer.ops.triton import dispatch
 from routeformer.ops.triton.dispatch import force_triton, use_triton
@@ -86,3 +93,26 @@ def test_topk_ops_through_the_hooks_equal_the_cpu_ops():
     assert got.grad_fn is not None and "Triton" in type(got.grad_fn).__name__
     expected, _ = routed_attention(q, k, v, index.expand(-1, 2, -1, -1), valid.expand(-1, 2, -1, -1))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["full", "local"])
+def test_routed_rows_through_the_hooks_match_the_references(kind):
+    """meta's hard-routed rows, causal and unpadded: the banded kernel, values and gradients."""
+    generator = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(2, 2, 30, 8, generator=generator).requires_grad_() for _ in range(2))
+    route = torch.rand(2, 30, generator=generator) < 0.4
+    rows, valid = select_rows(route)
+    q_rows = torch.randn(2, 2, rows.shape[1], 8, generator=generator).requires_grad_()
+    if kind == "full":
+        op, reference, options = full_attention_rows, full_attention_rows_reference, {}
+    else:
+        op, reference, options = local_attention_rows, local_attention_rows_reference, {"window": 5}
+    with force_triton():
+        got, flops = op(q_rows, k, v, rows, valid, **options)
+    want = reference(q_rows, k, v, rows, valid, **options) * valid[:, None, :, None]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert flops > 0
+    weight = torch.randn(want.shape, generator=generator)
+    for a, b in zip(torch.autograd.grad((got * weight).sum(), (q_rows, k, v)),
+                    torch.autograd.grad((want * weight).sum(), (q_rows, k, v)), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
