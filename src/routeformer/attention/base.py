@@ -23,6 +23,9 @@ from routeformer.ops.rotary import apply_rotary, rotary_angles
 
 @dataclass
 class AttentionOutput:
+    """What every attention layer returns: the output [B, T, D], its auxiliary loss (already
+    weighted) and detached diagnostics (`stats["flops"]`: the attention FLOPs executed)."""
+
     out: Tensor  # [B, T, D]
     aux_loss: Tensor  # scalar, already weighted; 0 where the mechanism has none
     stats: dict[str, Tensor] = field(default_factory=dict)

@@ -13,6 +13,9 @@ POOLING_KINDS = ("mean", "cls", "last")
 
 @dataclass
 class ModelConfig:
+    """Everything that defines a model: sizes, the attention mechanism per layer and its options,
+    positions, dropout; round-trips through JSON/YAML (`to_dict` / `from_dict`)."""
+
     vocab_size: int = 256
     dim: int = 128
     depth: int = 4
