@@ -102,3 +102,18 @@ def band_rows(q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor,
     out = triton_band_attention(q_rows.reshape(batch * heads, count, dim), k, v, log_decay, per_row,
                                 rows, scale=scale)
     return out.view(batch, heads, count, -1), band_flops(per_row, dim, v.shape[-1])
+
+
+def expanding_final_pass(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, horizon: Tensor,
+                         scale: float, block: int) -> Tensor:
+    """The final pass of causal, unpadded expanding attention's band path (ops/expanding.py), in its
+    layout: q, k, v [B, H, P, d|e] padded to whole blocks, log_decay and horizon [B·H·P / b, b]
+    -> out [B·H·P / b, b, e]. Each query reads the `horizon` keys ending at itself under the
+    δ·log_decay prior, with the gradient to log_decay (the learnable α, β)."""
+    from routeformer.ops.triton.band import triton_band_attention
+
+    batch, heads, padded, dim = q.shape
+    rows = batch * heads
+    out = triton_band_attention(q.reshape(rows, padded, dim), k, v, log_decay.reshape(rows, padded),
+                                horizon.reshape(rows, padded), scale=scale)
+    return out.view(-1, block, v.shape[-1])
