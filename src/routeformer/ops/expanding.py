@@ -70,6 +70,7 @@ from routeformer.ops._checks import check_positive, check_qkv
 from routeformer.ops.native import native_kernels
 from routeformer.ops.native.band import NativeBandAttention, expanding_infer_op
 from routeformer.ops.native.kernel_flops import band_attend_flops
+from routeformer.ops.triton import dispatch as triton_dispatch
 
 DEFAULT_BLOCK = 64
 # Band entries per row group (~4 MB in fp32).
@@ -555,8 +556,11 @@ def expanding_attention(
                                           per_query(beta) + last_mean)
     else:
         log_decay = _log_decay(per_query(alpha) + steps, per_query(beta) + expected_distance_sum)
-    out = _BandAttention.apply(q.reshape(rings.rows, block, dim), k.reshape(rings.rows, block, dim),
-                               v.reshape(rings.rows, block, -1), log_decay, rings, horizon, scale)
+    if causal and not masked and triton_dispatch.use_triton(q):  # CUDA: the Triton banded pass
+        out = triton_dispatch.expanding_final_pass(q, k, v, log_decay, horizon, scale, block)
+    else:
+        out = _BandAttention.apply(q.reshape(rings.rows, block, dim), k.reshape(rings.rows, block, dim),
+                                   v.reshape(rings.rows, block, -1), log_decay, rings, horizon, scale)
     step_entries += rings.rows * block * rings.width
     unpadded = (slice(None), slice(None), slice(0, length))
     final_steps = steps + is_query.long()  # the final step counts as one
