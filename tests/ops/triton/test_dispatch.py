@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from routeformer.ops import mita_attention, route_topk, routed_attention
+from routeformer.ops.expanding import expanding_attention
 from routeformer.ops.gathered import routed_attention_reference
+from routeformer.ops.native import native_enabled
 from routeformer.ops.routed_rows import (
     full_attention_rows,
     full_attention_rows_reference,
@@ -115,4 +117,24 @@ def test_routed_rows_through_the_hooks_match_the_references(kind):
     weight = torch.randn(want.shape, generator=generator)
     for a, b in zip(torch.autograd.grad((got * weight).sum(), (q_rows, k, v)),
                     torch.autograd.grad((want * weight).sum(), (q_rows, k, v)), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_expanding_final_pass_through_the_hook_equals_the_band_path():
+    """Causal, unpadded expanding attention on the band path (the C kernels off, as on CUDA): the
+    Triton final pass gives the band path's output and gradients, α and β included."""
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 45, 8, generator=generator).requires_grad_() for _ in range(3))
+    alpha = torch.tensor([1.0, 2.0], requires_grad=True)
+    beta = torch.tensor([3.0, 8.0], requires_grad=True)
+    with native_enabled(False):
+        want = expanding_attention(q, k, v, alpha, beta, block=16)
+        with force_triton():
+            got = expanding_attention(q, k, v, alpha, beta, block=16)
+    torch.testing.assert_close(got.out, want.out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.horizon, want.horizon)
+    weight = torch.randn(want.out.shape, generator=generator)
+    leaves = (q, k, v, alpha, beta)
+    for a, b in zip(torch.autograd.grad((got.out * weight).sum(), leaves),
+                    torch.autograd.grad((want.out * weight).sum(), leaves), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
