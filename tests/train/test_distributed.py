@@ -1,5 +1,6 @@
-"""DistributedDataParallel on CPU (gloo): 2 processes match 1 with the same global batch, and a run
-interrupted on 2 processes resumes on 1."""
+"""DistributedDataParallel on CPU (gloo): 2 processes match 1 with the same global batch, a run
+interrupted on 2 processes resumes on 1, a 2-process `meta` run (routing samples and dropout drawn
+per rank) resumes bit-identically, and the unused-parameter search is on only where needed."""
 
 import json
 import os
@@ -13,7 +14,13 @@ import torch.multiprocessing as mp
 
 from routeformer.train import load_config, train
 from routeformer.train.checkpoint import load_checkpoint
-from routeformer.train.distributed import DistributedContext, check_shardable, local_shard
+from routeformer.train.distributed import (
+    EVERY_PARAMETER_USED,
+    DistributedContext,
+    check_shardable,
+    local_shard,
+    needs_unused_parameter_search,
+)
 
 # No dropout: the ranks draw their own dropout masks, which a single process would not.
 TINY = ["--model.dim", "32", "--model.depth", "2", "--model.heads", "2", "--seq_len", "32",
@@ -89,3 +96,75 @@ def test_run_interrupted_on_two_processes_resumes_on_one(tmp_path):
     train(load_config(None, TINY + ["--out_dir", str(whole)]), quiet=True)
     assert load_checkpoint(split)["step"] == 6
     assert_close_models(load_checkpoint(split)["model"], load_checkpoint(whole)["model"])
+
+
+# meta samples its routing in training (sample_routing) and dropout is on: every rank draws randomness.
+META = TINY + ["--model.attention", "meta", "--model.attention_options", "{meta: {window: 8}}",
+               "--model.dropout", "0.1"]
+
+
+def _resume_worker(rank: int, world_size: int, ports: list[int], root: str) -> None:
+    """On each of 2 ranks: an uninterrupted run, then the same run interrupted after step 4 (its
+    checkpoint holds step 4) and resumed in the same processes (each run on a fresh port: a process
+    group set up again on the port of a destroyed one can wait forever)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    train(load_config(None, META + ["--out_dir", f"{root}/whole"]), quiet=True)
+    os.environ["MASTER_PORT"] = str(ports[1])
+
+    def stop(step):
+        if step == 4:
+            raise KeyboardInterrupt
+
+    try:
+        train(load_config(None, META + ["--out_dir", f"{root}/split"]), after_step=stop, quiet=True)
+    except KeyboardInterrupt:
+        pass
+    os.environ["MASTER_PORT"] = str(ports[2])
+    train(load_config(None, META + ["--out_dir", f"{root}/split"]), quiet=True)
+
+
+def test_a_two_process_meta_run_resumes_bit_identically(tmp_path):
+    with socket.socket() as a, socket.socket() as b, socket.socket() as c:  # three distinct free ports
+        for sock in (a, b, c):
+            sock.bind(("127.0.0.1", 0))
+        ports = [sock.getsockname()[1] for sock in (a, b, c)]
+    mp.spawn(_resume_worker, args=(2, ports, str(tmp_path)), nprocs=2, join=True)
+    split, whole = load_checkpoint(tmp_path / "split"), load_checkpoint(tmp_path / "whole")
+    assert split["step"] == whole["step"] == 6 and len(whole["rng"]["ranks"]) == 2
+    assert not torch.equal(*whole["rng"]["ranks"])  # the ranks' generators differ
+    for name, value in whole["model"].items():
+        assert torch.equal(value, split["model"][name]), name
+    generators = lambda state: [state["rng"]["data"], *state["rng"]["ranks"]]  # noqa: E731
+    for a, b in zip(generators(whole), generators(split), strict=True):
+        assert torch.equal(a, b)
+
+    def losses(run):  # timings differ between runs; the values must not
+        records = final_record(tmp_path / run)[0]
+        return [(r["step"], r.get("loss"), r.get("val_bpc")) for r in records
+                if "loss" in r or "val_bpc" in r]
+
+    assert losses("split") == losses("whole")
+
+
+def test_the_unused_parameter_search_is_on_only_where_a_parameter_can_go_unused():
+    assert not needs_unused_parameter_search(["full", "local", "linear"])
+    assert needs_unused_parameter_search(["full", "meta"])
+    assert needs_unused_parameter_search(["a-new-mechanism"])  # unknown: the safe setting
+
+
+@pytest.mark.parametrize("mechanism", sorted(EVERY_PARAMETER_USED))
+def test_the_mechanisms_said_to_use_every_parameter_do(mechanism):
+    from routeformer.models.config import ModelConfig
+    from routeformer.models.heads import CausalLM
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=20, dim=16, depth=1, heads=2, attention=mechanism, max_seq_len=40)
+    model = CausalLM(config)
+    for length in (1, 7, 33):
+        model.zero_grad(set_to_none=True)
+        tokens = torch.randint(0, 20, (2, length))
+        model(tokens, tokens).total_loss.backward()
+        unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+        assert unused == [], (length, unused)

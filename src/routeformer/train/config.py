@@ -72,6 +72,9 @@ LOGGERS = ("jsonl", "tensorboard")
 
 @dataclass
 class RunConfig:
+    """A training run: the model, its data, the training settings and the run directory; built by
+    `load_config` from a YAML file and `--key value` overrides (`routeformer train --help` lists them)."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
