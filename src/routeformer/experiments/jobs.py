@@ -1,11 +1,16 @@
 """Training runs as independent jobs: one (task, mechanism, options, seed, budget, backbone) each,
 stored as JSON when finished (so an interrupted sweep resumes after its finished runs, and inside a
 run after its last evaluation), run in worker processes with one thread each — tiny models use one
-core better than two, so two processes train twice as many models on a 2-core machine."""
+core better than two, so two processes train twice as many models on a 2-core machine.
+
+Progress: each run prints a line on stderr when it starts and at each of its evaluations
+(`  mqar-topk-s0: step=150/600 ... validation accuracy ...`, from the worker that trains it), and
+the sweep prints a line as each run finishes (`[3/24] key: quality (elapsed)`)."""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,10 +57,23 @@ def train_job(job: Job) -> dict[str, Any]:
     train = TaskTrainConfig(steps=setup.steps, batch_size=setup.batch_size, lr=setup.lr,
                             warmup_steps=setup.warmup_steps, eval_every=max(1, setup.steps // setup.evals),
                             seed=job.seed)
+    say(f"  {job.key}: started ({setup.steps} steps)")
     record = train_on_task(task, job.mechanism, job.options, seed=job.seed, train=train, spec=job.spec,
                            validation_sequences=setup.validation_sequences,
-                           test_sequences=setup.test_sequences)
+                           test_sequences=setup.test_sequences,
+                           log=lambda line: say(f"  {job.key}: {_with_total(line, setup.steps)}"))
     return {**record, "task_name": job.task, "task_options": job.task_options}
+
+
+def say(line: str) -> None:
+    """A progress line on stderr, flushed at once (worker processes share the terminal)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def _with_total(line: str, steps: int) -> str:
+    """`step=150 ...` -> `step=150/600 ...` (the run's evaluation lines say how far it is)."""
+    head, _, rest = line.partition(" ")
+    return f"{head}/{steps} {rest}" if head.startswith("step=") else line
 
 
 def _run_one(out: Path, job: Job, threads: int | None) -> tuple[str, dict[str, Any]]:
