@@ -22,8 +22,9 @@ def bench_layers(mechanisms: Sequence[str], lengths: Sequence[int], repeats: int
     for length in lengths:
         for row in _bench_length(names, length, repeats):
             progress(f"  bench T={length} {row['mechanism']}: forward {row['forward_ms']:.1f} ms "
-                     f"({row['forward_vs_full']:.2f}x full), fwd+bwd {row['fwd_bwd_ms']:.1f} ms "
-                     f"({row['fwd_bwd_vs_full']:.2f}x)")
+                     f"(speed-up vs full {1 / row['forward_vs_full']:.2f}), "
+                     f"fwd+bwd {row['fwd_bwd_ms']:.1f} ms "
+                     f"(speed-up {1 / row['fwd_bwd_vs_full']:.2f}; full time / this time, > 1 faster)")
             if row["mechanism"] in mechanisms:
                 rows.append(row)
     return rows
