@@ -37,7 +37,7 @@ def _band_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # int64 offsets: B·H·T·d may pass 2³¹
     b = bh // heads
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < queries
@@ -90,7 +90,7 @@ def _band_backward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # int64 offsets: B·H·T·d may pass 2³¹
     b = bh // heads
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < queries

@@ -36,7 +36,7 @@ def _routed_forward_kernel(
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # int64 offsets: B·H·T·d may pass 2³¹
     b = bh // heads
     h = bh % heads
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -88,7 +88,7 @@ def _routed_backward_kernel(
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # int64 offsets: B·H·T·d may pass 2³¹
     b = bh // heads
     h = bh % heads
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)

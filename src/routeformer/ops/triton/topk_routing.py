@@ -42,7 +42,7 @@ def _route_topk_kernel(
     BLOCK_T: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
-    br = tl.program_id(1)
+    br = tl.program_id(1).to(tl.int64)  # int64 offsets: B·R·T·r may pass 2³¹
     b = br // routing_heads
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < length
@@ -51,7 +51,9 @@ def _route_topk_kernel(
     offs_k = tl.arange(0, KP)
     queries = tl.load(RQ + br * length * dim + rows[:, None] * dim + offs_r[None, :],
                       mask=row_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-    empty = -9223372036854775807 - 1  # below every packed pair
+    # int64 constants built as tensors: a bare 4294967295 would be typed uint32 by the compiler.
+    low_bits = tl.full([BLOCK_T, KP], 4294967295, tl.int64)
+    empty = -9223372036854775807  # below every packed pair (the lowest is key(-inf)·2³²)
     best = tl.full([BLOCK_T, KP], empty, tl.int64)  # sorted descending
     end = num_keys
     if CAUSAL:
@@ -75,7 +77,8 @@ def _route_topk_kernel(
         scores = tl.where(scores == 0.0, 0.0, scores)  # -0.0 and 0.0 are one score
         bits = scores.to(tl.int32, bitcast=True)
         ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
-        packed = (ordered.to(tl.int64) << 32) | (4294967295 - cols[None, :].to(tl.int64))
+        packed = (ordered.to(tl.int64) << 32) | (tl.full([BLOCK_T, TILE], 4294967295, tl.int64)
+                                                  - cols[None, :].to(tl.int64))
         packed = tl.where(row_ok[:, None], packed, empty)
         # Merge only when some query of the block has a pair beating its current K-th best (after
         # the first tiles, most tiles of a long sequence are skipped: the C kernel's threshold).
@@ -91,7 +94,7 @@ def _route_topk_kernel(
                 packed = tl.where(packed == top[:, None], empty, packed)
             best = merged
     ok = (best >> 32) > -2139095041  # above key(-inf), the ordered integer of -inf's bits
-    chosen = tl.where(ok, 4294967295 - (best & 4294967295), 0)
+    chosen = tl.where(ok, low_bits - (best & low_bits), 0)
     out = br * length * slots + rows[:, None] * slots + offs_k[None, :]
     store_ok = row_ok[:, None] & (offs_k < slots)[None, :]
     tl.store(INDEX + out, chosen, mask=store_ok)
