@@ -15,8 +15,8 @@ turns, `median_times`), so the ratios compare like with like on a noisy machine:
 - executed FLOPs: what the op computes for the call, masked work it still computes included
   (ops/*_flops; Flex: its block mask's non-empty 128x128 blocks; top-k: routing products
   2·scored·r plus attention over the K slots); forward only. The fraction of peak divides the
-  op's FLOP/s by a [1024 x 1024] @ [1024 x 1024] matmul's, measured in the same process, same
-  dtype and threads. For fwd+bwd the FLOPs are counted as 3x the forward's (the backward's
+  op's FLOP/s by a [1024 x 1024] @ [1024 x 1024] matmul's, timed in the same rounds, same dtype
+  and threads. For fwd+bwd the FLOPs are counted as 3x the forward's (the backward's
   matmuls are twice the forward's; recomputation not counted), a convention, not a count.
 """
 
@@ -71,13 +71,15 @@ class SuiteRow:
     forward_backward_peak_mib: float | None
 
 
-def matmul_peak_gflops(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
-    """GFLOP/s of a square matmul into a reused buffer (no fresh-allocation page faults)."""
+MATMUL_SIZE = 1024
+
+
+def matmul_call(dtype: torch.dtype, size: int = MATMUL_SIZE) -> Callable[[], object]:
+    """A square matmul into a reused buffer (no fresh-allocation page faults): 2·size³ FLOPs."""
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(size, size, generator=gen).to(dtype) for _ in range(2))
     out = torch.empty(size, size, dtype=dtype)
-    seconds = median_times({"matmul": lambda: torch.matmul(a, b, out=out)}, repeats)["matmul"]
-    return 2 * size**3 / seconds / 1e9
+    return lambda: torch.matmul(a, b, out=out)
 
 
 def _flex_local(length: int, window: int, heads: int, batch: int, head_dim: int) -> tuple[Callable, int]:
@@ -136,11 +138,11 @@ def bench_ops_suite(
     lengths: list[int], *, repeats: int = 5, window: int = 256, batch: int = 1, heads: int = 4,
     head_dim: int = 64, topk: int = 64, routing_dim: int = 16, flex: bool = True,
     progress: Callable[[str], None] = print,
-) -> tuple[list[SuiteRow], dict[str, float]]:
-    """Rows per (length, dtype, op) and the matmul peaks (GFLOP/s per dtype)."""
-    peaks = {name: matmul_peak_gflops(dtype) for name, dtype in DTYPES.items()}
-    progress(f"matmul peak GFLOP/s: {', '.join(f'{k} {v:.0f}' for k, v in peaks.items())}")
-    rows = []
+) -> tuple[list[SuiteRow], dict[str, dict[str, float]]]:
+    """Rows per (length, dtype, op) and the matmul peaks (GFLOP/s per length and dtype). The peak
+    is timed inside the same alternating rounds as the ops (a loaded machine's speed drifts)."""
+    rows, all_peaks = [], {}
+    matmuls = {("matmul", name): matmul_call(dtype) for name, dtype in DTYPES.items()}
     for length in lengths:
         gen = torch.Generator().manual_seed(length)
         base = [torch.randn(batch, heads, length, head_dim, generator=gen) for _ in range(3)]
@@ -148,8 +150,11 @@ def bench_ops_suite(
                       routing_dim=routing_dim, flex=flex)
         inputs = {name: tuple(t.to(dtype) for t in base) for name, dtype in DTYPES.items()}
         leaves = {name: tuple(t.clone().requires_grad_() for t in ts) for name, ts in inputs.items()}
-        forward = median_times({(d, op.name): forward_call(op.run, inputs[d]) for d in DTYPES for op in ops},
-                               repeats)
+        forward = median_times({**matmuls, **{(d, op.name): forward_call(op.run, inputs[d])
+                                              for d in DTYPES for op in ops}}, repeats)
+        peaks = {d: 2 * MATMUL_SIZE**3 / forward[("matmul", d)] / 1e9 for d in DTYPES}
+        all_peaks[str(length)] = peaks
+        progress(f"T={length}: matmul peak GFLOP/s " + ", ".join(f"{d} {v:.0f}" for d, v in peaks.items()))
         both = median_times({(d, op.name): forward_backward_call(op.run, leaves[d])
                              for d in DTYPES for op in ops if op.backward}, repeats)
         for dtype in DTYPES:
@@ -157,7 +162,7 @@ def bench_ops_suite(
                 rows.append(_row(length, dtype, op, forward, both, peaks[dtype], inputs[dtype], leaves[dtype],
                                  flex_name=f"flex local(w={window})", local_name=f"local(w={window})"))
                 progress(format_row(rows[-1]))
-    return rows, peaks
+    return rows, all_peaks
 
 
 def _row(length, dtype, op, forward, both, peak, inputs, leaves, *, flex_name, local_name) -> SuiteRow:
@@ -206,14 +211,17 @@ def format_row(row: SuiteRow) -> str:
         f"{number(row.forward_peak_mib, '.0f')} / {number(row.forward_backward_peak_mib, '.0f')}"]) + " |"
 
 
-def write_report(rows: list[SuiteRow], peaks: dict[str, float], output: Path, command: str) -> None:
+def write_report(rows: list[SuiteRow], peaks: dict[str, dict[str, float]], output: Path,
+                 command: str) -> None:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Ops benchmark", "",
         f"Measured {now} on {machine_description()}. Command: `{command}`. The machine was shared "
         "with other jobs while this ran (loaded): read the ratios, not the times.", "",
-        f"Matmul peak measured in the same process: fp32 {peaks['fp32']:.0f} GFLOP/s, "
-        f"bf16 {peaks['bf16']:.0f} GFLOP/s.", "",
+        "Matmul peak ([1024 x 1024] @ [1024 x 1024], timed in the same alternating rounds as the "
+        "forward passes), GFLOP/s: "
+        + "; ".join(f"T={length}: fp32 {p['fp32']:.0f}, bf16 {p['bf16']:.0f}" for length, p in peaks.items())
+        + ".", "",
         "Conventions (routeformer/bench/ops_suite.py): speed-up = baseline time / op time (> 1: the op "
         "is faster), baseline SDPA or FlexAttention in the same dtype; bf16 speed-up = fp32 time / bf16 "
         "time of the op; FLOPs are the executed forward FLOPs; fwd+bwd % of peak counts 3x the forward "
