@@ -137,8 +137,8 @@ def _setup_line(setup: TaskSetup, seeds: tuple[int, ...]) -> str:
     return (f"Task `listops` ({', '.join(f'{k}={v}' for k, v in setup.options.items())}), bidirectional, "
             f"the answer read at a `?` token; {setup.steps} steps of batch {setup.batch_size}, lr {setup.lr} "
             f"({setup.warmup_steps} warm-up), AdamW + cosine; backbone {SPEC}; seeds {list(seeds)}, every "
-            "mechanism on the same batches per seed. Setup chosen on validation (full, seed 0); test "
-            f"accuracy on {setup.test_sequences} held-out sequences.")
+            "mechanism on the same batches per seed. The setup is `compare --quick`'s ListOps (chosen there "
+            f"on full's validation accuracy); test accuracy on {setup.test_sequences} held-out sequences.")
 
 
 def listops_table(out_dir: Path, quick: bool) -> tuple[list[str], dict[str, Any]]:
