@@ -11,3 +11,7 @@ pytest.importorskip("triton")
 def device() -> str:
     """Where the kernels run: CUDA when present, else CPU tensors in the interpreter."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a long check, run with ROUTEFORMER_SLOW_TESTS=1")
