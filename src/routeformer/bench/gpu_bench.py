@@ -8,7 +8,9 @@ Rows per length T (B, H, d from the command line):
 - `local(w)`: routeformer's `local_attention` (blockwise PyTorch on CUDA: it has no Triton kernel);
 - `topk(K)`: `route_topk` (r = `--routing-dim`) then `routed_attention` — the Triton kernels;
   `topk routing` and `topk attention` time the two halves;
-- `mita causal`: `mita_attention(causal=True, route=2)` — routed experts and merges on Triton.
+- `mita causal`: `mita_attention(causal=True, route=2)` — routed experts and merges on Triton;
+- `expanding causal`: `expanding_attention` with a Beta(1, 20) prior — inference steps in PyTorch
+  (the ring band path), the final pass on Triton.
 
 Ratios are against SDPA flash measured in the same run (implementations alternate, median of
 `--repeats`); peak memory is the CUDA allocator's extra peak for one forward+backward. On a machine
@@ -69,6 +71,7 @@ def _flex_local(length: int, window: int, device: str) -> Callable:
 
 def _mechanisms(length: int, *, window: int, topk: int, routing_dim: int, landmarks: int, block: int,
                 device: str, dtype: torch.dtype, flex: bool, sdpa: bool, batch: int, heads: int):
+    from routeformer.ops.expanding import expanding_attention
     from routeformer.ops.gathered import routed_attention
     from routeformer.ops.local import local_attention
     from routeformer.ops.mita import mita_attention
@@ -97,6 +100,9 @@ def _mechanisms(length: int, *, window: int, topk: int, routing_dim: int, landma
         q, k, v, index.expand(-1, q.shape[1], -1, -1), valid.expand(-1, q.shape[1], -1, -1))[0]
     ops[f"mita causal(E={landmarks},K={topk},R=2)"] = lambda q, k, v: mita_attention(
         q, k, v, landmarks=landmarks, topk=topk, route=2, causal=True, block=block).out
+    # Expanding attention's prior: Beta(1, 20) starts each query at a window of 95 keys (tol 0.01).
+    alpha, beta = (torch.full((heads,), value, device=device) for value in (1.0, 20.0))
+    ops["expanding causal"] = lambda q, k, v: expanding_attention(q, k, v, alpha, beta, causal=True).out
     return ops
 
 
