@@ -26,9 +26,10 @@ def test_experiments_run_at_toy_size_and_share_their_runs(tmp_path, monkeypatch)
         out.mkdir()
         reports[name] = run(out, True).read_text()
     runs = sorted(p.stem for p in (tmp_path / "meta-tokens-runs" / "runs").glob("*.json"))
-    # recall: 3 variants x 2 seeds; ablations adds keep, zero and parallel (its skip row is shared);
-    # finetune adds 2 pre-trainings and 2 fine-tuned variants x 2 seeds (its scratch rows are shared).
-    assert len(runs) == 6 + 6 + 2 + 4, runs
+    # recall: 3 variants x 2 seeds; ablations adds keep, zero, parallel and zeroed pause (its skip
+    # row is shared); finetune adds 2 pre-trainings and 2 fine-tuned variants x 2 seeds (its scratch
+    # rows are shared).
+    assert len(runs) == 6 + 8 + 2 + 4, runs
     assert "test 2×" in reports["recall"] and "shortcut floor" in reports["recall"]
     assert "zeroed" in reports["ablations"] and "pre-trained" in reports["finetune"]
     result = json.loads((tmp_path / "recall" / "result.json").read_text())["results"]["copying"]

@@ -177,6 +177,8 @@ ABLATION_VARIANTS = [
     ("meta, positions keep", {"variant": "meta", "positions": "keep"}),
     ("meta, positions zeroed at meta-tokens (the paper's)", {"variant": "meta", "positions": "zero"}),
     ("meta, parallel shared-Q/K/V form (the earlier layer)", {"variant": "meta_parallel"}),
+    # one change from the zeroed row: the meta-attention removed
+    ("pause (no meta-attention), positions zeroed at meta-tokens", {"variant": "pause", "positions": "zero"}),
 ]
 
 
@@ -190,7 +192,8 @@ def run_ablations(out_dir: Path, quick: bool) -> Path:
     command = "routeformer reproduce meta-tokens-ablations" + (" --quick" if quick else "")
     markdown = "\n".join([
         "# meta-tokens-ablations", "", provenance(command), "", _setup_line(s), "",
-        f"Task: {ABLATION_TASK} {TASK_OPTIONS[ABLATION_TASK]}. Each row changes one thing from the first.",
+        f"Task: {ABLATION_TASK} {TASK_OPTIONS[ABLATION_TASK]}. Each row changes one thing from the first, "
+        "except the last, which changes one thing from the zeroed row.",
         "", line, "", markdown_table(HEADER, rows), ""])
     return write_result(out_dir, {"settings": s.__dict__, "results": results}, markdown)
 
