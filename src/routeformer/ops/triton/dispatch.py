@@ -117,3 +117,31 @@ def expanding_final_pass(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, hor
     out = triton_band_attention(q.reshape(rows, padded, dim), k, v, log_decay.reshape(rows, padded),
                                 horizon.reshape(rows, padded), scale=scale)
     return out.view(-1, block, v.shape[-1])
+
+
+def fused_single_route(q: Tensor, landmark: Tensor, landmark_values: Tensor, landmark_ok: Tensor | None,
+                       expert_keys: Tensor, expert_values: Tensor, expert_valid: Tensor | None,
+                       assignment: Tensor, slot_valid: Tensor, shared: bool,
+                       scale: float) -> tuple[Tensor, int, Tensor]:
+    """`ops.mita_experts.fused_single_route`'s contract (R = 1, bidirectional: (out, FLOPs, bucket
+    counts)) without its per-expert loop of SDPA calls: the routed expert on the gathered kernel, the
+    shared expert's E pairs as one dense [N, E] part, the two merged by the lse-merge kernel — the same
+    softmax over [shared pairs; routed pairs]."""
+    from routeformer.ops.flops import dense_attention_flops
+    from routeformer.ops.mita_experts import attend_part
+    from routeformer.ops.triton.lse_merge import triton_merge_partials
+    from routeformer.ops.triton.mita import triton_routed_parts
+
+    if expert_valid is None:
+        expert_valid = torch.ones(expert_keys.shape[:4], dtype=torch.bool, device=q.device)
+    out, lse, flops, counts = triton_routed_parts(q, expert_keys, expert_values, expert_valid, assignment,
+                                                  slot_valid, scale)
+    out, lse = out[:, :, :, 0], lse[:, :, :, 0]
+    routed = slot_valid[..., :1].to(out.dtype)  # a query routed nowhere returns zeros, as on CPU
+    if not shared:
+        return out * routed, flops, counts
+    allowed = None if landmark_ok is None else landmark_ok[:, None, None, :]
+    shared_part = attend_part(q, landmark, landmark_values, allowed, scale)
+    batch, heads, length, dim = q.shape
+    flops += batch * heads * dense_attention_flops(length * landmark.shape[2], dim, landmark_values.shape[-1])
+    return triton_merge_partials([shared_part, (out, lse)]) * routed, flops, counts
