@@ -126,6 +126,10 @@ def fused_single_route(
     """R = 1, non-causal: each packed block of queries attends, in one fused SDPA call, to the
     concatenation [shared expert's E pairs; its expert's K pairs] — SDPA's online softmax is the
     log-sum-exp merge, done in-kernel. Returns (out [B, H, N, e], FLOPs, bucket counts)."""
+    if triton_dispatch.use_triton(q):  # CUDA: Triton kernels, no per-expert loop (ops/triton)
+        return triton_dispatch.fused_single_route(q, landmark, landmark_values, landmark_ok, expert_keys,
+                                                  expert_values, expert_valid, assignment, slot_valid,
+                                                  shared, scale)
     batch, heads, length, dim = q.shape
     experts, width, value_dim = expert_keys.shape[2], expert_keys.shape[3], expert_values.shape[-1]
     packing = _pack_by_expert(assignment, slot_valid, experts, pack)
