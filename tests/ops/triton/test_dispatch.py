@@ -65,19 +65,28 @@ def test_dispatch_functions_keep_the_ops_contracts(device):
     assert torch.equal(selected_set(index, valid, length), want) and scored > 0
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_mita_through_the_hooks_equals_the_cpu_op(causal):
-    """force_triton() sends routed_parts and merge_partials (inside mita_attention) to the kernels:
-    outputs and gradients equal the CPU op's (what CUDA tensors get, checked on CPU)."""
+@pytest.mark.parametrize("causal,route,shared,padded",
+                         [(True, 2, True, False), (False, 2, True, False), (False, 1, True, True),
+                          (False, 1, False, False)])
+def test_mita_through_the_hooks_equals_the_cpu_op(causal, route, shared, padded):
+    """force_triton() sends routed_parts, merge_partials and (R = 1) fused_single_route inside
+    mita_attention to the kernels: outputs and gradients equal the CPU op's (what CUDA tensors get,
+    checked on CPU)."""
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 40, 8, generator=generator).requires_grad_() for _ in range(3))
-    options = dict(landmarks=4, topk=3, route=2, causal=causal, block=8 if causal else None)
+    q, k, v = (torch.randn(2, 2, 40, 8, generator=generator).requires_grad_() for _ in range(3))
+    mask = None
+    if padded:
+        mask = torch.ones(2, 40, dtype=torch.bool)
+        mask[1, 30:] = False
+    options = dict(landmarks=4, topk=3, route=route, shared=shared, causal=causal, mask=mask,
+                   block=8 if causal else None)
     want = mita_attention(q, k, v, **options)
     with force_triton():
         got = mita_attention(q, k, v, **options)
-    torch.testing.assert_close(got.out, want.out, atol=1e-5, rtol=1e-5)
+    real = 1.0 if mask is None else mask[:, None, :, None].float()  # padded rows may hold anything
+    torch.testing.assert_close(got.out * real, want.out * real, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.expert_load, want.expert_load)
-    weight = torch.randn(want.out.shape, generator=generator)
+    weight = torch.randn(want.out.shape, generator=generator) * real
     for a, b in zip(torch.autograd.grad((got.out * weight).sum(), (q, k, v)),
                     torch.autograd.grad((want.out * weight).sum(), (q, k, v)), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
