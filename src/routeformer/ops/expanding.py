@@ -16,7 +16,8 @@ is p_t V of the last step. Content far back (large expected δ) lowers q and wid
 
 Non-causal (our extension): δ = |i - j| and the horizon is two-sided.
 
-This update (`update="paper"`, the default, and what every experiment of ours used) is **not a
+This update (`update="paper"`, the default; every experiment uses it except the mean-field rows
+of structural-recency) is **not a
 mean-field step and does not converge**: it adds one pseudo-observation of the same edge per
 iteration (α_t = α + t, β_t = β + Σ_s E_s[δ]), so after t steps the posterior counts the single edge
 t times, and it plugs in log(1 - E[q]) instead of E[log(1 - q)]. Its output therefore depends on how
