@@ -35,7 +35,7 @@ class ExpandingAttention(AttentionLayer):
     window); `max_iters` (inference steps); `block` (query block length of the blockwise kernel: keys
     are scored a block at a time, so up to block - 1 keys past a query's horizon are scored too);
     `update` ("paper", the default: the paper's accumulating update, which is not a mean-field step
-    and does not converge — its window depends on `max_iters`; "mean_field": the true
+    and whose output depends on `max_iters`; "mean_field": the true
     coordinate-ascent step, which converges; see `routeformer.ops.expanding`).
     stats: `window_mean`, `window_max` (final horizons), `iterations_mean`, `iterations_max`,
     `score_pairs` (q·k products computed), `score_ops_vs_full` (score_pairs over those of full
