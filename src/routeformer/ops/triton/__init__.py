@@ -5,17 +5,22 @@ One file per kernel, each with its forward and backward wrapped as a `torch.auto
 - `gathered`: attention over each query's gathered keys (top-k routing's exact half, and MiTA's
   routed experts, whose slots are the keys of the experts a query is routed to), returning the
   log-sum-exp with a gradient so partial results can be merged;
-- `topk_routing`: the routing top-K selection (scores in tiles, a running sorted top-K per query);
+- `topk_routing`: the routing top-K selection (scores in tiles, a running top-K per query; no
+  backward: the selection is hard);
 - `lse_merge`: the online-softmax merge of partial results (`merge_partials`), with the gradient
-  through every part's log-sum-exp.
+  through every part's log-sum-exp;
+- `mita`: MiTA's routed experts (`routed_parts`) on the gathered kernel;
+- `band`: the banded pass with a per-query horizon and distance decay (expanding attention's final
+  pass; the causal full/local rows of hard-routed `meta`).
 
 `dispatch` decides: CUDA tensors go to these kernels, CPU tensors stay on the native C kernels and
 the PyTorch ops. Every kernel is tested against the PyTorch reference twin of its op on CPU tensors
-through Triton's interpreter (`TRITON_INTERPRET=1`, tests/ops/triton), and on CUDA where one exists.
+through Triton's interpreter (tests/ops/triton), and on CUDA where one exists; every kernel is also
+compiled for sm_90 in the tests, which needs no GPU.
 
 `triton` is optional (`pip install routeformer[gpu]`): nothing here imports it until a kernel runs,
-so `import routeformer` works without it. `TRITON_INTERPRET`
-is not needed: kernels run interpreted when their tensors are on the CPU (`_common.Kernel`).
+so `import routeformer` works without it. `TRITON_INTERPRET` is not needed: kernels run
+interpreted when their tensors are on the CPU (`_common.Kernel`).
 """
 
 from __future__ import annotations
