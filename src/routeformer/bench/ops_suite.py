@@ -155,11 +155,15 @@ def bench_ops_suite(
         peaks = {d: 2 * MATMUL_SIZE**3 / forward[("matmul", d)] / 1e9 for d in DTYPES}
         all_peaks[str(length)] = peaks
         progress(f"T={length}: matmul peak GFLOP/s " + ", ".join(f"{d} {v:.0f}" for d, v in peaks.items()))
-        both = median_times({(d, op.name): forward_backward_call(op.run, leaves[d])
-                             for d in DTYPES for op in ops if op.backward}, repeats)
+        both = median_times({**matmuls, **{(d, op.name): forward_backward_call(op.run, leaves[d])
+                                           for d in DTYPES for op in ops if op.backward}}, repeats)
+        # The fwd+bwd fractions divide by the peak of their own rounds.
+        peaks_both = {d: 2 * MATMUL_SIZE**3 / both[("matmul", d)] / 1e9 for d in DTYPES}
+        all_peaks[f"{length} fwd+bwd rounds"] = peaks_both
         for dtype in DTYPES:
             for op in ops:
-                rows.append(_row(length, dtype, op, forward, both, peaks[dtype], inputs[dtype], leaves[dtype],
+                rows.append(_row(length, dtype, op, forward, both, (peaks[dtype], peaks_both[dtype]),
+                                 inputs[dtype], leaves[dtype],
                                  flex_name=f"flex local(w={window})", local_name=f"local(w={window})"))
                 progress(format_row(rows[-1]))
     return rows, all_peaks
@@ -169,6 +173,7 @@ def _row(length, dtype, op, forward, both, peak, inputs, leaves, *, flex_name, l
     fwd = forward[(dtype, op.name)]
     fwd_bwd = both.get((dtype, op.name))
     sdpa_both = both[(dtype, "sdpa")]
+    peak, peak_both = peak  # the matmul peaks of the forward rounds and of the fwd+bwd rounds
     rate = op.flops / fwd / 1e9
     return SuiteRow(
         length=length, dtype=dtype, op=op.name, forward_ms=1e3 * fwd,
@@ -183,7 +188,7 @@ def _row(length, dtype, op, forward, both, peak, inputs, leaves, *, flex_name, l
                                        if dtype == "bf16" and fwd_bwd is not None else None),
         forward_gflop=op.flops / 1e9, forward_gflops_per_s=rate, forward_peak_fraction=rate / peak,
         forward_backward_peak_fraction=(None if fwd_bwd is None
-                                        else BACKWARD_FLOPS_FACTOR * op.flops / fwd_bwd / 1e9 / peak),
+                                        else BACKWARD_FLOPS_FACTOR * op.flops / fwd_bwd / 1e9 / peak_both),
         forward_peak_mib=peak_memory_mib(forward_call(op.run, inputs)),
         forward_backward_peak_mib=(peak_memory_mib(forward_backward_call(op.run, leaves)) if op.backward
                                    else None),
@@ -219,7 +224,7 @@ def write_report(rows: list[SuiteRow], peaks: dict[str, dict[str, float]], outpu
         f"Measured {now} on {machine_description()}. Command: `{command}`. The machine was shared "
         "with other jobs while this ran (loaded): read the ratios, not the times.", "",
         "Matmul peak ([1024 x 1024] @ [1024 x 1024], timed in the same alternating rounds as the "
-        "forward passes), GFLOP/s: "
+        "forward passes, and again in the fwd+bwd rounds), GFLOP/s: "
         + "; ".join(f"T={length}: fp32 {p['fp32']:.0f}, bf16 {p['bf16']:.0f}" for length, p in peaks.items())
         + ".", "",
         "Conventions (routeformer/bench/ops_suite.py): speed-up = baseline time / op time (> 1: the op "
