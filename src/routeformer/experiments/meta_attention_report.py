@@ -1,5 +1,5 @@
 """The report of `meta-attention-matched` (meta_attention_matched.py): Markdown tables, a plot and
-result.json with a `summary` that docs/results/claims_meta.md quotes.
+result.json with a `summary` that docs/results/claims.md quotes.
 
 Every number is mean ± sd over seeds (sample sd); differences between two models are taken seed by
 seed (same seed = same batches) and then summarised. The paper's numbers are copied from the
@@ -61,7 +61,7 @@ def criterion(runs: dict[str, list[dict]], name: str, seq_len: int) -> dict[str,
 
 
 def summarise(runs: dict[str, list[dict]], lengths: list[int]) -> dict[str, Any]:
-    """The numbers the report and claims_meta.md quote, per variant and length."""
+    """The numbers the report and claims.md quote, per variant and length."""
     train_len = lengths[0]
     summary: dict[str, Any] = {"parameters": {n: rs[0]["parameters"] for n, rs in runs.items()},
                                "variants": {}}
