@@ -45,10 +45,11 @@ query still iterating or, once fewer than half the queries iterate, over those q
 ring; its backward rebuilds the probabilities from the cache and adds the key and value gradients
 in place, ring by ring.
 
-C kernels (ops/native; causal, unpadded, CPU, fp32/fp64, when a compiler exists), which the op
-prefers: the inference steps run per query over exactly its horizon (expanding_kernels.c,
-vectorised in fp32), the final pass is query-blocked (band_kernels.c) and its backward runs per
-query. The band path above serves padded inputs, GPU, half precision and torch.compile.
+C kernels (ops/native; causal, unpadded, CPU, when a compiler exists; custom ops, so also under
+torch.compile; bf16/fp16 computed in fp32), which the op prefers: the inference steps run per
+query over exactly its horizon (expanding_kernels.c, vectorised in fp32), the final pass is
+query-blocked (band_kernels.c) and its backward runs per query. The band path above serves padded
+and bidirectional inputs and GPU.
 
 Gradients: to q, k, v through the final softmax, and to α, β through the prior of the final step,
 with α_T = α + (steps taken) and β_T = β + Σ_t E_t[δ]; the E_t[δ] of the mean-field iterations are

@@ -4,9 +4,9 @@ Axes: B batch, H heads, T length, M rows, d head dim (even).
 Feature pairs are rotated by angle position · base^(-2i/d), in the "half split" convention
 (feature i paired with feature i + d/2), as GPT-NeoX and Llama do.
 
-On CPU (fp32/fp64, outside torch.compile, when a C compiler exists) `apply_rotary` runs one fused
-pass (ops/native/rotary_kernels.c) forward and backward; `apply_rotary_reference` is its PyTorch
-twin and the fallback.
+On CPU (when a C compiler exists; a custom op, so under torch.compile too; bf16/fp16 computed in
+fp32) `apply_rotary` runs one fused pass (ops/native/rotary_kernels.c) forward and backward;
+`apply_rotary_reference` is its PyTorch twin and the fallback.
 """
 
 from __future__ import annotations

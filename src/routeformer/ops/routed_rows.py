@@ -20,12 +20,12 @@ the dense op's output at those positions; padding slots return zeros. Cost scale
   running state a query needs); the per-row work — intra-chunk quadratic form and the read of the
   prefix state — is done for the packed rows only.
 
-C kernels (ops/native; CPU, fp32/fp64, when a compiler exists): the causal linear rows run as one
-sweep of the running state per (batch, head), forward and backward; causal, unpadded full and
-local rows run a query-blocked banded pass when no gradient is wanted (inference), each row over
-its own keys — its whole prefix (full) or its window (local) — where the chunks read up to the
-chunk's last row. Their FLOPs count what they execute, replayed from the kernels' loops
-(ops/native/kernel_flops.py: whole key tiles and three-row groups).
+C kernels (ops/native custom ops; CPU, bf16/fp16 computed in fp32, when a compiler exists): the
+causal linear rows run as one sweep of the running state per (batch, head), forward and backward;
+causal, unpadded full and local rows run a query-blocked banded pass when no gradient is wanted
+(inference), each row over its own keys — its whole prefix (full) or its window (local) — where
+the chunks read up to the chunk's last row. Their FLOPs count what they execute, replayed from the
+kernels' loops (ops/native/kernel_flops.py: whole key tiles and three-row groups).
 
 `select_rows(route)` turns a bool routing mask [B, T] into (rows, valid). The `*_reference`
 twins score each selected row against every key with an explicit mask.
