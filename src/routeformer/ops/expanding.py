@@ -72,7 +72,7 @@ from torch.autograd.function import once_differentiable
 from routeformer.ops._checks import check_positive, check_qkv
 from routeformer.ops.native import native_kernels
 from routeformer.ops.native.band import NativeBandAttention, expanding_infer_op
-from routeformer.ops.native.kernel_flops import band_attend_flops
+from routeformer.ops.native.kernel_flops import band_attend_flops_tensor
 from routeformer.ops.triton import dispatch as triton_dispatch
 
 DEFAULT_BLOCK = 64
@@ -429,12 +429,15 @@ def _expanding_native(
                  .reshape(rows, length))
     log_decay = _log_decay(per_query(alpha) + steps, per_query(beta) + distance_sum).contiguous()
     out = NativeBandAttention.apply(q_rows, k_rows, v_rows, log_decay, horizon, scale, native)
-    value_pairs = int(horizon.sum())
-    scored_pairs = int(counts[0]) + value_pairs  # the final pass scores its keys again
-    step_entries = int(counts[1]) + value_pairs
     # The final pass as the query-blocked kernel executes it (whole key tiles, three-query groups).
-    final_pass = band_attend_flops(horizon, torch.arange(length).expand(rows, length), dim, v.shape[-1])
-    flops = 2 * dim * int(counts[0]) + final_pass + _STEP_FLOPS_PER_ENTRY * step_entries
+    final_pass = band_attend_flops_tensor(horizon, torch.arange(length).expand(rows, length), dim,
+                                          v.shape[-1])
+    # One host sync for every statistic (each int() would be a graph break under torch.compile).
+    value_pairs, step_scored, step_entries, final_pass = torch.stack(
+        [horizon.sum(), counts[0], counts[1], final_pass]).tolist()
+    scored_pairs = step_scored + value_pairs  # the final pass scores its keys again
+    step_entries = step_entries + value_pairs
+    flops = 2 * dim * step_scored + final_pass + _STEP_FLOPS_PER_ENTRY * step_entries
     return ExpandingOutput(
         out=out.view(batch, heads, length, -1), horizon=horizon.view(batch, heads, length),
         iterations=(steps + 1).view(batch, heads, length), scored_pairs=scored_pairs,

@@ -31,9 +31,15 @@ _FAR = 1 << 62
 def band_attend_flops(horizon: Tensor, positions: Tensor, dim: int, value_dim: int) -> int:
     """Executed FLOPs of `band_attend` with `horizon` [R, M] (0 = an empty slot) and key `positions`
     [R, M] (expand a [B, M] tensor over the heads first)."""
+    return int(band_attend_flops_tensor(horizon, positions, dim, value_dim))
+
+
+def band_attend_flops_tensor(horizon: Tensor, positions: Tensor, dim: int, value_dim: int) -> Tensor:
+    """`band_attend_flops` as a 0-d long tensor, so a caller reads it with its other statistics in
+    one host sync (each int() is a graph break under torch.compile)."""
     rows, queries = horizon.shape
     if rows * queries == 0:
-        return 0
+        return torch.zeros((), dtype=torch.long, device=horizon.device)
     blocks = -(-queries // BAND_QUERY_BLOCK)
     pad = blocks * BAND_QUERY_BLOCK - queries
     horizon = F.pad(horizon, (0, pad)).view(rows, blocks, BAND_QUERY_BLOCK)
@@ -44,12 +50,12 @@ def band_attend_flops(horizon: Tensor, positions: Tensor, dim: int, value_dim: i
     lo, hi = first.amin(-1), last.amax(-1)
     tiles = torch.where(hi >= 0, hi.div(BAND_KEY_TILE, rounding_mode="floor")
                         - lo.div(BAND_KEY_TILE, rounding_mode="floor") + 1, 0)  # no live slot: none
-    scores = 2 * dim * BAND_QUERY_BLOCK * BAND_KEY_TILE * int(tiles.sum())
+    scores = 2 * dim * BAND_QUERY_BLOCK * BAND_KEY_TILE * tiles.sum()
     groups = BAND_QUERY_BLOCK // GROUP
     group_from = first.view(rows, blocks, groups, GROUP).amin(-1)
     group_to = last.view(rows, blocks, groups, GROUP).amax(-1)
     spans = (group_to - group_from + 1).clamp(min=0)
-    return scores + 2 * value_dim * GROUP * int(spans.sum())
+    return scores + 2 * value_dim * GROUP * spans.sum()
 
 
 def linear_rows_flops(rows: Tensor, valid: Tensor, heads: int, dim: int, value_dim: int) -> int:
