@@ -58,7 +58,9 @@ def _opcheck_cases():
     phi_q, phi_k, values, positions, valid_rows = _linear_inputs()
     rows_out = linear_rows_op(phi_q, phi_k, values, positions, valid_rows, 1e-6)
     cos, sin = (t[:, 0, :, :2].contiguous() for t in rotary_angles(torch.arange(6)[None], 4))
-    keys_t = _randn(1, 2, 4, 8).view(1, 2, 1, 4, 8)  # one tile of V=8 keys, transposed
+    tile = native_kernels(torch.zeros(1)).route_topk_chunk()  # the kernel reads whole tiles of keys
+    keys_t = torch.zeros(1, 2, 1, 4, tile, dtype=torch.float64)  # one zero-padded tile, transposed
+    keys_t[:, :, 0, :, :8] = _randn(1, 2, 8, 4, seed=13).transpose(-1, -2)
     return {
         "route_topk": (route_topk_op, (_randn(1, 2, 8, 4), keys_t, None, 2, 8, 3, True, 1, 0), False),
         "routed_attention": (routed_attention_op, (q, k, v, index, valid, 0.5), True),
@@ -163,3 +165,10 @@ def test_compiled_expanding_keeps_the_kernels():
     for grad, expected_grad in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(grad, expected_grad, atol=1e-12, rtol=1e-10)
     assert {"expanding_infer", "band_attention", "band_attention_backward"} <= recorder.ops, recorder.ops
+
+
+def test_route_topk_refuses_tiles_the_kernel_would_read_past():
+    # a tile narrower than the kernel's was read out of bounds (found by opcheck's clones)
+    narrow = _randn(1, 2, 4, 8).view(1, 2, 1, 4, 8)
+    with pytest.raises(ValueError, match="tiles of"):
+        route_topk_op(_randn(1, 2, 8, 4), narrow, None, 2, 8, 3, True, 1, 0)

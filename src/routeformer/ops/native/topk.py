@@ -37,6 +37,11 @@ def route_topk_op(queries: Tensor, keys_t: Tensor, key_mask: Tensor | None, head
     padded); key_mask uint8 [B, S] or None -> (index long [B, R, T, K], valid bool [B, R, T, K]);
     forced keys first in a row, invalid slots point at key 0."""
     batch, routes, length, dim = queries.shape
+    tile = int(library().route_topk_chunk())
+    if keys_t.shape[-1] != tile or keys_t.shape[2] * tile < num_keys:
+        # the kernel reads whole tiles: a narrower one would be read past its end
+        raise ValueError(f"route_topk: keys_t must hold tiles of {tile} keys covering num_keys={num_keys}; "
+                         f"got shape {tuple(keys_t.shape)}")
     queries, keys_t = widened(queries).contiguous(), widened(keys_t).contiguous()
     mask = None if key_mask is None else key_mask.to(torch.uint8).contiguous()
     index = torch.empty(batch, routes, length, slots, dtype=torch.long, device=queries.device)
