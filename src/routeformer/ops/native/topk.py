@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from routeformer.ops import native as _native
 from routeformer.ops.native import compute_dtype, library, native_op, pointer, suffix, widened
 
 
@@ -37,7 +38,7 @@ def route_topk_op(queries: Tensor, keys_t: Tensor, key_mask: Tensor | None, head
     padded); key_mask uint8 [B, S] or None -> (index long [B, R, T, K], valid bool [B, R, T, K]);
     forced keys first in a row, invalid slots point at key 0."""
     batch, routes, length, dim = queries.shape
-    tile = int(library().route_topk_chunk())
+    tile = int(_native.library().route_topk_chunk())  # a query, not a kernel call
     if keys_t.shape[-1] != tile or keys_t.shape[2] * tile < num_keys:
         # the kernel reads whole tiles: a narrower one would be read past its end
         raise ValueError(f"route_topk: keys_t must hold tiles of {tile} keys covering num_keys={num_keys}; "
