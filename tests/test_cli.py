@@ -72,6 +72,18 @@ def test_bench_ops_writes_a_table(tmp_path, capsys):
     assert sdpa["forward_vs_sdpa"] == 1.0 and sdpa["forward_gflop"] > 0
 
 
+def test_bench_compile_takes_a_mechanism_list(tmp_path, capsys):
+    assert main(["bench", "compile", "--lengths", "16", "--mechanisms", "nope"]) == 2
+    assert "--mechanisms: unknown ['nope']" in capsys.readouterr().err
+    output = tmp_path / "compile.md"
+    assert main(["bench", "compile", "--lengths", "16", "--repeats", "1", "--dim", "16", "--heads", "2",
+                 "--mechanisms", "expanding", "--output", str(output)]) == 0
+    rows = json.loads(output.with_suffix(".json").read_text())["rows"]
+    # expanding runs outside the compiled graph: one break, around the op
+    assert [r["mechanism"] for r in rows] == ["expanding"] and rows[0]["breaks"] == 1
+    assert "--mechanisms expanding" in output.read_text()
+
+
 def test_bench_meta_times_soft_and_hard_layers(tmp_path, capsys):
     from routeformer.cli import main
 

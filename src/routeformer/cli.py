@@ -286,7 +286,11 @@ def _bench_compile(args: argparse.Namespace) -> int:
     from routeformer.experiments.compare import BENCH_OPTIONS
     from routeformer.experiments.report import provenance
 
-    mechanisms = sorted(list_attentions(), key=lambda name: name != "full")
+    registered = list(list_attentions())
+    unknown = [name for name in args.mechanisms or [] if name not in registered]
+    if unknown:
+        raise ValueError(f"--mechanisms: unknown {unknown}; registered: {registered}")
+    mechanisms = sorted(args.mechanisms or registered, key=lambda name: name != "full")
     print(HEADER, flush=True)
     rows = []
     for length in args.lengths:
@@ -297,7 +301,8 @@ def _bench_compile(args: argparse.Namespace) -> int:
         output = Path(args.output)
         output.parent.mkdir(parents=True, exist_ok=True)
         lengths = " ".join(map(str, args.lengths))
-        command = f"routeformer bench compile --lengths {lengths} --repeats {args.repeats}"
+        command = f"routeformer bench compile --lengths {lengths} --repeats {args.repeats}" + (
+            f" --mechanisms {' '.join(args.mechanisms)}" if args.mechanisms else "")
         lines = ["# torch.compile benchmark", "",
                  provenance(command) + " Causal layers, "
                  f"D={args.dim}, {args.heads} heads, B=1; local/meta windows 256, top-k 64 keys, MiTA 64 "
@@ -458,6 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=positive_int, default=32, help="generate suite: tokens to sample")
     bench.add_argument("--no-flex", action="store_true",
                        help="ops suite: leave FlexAttention out (compiling it takes seconds)")
+    bench.add_argument("--mechanisms", nargs="+", default=None,
+                       help="compile suite: the mechanisms to compile (default: every registered one)")
     bench.add_argument("--output", default=None, help="write a Markdown table (and JSON beside it)")
 
     reproduce = commands.add_parser("reproduce", help="run a reproduced paper experiment")

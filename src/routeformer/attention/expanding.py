@@ -26,6 +26,16 @@ def _inverse_softplus(value: float) -> float:
     return value + math.log(-math.expm1(-value))
 
 
+@torch.compiler.disable
+def _expanding_outside_compiled_graphs(*args, **kwargs):
+    """`expanding_attention`, run eagerly inside a compiled model (one graph break around it).
+    Compiled, its data-dependent windows and statistics cost more than they gained: the layer's
+    compiled forward+backward ran at 0.80x eager's speed (docs/results/compile.md, T=1024,
+    2026-11-25), so torch.compile compiles the projections around it and leaves the op to its
+    kernels (tests/ops/test_native_ops.py still compiles the op itself)."""
+    return expanding_attention(*args, **kwargs)
+
+
 @register_attention("expanding")
 class ExpandingAttention(AttentionLayer):
     """Expanding attention with a learnable per-head Beta(α, β) prior on the geometric decay.
@@ -70,8 +80,9 @@ class ExpandingAttention(AttentionLayer):
         mask, positions = self.check_inputs(x, mask, positions)
         q, k, v = self.project_qkv(x, positions)
         alpha, beta = self.prior()
-        result = expanding_attention(q, k, v, alpha, beta, tol=self.tol, max_iters=self.max_iters,
-                                     mask=mask, causal=self.causal, block=self.block, update=self.update)
+        result = _expanding_outside_compiled_graphs(
+            q, k, v, alpha, beta, tol=self.tol, max_iters=self.max_iters, mask=mask, causal=self.causal,
+            block=self.block, update=self.update)
         out = self.out_proj(self.merge_heads(result.out, x))
         batch, heads, length, _ = q.shape
         full_pairs = batch * heads * (length * (length + 1) // 2 if self.causal else length * length)
