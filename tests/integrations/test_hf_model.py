@@ -61,6 +61,20 @@ def test_config_mirrors_model_config_and_validates():
         RouteformerConfig.from_model_config(ModelConfig(causal=False))
 
 
+def test_config_defaults_never_drift_from_model_config():
+    # RouteformerConfig repeats ModelConfig's fields for transformers; a field or default changed on
+    # one side only would make from_pretrained build another model than the one trained
+    import dataclasses
+
+    defaults = RouteformerConfig()
+    classifier_only = {"causal", "num_classes", "pooling"}  # a causal LM fixes or ignores these
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in classifier_only:
+            continue
+        expected = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        assert getattr(defaults, f.name) == expected, f.name
+
+
 def test_logits_equal_routeformers_causal_lm():
     model = build("local", CACHED["local"])
     reference = CausalLM(model.config.to_model_config()).eval()
