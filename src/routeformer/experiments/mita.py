@@ -1,5 +1,5 @@
-"""MiTA experiments (issue 4): `routeformer reproduce mita-{digits-vit,lm,speed}`; `mita-listops` and
-`mita-budget` run on the shared tasks layer (experiments/mita_tasks.py).
+"""MiTA experiments (issue 4): `routeformer reproduce mita-{digits-vit,lm,speed}`; `mita-listops` (with
+the budget-at-inference and swap evaluations) runs on the shared tasks layer (experiments/mita_tasks.py).
 
 - mita-digits-vit: a small ViT on scikit-learn's 8×8 digits (64 patches + CLS) and upsampled to
   16×16 (256 + CLS): full, linear, agent, route-only and MiTA at equal budget, 3 seeds.
