@@ -21,6 +21,7 @@ from routeformer.ops.routed_rows import (
 from routeformer.ops.topk_routing import route_topk_reference
 from routeformer.ops.triton import dispatch
 from routeformer.ops.triton.dispatch import force_triton, use_triton
+from tests.ops.triton._checks import assert_same_gradients
 from tests.ops.triton.test_triton_gathered import make_qkv, random_routing
 from tests.ops.triton.test_triton_topk_routing import integer_routing, selected_set
 
@@ -87,9 +88,7 @@ def test_mita_through_the_hooks_equals_the_cpu_op(causal, route, shared, padded)
     torch.testing.assert_close(got.out * real, want.out * real, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.expert_load, want.expert_load)
     weight = torch.randn(want.out.shape, generator=generator) * real
-    for a, b in zip(torch.autograd.grad((got.out * weight).sum(), (q, k, v)),
-                    torch.autograd.grad((want.out * weight).sum(), (q, k, v)), strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_same_gradients(got.out, want.out, weight, (q, k, v))
 
 
 def test_topk_ops_through_the_hooks_equal_the_cpu_ops():
@@ -124,9 +123,7 @@ def test_routed_rows_through_the_hooks_match_the_references(kind):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert flops > 0
     weight = torch.randn(want.shape, generator=generator)
-    for a, b in zip(torch.autograd.grad((got * weight).sum(), (q_rows, k, v)),
-                    torch.autograd.grad((want * weight).sum(), (q_rows, k, v)), strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_same_gradients(got, want, weight, (q_rows, k, v))
 
 
 def test_expanding_final_pass_through_the_hook_equals_the_band_path():
@@ -144,6 +141,4 @@ def test_expanding_final_pass_through_the_hook_equals_the_band_path():
     assert torch.equal(got.horizon, want.horizon)
     weight = torch.randn(want.out.shape, generator=generator)
     leaves = (q, k, v, alpha, beta)
-    for a, b in zip(torch.autograd.grad((got.out * weight).sum(), leaves),
-                    torch.autograd.grad((want.out * weight).sum(), leaves), strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_same_gradients(got.out, want.out, weight, leaves)

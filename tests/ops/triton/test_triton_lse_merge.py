@@ -5,6 +5,7 @@ import torch
 
 from routeformer.ops.attention_lse import MASKED, attention_with_lse_reference, merge_partials
 from routeformer.ops.triton.lse_merge import triton_merge_partials
+from tests.ops.triton._checks import assert_same_gradients
 
 
 def make_parts(device, dtype=torch.float32, count=3, shape=(2, 3, 11, 8), seed=0):
@@ -47,10 +48,7 @@ def test_merging_split_keys_equals_attention_over_all_keys(device):
     whole, _ = attention_with_lse_reference(q, k, v)
     torch.testing.assert_close(merged, whole, atol=1e-5, rtol=1e-5)
     weight = torch.randn_like(whole)
-    got = torch.autograd.grad((merged * weight).sum(), (q, k, v))
-    want = torch.autograd.grad((whole * weight).sum(), (q, k, v))
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_same_gradients(merged, whole, weight, (q, k, v))
 
 
 def test_bf16_parts_within_tolerance(device):

@@ -7,6 +7,7 @@ from routeformer.ops.attention_lse import attention_with_lse_reference, merge_pa
 from routeformer.ops.mita_experts import routed_parts
 from routeformer.ops.triton.lse_merge import triton_merge_partials
 from routeformer.ops.triton.mita import triton_routed_parts
+from tests.ops.triton._checks import assert_same_gradients
 
 
 def expert_inputs(device, routes, seed=0, dtype=torch.float32):
@@ -44,10 +45,7 @@ def test_routed_parts_match_the_cpu_op_values_gradients_and_counts(device, route
     torch.testing.assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-5)
     assert torch.equal(got_counts, want_counts)
     weight = torch.randn_like(want)
-    grads = torch.autograd.grad((got * weight).sum(), (q, keys, values))
-    want_grads = torch.autograd.grad((want * weight).sum(), (q, keys, values))
-    for a, b in zip(grads, want_grads, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_same_gradients(got, want, weight, (q, keys, values))
 
 
 def test_bad_shapes_raise_value_errors(device):
