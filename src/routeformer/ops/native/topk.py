@@ -64,11 +64,12 @@ def _route_topk_fake(queries, keys_t, key_mask, heads, num_keys, slots, causal, 
 def route_topk_scored(rows: int, length: int, stride: int, causal: bool, tile: int, query_tile: int) -> int:
     """The routing products the kernel executes (as it counts them): all `query_tile` rows of a
     query tile, keys up to a whole key tile past the tile's last query (causal) or all keys."""
-    total = 0
-    for start in range(0, length, query_tile):
-        stop = min(length, start + query_tile)
-        total += query_tile * (-(-stop // tile) * tile if causal else stride)
-    return rows * total
+    blocks = -(-length // query_tile)
+    if not causal:
+        return rows * blocks * query_tile * stride
+    # per query tile: its last query's keys rounded up to whole key tiles (no Python loop over T)
+    stops = torch.clamp(torch.arange(1, blocks + 1, dtype=torch.int64) * query_tile, max=length)
+    return rows * query_tile * int(((stops + tile - 1) // tile * tile).sum())
 
 
 # -- attention over the routed keys ---------------------------------------------------------------
