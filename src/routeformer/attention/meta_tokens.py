@@ -125,8 +125,10 @@ class MetaTokensAttention(AttentionLayer):
         meta_rows = self.meta_out_proj(meta_heads.transpose(1, 2).flatten(2))  # [B, M, D]
         # Filler slots (valid False) point at position 0: where(), not a product, keeps them out.
         meta_rows = torch.where(packing.valid[..., None], meta_rows, 0.0)
-        return torch.stack([standard[b].index_add(0, packing.index[b], meta_rows[b])
-                            for b in range(x.shape[0])])
+        batch, length = standard.shape[:2]
+        rows_at = packing.index + torch.arange(batch, device=x.device)[:, None] * length  # flat row ids
+        added = standard.flatten(0, 1).index_add(0, rows_at.flatten(), meta_rows.flatten(0, 1))
+        return added.view_as(standard)
 
     def decode(self, x: Tensor, *, positions: Tensor, cache: dict, meta_mask: Tensor | None = None) -> Tensor:
         """Cached decoding (see AttentionLayer.decode). The cache keeps every token's keys/values and
