@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from routeformer.bench.ops_suite import op_list
 from routeformer.cli import CONFIG_DIR, main
 from routeformer.train.config import RunConfig
 
@@ -70,6 +71,17 @@ def test_bench_ops_writes_a_table(tmp_path, capsys):
     rows = json.loads(output.with_suffix(".json").read_text())["rows"]
     sdpa = next(r for r in rows if r["op"] == "sdpa" and r["dtype"] == "fp32")
     assert sdpa["forward_vs_sdpa"] == 1.0 and sdpa["forward_gflop"] > 0
+
+
+def test_bench_ops_times_only_the_chosen_families(capsys):
+    assert main(["bench", "ops", "--lengths", "64", "--repeats", "1", "--window", "16", "--topk", "4",
+                 "--no-flex", "--ops", "linear"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    ops = {line.split("|")[3].strip() for line in lines if line.startswith("| 64 |")}
+    assert ops == {"sdpa", "linear"}
+    with pytest.raises(ValueError, match="unknown op family \\['dense'\\]; allowed: local, linear, topk"):
+        op_list(64, batch=1, heads=1, head_dim=8, window=16, topk=4, routing_dim=4, flex=False,
+                families=["dense"])
 
 
 def test_bench_compile_takes_a_mechanism_list(tmp_path, capsys):

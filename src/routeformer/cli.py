@@ -463,6 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=positive_int, default=32, help="generate suite: tokens to sample")
     bench.add_argument("--no-flex", action="store_true",
                        help="ops suite: leave FlexAttention out (compiling it takes seconds)")
+    bench.add_argument("--ops", nargs="+", choices=("local", "linear", "topk"), default=None,
+                       help="ops suite: time only these op families beside SDPA (default: all)")
     bench.add_argument("--mechanisms", nargs="+", default=None,
                        help="compile suite: the mechanisms to compile (default: every registered one)")
     bench.add_argument("--output", default=None, help="write a Markdown table (and JSON beside it)")

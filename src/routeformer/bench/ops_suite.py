@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,6 +40,7 @@ from routeformer.ops.linear import linear_attention_flops
 from routeformer.ops.local import local_attention_flops
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+OP_FAMILIES = ("local", "linear", "topk")  # `--ops`: time only these beside SDPA
 BACKWARD_FLOPS_FACTOR = 3  # fwd+bwd FLOPs = 3 x forward (see the module docstring)
 
 
@@ -100,7 +101,12 @@ def _flex_local(length: int, window: int, heads: int, batch: int, head_dim: int)
 
 
 def op_list(length: int, *, batch: int, heads: int, head_dim: int, window: int, topk: int,
-            routing_dim: int, flex: bool = True) -> list[Op]:
+            routing_dim: int, flex: bool = True, families: Sequence[str] | None = None) -> list[Op]:
+    """The timed ops; `families` (a subset of OP_FAMILIES) keeps only those ops beside SDPA (Flex
+    comes with local)."""
+    unknown = sorted(set(families or ()) - set(OP_FAMILIES))
+    if unknown:
+        raise ValueError(f"ops: unknown op family {unknown}; allowed: {', '.join(OP_FAMILIES)}")
     dense_flops = full_attention_flops(batch, heads, length, length, head_dim, causal=True)
     gen = torch.Generator().manual_seed(length + 1)
     route_q, route_k = (torch.randn(batch, heads, length, routing_dim, generator=gen) for _ in range(2))
@@ -131,13 +137,16 @@ def op_list(length: int, *, batch: int, heads: int, head_dim: int, window: int, 
     if flex:
         ops.insert(2, Op(f"flex local(w={window})", *_flex_local(length, window, heads, batch, head_dim),
                          backward=False))
+    if families:
+        ops = [op for op in ops if op.name == "sdpa"
+               or any(op.name.strip().removeprefix("flex ").startswith(f) for f in families)]
     return ops
 
 
 def bench_ops_suite(
     lengths: list[int], *, repeats: int = 5, window: int = 256, batch: int = 1, heads: int = 4,
     head_dim: int = 64, topk: int = 64, routing_dim: int = 16, flex: bool = True,
-    progress: Callable[[str], None] = print,
+    families: Sequence[str] | None = None, progress: Callable[[str], None] = print,
 ) -> tuple[list[SuiteRow], dict[str, dict[str, float]]]:
     """Rows per (length, dtype, op) and the matmul peaks (GFLOP/s per length and dtype). The peak
     is timed inside the same alternating rounds as the ops (a loaded machine's speed drifts)."""
@@ -147,7 +156,7 @@ def bench_ops_suite(
         gen = torch.Generator().manual_seed(length)
         base = [torch.randn(batch, heads, length, head_dim, generator=gen) for _ in range(3)]
         ops = op_list(length, batch=batch, heads=heads, head_dim=head_dim, window=window, topk=topk,
-                      routing_dim=routing_dim, flex=flex)
+                      routing_dim=routing_dim, flex=flex, families=families)
         inputs = {name: tuple(t.to(dtype) for t in base) for name, dtype in DTYPES.items()}
         leaves = {name: tuple(t.clone().requires_grad_() for t in ts) for name, ts in inputs.items()}
         forward = median_times({**matmuls, **{(d, op.name): forward_call(op.run, inputs[d])
@@ -249,12 +258,13 @@ def command_ops(args) -> int:
     rows, peaks = bench_ops_suite(args.lengths, repeats=args.repeats, window=args.window, batch=args.batch,
                                   heads=args.heads, head_dim=args.head_dim, topk=args.topk,
                                   routing_dim=args.routing_dim, flex=not args.no_flex,
-                                  progress=lambda line: print(line, flush=True))
+                                  families=args.ops, progress=lambda line: print(line, flush=True))
     if output is not None:
         command = " ".join([
             "routeformer bench ops --lengths", *map(str, args.lengths), f"--repeats {args.repeats}",
             f"--window {args.window} --batch {args.batch} --heads {args.heads} --head-dim {args.head_dim}",
-            f"--topk {args.topk} --routing-dim {args.routing_dim}", *(["--no-flex"] if args.no_flex else [])])
+            f"--topk {args.topk} --routing-dim {args.routing_dim}", *(["--no-flex"] if args.no_flex else []),
+            *(["--ops", *args.ops] if args.ops else [])])
         write_report(rows, peaks, output, command)
         print(f"wrote {output} and {output.with_suffix('.json')}")
     return 0
