@@ -198,4 +198,36 @@ static inline void weighted_rows3_double(const double *w[3], const double *value
     for (int r = 0; r < 3; r++) weighted_rows_generic_double(w[r], value, stride, n, value_dim, result[r]);
 }
 
+/* bfloat16 storage, float32 arithmetic. A bf16 value is the top half of the float32 with the same
+ * sign, exponent and leading 7 mantissa bits, so widening is a shift; narrowing rounds to nearest
+ * even (what torch's .to(torch.bfloat16) does) and keeps NaNs NaN. Kernels that take bf16 load it
+ * with these, accumulate in float32 and narrow only what they store. */
+static inline float bf16_to_float(uint16_t x) {
+    union { uint32_t bits; float value; } u = {.bits = (uint32_t)x << 16};
+    return u.value;
+}
+static inline uint16_t float_to_bf16(float x) {
+    union { float value; uint32_t bits; } u = {.value = x};
+    if ((u.bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u.bits >> 16) | 0x40u); /* quiet NaN */
+    return (uint16_t)((u.bits + 0x7fffu + ((u.bits >> 16) & 1u)) >> 16);
+}
+#if defined(__AVX512F__)
+/* 16 bf16 -> 16 float32 lanes. */
+static inline __m512 load_bf16_ps(const uint16_t *x) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+/* 16 float32 lanes -> 16 bf16, rounded to nearest even in integer arithmetic. (The AVX-512 BF16
+ * instruction vcvtneps2bf16 flushes subnormal inputs to zero, unlike torch: measured on this CPU,
+ * tests/ops/test_bf16_conversions.py.) */
+static inline void store_bf16_ps(uint16_t *y, __m512 x) {
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(rounded));
+}
+#endif
+
 #endif
