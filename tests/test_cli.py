@@ -84,6 +84,20 @@ def test_bench_ops_times_only_the_chosen_families(capsys):
                 families=["dense"])
 
 
+def test_bench_layers_writes_the_layer_table(tmp_path, capsys):
+    assert main(["bench", "layers", "--lengths", "32", "--mechanisms", "nope"]) == 2
+    assert "--mechanisms: unknown ['nope']" in capsys.readouterr().err
+    output = tmp_path / "layers" / "layers.md"
+    assert main(["bench", "layers", "--lengths", "32", "--repeats", "1", "--mechanisms", "linear",
+                 "--output", str(output)]) == 0
+    text = output.read_text()
+    assert "Command: `routeformer bench layers --lengths 32 --repeats 1 --mechanisms linear" in text
+    rows = json.loads(output.with_suffix(".json").read_text())["rows"]
+    assert [r["mechanism"] for r in rows] == ["full", "linear"]  # full: the baseline's row
+    assert rows[0]["forward_vs_full"] == 1.0 and rows[1]["forward_ms"] > 0
+    assert "| 32 | full | " in text and "| 32 | linear | " in text
+
+
 def test_bench_compile_takes_a_mechanism_list(tmp_path, capsys):
     assert main(["bench", "compile", "--lengths", "16", "--mechanisms", "nope"]) == 2
     assert "--mechanisms: unknown ['nope']" in capsys.readouterr().err

@@ -6,7 +6,7 @@
     routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N]
     routeformer sample RUN_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
     routeformer list
-    routeformer bench ops|topk|structural|meta|mita|meta_tokens|compile|generate|gpu
+    routeformer bench ops|layers|topk|structural|meta|mita|meta_tokens|compile|generate|gpu
                       [--lengths 1024 4096 16384] [--repeats 5] [--window 256] [--output FILE]
     routeformer reproduce NAME [--quick] [--out DIR]      (routeformer reproduce --list)
 """
@@ -198,6 +198,10 @@ def command_bench(args: argparse.Namespace) -> int:
         from routeformer.bench.ops_suite import command_ops
 
         return command_ops(args)
+    if args.suite == "layers":  # whole layers, projections included, against the full layer
+        from routeformer.bench.layers_bench import command_layers
+
+        return command_layers(args)
     if args.suite == "meta":
         return _bench_meta(args, settings)
     if args.suite == "compile":
@@ -441,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     export_hf.add_argument("out_dir", help="new directory for config.json + model.safetensors")
 
     bench = commands.add_parser("bench", help="speed and memory benchmarks")
-    bench.add_argument("suite", choices=["ops", "topk", "structural", "meta", "mita", "meta_tokens",
+    bench.add_argument("suite", choices=["ops", "layers", "topk", "structural", "meta", "mita", "meta_tokens",
                                          "compile", "generate", "gpu"])
     bench.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 4096, 16384])
     bench.add_argument("--repeats", type=positive_int, default=5)
@@ -466,7 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--ops", nargs="+", choices=("local", "linear", "topk"), default=None,
                        help="ops suite: time only these op families beside SDPA (default: all)")
     bench.add_argument("--mechanisms", nargs="+", default=None,
-                       help="compile suite: the mechanisms to compile (default: every registered one)")
+                       help="compile suite: the mechanisms to compile (default: every registered one); "
+                            "layers suite: the ones timed against full (default: local linear topk mita)")
     bench.add_argument("--output", default=None, help="write a Markdown table (and JSON beside it)")
 
     reproduce = commands.add_parser("reproduce", help="run a reproduced paper experiment")
