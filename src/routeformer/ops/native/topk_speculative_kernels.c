@@ -129,7 +129,25 @@ static float flush(const Row *row, const float *query, float *score, int64_t *ke
     return count == cap ? least : -INFINITY;
 }
 
-typedef struct { int64_t *index; uint8_t *valid; float *scores; int64_t *keys; int64_t buffer; } Out;
+/* A block's outputs and per-thread scratch: per query, `buffer` candidate scores and keys and a
+ * bitmap of `tiles` hit masks (bit c of tile t: key t·V + c). */
+typedef struct {
+    int64_t *index; uint8_t *valid; float *scores; int64_t *keys; int64_t buffer; uint16_t *bits; int64_t tiles;
+} Out;
+
+/* Append the keys of the hit masks bits[from..to] to key[count..]; returns the new count. 32
+ * tiles' masks are tested at once: only tiles with hits cost a step. */
+static int64_t list_hits(const uint16_t *bits, int64_t from, int64_t to, int64_t *key, int64_t count) {
+    for (int64_t t = from; t <= to; t += 32) {
+        __mmask32 inside = to - t >= 31 ? 0xFFFFFFFFu : (__mmask32)((1u << (to - t + 1)) - 1);
+        __m512i masks = _mm512_maskz_loadu_epi16(inside, bits + t);
+        for (uint32_t nonzero = _mm512_test_epi16_mask(masks, masks); nonzero; nonzero &= nonzero - 1) {
+            int64_t u = t + __builtin_ctz(nonzero);
+            count = append_keys(key, count, bits[u], u * V);
+        }
+    }
+    return count;
+}
 
 /* Query a's buffer is full: keep its cap best, verify its guess (refuted: stop the query, it is
  * routed again) and raise its prefilter bound to the new threshold. */
@@ -152,11 +170,13 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
                            int64_t local_window, int64_t global_tokens, int64_t i0, int64_t nq,
                            float ratio, float slack, Out *out, float *kth, int64_t *appended, int *failed) {
     int64_t count[QB], rescored[QB], cap[QB], forced[QB], dim = row->dim, keys = row->num_keys;
+    int64_t pending[QB], first_tile[QB]; /* hits in the bitmap from first_tile on, not yet listed */
     float low[QB], spec[QB], margin[QB];
     uint32_t force_all[QB], query_pair[QB][MAX_DIM / 2];
     for (int64_t a = 0; a < QB; a++) {
         low[a] = INFINITY; force_all[a] = 0; count[a] = rescored[a] = 0; cap[a] = 0; failed[a] = 0;
         spec[a] = -INFINITY; margin[a] = INFINITY; kth[a] = -INFINITY; appended[a] = 0; forced[a] = 0;
+        pending[a] = first_tile[a] = 0;
         for (int64_t p = 0; p < row->pairs; p++) query_pair[a][p] = a < nq ? row->query_pairs[(i0 + a) * row->pairs + p] : 0;
         if (a >= nq) continue;
         int64_t i = i0 + a, taken = 0, *row_index = out->index + i * slots;
@@ -197,43 +217,43 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
             hits[a] = _mm512_cmp_ps_mask(acc[a], _mm512_set1_ps(low[a]), _CMP_GT_OQ) | force_all[a];
             any |= hits[a];
         }
-        if (simple && j0 + V <= i0 && j0 + V <= keys) {
-            /* Every key of the tile is eligible for every query: append without a branch per query
-             * (whether a query hits a tile is a coin toss for the branch predictor). */
-            int full = 0;
+        if (any && (!simple || j0 + V > i0 || j0 + V > keys)) /* keys some query may not take */
+            for (int64_t a = 0; a < nq; a++) {
+                uint32_t bits = hits[a];
+                int64_t i = i0 + a, last = causal && i < keys - 1 ? i : keys - 1; /* eligible keys end */
+                if (last < j0 + V - 1) bits &= last < j0 ? 0u : (uint32_t)((1ull << (last - j0 + 1)) - 1);
+                if (!simple)
+                    for (uint32_t left = bits; left; left &= left - 1) {
+                        int64_t j = j0 + __builtin_ctz(left);
+                        if ((mask && !mask[j]) || is_forced(i, j, local_window, global_tokens)) bits &= ~(1u << (j - j0));
+                    }
+                hits[a] = bits;
+            }
+        /* Record the hits in each query's bitmap and count them; keys are listed only at a flush
+         * (whether a query hits a tile is a coin toss: no branch per query here). */
+        int64_t t = j0 / V;
+        int full = 0;
 #pragma GCC unroll 8
-            for (int a = 0; a < QB; a++) {
-                count[a] = append_keys(out->keys + a * out->buffer, count[a], hits[a], j0);
-                full |= count[a] >= out->buffer - V;
-            }
-            if (!full) continue;
-            for (int64_t a = 0; a < nq; a++)
-                if (count[a] >= out->buffer - V) flush_full(row, out, a, i0 + a, cap[a], margin[a], force_all, low,
-                                                             spec, count, rescored, appended, failed);
-            continue;
+        for (int a = 0; a < QB; a++) {
+            out->bits[a * out->tiles + t] = (uint16_t)hits[a];
+            pending[a] += __builtin_popcount(hits[a]);
+            full |= count[a] + pending[a] >= out->buffer - 3 * V;
         }
-        if (!any) continue;
-        for (int64_t a = 0; a < nq; a++) {
-            uint32_t bits = hits[a];
-            if (!bits) continue;
-            int64_t i = i0 + a, last = causal && i < keys - 1 ? i : keys - 1; /* eligible keys end */
-            if (last < j0 + V - 1) bits &= last < j0 ? 0u : (uint32_t)((1ull << (last - j0 + 1)) - 1);
-            int64_t *key = out->keys + a * out->buffer;
-            if (simple) {
-                count[a] = append_keys(key, count[a], bits, j0);
-            } else {
-                for (; bits; bits &= bits - 1) {
-                    int64_t j = j0 + __builtin_ctz(bits);
-                    if (!(mask && !mask[j]) && !is_forced(i, j, local_window, global_tokens)) key[count[a]++] = j;
-                }
+        if (!full) continue;
+        for (int64_t a = 0; a < nq; a++)
+            if (count[a] + pending[a] >= out->buffer - 3 * V) {
+                count[a] = list_hits(out->bits + a * out->tiles, first_tile[a], t, out->keys + a * out->buffer, count[a]);
+                pending[a] = 0;
+                first_tile[a] = t + 1;
+                flush_full(row, out, a, i0 + a, cap[a], margin[a], force_all, low, spec, count, rescored, appended,
+                           failed);
             }
-            if (count[a] >= out->buffer - V) flush_full(row, out, a, i, cap[a], margin[a], force_all, low, spec,
-                                                         count, rescored, appended, failed);
-        }
     }
+    int64_t last_tile = (end + V - 1) / V - 1;
     for (int64_t a = 0; a < nq; a++) {
         int64_t i = i0 + a, *key = out->keys + a * out->buffer;
         if (failed[a]) continue;
+        count[a] = list_hits(out->bits + a * out->tiles, first_tile[a], last_tile, key, count[a]);
         appended[a] += count[a] - rescored[a];
         kth[a] = flush(row, row->queries + i * dim, out->scores + a * out->buffer, key, rescored[a], &count[a], cap[a]);
         if (spec[a] > -INFINITY && !(count[a] == cap[a] && kth[a] >= spec[a])) { failed[a] = 1; continue; }
@@ -329,10 +349,12 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
                     query_pairs + bh * length * pairs, &row[bh]);
     _Pragma("omp parallel num_threads(threads) reduction(+:scored)")
     {
-        /* Per query: 4 slots of candidates, and V spare entries for a whole tile's append. */
-        int64_t buffer = 4 * slots + V;
+        /* Per query: a flush at 4 slots of candidates (buffer - 3V), and spare entries: a tile
+         * adds up to V - 1 beyond that, and listing a tile stores V keys. */
+        int64_t buffer = 4 * slots + 3 * V;
         float *scores = malloc(sizeof(float) * QB * buffer);
         int64_t *buffer_keys = malloc(sizeof(int64_t) * QB * buffer);
+        uint16_t *bits = malloc(sizeof(uint16_t) * QB * (tiles + 1));
         Guess guess = {.bh = -1};
         _Pragma("omp for schedule(dynamic, 8)")
         for (int64_t task = 0; task < rows * blocks; task++) {
@@ -341,7 +363,8 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
                 guess = (Guess){.bh = bh, .ratio = NAN, .slack = 0.25f * row[bh].key_norm};
             guess.last_i0 = i0;
             const uint8_t *mask = key_mask ? key_mask + (bh / heads) * keys : NULL;
-            Out out = {index + bh * length * slots, valid + bh * length * slots, scores, buffer_keys, buffer};
+            Out out = {index + bh * length * slots, valid + bh * length * slots, scores, buffer_keys, buffer, bits,
+                       tiles + 1};
             float kth[QB], kth_one[QB];
             int64_t appended[QB], appended_one[QB];
             int failed[QB], failed_one[QB];
@@ -358,6 +381,7 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
         }
         free(scores);
         free(buffer_keys);
+        free(bits);
     }
     free(key_pairs); free(query_pairs); free(wide_q); free(wide_k); free(row);
     return scored;
