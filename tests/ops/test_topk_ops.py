@@ -14,6 +14,7 @@ from routeformer.ops import (
 )
 from routeformer.ops.gathered import slot_membership
 from routeformer.ops.native import native_kernels
+from routeformer.ops.native.topk import speculative_query_tile
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +33,7 @@ def expected_scored(implementation, length, causal, group, block, rows=2 * 3):
     up to the block's last query (causal) or all keys; the C kernel always scores whole tiles."""
     if implementation == "native":
         lib = native_kernels(torch.zeros(1))
-        group, block = lib.route_topk_chunk(), lib.route_topk_query_tile()
+        group, block = lib.route_topk_chunk(), speculative_query_tile() or lib.route_topk_query_tile()
         padded = -(-length // group) * group
         per_block = [block * (min(-(-(start + block) // group) * group, padded) if causal else padded)
                      for start in range(0, length, block)]

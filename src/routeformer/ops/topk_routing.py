@@ -33,7 +33,12 @@ from torch import Tensor
 
 from routeformer.ops._checks import check_positive
 from routeformer.ops.native import native_kernels
-from routeformer.ops.native.topk import route_topk_op, route_topk_scored
+from routeformer.ops.native.topk import (
+    route_topk_op,
+    route_topk_rows_op,
+    route_topk_scored,
+    speculative_query_tile,
+)
 from routeformer.ops.triton import dispatch as triton_dispatch
 
 DEFAULT_ROUTING_BLOCK = 64
@@ -209,8 +214,18 @@ def _route_topk_native(
     keys first in a row."""
     batch, heads, length, _ = route_q.shape
     num_keys = route_k.shape[2]
-    # [B, R, S' / V, r, V]: tiles of V keys, each transposed (see the kernel's layout note).
     tile = native.route_topk_chunk()
+    query_tile = speculative_query_tile() if route_q.dtype != torch.float64 else 0
+    if query_tile:
+        # float32 and bfloat16 (float16 widened): the speculative kernel, same selection as route_topk_f32
+        if route_q.dtype == torch.float16:
+            route_q, route_k = route_q.float(), route_k.float()
+        mask = None if key_mask is None else key_mask.to(torch.uint8)
+        index, valid = route_topk_rows_op(route_q, route_k, mask, heads, slots, causal, local_window,
+                                          global_tokens)
+        stride = -(-num_keys // tile) * tile
+        return index, valid, route_topk_scored(batch * heads, length, stride, causal, tile, query_tile)
+    # [B, R, S' / V, r, V]: tiles of V keys, each transposed (see the kernel's layout note).
     stride = -(-num_keys // tile) * tile
     keys_t = F.pad(route_k, (0, 0, 0, stride - num_keys)).unflatten(2, (stride // tile, tile))
     keys_t = keys_t.transpose(-1, -2).contiguous()

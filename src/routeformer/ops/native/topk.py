@@ -4,6 +4,9 @@ Axes: B batch, R routing heads (1 when every head shares one routing), H heads, 
 K slots, r routing dim, d key dim, e value dim, V the kernel's key tile.
 
 - `routeformer::route_topk`: each query's K best keys (no gradient: a hard choice).
+- `routeformer::route_topk_rows`: the same selection for float32 and bfloat16 routing vectors by the
+  speculative kernel (topk_speculative_kernels.c: bf16 prefilter, exact fp32 rescoring, verified
+  threshold guesses), which reads bfloat16 as stored.
 - `routeformer::routed_attention`: softmax attention over each query's gathered keys -> (out, lse),
   differentiable in q, k, v through `routeformer::routed_attention_backward`.
 
@@ -14,6 +17,9 @@ the log-sum-exp, which stays in float32 so the backward rebuilds the weights to 
 """
 
 from __future__ import annotations
+
+import ctypes
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -57,6 +63,57 @@ def route_topk_op(queries: Tensor, keys_t: Tensor, key_mask: Tensor | None, head
 
 @route_topk_op.op.register_fake
 def _route_topk_fake(queries, keys_t, key_mask, heads, num_keys, slots, causal, local_window, global_tokens):
+    shape = (*queries.shape[:3], slots)
+    return queries.new_empty(shape, dtype=torch.long), queries.new_empty(shape, dtype=torch.bool)
+
+
+_PTR, _INT = ctypes.c_void_p, ctypes.c_int64
+_SPEC_ARGS = [_PTR, _PTR, ctypes.c_int, _PTR, *[_INT] * 6, ctypes.c_int, _INT, _INT, _PTR, _PTR, ctypes.c_int]
+
+
+@torch.compiler.assume_constant_result  # traced as a constant: no ctypes call inside a graph
+def speculative_query_tile() -> int:
+    """Queries per tile of the speculative routing kernel (topk_speculative_kernels.c), 0 when
+    this CPU lacks AVX-512 BF16 and route_topk_f32 serves float32 and bfloat16 instead."""
+    return _speculative_query_tile()
+
+
+@cache
+def _speculative_query_tile() -> int:
+    loaded = _native.library()  # (not this module's `library`, which tests count as kernel calls)
+    for name in ("route_topk_spec_available", "route_topk_spec_query_tile"):
+        getattr(loaded, name).restype = ctypes.c_int64
+    return int(loaded.route_topk_spec_query_tile()) if loaded.route_topk_spec_available() else 0
+
+
+@native_op("route_topk_rows")
+def route_topk_rows_op(queries: Tensor, keys: Tensor, key_mask: Tensor | None, heads: int, slots: int,
+                       causal: bool, local_window: int, global_tokens: int) -> tuple[Tensor, Tensor]:
+    """The routing of `route_topk_op` (the same selection as its float32 kernel, bit for bit) by the
+    speculative kernel: queries [B, R, T, r], keys [B, R, S, r] row-major, both float32 or both
+    bfloat16 (read as stored: no fp32 copy is made here); key_mask uint8 [B, S] or None.
+    Needs `speculative_query_tile() > 0` and r <= 64."""
+    batch, routes, length, dim = queries.shape
+    if keys.dtype != queries.dtype or queries.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"route_topk_rows: queries and keys must both be float32 or bfloat16; got "
+                         f"{queries.dtype} and {keys.dtype}")
+    queries, keys = queries.contiguous(), keys.contiguous()
+    mask = None if key_mask is None else key_mask.to(torch.uint8).contiguous()
+    index = torch.empty(batch, routes, length, slots, dtype=torch.long, device=queries.device)
+    valid = torch.empty(batch, routes, length, slots, dtype=torch.bool, device=queries.device)
+    function = library().route_topk_spec
+    function.restype, function.argtypes = ctypes.c_int64, _SPEC_ARGS
+    done = function(
+        pointer(queries), pointer(keys), int(queries.dtype == torch.bfloat16), pointer(mask), batch * routes,
+        heads, length, keys.shape[2], dim, slots, int(causal), local_window, global_tokens, pointer(index),
+        valid.data_ptr(), torch.get_num_threads())
+    if done < 0:
+        raise ValueError(f"route_topk_rows: routing dim must be 1..64 on a CPU with AVX-512 BF16; got {dim}")
+    return index, valid
+
+
+@route_topk_rows_op.op.register_fake
+def _route_topk_rows_fake(queries, keys, key_mask, heads, slots, causal, local_window, global_tokens):
     shape = (*queries.shape[:3], slots)
     return queries.new_empty(shape, dtype=torch.long), queries.new_empty(shape, dtype=torch.bool)
 

@@ -1,0 +1,399 @@
+/* Top-k routing selection for float32 and bfloat16 routing vectors (issue 28): the same selection
+ * as route_topk_f32 in topk_kernels.c (same scores, bit for bit, same tie rule), found with far
+ * less work. Loaded by routeformer/ops/native/__init__.py; wrapped by ops/native/topk.py.
+ *
+ * Why: profiled at T=16384 (r=16, K=64, causal), route_topk_f32 spends ~15% of its time on the
+ * score tiles and the rest on candidates: a query starts with no threshold, appends all of its
+ * first 256 keys and then every key above a threshold that lags the true K-th best (674 appends
+ * and 2.7 quickselect flushes per query). Two changes:
+ *
+ * 1. A speculative, verified threshold. Routing scores of one row grow smoothly with the number of
+ *    keys, so a query's K-th best score is well predicted by |q| times the ratio (K-th best / |q|)
+ *    of the block just routed, minus an adaptive slack. A key is a candidate iff its score is
+ *    >= the guess. Exactness is kept by verification: if at least `cap` keys score >= the guess,
+ *    every key of the true top `cap` does too, so all of them were collected; otherwise (rare) the
+ *    query is routed again from scratch without a guess. The slack is tuned per block from the
+ *    candidate counts (too many: shrink; a failure: grow), so speed depends on the data but the
+ *    result never does.
+ * 2. A bfloat16 prefilter with exact rescoring. Tiles are scored with AVX-512 BF16 pair dot
+ *    products (_mm512_dpbf16_ps, ~1.5x the fp32 FMA rate measured here) on bf16 copies; a key
+ *    passes if approx > threshold - margin, where margin bounds |approx - exact| (below), so the
+ *    prefilter never drops a key the exact test keeps. Candidates are rescored exactly (fp32
+ *    FMA chain over d in order, as route_topk_f32's tiles compute it) at each flush.
+ *
+ * Margin: with u = 2^-8 (bf16 rounding), |q~_d k~_d - q_d k_d| <= (2u + u^2)|q_d k_d|; the fp32
+ * sums add <= 2·r·2^-24·Σ|q_d k_d| (r <= 64); Σ|q_d k_d| <= |q|·|k| <= |q|·kmax. So
+ * |approx - exact| < 2^-6·|q|·kmax (a factor ~2 to spare, covering the norms' own rounding), plus
+ * 2^-100·(1 + |q| + kmax) for the instruction's flushing of subnormal inputs and products. Rows
+ * with non-finite or huge values (|q|, kmax >= 2^60) skip the prefilter (every key is rescored).
+ *
+ * Layouts: rq [BR, T, r], rk [BR, S, r] row-major, float32 or bfloat16 (`bf16` = 1); key_mask
+ * [B, S] (1 = real) or NULL; index [BR, T, slots] int64, valid [BR, T, slots] uint8; forced keys
+ * first in a row, as route_topk_f32. Batch of row bh: bh / heads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+float route_topk_keep_best_f32(float *score, int64_t *key, int64_t n, int64_t m); /* topk_kernels.c */
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#define QB 8       /* queries per tile (8 accumulators; 6 and 12 measured no faster) */
+#define V 16       /* keys per tile: one register of fp32 lanes */
+#define MAX_DIM 64
+
+static int64_t refuted_total; /* queries routed again since the library was loaded (tests read it) */
+
+int64_t route_topk_spec_available(void) { return 1; }
+int64_t route_topk_spec_refuted(void) { return refuted_total; }
+int64_t route_topk_spec_query_tile(void) { return QB; }
+
+/* One routing row, prepared once per call: exact fp32 rows and bf16 pairs [tiles, pairs, V]
+ * (pair p of key c: dims 2p (low half) and 2p + 1, as _mm512_dpbf16_ps pairs them). */
+typedef struct {
+    const float *keys, *queries;           /* [S, r], [T, r] fp32 (widened when bf16) */
+    const uint32_t *key_pairs, *query_pairs; /* [tiles, pairs, V], [T, pairs] */
+    float key_norm;                        /* max |k| (rounded up), +inf when unguarded */
+    int64_t num_keys, dim, pairs;
+} Row;
+
+/* Per-thread speculation state: ratio = min over the last block of (K-th best) / |q|. */
+typedef struct { int64_t bh, last_i0; float ratio, slack; } Guess;
+
+static inline float exact_score(const float *q, const float *k, int64_t dim) {
+    float s = 0.0f; /* the lane order of route_topk_f32's tiles: bitwise the same score */
+    for (int64_t d = 0; d < dim; d++) s = fmaf(q[d], k[d], s);
+    return s;
+}
+
+static inline uint32_t pack_pair(uint16_t low, uint16_t high) { return (uint32_t)high << 16 | low; }
+
+static inline int64_t is_forced(int64_t i, int64_t j, int64_t local_window, int64_t global_tokens) {
+    return (j <= i && j > i - local_window) || j < global_tokens;
+}
+
+/* Append keys j0 + c for the set bits c: compress in a register, store 16 (the buffer keeps V
+ * spare entries), advance by the popcount. No branch per key. */
+static inline int64_t append_keys(int64_t *key, int64_t count, uint32_t bits, int64_t j0) {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i picked = _mm512_maskz_compress_epi32((__mmask16)bits, lanes);
+    __m512i base = _mm512_set1_epi64(j0);
+    _mm512_storeu_si512(key + count, _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(picked)), base));
+    _mm512_storeu_si512(key + count + 8,
+                        _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(picked, 1)), base));
+    return count + __builtin_popcount(bits);
+}
+
+/* score[e] = the exact score of candidate key[e], e in [from, count): 8 candidates at a time, so
+ * that 8 independent chains overlap (one at a time, each of the r dependent multiply-adds waits
+ * for the last; measured: a 16-lane gather per dim was slower still). Each chain is exact_score's. */
+static void rescore(const Row *row, const float *query, float *score, const int64_t *key, int64_t from,
+                    int64_t count) {
+    int64_t e = from, dim = row->dim;
+    for (; e + 8 <= count; e += 8) {
+        const float *k[8];
+        float acc[8];
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) { k[c] = row->keys + key[e + c] * dim; acc[c] = 0.0f; }
+        for (int64_t d = 0; d < dim; d++) {
+            float q = query[d];
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) acc[c] = fmaf(q, k[c][d], acc[c]);
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) score[e + c] = acc[c];
+    }
+    for (; e < count; e++) score[e] = exact_score(query, row->keys + key[e] * dim, dim);
+}
+
+/* Rescore candidates [from, *count) exactly, keep the `cap` best (ties: lower key) and set *count
+ * to how many are kept; returns the cap-th best exact score (-inf when fewer than cap). */
+static float flush(const Row *row, const float *query, float *score, int64_t *key, int64_t from,
+                   int64_t *count_at, int64_t cap) {
+    int64_t count = *count_at, kept = from;
+    rescore(row, query, score, key, from, count);
+    for (int64_t e = from; e < count; e++) { /* NaN and -inf never beat route_topk_f32's threshold */
+        float s = score[e];
+        score[kept] = s; key[kept] = key[e]; kept += s > -INFINITY;
+    }
+    count = kept;
+    *count_at = count < cap ? count : cap;
+    if (count > cap) return route_topk_keep_best_f32(score, key, count, cap);
+    float least = INFINITY;
+    for (int64_t e = 0; e < count; e++) least = score[e] < least ? score[e] : least;
+    return count == cap ? least : -INFINITY;
+}
+
+/* A block's outputs and per-thread scratch: per query, `buffer` candidate scores and keys and a
+ * bitmap of `tiles` hit masks (bit c of tile t: key t·V + c). */
+typedef struct {
+    int64_t *index; uint8_t *valid; float *scores; int64_t *keys; int64_t buffer; uint16_t *bits; int64_t tiles;
+} Out;
+
+/* Append the keys of the hit masks bits[from..to] to key[count..]; returns the new count. 32
+ * tiles' masks are tested at once: only tiles with hits cost a step. */
+static int64_t list_hits(const uint16_t *bits, int64_t from, int64_t to, int64_t *key, int64_t count) {
+    for (int64_t t = from; t <= to; t += 32) {
+        __mmask32 inside = to - t >= 31 ? 0xFFFFFFFFu : (__mmask32)((1u << (to - t + 1)) - 1);
+        __m512i masks = _mm512_maskz_loadu_epi16(inside, bits + t);
+        for (uint32_t nonzero = _mm512_test_epi16_mask(masks, masks); nonzero; nonzero &= nonzero - 1) {
+            int64_t u = t + __builtin_ctz(nonzero);
+            count = append_keys(key, count, bits[u], u * V);
+        }
+    }
+    return count;
+}
+
+/* Query a's buffer is full: keep its cap best, verify its guess (refuted: stop the query, it is
+ * routed again) and raise its prefilter bound to the new threshold. */
+static void flush_full(const Row *row, Out *out, int64_t a, int64_t i, int64_t cap, float margin,
+                       uint32_t *force_all, float *low, float *spec, int64_t *count, int64_t *rescored,
+                       int64_t *appended, int *failed) {
+    appended[a] += count[a] - rescored[a];
+    float best = flush(row, row->queries + i * row->dim, out->scores + a * out->buffer,
+                       out->keys + a * out->buffer, rescored[a], &count[a], cap);
+    rescored[a] = count[a];
+    if (spec[a] == -INFINITY || best >= spec[a]) spec[a] = -INFINITY; /* verified: cap keys >= it */
+    else { failed[a] = 1; low[a] = INFINITY; force_all[a] = 0; count[a] = rescored[a] = 0; return; }
+    if (!force_all[a]) low[a] = best - margin;
+}
+
+/* Route queries [i0, i0 + nq) of one row. guess: speculate when ratio is a number. Per query:
+ * kth[a] its cap-th best (-inf when it has fewer), appended[a] its candidate count, failed[a]
+ * when the speculation was refuted (its output rows are then not written). Returns products. */
+static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, int causal,
+                           int64_t local_window, int64_t global_tokens, int64_t i0, int64_t nq,
+                           float ratio, float slack, Out *out, float *kth, int64_t *appended, int *failed) {
+    int64_t count[QB], rescored[QB], cap[QB], forced[QB], dim = row->dim, keys = row->num_keys;
+    int64_t pending[QB], first_tile[QB]; /* hits in the bitmap from first_tile on, not yet listed */
+    float low[QB], spec[QB], margin[QB];
+    uint32_t force_all[QB], query_pair[QB][MAX_DIM / 2];
+    for (int64_t a = 0; a < QB; a++) {
+        low[a] = INFINITY; force_all[a] = 0; count[a] = rescored[a] = 0; cap[a] = 0; failed[a] = 0;
+        spec[a] = -INFINITY; margin[a] = INFINITY; kth[a] = -INFINITY; appended[a] = 0; forced[a] = 0;
+        pending[a] = first_tile[a] = 0;
+        for (int64_t p = 0; p < row->pairs; p++) query_pair[a][p] = a < nq ? row->query_pairs[(i0 + a) * row->pairs + p] : 0;
+        if (a >= nq) continue;
+        int64_t i = i0 + a, taken = 0, *row_index = out->index + i * slots;
+        int64_t first = local_window > 0 ? (i - local_window + 1 > 0 ? i - local_window + 1 : 0) : i + 1;
+        for (int64_t j = 0; j < global_tokens && j < keys && taken < slots; j++)
+            if ((!causal || j <= i) && (!mask || mask[j]) && !(j <= i && j >= first)) row_index[taken++] = j;
+        for (int64_t j = first; j <= i && j < keys && taken < slots; j++)
+            if (!mask || mask[j]) row_index[taken++] = j;
+        forced[a] = taken;
+        cap[a] = slots - taken;
+        const float *query = row->queries + i * dim;
+        float norm = sqrtf(exact_score(query, query, dim)) * (1.0f + 0x1p-20f);
+        if (norm != norm) continue; /* a NaN query scores NaN: no routed key, as route_topk_f32 */
+        int guarded = norm < 0x1p60f && row->key_norm < 0x1p60f;
+        margin[a] = guarded ? 0x1p-6f * norm * row->key_norm + 0x1p-100f * (1.0f + norm + row->key_norm) : INFINITY;
+        force_all[a] = guarded || slots == forced[a] ? 0 : 0xFFFFu; /* unguarded: approx may be inf or NaN */
+        /* Speculate only where the guess can hold: enough eligible keys beyond the forced ones. */
+        int64_t eligible = causal ? i + 1 : keys;
+        spec[a] = (ratio == ratio && guarded && eligible - taken >= 2 * cap[a]) ? norm * (ratio - slack) : -INFINITY;
+        if (cap[a] > 0) low[a] = guarded ? spec[a] - margin[a] : -INFINITY;
+    }
+    int simple = !mask && local_window == 0 && global_tokens == 0;
+    int64_t end = causal ? i0 + nq : keys, tile_size = row->pairs * V;
+    for (int64_t j0 = 0; j0 < end; j0 += V) {
+        const uint32_t *tile = row->key_pairs + (j0 / V) * tile_size;
+        __m512 acc[QB];
+#pragma GCC unroll 8
+        for (int a = 0; a < QB; a++) acc[a] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < row->pairs; p++) {
+            __m512bh key = (__m512bh)_mm512_loadu_si512(tile + p * V);
+#pragma GCC unroll 8
+            for (int a = 0; a < QB; a++)
+                acc[a] = _mm512_dpbf16_ps(acc[a], (__m512bh)_mm512_set1_epi32((int)query_pair[a][p]), key);
+        }
+        uint32_t hits[QB], any = 0; /* bit c of hits[a]: key j0 + c passes query a's prefilter */
+#pragma GCC unroll 8
+        for (int a = 0; a < QB; a++) {
+            hits[a] = _mm512_cmp_ps_mask(acc[a], _mm512_set1_ps(low[a]), _CMP_GT_OQ) | force_all[a];
+            any |= hits[a];
+        }
+        if (any && (!simple || j0 + V > i0 || j0 + V > keys)) /* keys some query may not take */
+            for (int64_t a = 0; a < nq; a++) {
+                uint32_t bits = hits[a];
+                int64_t i = i0 + a, last = causal && i < keys - 1 ? i : keys - 1; /* eligible keys end */
+                if (last < j0 + V - 1) bits &= last < j0 ? 0u : (uint32_t)((1ull << (last - j0 + 1)) - 1);
+                if (!simple)
+                    for (uint32_t left = bits; left; left &= left - 1) {
+                        int64_t j = j0 + __builtin_ctz(left);
+                        if ((mask && !mask[j]) || is_forced(i, j, local_window, global_tokens)) bits &= ~(1u << (j - j0));
+                    }
+                hits[a] = bits;
+            }
+        /* Record the hits in each query's bitmap and count them; keys are listed only at a flush
+         * (whether a query hits a tile is a coin toss: no branch per query here). */
+        int64_t t = j0 / V;
+        int full = 0;
+#pragma GCC unroll 8
+        for (int a = 0; a < QB; a++) {
+            out->bits[a * out->tiles + t] = (uint16_t)hits[a];
+            pending[a] += __builtin_popcount(hits[a]);
+            full |= count[a] + pending[a] >= out->buffer - 3 * V;
+        }
+        if (!full) continue;
+        for (int64_t a = 0; a < nq; a++)
+            if (count[a] + pending[a] >= out->buffer - 3 * V) {
+                count[a] = list_hits(out->bits + a * out->tiles, first_tile[a], t, out->keys + a * out->buffer, count[a]);
+                pending[a] = 0;
+                first_tile[a] = t + 1;
+                flush_full(row, out, a, i0 + a, cap[a], margin[a], force_all, low, spec, count, rescored, appended,
+                           failed);
+            }
+    }
+    int64_t last_tile = (end + V - 1) / V - 1;
+    for (int64_t a = 0; a < nq; a++) {
+        int64_t i = i0 + a, *key = out->keys + a * out->buffer;
+        if (failed[a]) continue;
+        count[a] = list_hits(out->bits + a * out->tiles, first_tile[a], last_tile, key, count[a]);
+        appended[a] += count[a] - rescored[a];
+        kth[a] = flush(row, row->queries + i * dim, out->scores + a * out->buffer, key, rescored[a], &count[a], cap[a]);
+        if (spec[a] > -INFINITY && !(count[a] == cap[a] && kth[a] >= spec[a])) { failed[a] = 1; continue; }
+        int64_t *row_index = out->index + i * slots, filled = forced[a];
+        uint8_t *row_valid = out->valid + i * slots;
+        for (int64_t e = 0; e < count[a]; e++) row_index[filled++] = key[e];
+        for (int64_t e = 0; e < filled; e++) row_valid[e] = 1;
+        for (int64_t e = filled; e < slots; e++) { row_index[e] = 0; row_valid[e] = 0; }
+    }
+    return QB * ((end + V - 1) / V * V);
+}
+
+/* Pack one row: fp32 rows (widened when bf16), bf16 pairs of keys (zero-padded tiles) and of
+ * queries, the guard's max key norm. */
+static void prepare_row(const void *rq, const void *rk, int bf16, int64_t length, int64_t keys, int64_t dim,
+                        float *wide_q, float *wide_k, uint32_t *key_pairs, uint32_t *query_pairs, Row *row) {
+    int64_t pairs = (dim + 1) / 2;
+    const float *qf = bf16 ? wide_q : rq, *kf = bf16 ? wide_k : rk;
+    for (int pass = 0; pass < 2; pass++) {
+        int64_t n = pass ? keys : length;
+        const uint16_t *half = pass ? rk : rq;
+        const float *full = pass ? kf : qf;
+        float *wide = pass ? wide_k : wide_q;
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t p = 0; p < pairs; p++) {
+                int64_t d = 2 * p;
+                uint16_t low, high = 0;
+                if (bf16) {
+                    low = half[t * dim + d];
+                    wide[t * dim + d] = bf16_to_float(low);
+                    if (d + 1 < dim) { high = half[t * dim + d + 1]; wide[t * dim + d + 1] = bf16_to_float(high); }
+                } else {
+                    low = float_to_bf16(full[t * dim + d]);
+                    if (d + 1 < dim) high = float_to_bf16(full[t * dim + d + 1]);
+                }
+                uint32_t pair = pack_pair(low, high);
+                if (pass) key_pairs[(t / V) * pairs * V + p * V + t % V] = pair;
+                else query_pairs[t * pairs + p] = pair;
+            }
+    }
+    double largest = 0;
+    for (int64_t t = 0; t < keys; t++) {
+        double sum = 0;
+        for (int64_t d = 0; d < dim; d++) sum += (double)kf[t * dim + d] * kf[t * dim + d];
+        largest = sum > largest || sum != sum ? sum : largest; /* NaN sticks */
+    }
+    float norm = (float)(sqrt(largest) * (1 + 0x1p-20));
+    *row = (Row){.keys = kf, .queries = qf, .key_pairs = key_pairs, .query_pairs = query_pairs,
+                 .key_norm = norm < 0x1p60f ? norm : INFINITY, .num_keys = keys, .dim = dim, .pairs = pairs};
+}
+
+/* The next guess from a routed block: ratio = min (K-th best / |q|) over the block's queries that
+ * kept their guess or had none; slack shrinks while candidates run above 2.5 x cap, grows by half
+ * below 1.25 x cap and doubles on a refuted guess (whose query is routed again). */
+static void update_guess(Guess *guess, const Row *row, int64_t i0, int64_t nq, const float *kth,
+                         const int64_t *appended, const int *failed, int64_t slots) {
+    float ratio = NAN;
+    int64_t total = 0, refuted = 0;
+    for (int64_t a = 0; a < nq; a++) {
+        const float *query = row->queries + (i0 + a) * row->dim;
+        float norm = sqrtf(exact_score(query, query, row->dim));
+        refuted += failed[a];
+        total += appended[a];
+        if (!failed[a] && norm > 0 && isfinite(kth[a])) {
+            float r = kth[a] / norm;
+            ratio = ratio == ratio && ratio < r ? ratio : r;
+        }
+    }
+    if (guess->ratio == guess->ratio) {
+        if (refuted) guess->slack = 2 * guess->slack + 0x1p-10f * row->key_norm;
+        else if (total > 5 * nq * slots / 2) guess->slack *= 0.75f;
+        else if (total < 5 * nq * slots / 4) guess->slack *= 1.5f;
+    }
+    guess->ratio = ratio;
+}
+
+int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t *key_mask, int64_t rows,
+                        int64_t heads, int64_t length, int64_t keys, int64_t dim, int64_t slots, int causal,
+                        int64_t local_window, int64_t global_tokens, int64_t *index, uint8_t *valid, int threads) {
+    if (dim > MAX_DIM || dim < 1) return -1;
+    int64_t pairs = (dim + 1) / 2, tiles = (keys + V - 1) / V, blocks = (length + QB - 1) / QB, scored = 0;
+    size_t element = bf16 ? 2 : 4;
+    uint32_t *key_pairs = calloc((size_t)(rows * tiles * pairs * V), sizeof(uint32_t));
+    uint32_t *query_pairs = malloc((size_t)(rows * length * pairs) * sizeof(uint32_t) + 1);
+    float *wide_q = bf16 ? malloc((size_t)(rows * length * dim) * sizeof(float) + 1) : NULL;
+    float *wide_k = bf16 ? malloc((size_t)(rows * keys * dim) * sizeof(float) + 1) : NULL;
+    Row *row = malloc(sizeof(Row) * (size_t)rows);
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int64_t bh = 0; bh < rows; bh++)
+        prepare_row((const char *)rq + bh * length * dim * element, (const char *)rk + bh * keys * dim * element,
+                    bf16, length, keys, dim, bf16 ? wide_q + bh * length * dim : NULL,
+                    bf16 ? wide_k + bh * keys * dim : NULL, key_pairs + bh * tiles * pairs * V,
+                    query_pairs + bh * length * pairs, &row[bh]);
+    _Pragma("omp parallel num_threads(threads) reduction(+:scored)")
+    {
+        /* Per query: a flush at 4 slots of candidates (buffer - 3V), and spare entries: a tile
+         * adds up to V - 1 beyond that, and listing a tile stores V keys. */
+        int64_t buffer = 4 * slots + 3 * V;
+        float *scores = malloc(sizeof(float) * QB * buffer);
+        int64_t *buffer_keys = malloc(sizeof(int64_t) * QB * buffer);
+        uint16_t *bits = malloc(sizeof(uint16_t) * QB * (tiles + 1));
+        Guess guess = {.bh = -1};
+        _Pragma("omp for schedule(dynamic, 8)")
+        for (int64_t task = 0; task < rows * blocks; task++) {
+            int64_t bh = task / blocks, i0 = (task % blocks) * QB, nq = length - i0 < QB ? length - i0 : QB;
+            if (bh != guess.bh || i0 < guess.last_i0) /* a new row, or back to its start: no guess yet */
+                guess = (Guess){.bh = bh, .ratio = NAN, .slack = 0.25f * row[bh].key_norm};
+            guess.last_i0 = i0;
+            const uint8_t *mask = key_mask ? key_mask + (bh / heads) * keys : NULL;
+            Out out = {index + bh * length * slots, valid + bh * length * slots, scores, buffer_keys, buffer, bits,
+                       tiles + 1};
+            float kth[QB], kth_one[QB];
+            int64_t appended[QB], appended_one[QB];
+            int failed[QB], failed_one[QB];
+            scored += route_block(&row[bh], mask, slots, causal, local_window, global_tokens, i0, nq,
+                                  isfinite(guess.slack) ? guess.ratio : NAN, guess.slack, &out, kth, appended, failed);
+            for (int64_t a = 0; a < nq; a++)
+                if (failed[a]) { /* the guess was too high: route this query again without one */
+                    _Pragma("omp atomic")
+                    refuted_total++;
+                    scored += route_block(&row[bh], mask, slots, causal, local_window, global_tokens, i0 + a, 1,
+                                          NAN, 0, &out, kth_one, appended_one, failed_one);
+                }
+            update_guess(&guess, &row[bh], i0, nq, kth, appended, failed, slots);
+        }
+        free(scores);
+        free(buffer_keys);
+        free(bits);
+    }
+    free(key_pairs); free(query_pairs); free(wide_q); free(wide_k); free(row);
+    return scored;
+}
+
+#else /* no AVX-512 BF16: ops/native/topk.py uses route_topk_f32 */
+int64_t route_topk_spec_available(void) { return 0; }
+int64_t route_topk_spec_refuted(void) { return 0; }
+int64_t route_topk_spec_query_tile(void) { return 1; }
+int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t *key_mask, int64_t rows,
+                        int64_t heads, int64_t length, int64_t keys, int64_t dim, int64_t slots, int causal,
+                        int64_t local_window, int64_t global_tokens, int64_t *index, uint8_t *valid, int threads) {
+    return -1;
+}
+#endif

@@ -1,0 +1,139 @@
+"""The speculative routing kernel (ops/native/topk_speculative_kernels.c) for float32 and bfloat16.
+
+float32: the same selection as the tiled float32 kernel (route_topk_f32), row for row, on inputs
+that exercise its guesses, flushes, refuted guesses and unguarded rows. bfloat16: read as stored,
+it selects exactly what float32 selects on the widened values, and against the fp64 scores of the
+unrounded vectors each selected key is within the stated tolerance of the K-th best."""
+
+import ctypes
+
+import pytest
+import torch
+
+from routeformer.ops import route_topk, route_topk_reference
+from routeformer.ops.gathered import slot_membership
+from routeformer.ops.native import library, native_kernels
+from routeformer.ops.native.topk import route_topk_op, route_topk_rows_op, speculative_query_tile
+
+pytestmark = pytest.mark.skipif(native_kernels(torch.zeros(1)) is None or not speculative_query_tile(),
+                                reason="no C compiler, or no AVX-512 BF16 on this CPU")
+
+
+def _tiled(route_k: torch.Tensor) -> torch.Tensor:
+    """The key layout of route_topk_op (tiles of V keys, each transposed, zero-padded)."""
+    tile = native_kernels(route_k).route_topk_chunk()
+    padded = -(-route_k.shape[2] // tile) * tile
+    keys = torch.nn.functional.pad(route_k, (0, 0, 0, padded - route_k.shape[2]))
+    return keys.unflatten(2, (padded // tile, tile)).transpose(-1, -2).contiguous()
+
+
+def _both(route_q, route_k, slots, causal=True, key_mask=None, local_window=0, global_tokens=0):
+    """(membership by the speculative kernel, by route_topk_f32), bool [B, R, T, S]."""
+    mask = None if key_mask is None else key_mask.to(torch.uint8)
+    heads, num_keys = route_q.shape[1], route_k.shape[2]
+    fast = route_topk_rows_op(route_q, route_k, mask, heads, slots, causal, local_window, global_tokens)
+    tiled = route_topk_op(route_q.float(), _tiled(route_k.float()), mask, heads, num_keys, slots, causal,
+                          local_window, global_tokens)
+    return slot_membership(*fast, route_k.shape[2]), slot_membership(*tiled, route_k.shape[2])
+
+
+def _refuted() -> int:
+    function = library().route_topk_spec_refuted
+    function.restype = ctypes.c_int64
+    return int(function())
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("local_window, global_tokens, masked", [(0, 0, False), (5, 3, True)])
+def test_float32_selects_what_the_tiled_kernel_selects(causal, local_window, global_tokens, masked):
+    gen = torch.Generator().manual_seed(0)
+    route_q, route_k = (torch.randn(2, 2, 1200, 16, generator=gen) for _ in range(2))
+    key_mask = None
+    if masked:
+        key_mask = torch.rand(2, 1200, generator=gen) > 0.1
+    fast, tiled = _both(route_q, route_k, 40, causal, key_mask, local_window, global_tokens)
+    assert torch.equal(fast, tiled)
+
+
+def test_refuted_guesses_are_routed_again_exactly():
+    """Keys along one axis and queries that alternate between it and a perpendicular one: the
+    K-th best / |q| ratio jumps between blocks, so guesses fail and those queries are redone."""
+    gen = torch.Generator().manual_seed(1)
+    route_k = torch.randn(1, 1, 2000, 8, generator=gen) * torch.tensor([10.0, *[0.1] * 7])
+    route_q = torch.randn(1, 1, 2000, 8, generator=gen)
+    route_q[..., (torch.arange(2000) // 40) % 2 == 1, 0] = 0.0
+    before = _refuted()
+    fast, tiled = _both(route_q, route_k, 24)
+    assert _refuted() > before
+    assert torch.equal(fast, tiled)
+
+
+def test_ties_odd_dims_and_the_float32_reference():
+    """Repeated keys tie exactly (the lower index wins), r = 5 has a half-empty bf16 pair, and
+    small-integer vectors score exactly in every dtype, so the reference must agree."""
+    gen = torch.Generator().manual_seed(2)
+    route_q = torch.randint(-3, 4, (1, 2, 700, 5), generator=gen).float()
+    route_k = torch.randint(-3, 4, (1, 2, 700, 5), generator=gen).float()
+    fast, tiled = _both(route_q, route_k, 20)
+    assert torch.equal(fast, tiled)
+    assert torch.equal(fast, route_topk_reference(route_q.double(), route_k.double(), 20, causal=True))
+    fast_bf16, _ = _both(route_q.bfloat16(), route_k.bfloat16(), 20)
+    assert torch.equal(fast_bf16, fast)
+
+
+def test_huge_and_nan_values_take_the_unguarded_path():
+    gen = torch.Generator().manual_seed(3)
+    route_q, route_k = (torch.randn(1, 1, 300, 6, generator=gen) for _ in range(2))
+    route_k[0, 0, 7] = 3e37  # beyond the prefilter's guard: every key is rescored exactly
+    route_q[0, 0, 100] = float("nan")  # a NaN query routes no key (forced keys only)
+    fast, tiled = _both(route_q, route_k, 10, local_window=2)
+    assert torch.equal(fast, tiled)
+    assert fast[0, 0, 100].sum() == 2
+
+
+def test_bfloat16_is_read_as_stored_and_within_tolerance_of_fp64():
+    """bf16 routing vectors select exactly the fp32 selection of their widened values. Against the
+    fp64 scores s of the unrounded fp32 vectors, rounding moves a score by at most
+    (2^-7 + 2^-16)·|q|·|k| (two bf16 roundings of relative 2^-8), so each selected key scores
+    >= the K-th best fp64 score - 2·(2^-7 + 2^-16)·|q|·max|k|."""
+    gen = torch.Generator().manual_seed(4)
+    route_q, route_k = (torch.randn(1, 2, 900, 16, generator=gen) for _ in range(2))
+    slots = 32
+    bf16_q, bf16_k = route_q.bfloat16(), route_k.bfloat16()
+    fast, tiled = _both(bf16_q, bf16_k, slots)
+    assert torch.equal(fast, tiled)
+    index, valid, _ = route_topk(bf16_q, bf16_k, slots, causal=True)
+    assert torch.equal(slot_membership(index, valid, 900), fast)  # route_topk takes this kernel
+    scores = route_q.double() @ route_k.double().transpose(-1, -2)
+    scores = scores.masked_fill(torch.ones(900, 900, dtype=torch.bool).triu(1), float("-inf"))
+    kth_best = scores.topk(slots, dim=-1).values[..., -1:]
+    tolerance = 2 * (2**-7 + 2**-16) * route_q.double().norm(dim=-1, keepdim=True) \
+        * route_k.double().norm(dim=-1).amax(dim=-1)[..., None, None]
+    selected = scores.masked_fill(~fast, float("inf"))
+    assert bool((selected >= kth_best - tolerance).all())
+    # the tolerance is needed (bf16 does swap near-ties) but the sets mostly agree
+    exact = route_topk_reference(route_q.double(), route_k.double(), slots, causal=True)
+    agreement = (fast & exact).sum() / exact.sum()
+    assert agreement > 0.95
+
+
+def test_float16_routes_through_float32():
+    gen = torch.Generator().manual_seed(5)
+    route_q, route_k = (torch.randn(1, 1, 200, 8, generator=gen).half() for _ in range(2))
+    index, valid, _ = route_topk(route_q, route_k, 12, causal=True)
+    expected = route_topk_reference(route_q.float(), route_k.float(), 12, causal=True)
+    assert torch.equal(slot_membership(index, valid, 200), expected)
+
+
+def test_bad_arguments_raise_value_errors():
+    queries = torch.randn(1, 1, 8, 4)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        route_topk_rows_op(queries, queries.double(), None, 1, 3, True, 0, 0)
+    with pytest.raises(ValueError, match="routing dim"):
+        route_topk_rows_op(torch.randn(1, 1, 8, 65), torch.randn(1, 1, 8, 65), None, 1, 3, True, 0, 0)
+
+
+def test_opcheck():
+    gen = torch.Generator().manual_seed(6)
+    route_q, route_k = (torch.randn(1, 2, 20, 4, generator=gen) for _ in range(2))
+    torch.library.opcheck(route_topk_rows_op.op, (route_q, route_k, None, 2, 5, True, 1, 0))
