@@ -20,6 +20,7 @@ from routeformer.ops._checks import check_positive, check_qkv
 from routeformer.ops.block_attention import blockwise_sdpa
 from routeformer.ops.flops import dense_attention_flops
 from routeformer.ops.full import masked_attention_reference
+from routeformer.ops.native import native_kernels
 
 
 def _in_window(offset: Tensor, window: int, causal: bool) -> Tensor:
@@ -76,6 +77,8 @@ def local_attention(
     """
     check_qkv(q, k, v, mask, causal=True)  # a window needs queries and keys on one axis
     check_positive("window", window)
+    if block is None and (native := _native_local(q, k, v, mask)) is not None:
+        return native(q, k, v, mask, window, causal, scale)
     block = default_block(window) if block is None else block
     check_positive("block", block)
     batch, heads, length, _ = q.shape
@@ -96,6 +99,33 @@ def local_attention(
         scale,
     )
     return out.reshape(batch, heads, blocks * block, -1)[:, :, :length]
+
+
+def _native_local(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None):
+    """The C kernel's caller if it serves these tensors (CPU, one float dtype, non-empty, kernels
+    on and built with AVX-512), else None: the blockwise PyTorch path below runs."""
+    if q.numel() == 0 or not (q.dtype == k.dtype == v.dtype) or q.dtype == torch.float64:
+        return None
+    if native_kernels(q, k, v) is None:
+        return None
+    from routeformer.ops.native.local import local_kernel_available
+
+    return _local_native if local_kernel_available() else None
+
+
+def _local_native(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, window: int, causal: bool,
+                  scale: float | None) -> Tensor:
+    """`local_attention` through local_kernels.c (float16 computed in float32)."""
+    from routeformer.ops.native.local import NATIVE_DTYPES, local_attend_op
+
+    length = q.shape[2]
+    before, after = (window - 1, 0) if causal else (window, window)
+    before, after = min(before, length), min(after, length)  # the kernel clips to [0, T) as well
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if q.dtype in NATIVE_DTYPES:
+        return local_attend_op(q, k, v, mask, before, after, scale)[0]
+    out, _ = local_attend_op(q.float(), k.float(), v.float(), mask, before, after, scale)
+    return out.to(q.dtype)
 
 
 def default_block(window: int) -> int:

@@ -1,0 +1,308 @@
+/* Sliding-window (local) attention, flash-style: forward and backward, float32 or bfloat16 storage,
+ * float32 arithmetic (wrapped by ops/native/local.py; the PyTorch twin is ops/local.py).
+ *
+ * Query i of (batch, head) row bh reads the keys j with i − before <= j <= i + after (causal:
+ * before = window − 1, after = 0; non-causal: both = window), clipped to [0, T), and not masked
+ * out by the key-padding mask `valid` [B, T] (bytes, or NULL).
+ *
+ * Forward, per block of MR = 6 queries: the scores of the keys the block's bands cover (window + 5
+ * keys, the exact band give or take five) by a register-tiled product S = (scale·Q) Kᵀ, an exact
+ * softmax per row (the whole band fits in a buffer, so no online rescaling is needed), then O = P V.
+ * The log-sum-exp of every row is returned for the backward (+inf for a row with no key).
+ * Backward, per tile of BQ queries: S and P = exp(S − lse) again, dP = dO Vᵀ, dS = P ∘ (dP − D)
+ * with D_i = dO_i · O_i, dQ = scale · dS K; then per block of MR keys, dV += Pᵀ dO and
+ * dK += dSᵀ (scale·Q) over only the tile's queries whose bands hold those keys.
+ *
+ * The register tile (gemm_tile) is C[MR x 64] (+)= A[MR x depth] · B[depth x 64]: 24 accumulators,
+ * four B vectors per step and one broadcast per row. A is read through a row stride and a step
+ * stride, so Pᵀ and dSᵀ need no transposed copies; Kᵀ and Vᵀ are copied once per row bh.
+ * Keys masked out are zeroed in the float32 copies (a padded row may hold NaN: 0·NaN would leak).
+ */
+#include <stdlib.h>
+#include <string.h>
+#include "common.h"
+
+#if defined(__AVX512F__)
+#define MR 6
+#define NR 64
+#define BQ 96 /* backward query tile: dK, dV take BQ-deep products per key block */
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* e^x on 16 lanes for x <= 0 (Cephes' degree-6 polynomial on x − n·ln 2, relative error ~1e-7);
+ * exactly 0 below −87, so −inf (a masked key) weighs exactly nothing. */
+static inline __m512 exp16(__m512 x) {
+    __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(kept, p, _mm512_castsi512_ps(bits));
+}
+
+static inline __mmask16 lanes_below(int64_t count) {
+    return count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
+}
+
+/* C[r, 0 : 16·lanes] (+)= Σ_k A[r·a_row + k·a_step] · B[k·ldb + :] for r < MR, storing rows < rows;
+ * the last lane's columns are limited by `tail`. A must be readable for all MR rows. Always inlined
+ * with a constant `lanes`, so the accumulators live in registers. */
+static inline __attribute__((always_inline)) void gemm_tile(
+        int64_t depth, const float *a, int64_t a_row, int64_t a_step, const float *b, int64_t ldb,
+        float *c, int64_t ldc, int64_t rows, const int lanes, __mmask16 tail, int accumulate) {
+    __m512 acc[MR][4];
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+        for (int l = 0; l < lanes; l++) acc[r][l] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < depth; k++, a += a_step, b += ldb) {
+        __m512 x[4];
+#pragma GCC unroll 4
+        for (int l = 0; l < lanes; l++)
+            x[l] = l == lanes - 1 ? _mm512_maskz_loadu_ps(tail, b + 16 * l) : _mm512_loadu_ps(b + 16 * l);
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; r++) {
+            __m512 s = _mm512_set1_ps(a[r * a_row]);
+#pragma GCC unroll 4
+            for (int l = 0; l < lanes; l++) acc[r][l] = _mm512_fmadd_ps(s, x[l], acc[r][l]);
+        }
+    }
+    for (int r = 0; r < MR && r < rows; r++)
+#pragma GCC unroll 4
+        for (int l = 0; l < lanes; l++) {
+            __mmask16 m = l == lanes - 1 ? tail : (__mmask16)0xffff;
+            float *at = c + r * ldc + 16 * l;
+            __m512 value = accumulate ? _mm512_add_ps(acc[r][l], _mm512_maskz_loadu_ps(m, at)) : acc[r][l];
+            _mm512_mask_storeu_ps(at, m, value);
+        }
+}
+
+/* C[rows x n] (+)= A[rows x depth] · B[depth x n], rows <= MR, in tiles of 64 columns. */
+static void gemm(int64_t rows, int64_t n, int64_t depth, const float *a, int64_t a_row, int64_t a_step,
+                 const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate) {
+    for (int64_t j = 0; j < n; j += NR) {
+        int64_t width = min64(NR, n - j);
+        int lanes = (int)((width + 15) / 16);
+        __mmask16 tail = lanes_below(width - 16 * (lanes - 1));
+        switch (lanes) {
+            case 4: gemm_tile(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 4, tail, accumulate); break;
+            case 3: gemm_tile(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 3, tail, accumulate); break;
+            case 2: gemm_tile(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 2, tail, accumulate); break;
+            default: gemm_tile(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 1, tail, accumulate); break;
+        }
+    }
+}
+
+/* Element i of a float32 (bf16 == 0) or bfloat16 (bf16 == 1) array. */
+static inline float element(const void *x, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+static inline void set_element(void *x, int64_t i, float value, int bf16) {
+    if (bf16) ((uint16_t *)x)[i] = float_to_bf16(value);
+    else ((float *)x)[i] = value;
+}
+
+/* rows [T x d] of x -> float32 `rows` (factor·x; zero where `bias` is −inf, and MR zero rows after
+ * the last; skipped if NULL) and, if `columns` is not NULL, its transpose [d x ld]. */
+static void widen(const void *x, int bf16, int64_t length, int64_t dim, float factor, const float *bias,
+                  float *rows, float *columns, int64_t ld) {
+    for (int64_t i = 0; i < length; i++) {
+        int keep = !(bias && bias[i] < 0); /* a product with 0 would keep a NaN */
+        for (int64_t c = 0; c < dim; c++) {
+            float value = keep ? element(x, i * dim + c, bf16) * factor : 0.0f;
+            if (rows) rows[i * dim + c] = value;
+            if (columns) columns[c * ld + i] = value;
+        }
+    }
+    if (rows) memset(rows + length * dim, 0, sizeof(float) * MR * dim);
+}
+
+/* 0 for a real key, −inf for a masked one (NULL without a mask). */
+static float *key_bias(const uint8_t *valid, int64_t length) {
+    if (!valid) return NULL;
+    float *bias = malloc(sizeof(float) * length);
+    for (int64_t j = 0; j < length; j++) bias[j] = valid[j] ? 0.0f : -INFINITY;
+    return bias;
+}
+
+/* One row of forward scores s[a, b) (+ bias) -> probabilities, zero elsewhere in [0, n); returns the
+ * log-sum-exp (+inf: no key) and sets *inverse = 1 / Σ (0: no key). */
+static float softmax_row(float *s, const float *bias, int64_t a, int64_t b, int64_t n, float *inverse) {
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = a; j < b; j += 16) {
+        __mmask16 m = lanes_below(b - j);
+        __m512 x = _mm512_maskz_loadu_ps(m, s + j);
+        if (bias) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(m, bias + j));
+        _mm512_mask_storeu_ps(s + j, m, x);
+        best = _mm512_mask_max_ps(best, m, best, x);
+    }
+    float top = _mm512_reduce_max_ps(best);
+    memset(s, 0, sizeof(float) * a);
+    memset(s + b, 0, sizeof(float) * (n - b));
+    if (top == -INFINITY) {
+        memset(s + a, 0, sizeof(float) * (b - a));
+        *inverse = 0.0f;
+        return INFINITY;
+    }
+    __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(top);
+    for (int64_t j = a; j < b; j += 16) {
+        __mmask16 m = lanes_below(b - j);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), shift));
+        e = _mm512_maskz_mov_ps(m, e);
+        _mm512_mask_storeu_ps(s + j, m, e);
+        total = _mm512_add_ps(total, e);
+    }
+    float sum = _mm512_reduce_add_ps(total);
+    *inverse = 1.0f / sum;
+    return top + logf(sum);
+}
+
+static void forward_row(const void *q, const void *k, const void *v, const float *bias, int bf16,
+                        int64_t length, int64_t dim, int64_t before, int64_t after, float scale,
+                        void *out, float *lse) {
+    int64_t ld = length + 16, span = min64(length, before + after + MR) + 16;
+    float *qs = malloc(sizeof(float) * (length + MR) * dim), *kt = malloc(sizeof(float) * dim * ld);
+    float *vr = malloc(sizeof(float) * (length + MR) * dim);
+    float *s = calloc((size_t)MR * span, sizeof(float)), *o = malloc(sizeof(float) * MR * dim);
+    widen(q, bf16, length, dim, scale, NULL, qs, NULL, 0);
+    widen(k, bf16, length, dim, 1.0f, bias, NULL, kt, ld);
+    widen(v, bf16, length, dim, 1.0f, bias, vr, NULL, 0);
+    for (int64_t i0 = 0; i0 < length; i0 += MR) {
+        int64_t rows = min64(MR, length - i0);
+        int64_t lo = max64(0, i0 - before), hi = min64(length, i0 + rows + after), n = hi - lo;
+        gemm(rows, n, dim, qs + i0 * dim, dim, 1, kt + lo, ld, s, span, 0);
+        float inverse[MR];
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t i = i0 + r, a = max64(0, i - before) - lo, b = min64(length, i + after + 1) - lo;
+            lse[i] = softmax_row(s + r * span, bias ? bias + lo : NULL, a, b, n, &inverse[r]);
+        }
+        gemm(rows, dim, n, s, span, 1, vr + lo * dim, dim, o, dim, 0);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < dim; c++) set_element(out, (i0 + r) * dim + c, o[r * dim + c] * inverse[r], bf16);
+    }
+    free(qs); free(kt); free(vr); free(s); free(o);
+}
+
+/* q, k, v, out [BH, T, d] (contiguous; float32, or bfloat16 when bf16 != 0), valid [B, T] or NULL,
+ * lse [BH, T] float32. */
+void local_attend(const void *q, const void *k, const void *v, const uint8_t *valid, int64_t rows_bh,
+                  int64_t heads, int64_t length, int64_t dim, int64_t before, int64_t after, double scale,
+                  int bf16, void *out, float *lse, int threads) {
+    int64_t size = (bf16 ? 2 : 4) * length * dim;
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
+    for (int64_t bh = 0; bh < rows_bh; bh++) {
+        float *bias = key_bias(valid ? valid + (bh / heads) * length : NULL, length);
+        forward_row((const char *)q + bh * size, (const char *)k + bh * size, (const char *)v + bh * size,
+                    bias, bf16, length, dim, before, after, (float)scale, (char *)out + bh * size,
+                    lse + bh * length);
+        free(bias);
+    }
+}
+
+/* One backward row: s[a, b) holds the scores, dp[a, b) the products dO_i · v_j. Both become, in
+ * place, P = exp(s + bias − lse) and dS = P ∘ (dP − D), and are zeroed elsewhere in [0, n). */
+static void backward_row(float *s, float *dp, const float *bias, int64_t a, int64_t b, int64_t n,
+                         float lse, float row_dot) {
+    memset(s, 0, sizeof(float) * a);
+    memset(dp, 0, sizeof(float) * a);
+    memset(s + b, 0, sizeof(float) * (n - b));
+    memset(dp + b, 0, sizeof(float) * (n - b));
+    __m512 shift = _mm512_set1_ps(lse), dot = _mm512_set1_ps(row_dot);
+    for (int64_t j = a; j < b; j += 16) {
+        __mmask16 m = lanes_below(b - j);
+        __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), shift);
+        if (bias) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(m, bias + j));
+        __m512 p = exp16(x); /* lse = +inf (no key): x = −inf, p = 0 */
+        __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(_mm512_maskz_loadu_ps(m, dp + j), dot));
+        _mm512_mask_storeu_ps(s + j, m, p);
+        _mm512_mask_storeu_ps(dp + j, m, ds);
+    }
+}
+
+static void backward_bh(const void *q, const void *k, const void *v, const void *out, const void *grad_out,
+                        const float *lse, const float *bias, int bf16, int64_t length, int64_t dim,
+                        int64_t before, int64_t after, float scale, void *grad_q, void *grad_k, void *grad_v) {
+    int64_t ld = length + 16, span = min64(length, before + after + BQ) + MR + 16;
+    size_t rows_size = sizeof(float) * (length + MR) * dim;
+    float *qs = malloc(rows_size), *kr = malloc(rows_size), *kt = malloc(sizeof(float) * dim * ld);
+    float *vt = malloc(sizeof(float) * dim * ld), *go = malloc(rows_size);
+    float *dk = calloc((size_t)(length + MR) * dim, sizeof(float));
+    float *dv = calloc((size_t)(length + MR) * dim, sizeof(float));
+    float *p = calloc((size_t)(BQ + MR) * span, sizeof(float)), *ds = calloc((size_t)(BQ + MR) * span, sizeof(float));
+    float *row_dot = malloc(sizeof(float) * length), *o = malloc(sizeof(float) * MR * dim);
+    widen(q, bf16, length, dim, scale, NULL, qs, NULL, 0);
+    widen(k, bf16, length, dim, 1.0f, bias, kr, kt, ld);
+    widen(v, bf16, length, dim, 1.0f, bias, NULL, vt, ld);
+    widen(grad_out, bf16, length, dim, 1.0f, NULL, go, NULL, 0);
+    for (int64_t i = 0; i < length; i++) {
+        float sum = 0;
+        for (int64_t c = 0; c < dim; c++) sum += go[i * dim + c] * element(out, i * dim + c, bf16);
+        row_dot[i] = sum;
+    }
+    for (int64_t t0 = 0; t0 < length; t0 += BQ) {
+        int64_t queries = min64(BQ, length - t0);
+        int64_t key0 = max64(0, t0 - before), key1 = min64(length, t0 + queries + after);
+        for (int64_t rb = 0; rb < queries; rb += MR) {
+            int64_t i0 = t0 + rb, rows = min64(MR, queries - rb);
+            int64_t lo = max64(0, i0 - before), hi = min64(length, i0 + rows + after);
+            float *s_at = p + rb * span + (lo - key0), *dp_at = ds + rb * span + (lo - key0);
+            gemm(rows, hi - lo, dim, qs + i0 * dim, dim, 1, kt + lo, ld, s_at, span, 0);
+            gemm(rows, hi - lo, dim, go + i0 * dim, dim, 1, vt + lo, ld, dp_at, span, 0);
+            for (int64_t r = 0; r < rows; r++) {
+                int64_t i = i0 + r, a = max64(0, i - before) - key0, b = min64(length, i + after + 1) - key0;
+                backward_row(p + (rb + r) * span, ds + (rb + r) * span, bias ? bias + key0 : NULL, a, b,
+                             key1 - key0 + MR, lse[i], row_dot[i]);
+            }
+            gemm(rows, dim, hi - lo, dp_at, span, 1, kr + lo * dim, dim, o, dim, 0);
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t c = 0; c < dim; c++)
+                    set_element(grad_q, (i0 + r) * dim + c, o[r * dim + c] * scale, bf16);
+        }
+        for (int64_t j0 = key0; j0 < key1; j0 += MR) {
+            int64_t keys = min64(MR, key1 - j0);
+            int64_t first = max64(t0, j0 - after), last = min64(t0 + queries, j0 + keys + before);
+            if (last <= first) continue;
+            int64_t at = (first - t0) * span + (j0 - key0);
+            gemm(keys, dim, last - first, p + at, 1, span, go + first * dim, dim, dv + j0 * dim, dim, 1);
+            gemm(keys, dim, last - first, ds + at, 1, span, qs + first * dim, dim, dk + j0 * dim, dim, 1);
+        }
+    }
+    for (int64_t i = 0; i < length * dim; i++) {
+        set_element(grad_k, i, dk[i], bf16);
+        set_element(grad_v, i, dv[i], bf16);
+    }
+    free(qs); free(kr); free(kt); free(vt); free(go); free(dk); free(dv); free(p); free(ds); free(row_dot); free(o);
+}
+
+/* The gradients of local_attend: grad_q, grad_k, grad_v [BH, T, d] in the storage dtype. */
+void local_attend_backward(const void *q, const void *k, const void *v, const uint8_t *valid, const void *out,
+                           const void *grad_out, const float *lse, int64_t rows_bh, int64_t heads,
+                           int64_t length, int64_t dim, int64_t before, int64_t after, double scale, int bf16,
+                           void *grad_q, void *grad_k, void *grad_v, int threads) {
+    int64_t size = (bf16 ? 2 : 4) * length * dim;
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
+    for (int64_t bh = 0; bh < rows_bh; bh++) {
+        float *bias = key_bias(valid ? valid + (bh / heads) * length : NULL, length);
+        int64_t at = bh * size;
+        backward_bh((const char *)q + at, (const char *)k + at, (const char *)v + at, (const char *)out + at,
+                    (const char *)grad_out + at, lse + bh * length, bias, bf16, length, dim, before, after,
+                    (float)scale, (char *)grad_q + at, (char *)grad_k + at, (char *)grad_v + at);
+        free(bias);
+    }
+}
+
+int local_attend_available(void) { return 1; }
+#else
+/* Without AVX-512 the wrapper uses the PyTorch path. */
+int local_attend_available(void) { return 0; }
+#endif
