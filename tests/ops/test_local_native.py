@@ -133,6 +133,7 @@ def test_explicit_block_and_float64_take_the_pytorch_path(native_calls):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_opcheck(dtype):
     q, k, v, mask = _inputs(1, 2, 20, 8, seed=9, dtype=dtype)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous: results stay contiguous
     args = (q, k, v, mask, 4, 3, 0.5)
     torch.library.opcheck(local_attend_op.op, tuple(t.requires_grad_() if torch.is_tensor(t) and
                                                     t.is_floating_point() else t for t in args))
@@ -140,3 +141,22 @@ def test_opcheck(dtype):
     q, k, v = (t.detach() for t in (q, k, v))
     backward_args = (q, k, v, mask, out, lse, torch.ones_like(out), 4, 3, 0.5)
     torch.library.opcheck(local_attend_backward_op.op, backward_args)
+
+
+def test_native_flops_closed_form_counts_every_block():
+    """The executed-FLOPs formula of the kernel against a loop over its query blocks."""
+    from routeformer.ops.flops import dense_attention_flops
+    from routeformer.ops.local import NATIVE_ROWS, _native_flops
+
+    def by_blocks(length, window, causal):
+        before, after = (window - 1, 0) if causal else (window, window)
+        pairs = 0
+        for start in range(0, length, NATIVE_ROWS):
+            rows = min(NATIVE_ROWS, length - start)
+            pairs += rows * (min(length, start + rows + after) - max(0, start - before))
+        return dense_attention_flops(pairs, 8)
+
+    for length in [*range(0, 30), 257, 1000]:
+        for window in (1, 5, 6, 7, 13, 256, 5000):
+            for causal in (True, False):
+                assert _native_flops(length, 8, window, causal) == by_blocks(length, window, causal)

@@ -153,11 +153,41 @@ def local_attention_reference(
 
 def local_attention_flops(
     batch: int, heads: int, length: int, head_dim: int, window: int, causal: bool,
-    block: int | None = None,
+    block: int | None = None, native: bool | None = None,
 ) -> int:
-    """Executed FLOPs of the blockwise path: every query scores all key slots of its block."""
+    """Executed FLOPs of `local_attention`. The blockwise path: every query scores all key slots
+    of its block. The C kernel (`native`; None: whether it serves CPU float32 tensors with this
+    `block` now): every block of NATIVE_ROWS queries scores the keys its bands cover."""
+    if native is None:
+        native = block is None and _native_local(_PROBE, _PROBE, _PROBE, None) is not None
+    if native:
+        return batch * heads * _native_flops(length, head_dim, window, causal)
     block = default_block(window) if block is None else block
     blocks = -(-length // block)
     span = _block_span(window, block)
     slots = (span + 1 + (0 if causal else span)) * block
     return batch * heads * dense_attention_flops(blocks * block * slots, head_dim)
+
+
+NATIVE_ROWS = 6  # local_kernels.c's MR: the queries of one register tile
+_PROBE = torch.zeros(1, 1, 1, 1)  # a CPU float32 tensor: does the kernel serve such inputs now?
+
+
+def _native_flops(length: int, head_dim: int, window: int, causal: bool) -> int:
+    """Per (batch, head): Σ over query blocks of rows x keys the block covers (q·k and p·v), in
+    closed form (plain ints, so torch.compile sees a constant): block t of the full blocks covers
+    keys [max(0, 6t − before), min(T, 6t + 6 + after)); a last partial block is added apart."""
+    before, after = (window - 1, 0) if causal else (window, window)
+    rows, full = NATIVE_ROWS, length // NATIVE_ROWS
+    reach = rows + after
+    below = min(full, max(0, (length - reach - 1) // rows + 1)) if length > reach else 0
+    ends = rows * below * (below - 1) // 2 + reach * below + length * (full - below)
+    first = before // rows + 1  # blocks from here on start past key 0
+    starts = rows * (full * (full - 1) // 2 - first * (first - 1) // 2) - before * (full - first) \
+        if full > first else 0
+    pairs = rows * (ends - starts)
+    tail = length - rows * full
+    if tail:
+        start = rows * full
+        pairs += tail * (min(length, start + tail + after) - max(0, start - before))
+    return dense_attention_flops(pairs, head_dim)

@@ -34,8 +34,16 @@ def _functions() -> tuple:
     return forward, backward
 
 
+@torch.compiler.assume_constant_result
 def local_kernel_available() -> bool:
-    """Whether the library was built with the kernel (it needs AVX-512; else the PyTorch path)."""
+    """Whether the library was built with the kernel (it needs AVX-512; else the PyTorch path).
+    Asked only after `native_kernels` said yes; under torch.compile its answer is baked in (dynamo
+    does not trace ctypes)."""
+    return _built_with_avx512()
+
+
+@cache
+def _built_with_avx512() -> bool:
     return bool(kernel("local_attend_available", ctypes.c_int, [])())
 
 
@@ -50,7 +58,7 @@ def local_attend_op(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, befor
     batch, heads, length, dim = q.shape
     q, k, v = (t.contiguous() for t in (q, k, v))
     valid = _bytes(valid)
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
     lse = q.new_empty(batch, heads, length, dtype=torch.float32)
     _functions()[0](pointer(q), pointer(k), pointer(v), pointer(valid), batch * heads, heads, length, dim,
                     before, after, scale, int(q.dtype == torch.bfloat16), pointer(out), pointer(lse),
@@ -60,7 +68,8 @@ def local_attend_op(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, befor
 
 @local_attend_op.op.register_fake
 def _local_attend_fake(q, k, v, valid, before, after, scale):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    # Contiguous, as the kernel's results (empty_like would copy a non-contiguous q's strides).
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @native_op("local_attend_backward")
@@ -72,7 +81,7 @@ def local_attend_backward_op(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | No
     q, k, v, out, lse = (t.contiguous() for t in (q, k, v, out, lse))
     grad_out = grad_out.to(q.dtype).contiguous()
     valid = _bytes(valid)
-    grads = tuple(torch.empty_like(q) for _ in range(3))
+    grads = tuple(q.new_empty(q.shape) for _ in range(3))
     _functions()[1](pointer(q), pointer(k), pointer(v), pointer(valid), pointer(out), pointer(grad_out),
                     pointer(lse), batch * heads, heads, length, dim, before, after, scale,
                     int(q.dtype == torch.bfloat16), *map(pointer, grads), torch.get_num_threads())
@@ -81,7 +90,7 @@ def local_attend_backward_op(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | No
 
 @local_attend_backward_op.op.register_fake
 def _local_attend_backward_fake(q, k, v, valid, out, lse, grad_out, before, after, scale):
-    return tuple(torch.empty_like(q) for _ in range(3))
+    return tuple(q.new_empty(q.shape) for _ in range(3))
 
 
 def _setup(ctx, inputs, output):
