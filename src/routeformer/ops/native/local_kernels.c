@@ -24,7 +24,6 @@
 
 #if defined(__AVX512F__)
 #define MR 6
-#define NR 64
 #define BQ 96 /* backward query tile: dK, dV take BQ-deep products per key block */
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -54,54 +53,16 @@ static inline __mmask16 lanes_below(int64_t count) {
     return count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
 }
 
-/* C[r, 0 : 16·lanes] (+)= Σ_k A[r·a_row + k·a_step] · B[k·ldb + :] for r < MR, storing rows < rows;
- * the last lane's columns are limited by `tail`. A must be readable for all MR rows. Always inlined
- * with a constant `lanes`, so the accumulators live in registers. */
-static inline __attribute__((always_inline)) void gemm_tile(
-        int64_t depth, const float *a, int64_t a_row, int64_t a_step, const float *b, int64_t ldb,
-        float *c, int64_t ldc, int64_t rows, const int lanes, __mmask16 tail, int accumulate) {
-    __m512 acc[MR][4];
-#pragma GCC unroll 6
-    for (int r = 0; r < MR; r++)
-#pragma GCC unroll 4
-        for (int l = 0; l < lanes; l++) acc[r][l] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < depth; k++, a += a_step, b += ldb) {
-        __m512 x[4];
-#pragma GCC unroll 4
-        for (int l = 0; l < lanes; l++)
-            x[l] = l == lanes - 1 ? _mm512_maskz_loadu_ps(tail, b + 16 * l) : _mm512_loadu_ps(b + 16 * l);
-#pragma GCC unroll 6
-        for (int r = 0; r < MR; r++) {
-            __m512 s = _mm512_set1_ps(a[r * a_row]);
-#pragma GCC unroll 4
-            for (int l = 0; l < lanes; l++) acc[r][l] = _mm512_fmadd_ps(s, x[l], acc[r][l]);
-        }
-    }
-    for (int r = 0; r < MR && r < rows; r++)
-#pragma GCC unroll 4
-        for (int l = 0; l < lanes; l++) {
-            __mmask16 m = l == lanes - 1 ? tail : (__mmask16)0xffff;
-            float *at = c + r * ldc + 16 * l;
-            __m512 value = accumulate ? _mm512_add_ps(acc[r][l], _mm512_maskz_loadu_ps(m, at)) : acc[r][l];
-            _mm512_mask_storeu_ps(at, m, value);
-        }
-}
-
-/* C[rows x n] (+)= A[rows x depth] · B[depth x n], rows <= MR, in tiles of 64 columns. */
-static void gemm(int64_t rows, int64_t n, int64_t depth, const float *a, int64_t a_row, int64_t a_step,
-                 const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate) {
-    for (int64_t j = 0; j < n; j += NR) {
-        int64_t width = min64(NR, n - j);
-        int lanes = (int)((width + 15) / 16);
-        __mmask16 tail = lanes_below(width - 16 * (lanes - 1));
-        switch (lanes) {
-            case 4: gemm_tile(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 4, tail, accumulate); break;
-            case 3: gemm_tile(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 3, tail, accumulate); break;
-            case 2: gemm_tile(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 2, tail, accumulate); break;
-            default: gemm_tile(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 1, tail, accumulate); break;
-        }
-    }
-}
+/* The register-tiled products, in local_tiles_kernels.c (MR rows there too). */
+void local_gemm(int64_t rows, int64_t n, int64_t depth, const float *a, int64_t a_row, int64_t a_step,
+                const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate);
+void local_gemm_pairs(int64_t rows, int64_t n, int64_t depth, const uint32_t *a, int64_t a_row,
+                      const uint32_t *b, int64_t ldb, float *c, int64_t ldc);
+void local_pairs_transposed(const uint16_t *x, int64_t length, int64_t dim, const float *bias,
+                            uint32_t *out, int64_t ld);
+void local_pairs_of_rows(const uint16_t *x, int64_t length, int64_t dim, const float *bias, uint32_t *out);
+void local_narrow_row(const float *x, int64_t n, uint32_t *y);
+#define gemm local_gemm
 
 /* Element i of a float32 (bf16 == 0) or bfloat16 (bf16 == 1) array. */
 static inline float element(const void *x, int64_t i, int bf16) {
@@ -135,13 +96,14 @@ static float *key_bias(const uint8_t *valid, int64_t length) {
     return bias;
 }
 
-/* One row of forward scores s[a, b) (+ bias) -> probabilities, zero elsewhere in [0, n); returns the
+/* One row of forward scores s[a, b) (·scale + bias) -> probabilities, zero elsewhere in [0, n); returns the
  * log-sum-exp (+inf: no key) and sets *inverse = 1 / Σ (0: no key). */
-static float softmax_row(float *s, const float *bias, int64_t a, int64_t b, int64_t n, float *inverse) {
+static float softmax_row(float *s, float scale, const float *bias, int64_t a, int64_t b, int64_t n,
+                         float *inverse) {
     __m512 best = _mm512_set1_ps(-INFINITY);
     for (int64_t j = a; j < b; j += 16) {
         __mmask16 m = lanes_below(b - j);
-        __m512 x = _mm512_maskz_loadu_ps(m, s + j);
+        __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), _mm512_set1_ps(scale));
         if (bias) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(m, bias + j));
         _mm512_mask_storeu_ps(s + j, m, x);
         best = _mm512_mask_max_ps(best, m, best, x);
@@ -184,7 +146,7 @@ static void forward_row(const void *q, const void *k, const void *v, const float
         float inverse[MR];
         for (int64_t r = 0; r < rows; r++) {
             int64_t i = i0 + r, a = max64(0, i - before) - lo, b = min64(length, i + after + 1) - lo;
-            lse[i] = softmax_row(s + r * span, bias ? bias + lo : NULL, a, b, n, &inverse[r]);
+            lse[i] = softmax_row(s + r * span, 1.0f, bias ? bias + lo : NULL, a, b, n, &inverse[r]);
         }
         gemm(rows, dim, n, s, span, 1, vr + lo * dim, dim, o, dim, 0);
         for (int64_t r = 0; r < rows; r++)
@@ -192,6 +154,44 @@ static void forward_row(const void *q, const void *k, const void *v, const float
     }
     free(qs); free(kt); free(vr); free(s); free(o);
 }
+
+#if defined(__AVX512BF16__)
+/* forward_row for bf16 storage and an even d: q·k and p·v as bf16 pair products (vdpbf16ps, float32
+ * sums; the weights p are rounded to bf16 for p·v, as FlashAttention does on GPUs). Keys are taken
+ * from an even position, so key pairs line up with the packed value pairs. */
+static void forward_row_pairs(const uint16_t *q, const uint16_t *k, const uint16_t *v, const float *bias,
+                              int64_t length, int64_t dim, int64_t before, int64_t after, float scale,
+                              uint16_t *out, float *lse) {
+    int64_t ld = length + 16, span = min64(length, before + after + MR) + 32, half = dim / 2;
+    uint16_t *qr = calloc((size_t)(length + MR) * dim, sizeof(uint16_t));
+    uint32_t *kt = malloc(sizeof(uint32_t) * half * ld), *vp = malloc(sizeof(uint32_t) * ((length + 1) / 2 + MR) * dim);
+    uint32_t *p = calloc((size_t)MR * span, sizeof(uint32_t));
+    float *s = calloc((size_t)MR * span, sizeof(float)), *o = malloc(sizeof(float) * MR * dim);
+    memcpy(qr, q, sizeof(uint16_t) * length * dim);
+    local_pairs_transposed(k, length, dim, bias, kt, ld);
+    local_pairs_of_rows(v, length, dim, bias, vp);
+    for (int64_t i0 = 0; i0 < length; i0 += MR) {
+        int64_t rows = min64(MR, length - i0);
+        int64_t lo = max64(0, i0 - before) & ~(int64_t)1, hi = min64(length, i0 + rows + after), n = hi - lo;
+        local_gemm_pairs(rows, n, half, (const uint32_t *)(qr + i0 * dim), half, kt + lo, ld, s, span);
+        float inverse[MR];
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t i = i0 + r, a = max64(0, i - before) - lo, b = min64(length, i + after + 1) - lo;
+            lse[i] = softmax_row(s + r * span, scale, bias ? bias + lo : NULL, a, b, n, &inverse[r]);
+            local_narrow_row(s + r * span, n, p + r * (span / 2));
+        }
+        local_gemm_pairs(rows, dim, (n + 1) / 2, p, span / 2, vp + (lo / 2) * dim, dim, o, dim);
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t c = 0;
+            for (; c + 16 <= dim; c += 16)
+                store_bf16_ps(out + (i0 + r) * dim + c,
+                              _mm512_mul_ps(_mm512_loadu_ps(o + r * dim + c), _mm512_set1_ps(inverse[r])));
+            for (; c < dim; c++) out[(i0 + r) * dim + c] = float_to_bf16(o[r * dim + c] * inverse[r]);
+        }
+    }
+    free(qr); free(kt); free(vp); free(p); free(s); free(o);
+}
+#endif
 
 /* q, k, v, out [BH, T, d] (contiguous; float32, or bfloat16 when bf16 != 0), valid [B, T] or NULL,
  * lse [BH, T] float32. */
@@ -202,6 +202,14 @@ void local_attend(const void *q, const void *k, const void *v, const uint8_t *va
 #pragma omp parallel for schedule(dynamic) num_threads(threads)
     for (int64_t bh = 0; bh < rows_bh; bh++) {
         float *bias = key_bias(valid ? valid + (bh / heads) * length : NULL, length);
+#if defined(__AVX512BF16__)
+        if (bf16 && dim % 2 == 0)
+            forward_row_pairs((const uint16_t *)((const char *)q + bh * size),
+                              (const uint16_t *)((const char *)k + bh * size),
+                              (const uint16_t *)((const char *)v + bh * size), bias, length, dim, before,
+                              after, (float)scale, (uint16_t *)((char *)out + bh * size), lse + bh * length);
+        else
+#endif
         forward_row((const char *)q + bh * size, (const char *)k + bh * size, (const char *)v + bh * size,
                     bias, bf16, length, dim, before, after, (float)scale, (char *)out + bh * size,
                     lse + bh * length);
