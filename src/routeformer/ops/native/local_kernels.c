@@ -219,16 +219,16 @@ void local_attend(const void *q, const void *k, const void *v, const uint8_t *va
 
 /* One backward row: s[a, b) holds the scores, dp[a, b) the products dO_i · v_j. Both become, in
  * place, P = exp(s + bias − lse) and dS = P ∘ (dP − D), and are zeroed elsewhere in [0, n). */
-static void backward_row(float *s, float *dp, const float *bias, int64_t a, int64_t b, int64_t n,
-                         float lse, float row_dot) {
+static void backward_row(float *s, float *dp, float scale, const float *bias, int64_t a, int64_t b,
+                         int64_t n, float lse, float row_dot) {
     memset(s, 0, sizeof(float) * a);
     memset(dp, 0, sizeof(float) * a);
     memset(s + b, 0, sizeof(float) * (n - b));
     memset(dp + b, 0, sizeof(float) * (n - b));
-    __m512 shift = _mm512_set1_ps(lse), dot = _mm512_set1_ps(row_dot);
+    __m512 shift = _mm512_set1_ps(lse), dot = _mm512_set1_ps(row_dot), factor = _mm512_set1_ps(scale);
     for (int64_t j = a; j < b; j += 16) {
         __mmask16 m = lanes_below(b - j);
-        __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), shift);
+        __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, s + j), factor, shift);
         if (bias) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(m, bias + j));
         __m512 p = exp16(x); /* lse = +inf (no key): x = −inf, p = 0 */
         __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(_mm512_maskz_loadu_ps(m, dp + j), dot));
@@ -237,41 +237,96 @@ static void backward_row(float *s, float *dp, const float *bias, int64_t a, int6
     }
 }
 
+/* What the backward of one row bh reads, in float32 (and, `pairs`: bf16 storage with an even d,
+ * the bf16 pair layouts for the products over d and dQ = dS K). */
+typedef struct {
+    int pairs;
+    float *qs, *kr, *kt, *vt, *go;                   /* float32: scale·q, k, kᵀ, vᵀ, dO */
+    uint16_t *q2, *go2;                              /* pairs: raw q and dO rows, MR zero rows after */
+    uint32_t *kt2, *vt2, *k2;                        /* pairs: kᵀ, vᵀ over d; k rows paired over keys */
+} Operands;
+
+static void prepare(Operands *x, const void *q, const void *k, const void *v, const void *grad_out,
+                    const float *bias, int bf16, int64_t length, int64_t dim, float scale, int64_t ld) {
+    size_t rows_size = sizeof(float) * (length + MR) * dim, half = (size_t)dim / 2;
+    memset(x, 0, sizeof *x);
+#if defined(__AVX512BF16__)
+    x->pairs = bf16 && dim % 2 == 0;
+#endif
+    x->qs = malloc(rows_size);
+    x->go = malloc(rows_size);
+    widen(q, bf16, length, dim, scale, NULL, x->qs, NULL, 0);
+    widen(grad_out, bf16, length, dim, 1.0f, NULL, x->go, NULL, 0);
+    if (!x->pairs) {
+        x->kr = malloc(rows_size);
+        x->kt = malloc(sizeof(float) * dim * ld);
+        x->vt = malloc(sizeof(float) * dim * ld);
+        widen(k, bf16, length, dim, 1.0f, bias, x->kr, x->kt, ld);
+        widen(v, bf16, length, dim, 1.0f, bias, NULL, x->vt, ld);
+        return;
+    }
+    x->q2 = calloc((size_t)(length + MR) * dim, sizeof(uint16_t));
+    x->go2 = calloc((size_t)(length + MR) * dim, sizeof(uint16_t));
+    memcpy(x->q2, q, sizeof(uint16_t) * length * dim);
+    memcpy(x->go2, grad_out, sizeof(uint16_t) * length * dim);
+    x->kt2 = malloc(sizeof(uint32_t) * half * ld);
+    x->vt2 = malloc(sizeof(uint32_t) * half * ld);
+    x->k2 = malloc(sizeof(uint32_t) * ((length + 1) / 2 + MR) * dim);
+    local_pairs_transposed(k, length, dim, bias, x->kt2, ld);
+    local_pairs_transposed(v, length, dim, bias, x->vt2, ld);
+    local_pairs_of_rows(k, length, dim, bias, x->k2);
+}
+
+static void release(Operands *x) {
+    free(x->qs); free(x->go); free(x->kr); free(x->kt); free(x->vt);
+    free(x->q2); free(x->go2); free(x->kt2); free(x->vt2); free(x->k2);
+}
+
 static void backward_bh(const void *q, const void *k, const void *v, const void *out, const void *grad_out,
                         const float *lse, const float *bias, int bf16, int64_t length, int64_t dim,
                         int64_t before, int64_t after, float scale, void *grad_q, void *grad_k, void *grad_v) {
-    int64_t ld = length + 16, span = min64(length, before + after + BQ) + MR + 16;
-    size_t rows_size = sizeof(float) * (length + MR) * dim;
-    float *qs = malloc(rows_size), *kr = malloc(rows_size), *kt = malloc(sizeof(float) * dim * ld);
-    float *vt = malloc(sizeof(float) * dim * ld), *go = malloc(rows_size);
+    int64_t ld = length + 16, span = min64(length, before + after + BQ) + MR + 32, half = dim / 2;
+    Operands x;
+    prepare(&x, q, k, v, grad_out, bias, bf16, length, dim, scale, ld);
     float *dk = calloc((size_t)(length + MR) * dim, sizeof(float));
     float *dv = calloc((size_t)(length + MR) * dim, sizeof(float));
     float *p = calloc((size_t)(BQ + MR) * span, sizeof(float)), *ds = calloc((size_t)(BQ + MR) * span, sizeof(float));
     float *row_dot = malloc(sizeof(float) * length), *o = malloc(sizeof(float) * MR * dim);
-    widen(q, bf16, length, dim, scale, NULL, qs, NULL, 0);
-    widen(k, bf16, length, dim, 1.0f, bias, kr, kt, ld);
-    widen(v, bf16, length, dim, 1.0f, bias, NULL, vt, ld);
-    widen(grad_out, bf16, length, dim, 1.0f, NULL, go, NULL, 0);
+    uint32_t *narrow = calloc((size_t)MR * span, sizeof(uint32_t));
     for (int64_t i = 0; i < length; i++) {
         float sum = 0;
-        for (int64_t c = 0; c < dim; c++) sum += go[i * dim + c] * element(out, i * dim + c, bf16);
+        for (int64_t c = 0; c < dim; c++) sum += x.go[i * dim + c] * element(out, i * dim + c, bf16);
         row_dot[i] = sum;
     }
+    /* Pairs: the scores come from the raw q (scaled in backward_row), and key ranges start at an even
+     * key so key pairs line up with k2. */
+    float score_scale = x.pairs ? scale : 1.0f;
+    int64_t align = x.pairs ? ~(int64_t)1 : ~(int64_t)0;
     for (int64_t t0 = 0; t0 < length; t0 += BQ) {
         int64_t queries = min64(BQ, length - t0);
-        int64_t key0 = max64(0, t0 - before), key1 = min64(length, t0 + queries + after);
+        int64_t key0 = max64(0, t0 - before) & align, key1 = min64(length, t0 + queries + after);
         for (int64_t rb = 0; rb < queries; rb += MR) {
             int64_t i0 = t0 + rb, rows = min64(MR, queries - rb);
-            int64_t lo = max64(0, i0 - before), hi = min64(length, i0 + rows + after);
+            int64_t lo = max64(0, i0 - before) & align, hi = min64(length, i0 + rows + after), n = hi - lo;
             float *s_at = p + rb * span + (lo - key0), *dp_at = ds + rb * span + (lo - key0);
-            gemm(rows, hi - lo, dim, qs + i0 * dim, dim, 1, kt + lo, ld, s_at, span, 0);
-            gemm(rows, hi - lo, dim, go + i0 * dim, dim, 1, vt + lo, ld, dp_at, span, 0);
+            if (x.pairs) {
+                local_gemm_pairs(rows, n, half, (const uint32_t *)(x.q2 + i0 * dim), half, x.kt2 + lo, ld, s_at, span);
+                local_gemm_pairs(rows, n, half, (const uint32_t *)(x.go2 + i0 * dim), half, x.vt2 + lo, ld, dp_at, span);
+            } else {
+                gemm(rows, n, dim, x.qs + i0 * dim, dim, 1, x.kt + lo, ld, s_at, span, 0);
+                gemm(rows, n, dim, x.go + i0 * dim, dim, 1, x.vt + lo, ld, dp_at, span, 0);
+            }
             for (int64_t r = 0; r < rows; r++) {
                 int64_t i = i0 + r, a = max64(0, i - before) - key0, b = min64(length, i + after + 1) - key0;
-                backward_row(p + (rb + r) * span, ds + (rb + r) * span, bias ? bias + key0 : NULL, a, b,
-                             key1 - key0 + MR, lse[i], row_dot[i]);
+                backward_row(p + (rb + r) * span, ds + (rb + r) * span, score_scale, bias ? bias + key0 : NULL,
+                             a, b, key1 - key0 + MR, lse[i], row_dot[i]);
             }
-            gemm(rows, dim, hi - lo, dp_at, span, 1, kr + lo * dim, dim, o, dim, 0);
+            if (x.pairs) {
+                for (int64_t r = 0; r < rows; r++) local_narrow_row(dp_at + r * span, n, narrow + r * (span / 2));
+                local_gemm_pairs(rows, dim, (n + 1) / 2, narrow, span / 2, x.k2 + (lo / 2) * dim, dim, o, dim);
+            } else {
+                gemm(rows, dim, n, dp_at, span, 1, x.kr + lo * dim, dim, o, dim, 0);
+            }
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t c = 0; c < dim; c++)
                     set_element(grad_q, (i0 + r) * dim + c, o[r * dim + c] * scale, bf16);
@@ -281,15 +336,16 @@ static void backward_bh(const void *q, const void *k, const void *v, const void 
             int64_t first = max64(t0, j0 - after), last = min64(t0 + queries, j0 + keys + before);
             if (last <= first) continue;
             int64_t at = (first - t0) * span + (j0 - key0);
-            gemm(keys, dim, last - first, p + at, 1, span, go + first * dim, dim, dv + j0 * dim, dim, 1);
-            gemm(keys, dim, last - first, ds + at, 1, span, qs + first * dim, dim, dk + j0 * dim, dim, 1);
+            gemm(keys, dim, last - first, p + at, 1, span, x.go + first * dim, dim, dv + j0 * dim, dim, 1);
+            gemm(keys, dim, last - first, ds + at, 1, span, x.qs + first * dim, dim, dk + j0 * dim, dim, 1);
         }
     }
     for (int64_t i = 0; i < length * dim; i++) {
         set_element(grad_k, i, dk[i], bf16);
         set_element(grad_v, i, dv[i], bf16);
     }
-    free(qs); free(kr); free(kt); free(vt); free(go); free(dk); free(dv); free(p); free(ds); free(row_dot); free(o);
+    release(&x);
+    free(dk); free(dv); free(p); free(ds); free(row_dot); free(o); free(narrow);
 }
 
 /* The gradients of local_attend: grad_q, grad_k, grad_v [BH, T, d] in the storage dtype. */
