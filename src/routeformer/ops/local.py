@@ -20,6 +20,7 @@ from routeformer.ops._checks import check_positive, check_qkv
 from routeformer.ops.block_attention import blockwise_sdpa
 from routeformer.ops.flops import dense_attention_flops
 from routeformer.ops.full import masked_attention_reference
+from routeformer.ops.native import native_kernels
 
 
 def _in_window(offset: Tensor, window: int, causal: bool) -> Tensor:
@@ -76,6 +77,8 @@ def local_attention(
     """
     check_qkv(q, k, v, mask, causal=True)  # a window needs queries and keys on one axis
     check_positive("window", window)
+    if block is None and (native := _native_local(q, k, v, mask)) is not None:
+        return native(q, k, v, mask, window, causal, scale)
     block = default_block(window) if block is None else block
     check_positive("block", block)
     batch, heads, length, _ = q.shape
@@ -96,6 +99,33 @@ def local_attention(
         scale,
     )
     return out.reshape(batch, heads, blocks * block, -1)[:, :, :length]
+
+
+def _native_local(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None):
+    """The C kernel's caller if it serves these tensors (CPU, one float dtype, non-empty, kernels
+    on and built with AVX-512), else None: the blockwise PyTorch path below runs."""
+    if q.numel() == 0 or not (q.dtype == k.dtype == v.dtype) or q.dtype == torch.float64:
+        return None
+    if native_kernels(q, k, v) is None:
+        return None
+    from routeformer.ops.native.local import local_kernel_available
+
+    return _local_native if local_kernel_available() else None
+
+
+def _local_native(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, window: int, causal: bool,
+                  scale: float | None) -> Tensor:
+    """`local_attention` through local_kernels.c (float16 computed in float32)."""
+    from routeformer.ops.native.local import NATIVE_DTYPES, local_attend_op
+
+    length = q.shape[2]
+    before, after = (window - 1, 0) if causal else (window, window)
+    before, after = min(before, length), min(after, length)  # the kernel clips to [0, T) as well
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if q.dtype in NATIVE_DTYPES:
+        return local_attend_op(q, k, v, mask, before, after, scale)[0]
+    out, _ = local_attend_op(q.float(), k.float(), v.float(), mask, before, after, scale)
+    return out.to(q.dtype)
 
 
 def default_block(window: int) -> int:
@@ -123,11 +153,41 @@ def local_attention_reference(
 
 def local_attention_flops(
     batch: int, heads: int, length: int, head_dim: int, window: int, causal: bool,
-    block: int | None = None,
+    block: int | None = None, native: bool | None = None,
 ) -> int:
-    """Executed FLOPs of the blockwise path: every query scores all key slots of its block."""
+    """Executed FLOPs of `local_attention`. The blockwise path: every query scores all key slots
+    of its block. The C kernel (`native`; None: whether it serves CPU float32 tensors with this
+    `block` now): every block of NATIVE_ROWS queries scores the keys its bands cover."""
+    if native is None:
+        native = block is None and _native_local(_PROBE, _PROBE, _PROBE, None) is not None
+    if native:
+        return batch * heads * _native_flops(length, head_dim, window, causal)
     block = default_block(window) if block is None else block
     blocks = -(-length // block)
     span = _block_span(window, block)
     slots = (span + 1 + (0 if causal else span)) * block
     return batch * heads * dense_attention_flops(blocks * block * slots, head_dim)
+
+
+NATIVE_ROWS = 6  # local_kernels.c's MR: the queries of one register tile
+_PROBE = torch.zeros(1, 1, 1, 1)  # a CPU float32 tensor: does the kernel serve such inputs now?
+
+
+def _native_flops(length: int, head_dim: int, window: int, causal: bool) -> int:
+    """Per (batch, head): Σ over query blocks of rows x keys the block covers (q·k and p·v), in
+    closed form (plain ints, so torch.compile sees a constant): block t of the full blocks covers
+    keys [max(0, 6t − before), min(T, 6t + 6 + after)); a last partial block is added apart."""
+    before, after = (window - 1, 0) if causal else (window, window)
+    rows, full = NATIVE_ROWS, length // NATIVE_ROWS
+    reach = rows + after
+    below = min(full, max(0, (length - reach - 1) // rows + 1)) if length > reach else 0
+    ends = rows * below * (below - 1) // 2 + reach * below + length * (full - below)
+    first = before // rows + 1  # blocks from here on start past key 0
+    starts = rows * (full * (full - 1) // 2 - first * (first - 1) // 2) - before * (full - first) \
+        if full > first else 0
+    pairs = rows * (ends - starts)
+    tail = length - rows * full
+    if tail:
+        start = rows * full
+        pairs += tail * (min(length, start + tail + after) - max(0, start - before))
+    return dense_attention_flops(pairs, head_dim)

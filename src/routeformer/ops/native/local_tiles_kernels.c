@@ -1,0 +1,161 @@
+/* The register-tiled matrix products of local_kernels.c (sliding-window attention).
+ *
+ * local_gemm: C[rows x n] (+)= A[rows x depth] · B[depth x n] in float32, A read through a row
+ * stride and a step stride (so a transposed A needs no copy), B row-major.
+ * local_gemm_pairs: the same with bfloat16 operands taken in pairs along the depth axis — A's
+ * 32-bit words hold (a[r, 2p], a[r, 2p+1]), B's (b[2p, j], b[2p+1, j]) — multiplied by the AVX-512
+ * BF16 instruction vdpbf16ps into float32 sums (exact products, float32 additions).
+ * Both compute MR rows (A must be readable for all of them) and store the first `rows`.
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define MR 6
+#define NR 64
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static inline __mmask16 lanes_below(int64_t count) {
+    return count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
+}
+
+/* C[r, 0 : 16·lanes] (+)= Σ_k A[r·a_row + k·a_step] · B[k·ldb + :] for r < MR, storing rows < rows;
+ * the last lane's columns are limited by `tail`. A must be readable for all MR rows. Always inlined
+ * with a constant `lanes`, so the accumulators live in registers. */
+static inline __attribute__((always_inline)) void gemm_tile(
+        int64_t depth, const float *a, int64_t a_row, int64_t a_step, const float *b, int64_t ldb,
+        float *c, int64_t ldc, int64_t rows, const int lanes, __mmask16 tail, int accumulate) {
+    __m512 acc[MR][4];
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+        for (int l = 0; l < lanes; l++) acc[r][l] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < depth; k++, a += a_step, b += ldb) {
+        __m512 x[4];
+#pragma GCC unroll 4
+        for (int l = 0; l < lanes; l++)
+            x[l] = l == lanes - 1 ? _mm512_maskz_loadu_ps(tail, b + 16 * l) : _mm512_loadu_ps(b + 16 * l);
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; r++) {
+            __m512 s = _mm512_set1_ps(a[r * a_row]);
+#pragma GCC unroll 4
+            for (int l = 0; l < lanes; l++) acc[r][l] = _mm512_fmadd_ps(s, x[l], acc[r][l]);
+        }
+    }
+    for (int r = 0; r < MR && r < rows; r++)
+#pragma GCC unroll 4
+        for (int l = 0; l < lanes; l++) {
+            __mmask16 m = l == lanes - 1 ? tail : (__mmask16)0xffff;
+            float *at = c + r * ldc + 16 * l;
+            __m512 value = accumulate ? _mm512_add_ps(acc[r][l], _mm512_maskz_loadu_ps(m, at)) : acc[r][l];
+            _mm512_mask_storeu_ps(at, m, value);
+        }
+}
+
+/* C[rows x n] (+)= A[rows x depth] · B[depth x n], rows <= MR, in tiles of 64 columns. */
+void local_gemm(int64_t rows, int64_t n, int64_t depth, const float *a, int64_t a_row, int64_t a_step,
+                 const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate) {
+    for (int64_t j = 0; j < n; j += NR) {
+        int64_t width = min64(NR, n - j);
+        int lanes = (int)((width + 15) / 16);
+        __mmask16 tail = lanes_below(width - 16 * (lanes - 1));
+        switch (lanes) {
+            case 4: gemm_tile(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 4, tail, accumulate); break;
+            case 3: gemm_tile(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 3, tail, accumulate); break;
+            case 2: gemm_tile(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 2, tail, accumulate); break;
+            default: gemm_tile(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 1, tail, accumulate); break;
+        }
+    }
+}
+
+
+#if defined(__AVX512BF16__)
+/* As gemm_tile with bf16 pairs: one vdpbf16ps adds two products per lane. */
+static inline __attribute__((always_inline)) void pairs_tile(
+        int64_t depth, const uint32_t *a, int64_t a_row, const uint32_t *b, int64_t ldb, float *c,
+        int64_t ldc, int64_t rows, const int lanes, __mmask16 tail) {
+    __m512 acc[MR][4];
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+        for (int l = 0; l < lanes; l++) acc[r][l] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < depth; k++, a++, b += ldb) {
+        __m512i x[4];
+#pragma GCC unroll 4
+        for (int l = 0; l < lanes; l++)
+            x[l] = l == lanes - 1 ? _mm512_maskz_loadu_epi32(tail, b + 16 * l) : _mm512_loadu_si512(b + 16 * l);
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; r++) {
+            __m512i s = _mm512_set1_epi32((int)a[r * a_row]);
+#pragma GCC unroll 4
+            for (int l = 0; l < lanes; l++) acc[r][l] = _mm512_dpbf16_ps(acc[r][l], (__m512bh)s, (__m512bh)x[l]);
+        }
+    }
+    for (int r = 0; r < MR && r < rows; r++)
+#pragma GCC unroll 4
+        for (int l = 0; l < lanes; l++)
+            _mm512_mask_storeu_ps(c + r * ldc + 16 * l, l == lanes - 1 ? tail : (__mmask16)0xffff, acc[r][l]);
+}
+
+void local_gemm_pairs(int64_t rows, int64_t n, int64_t depth, const uint32_t *a, int64_t a_row,
+                      const uint32_t *b, int64_t ldb, float *c, int64_t ldc) {
+    for (int64_t j = 0; j < n; j += NR) {
+        int64_t width = min64(NR, n - j);
+        int lanes = (int)((width + 15) / 16);
+        __mmask16 tail = lanes_below(width - 16 * (lanes - 1));
+        switch (lanes) {
+            case 4: pairs_tile(depth, a, a_row, b + j, ldb, c + j, ldc, rows, 4, tail); break;
+            case 3: pairs_tile(depth, a, a_row, b + j, ldb, c + j, ldc, rows, 3, tail); break;
+            case 2: pairs_tile(depth, a, a_row, b + j, ldb, c + j, ldc, rows, 2, tail); break;
+            default: pairs_tile(depth, a, a_row, b + j, ldb, c + j, ldc, rows, 1, tail); break;
+        }
+    }
+}
+
+/* 32-bit word p of bf16 row `row` (two bf16 values; memcpy: the row may be only 2-byte aligned). */
+static inline uint32_t pair_at(const uint16_t *row, int64_t p) {
+    uint32_t word;
+    memcpy(&word, row + 2 * p, sizeof word);
+    return word;
+}
+
+/* x [T x d] bf16 (d even) -> out[p·ld + j] = (x[j, 2p], x[j, 2p+1]): B of a product over d (scores
+ * q·k, or dO·v). Masked keys (bias −inf) give zeros. */
+void local_pairs_transposed(const uint16_t *x, int64_t length, int64_t dim, const float *bias,
+                            uint32_t *out, int64_t ld) {
+    for (int64_t j = 0; j < length; j++) {
+        int keep = !(bias && bias[j] < 0);
+        for (int64_t p = 0; p < dim / 2; p++) out[p * ld + j] = keep ? pair_at(x + j * dim, p) : 0;
+    }
+}
+
+/* x [T x d] bf16 -> out[m·d + u] = (x[2m, u], x[2m+1, u]) for m < ceil(T / 2) + MR (zero past T):
+ * B of a product over keys (p·v). Masked keys give zeros. */
+void local_pairs_of_rows(const uint16_t *x, int64_t length, int64_t dim, const float *bias, uint32_t *out) {
+    int64_t pairs = (length + 1) / 2 + MR;
+    for (int64_t m = 0; m < pairs; m++)
+        for (int64_t u = 0; u < dim; u++) {
+            uint32_t word = 0;
+            for (int half = 0; half < 2; half++) {
+                int64_t j = 2 * m + half;
+                if (j < length && !(bias && bias[j] < 0)) word |= (uint32_t)x[j * dim + u] << (16 * half);
+            }
+            out[m * dim + u] = word;
+        }
+}
+
+/* float32 x[0, n) -> bf16 y[0, n rounded up to 32) (zeros past n), round to nearest even: the
+ * softmax weights as A of a product over keys. */
+void local_narrow_row(const float *x, int64_t n, uint32_t *y) {
+    for (int64_t j = 0; j < n; j += 32, y += 16) {
+        __m512 low = _mm512_maskz_loadu_ps(lanes_below(n - j), x + j);
+        __m512 high = _mm512_maskz_loadu_ps(n - j > 16 ? lanes_below(n - j - 16) : 0, x + j + 16);
+        _mm512_storeu_si512(y, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+}
+int local_pairs_available(void) { return 1; }
+#else
+int local_pairs_available(void) { return 0; }
+#endif
+#endif
