@@ -137,8 +137,14 @@ def test_empty_inputs(shape):
 def test_custom_ops_pass_opcheck(dtype):
     (q, k, v), mask = make_inputs(37, dim=8, value_dim=12, padded=True)
     q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
-    torch.library.opcheck(native_linear.causal_linear.op, (q, k, v, mask, 1e-6))
-    out, den = native_linear.causal_linear.op(q, k, v, mask, 1e-6)
+    for save_states in (True, False):
+        torch.library.opcheck(native_linear.causal_linear.op, (q, k, v, mask, 1e-6, save_states))
+    out, den, states = native_linear.causal_linear.op(q, k, v, mask, 1e-6, True)
     grad_out = torch.randn_like(out)
-    torch.library.opcheck(native_linear.causal_linear_backward.op,
-                          (q.detach(), k.detach(), v.detach(), mask, out.detach(), den, grad_out))
+    inputs = (q.detach(), k.detach(), v.detach(), mask, out.detach(), den)
+    torch.library.opcheck(native_linear.causal_linear_backward.op, (*inputs, states, grad_out))
+    # Without saved states the backward recomputes them: the same gradients.
+    expected = native_linear.causal_linear_backward.op(*inputs, states, grad_out)
+    recomputed = native_linear.causal_linear_backward.op(*inputs, states[:0].reshape(0), grad_out)
+    for got, want in zip(recomputed, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
