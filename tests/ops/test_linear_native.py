@@ -148,3 +148,20 @@ def test_custom_ops_pass_opcheck(dtype):
     recomputed = native_linear.causal_linear_backward.op(*inputs, states[:0].reshape(0), grad_out)
     for got, want in zip(recomputed, expected, strict=True):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_threads_split_heads_without_changing_the_result():
+    inputs, mask = make_inputs(130, batch=3, heads=3, padded=True)
+    grad_out = torch.randn(3, 3, 130, 16, dtype=torch.float64)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(values_and_grads(linear_attention, inputs, mask, grad_out, torch.float32))
+    finally:
+        torch.set_num_threads(threads)
+    (out_1, grads_1), (out_2, grads_2) = results
+    torch.testing.assert_close(out_2, out_1, atol=0, rtol=0)
+    for grad_2, grad_1 in zip(grads_2, grads_1, strict=True):
+        torch.testing.assert_close(grad_2, grad_1, atol=0, rtol=0)
