@@ -16,12 +16,16 @@ A padded key has phi(k) = 0, so it adds nothing to S or z; a query with no key r
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops._checks import check_positive, check_qkv
 from routeformer.ops.flops import matmul_flops
+from routeformer.ops.native import linear as native_linear
+from routeformer.ops.native import native_kernels
 
 DEFAULT_EPS = 1e-6
 
@@ -43,9 +47,15 @@ def linear_attention(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None, causal: bool = False,
     chunk: int = 64, eps: float = DEFAULT_EPS,
 ) -> Tensor:
-    """Normalised linear attention; see the module docstring."""
+    """Normalised linear attention; see the module docstring.
+
+    Causal fp32/bf16 CPU inputs go to the native kernels (ops/native/linear.py: feature map, chunk
+    sweep and an explicit chunked backward in C, chunks of their own size); `chunk` is then unused.
+    Everything else (and `native_enabled(False)`) runs the chunked PyTorch form below."""
     check_qkv(q, k, v, mask, causal=causal)
     check_positive("chunk", chunk)
+    if causal and native_linear.supported(q, k, v) and native_kernels(q, k, v):
+        return native_linear.causal_linear_attention(q, k, v, mask, eps)
     phi_q, phi_k = masked_features(q, k, mask)
     if not causal:
         state = phi_k.transpose(-1, -2) @ v  # [B, H, d, e]
@@ -93,7 +103,8 @@ def exclusive_chunk_prefix(per_chunk: Tensor) -> Tensor:
     """[B, H, N, ...] -> for each chunk n, the sum over chunks < n, in fp32 so that a bf16 run does
     not lose the long-range state."""
     batch, heads, chunks = per_chunk.shape[:3]
-    flat = per_chunk.reshape(batch, heads, chunks, -1).float()
+    # The trailing size spelled out: -1 is ambiguous for an empty batch or length.
+    flat = per_chunk.reshape(batch, heads, chunks, math.prod(per_chunk.shape[3:])).float()
     if chunks <= _PREFIX_BY_MATMUL_UP_TO:
         prefix = torch.ones(chunks, chunks, device=per_chunk.device).tril(-1) @ flat
     else:
