@@ -155,3 +155,16 @@ def test_bf16_memory_is_linear_in_length(monkeypatch, causal):
         largest[length] = probe.largest
     assert largest[4096] <= 2.2 * largest[2048] <= 4.9 * largest[1024]
     assert largest[4096] <= 2 * 16 * 4096 * 8  # a few [B, H, N, d]-sized tensors at most
+
+
+def test_forward_bench_runs_at_toy_size(tmp_path):
+    """`python -m routeformer.bench.mita_bench` end to end at a toy length (one record, a table)."""
+    from routeformer.bench.mita_bench import bench_mita_forward, main
+
+    records = bench_mita_forward([256], landmarks=8, topk=8, repeats=1, heads=1, head_dim=16)
+    assert records[0]["length"] == 256 and records[0]["speedup"] > 0
+    output = tmp_path / "forward.md"
+    assert main(["--lengths", "128", "--repeats", "1", "--output", str(output)]) == 0
+    assert "| 128 | non-causal |" in output.read_text()
+    with pytest.raises(ValueError, match="--repeats must be >= 1"):
+        main(["--repeats", "0"])
