@@ -65,3 +65,89 @@ def scaling_rows(rows: list[OpsRow]) -> list[str]:
         f"{per_token(row.forward_backward_peak_mib, row.length, 1024)} |"
         for row in rows if row.impl.startswith("mita")
     ]
+
+
+def bench_mita_forward(lengths: list[int], *, landmarks: int = 64, topk: int = 64, repeats: int = 5,
+                       heads: int = 4, head_dim: int = 64, causal: bool = False,
+                       progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Forward only (inference, no_grad), MiTA against SDPA at each length, alternating in one
+    process: the long-sequence figure without SDPA's backward, which at N = 65536 takes minutes
+    per call. Returns one record per length: medians (ms), speedup = SDPA / MiTA, MiTA's extra
+    peak memory (MiB)."""
+    import torch
+
+    from routeformer.bench.ops_bench import forward_call
+    from routeformer.bench.timing import median_times, peak_memory_mib
+
+    table = mita_op_table(landmarks, topk, causal, max(lengths), max(lengths))
+    records = []
+    for length in lengths:
+        gen = torch.Generator().manual_seed(length)
+        inputs = tuple(torch.randn(1, heads, length, head_dim, generator=gen) for _ in range(3))
+        ops = table(length)
+        times = median_times({name: forward_call(op, inputs) for name, op in ops.items()}, repeats)
+        record = {"length": length, "causal": causal, "sdpa_ms": times["sdpa"] * 1e3,
+                  "mita_ms": times["mita"] * 1e3, "speedup": times["sdpa"] / times["mita"],
+                  "mita_peak_mib": peak_memory_mib(forward_call(ops["mita"], inputs))}
+        records.append(record)
+        if progress:
+            progress(format_forward_row(record))
+    return records
+
+
+FORWARD_HEADER = ("| N | variant | SDPA fwd ms | MiTA fwd ms | fwd speedup vs SDPA | MiTA fwd peak MiB |\n"
+                  "|---|---|---|---|---|---|")
+
+
+def format_forward_row(record: dict) -> str:
+    variant = "causal" if record["causal"] else "non-causal"
+    return (f"| {record['length']} | {variant} | {record['sdpa_ms']:.1f} | {record['mita_ms']:.1f} | "
+            f"{record['speedup']:.1f}x | {record['mita_peak_mib']:.1f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m routeformer.bench.mita_bench --lengths 65536 --repeats 5 [--output FILE]`:
+    the forward-only table of `bench_mita_forward` (single-threaded unless --threads)."""
+    import argparse
+    import platform
+    import time
+    from pathlib import Path
+
+    import torch
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[65536])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args(argv)
+    for name, value in (("lengths", min(args.lengths)), ("repeats", args.repeats), ("threads", args.threads)):
+        if value < 1:
+            raise ValueError(f"--{name} must be >= 1; got {value}")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    print(FORWARD_HEADER, flush=True)
+    try:
+        records = bench_mita_forward(args.lengths, repeats=args.repeats, causal=args.causal,
+                                     progress=lambda line: print(line, flush=True))
+    finally:
+        torch.set_num_threads(previous)
+    if args.output:
+        command = ("python -m routeformer.bench.mita_bench --lengths " + " ".join(map(str, args.lengths))
+                   + f" --repeats {args.repeats} --threads {args.threads}"
+                   + (" --causal" if args.causal else ""))
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        lines = [
+            "# mita forward at long N (inference) against SDPA", "",
+            f"Measured {when} on {platform.processor() or 'CPU'}, {args.threads} thread(s), "
+            f"torch {torch.__version__}. Command: `{command}`. B = 1, H = 4, d = 64, fp32, "
+            "m = k = 64, under no_grad; medians of alternating repetitions (one warm-up each); "
+            "peak MiB = extra resident memory of one MiTA call.", "",
+            FORWARD_HEADER, *map(format_forward_row, records), ""]
+        Path(args.output).write_text("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -77,6 +77,7 @@ from routeformer.ops.mita_landmarks import (
     pool_landmarks,
     pool_windows,
 )
+from routeformer.ops.mita_native import single_route
 
 __all__ = ["DEFAULT_BLOCK", "DEFAULT_PACK", "MitaResult", "check_mita_args", "grid_pool_shape",
            "mita_attention", "mita_reference"]
@@ -187,9 +188,20 @@ def _bidirectional(q, k, v, real, key_real, *, landmarks, topk, route, shared, g
         flops += batch * heads * 2 * length * experts * dim
         if eligible is not None:
             query_logits = query_logits.masked_fill(~eligible, MASKED)
-        routed = query_logits.topk(routes, dim=-1)
+        # One route: the maximum (a top-1 without the selection machinery).
+        routed = query_logits.max(dim=-1, keepdim=True) if routes == 1 else query_logits.topk(routes, dim=-1)
         slot_valid = routed.values > MASKED / 2
         if fused:
+            native = single_route(
+                q, query_logits if shared else None, landmark_values,
+                None if eligible is None else landmark_valid, expert_keys, expert_values,
+                None if bool(expert_valid.all()) else expert_valid, routed.indices[..., 0],
+                slot_valid[..., 0], scale)
+            if native is not None:  # inference: the C kernel (ops/mita_native.py)
+                items = int(slot_valid.sum())
+                flops += dense_attention_flops(items * ((experts if shared else 0) + width),
+                                                           dim, value_dim)
+                return native[0], flops, native[1], experts
             out, fused_flops, counts = fused_single_route(
                 q, landmark, landmark_values, None if eligible is None else landmark_valid,
                 expert_keys, expert_values, None if bool(expert_valid.all()) else expert_valid,

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from routeformer.ops.mita_native import StreamingTopK
+
 _CHUNK_ELEMENTS = 1 << 22  # scores per chunk of landmarks (over B·H): 16 MiB of fp32
 
 
@@ -70,6 +72,12 @@ def pool_landmarks(
         pad = blocks * block - length
         sums = F.pad(q, (0, 0, 0, pad)).view(batch, heads, blocks, block, dim)[:, :, :experts].sum(3)
         counts = F.pad(real, (0, pad)).view(batch, blocks, block)[:, :experts].sum(2)
+    elif grid is None and (length - extra_tokens) % landmarks == 0 and bool((lengths == length).all()):
+        # No padding and windows of equal width: plain window sums of a view (the membership
+        # product below would cost E·N·d multiply-adds for N·d additions).
+        width = (length - extra_tokens) // landmarks
+        sums = q[:, :, extra_tokens:].reshape(batch, heads, landmarks, width, dim).sum(3)
+        counts = torch.full((batch, landmarks), float(width), dtype=q.dtype, device=q.device)
     elif grid is None:
         member = pool_windows((lengths - extra_tokens).clamp_min(0), landmarks, length - extra_tokens)
         member = F.pad(member, (extra_tokens, 0))  # [B, E, N]
@@ -105,6 +113,8 @@ def _chunk_scores(landmark: Tensor, keys: Tensor, limit: Tensor, key_real: Tenso
     and, where `key_real` [B, N] is given, at padded keys."""
     scores = (landmark * scale) @ keys.transpose(-1, -2)
     span = keys.shape[2]
+    if key_real is None and bool((limit >= span).all()):
+        return scores  # every landmark reads every key of the span: nothing to exclude
     excluded = torch.arange(span, device=keys.device)[None, None, :] >= limit[..., None]
     if key_real is not None:
         excluded = excluded | ~key_real[:, None, :span]
@@ -124,6 +134,51 @@ def _chunks(limit: Tensor, experts: int, per_row: int) -> list[tuple[int, int, i
             for start in range(0, experts, size)]
 
 
+_KEY_BLOCK = 4096  # keys per step of `_every_key_forward`: [E, 4096] scores, cache-sized for E = 64
+
+
+def _every_key_forward(landmark: Tensor, k: Tensor, v: Tensor, scale: float, width: int):
+    """(V̂, lse, top-K indices, their validity) when every landmark reads every key (the
+    bidirectional build without padding). Why a second forward: `landmark · Kᵀ` is an [E, d] x
+    [d, N] product, a shape BLAS runs at a third of its rate, and its [E, N] result is a fresh
+    allocation per chunk. Here the keys go in blocks of `_KEY_BLOCK` as `K_blk · Lᵀ` ([S, d] x
+    [d, E], the fast shape), with an online softmax over the blocks (running max and sum, as a
+    flash kernel) and V̂ accumulated by `P_blkᵀ V_blk`; the scores are kept, transposed into one
+    [E, N] buffer, only for the top-K selection (a row-wise top-K over N is several times faster
+    than per-block top-Ks merged). Memory O(E·N) for that buffer: linear in N, as E is fixed here."""
+    batch, heads, experts, _ = landmark.shape
+    length = k.shape[2]
+    scaled_t = (landmark * scale).transpose(-1, -2)  # [B, H, d, E]
+    selector = StreamingTopK.make(landmark, batch * heads, experts, width) if width else None
+    scores = landmark.new_empty(batch, heads, experts, length) if width and selector is None else None
+    row_max = landmark.new_full((batch, heads, 1, experts), float("-inf"))
+    total = landmark.new_zeros(batch, heads, 1, experts)
+    acc = landmark.new_zeros(batch, heads, experts, v.shape[-1])
+    for lo in range(0, length, _KEY_BLOCK):
+        hi = min(length, lo + _KEY_BLOCK)
+        block_t = k[:, :, lo:hi] @ scaled_t  # [B, H, S, E]
+        if selector is not None:
+            selector.update(block_t, lo)
+        elif scores is not None:
+            scores[..., lo:hi] = block_t.transpose(-1, -2)
+        new_max = torch.maximum(row_max, block_t.amax(dim=-2, keepdim=True))
+        correction = torch.exp(row_max - new_max)  # 0 on the first block (exp(-inf))
+        weights = block_t.sub_(new_max).exp_()
+        total = total * correction + weights.sum(dim=-2, keepdim=True)
+        acc = acc * correction.transpose(-1, -2) + weights.transpose(-1, -2) @ v[:, :, lo:hi]
+        row_max = new_max
+    out = acc / total.transpose(-1, -2)
+    lse = (row_max + total.log())[:, :, 0]
+    if not width:
+        empty = torch.zeros(batch, heads, experts, 0, dtype=torch.long, device=k.device)
+        return out, lse, empty, empty.bool()
+    if selector is not None:
+        index = selector.indices((batch, heads, experts))
+    else:
+        index = scores.topk(width, dim=-1).indices
+    return out, lse, index, torch.ones_like(index, dtype=torch.bool)
+
+
 class _LandmarkAttention(torch.autograd.Function):
     """softmax(L Kᵀ·scale, keys < limit) V by chunks of landmarks; also the top-K key indices."""
 
@@ -137,6 +192,10 @@ class _LandmarkAttention(torch.autograd.Function):
         top_index = torch.zeros(batch, heads, experts, width, dtype=torch.long, device=k.device)
         top_valid = torch.zeros(batch, heads, experts, width, dtype=torch.bool, device=k.device)
         chunks = _chunks(limit, experts, batch * heads * length)
+        every_key = key_real is None and length > 0 and bool((limit >= length).all())
+        if every_key:
+            out, lse, top_index, top_valid = _every_key_forward(landmark, k, v, scale, width)
+            chunks = []  # the loop below has nothing left to do
         for first, end, span in chunks:
             if span == 0:
                 continue
@@ -146,12 +205,18 @@ class _LandmarkAttention(torch.autograd.Function):
                 top = scores.topk(min(width, span), dim=-1)
                 top_index[:, :, first:end, :top.indices.shape[-1]] = top.indices
                 top_valid[:, :, first:end, :top.indices.shape[-1]] = torch.isfinite(top.values)
-            chunk_lse = torch.logsumexp(scores, dim=-1)
-            chunk_lse = torch.where(torch.isfinite(chunk_lse), chunk_lse, 0.0)  # a row reading nothing
-            out[:, :, first:end] = torch.exp(scores - chunk_lse[..., None]) @ v[:, :, :span]
-            lse[:, :, first:end] = chunk_lse
+            # softmax in place on the chunk (one temporary of its size, not three): shift by the
+            # row maximum, exponentiate, normalise after the product with V.
+            row_max = scores.amax(dim=-1, keepdim=True)
+            row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # a row reading nothing
+            weights = scores.sub_(row_max).exp_()
+            total = weights.sum(dim=-1, keepdim=True)
+            out[:, :, first:end] = (weights @ v[:, :, :span]) / total.clamp_min(torch.finfo(total.dtype).tiny)
+            # lse of a row reading nothing: 0 (its weights are all 0, so its backward adds nothing).
+            lse[:, :, first:end] = torch.where(total > 0, row_max + total.log(), 0.0)[..., 0]
         ctx.save_for_backward(landmark, k, v, limit, out, lse)
-        ctx.key_real, ctx.scale, ctx.chunks = key_real, scale, chunks
+        ctx.key_real, ctx.scale = key_real, scale
+        ctx.chunks = _chunks(limit, experts, batch * heads * length) if every_key else chunks
         ctx.mark_non_differentiable(top_index, top_valid)
         return out, top_index, top_valid
 

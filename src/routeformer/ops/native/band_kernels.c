@@ -40,6 +40,49 @@ static inline void band_tile_##T_(const T_ *query, int64_t dim, const T_ *keys_a
 }
 
 DEFINE_BAND_TILE(double)
+#if defined(__AVX512F__)
+/* result_r[u0 : u0 + 16·lanes] += Σ_i w_r[i] · value[i·stride + u0 : …]: 3 x lanes accumulators
+ * of 16 lanes, always inlined with a constant `lanes` (registers, not stack). */
+static inline __attribute__((always_inline)) void band_rows3_lanes(
+        const float *w[3], const float *value, int64_t stride, int64_t n, int lanes, float *result[3]) {
+    __m512 acc[3][4];
+#pragma GCC unroll 4
+    for (int c = 0; c < lanes; c++) acc[0][c] = acc[1][c] = acc[2][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i++, value += stride) {
+        __m512 p0 = _mm512_set1_ps(w[0][i]), p1 = _mm512_set1_ps(w[1][i]), p2 = _mm512_set1_ps(w[2][i]);
+#pragma GCC unroll 4
+        for (int c = 0; c < lanes; c++) {
+            __m512 x = _mm512_loadu_ps(value + 16 * c);
+            acc[0][c] = _mm512_fmadd_ps(p0, x, acc[0][c]);
+            acc[1][c] = _mm512_fmadd_ps(p1, x, acc[1][c]);
+            acc[2][c] = _mm512_fmadd_ps(p2, x, acc[2][c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < lanes; c++)
+        for (int r = 0; r < 3; r++)
+            _mm512_storeu_ps(result[r] + 16 * c, _mm512_add_ps(_mm512_loadu_ps(result[r] + 16 * c), acc[r][c]));
+}
+
+/* weighted_rows3_float (common.h) with 16-lane vectors: e = 64 in one pass over the values (the
+ * AVX2 version makes two passes of 32 columns, loading every value row and weight twice). */
+static inline void band_rows3_float(const float *w[3], const float *value, int64_t stride, int64_t n,
+                                    int64_t value_dim, float *result[3]) {
+    if (value_dim % 16) {
+        weighted_rows3_float(w, value, stride, n, value_dim, result);
+        return;
+    }
+    for (int64_t u0 = 0; u0 < value_dim; u0 += 64) {
+        float *at[3] = {result[0] + u0, result[1] + u0, result[2] + u0};
+        switch (value_dim - u0 >= 64 ? 4 : (int)(value_dim - u0) / 16) {
+            case 4: band_rows3_lanes(w, value + u0, stride, n, 4, at); break;
+            case 3: band_rows3_lanes(w, value + u0, stride, n, 3, at); break;
+            case 2: band_rows3_lanes(w, value + u0, stride, n, 2, at); break;
+            default: band_rows3_lanes(w, value + u0, stride, n, 1, at); break;
+        }
+    }
+}
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
 /* AVX2: the BQ x 16 scores in 12 accumulators (the generic loops keep the tile in memory). */
 static inline void band_tile_float(const float *query, int64_t dim, const float *keys_at,
@@ -65,6 +108,16 @@ static inline void band_tile_float(const float *query, int64_t dim, const float 
 #else
 DEFINE_BAND_TILE(float)
 #endif
+#if !defined(__AVX512F__)
+static inline void band_rows3_float(const float *w[3], const float *value, int64_t stride, int64_t n,
+                                    int64_t value_dim, float *result[3]) {
+    weighted_rows3_float(w, value, stride, n, value_dim, result);
+}
+#endif
+static inline void band_rows3_double(const double *w[3], const double *value, int64_t stride, int64_t n,
+                                     int64_t value_dim, double *result[3]) {
+    weighted_rows3_double(w, value, stride, n, value_dim, result);
+}
 
 #define DEFINE_BAND(SUFFIX, T_)                                                               \
 void band_attend_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, const int64_t *layout,           \
@@ -156,7 +209,7 @@ void band_attend_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, const int64_t *
                     if (last < first) continue;                                                    \
                     const T_ *chunk[3] = {weights[g][0] + first, weights[g][1] + first,            \
                                           weights[g][2] + first};                                  \
-                    weighted_rows3_##T_(chunk, values + first * layout[5], layout[5],              \
+                    band_rows3_##T_(chunk, values + first * layout[5], layout[5],                  \
                                         last - first + 1, value_dim, results[g]);                  \
                 }                                                                                  \
             }                                                                                      \

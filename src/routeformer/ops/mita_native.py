@@ -1,0 +1,107 @@
+"""Bidirectional MiTA's routed step (R = 1) by the C kernel of native/mita_kernels.c, for inference.
+
+Axes: B batch, H heads, N length, d head dim (e value dim), E experts, K keys per expert.
+
+The kernel computes what `mita_experts.fused_single_route` computes — each query's softmax over
+[the shared expert's E pairs; its routed expert's K keys] — in one pass per (batch, head) that reads
+the queries in place, visits them expert by expert and writes each output row in place (no sorted
+copies of the queries, no per-expert calls, no scatter back). It is forward-only: `single_route`
+returns None (the caller runs the PyTorch twin) when a gradient is wanted, when the native kernels
+are switched off or unavailable, or for tensors they do not take. fp32/fp64 compute in their own
+dtype (the op upcasts bf16/fp16 before it gets here).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from routeformer.ops.native import kernel, native_kernels, pointer, suffix
+
+_INT, _PTR = ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = [*[_PTR] * 8, *[_INT] * 6, ctypes.c_double, _PTR, _PTR, ctypes.c_int]
+
+
+def _contiguous_or_none(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+def single_route(
+    q: Tensor, shared_logits: Tensor | None, landmark_values: Tensor, landmark_ok: Tensor | None,
+    expert_keys: Tensor, expert_values: Tensor, expert_valid: Tensor | None, assignment: Tensor,
+    slot_valid: Tensor, scale: float,
+) -> tuple[Tensor, Tensor] | None:
+    """(out [B, H, N, e], per-bucket query counts [B·H·E]) or None where the kernel does not apply.
+
+    q [B, H, N, d]; shared_logits [B, H, N, E] (the scaled routing logits; None = no shared
+    expert); landmark_values [B, H, E, e]; landmark_ok bool [B, E] (None = every landmark);
+    expert_keys / values [B, H, E, K, d|e]; expert_valid bool [B, H, E, K] (None = every key);
+    assignment long [B, H, N] (the routed expert) with slot_valid bool [B, H, N] (False: the
+    row is zero, as in the PyTorch twin)."""
+    tensors = (q, landmark_values, expert_keys, expert_values)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    if shared_logits is not None and shared_logits.requires_grad and torch.is_grad_enabled():
+        return None
+    if q.dtype not in (torch.float32, torch.float64) or any(t.dtype != q.dtype for t in tensors):
+        return None
+    if native_kernels(*tensors) is None or torch.compiler.is_compiling():
+        return None
+    batch, heads, length, dim = q.shape
+    experts, width, value_dim = expert_keys.shape[2], expert_keys.shape[3], expert_values.shape[-1]
+    groups = batch * heads
+    # Bound to names: a temporary's memory would be freed before the call reads it.
+    queries = q.contiguous()
+    logits = _contiguous_or_none(shared_logits)
+    values_hat = landmark_values.contiguous()
+    ok = None if landmark_ok is None else landmark_ok[:, None, :].expand(batch, heads, experts).to(
+        torch.uint8).contiguous()
+    keys_t = expert_keys.transpose(-1, -2).contiguous()  # [B, H, E, d, K]
+    values = expert_values.contiguous()
+    key_ok = None if expert_valid is None else expert_valid.to(torch.uint8).contiguous()
+    chosen = torch.where(slot_valid, assignment, -1).contiguous()
+    out = q.new_empty(batch, heads, length, value_dim)
+    counts = torch.empty(groups * experts, dtype=torch.long)
+    function = kernel(f"mita_route_{suffix(q.dtype)}", None, _ARGTYPES)
+    function(pointer(queries), pointer(logits), pointer(values_hat), pointer(ok), pointer(keys_t),
+             pointer(values), pointer(key_ok), pointer(chosen), groups, length, experts, width, dim,
+             value_dim, float(scale), pointer(out), pointer(counts), torch.get_num_threads())
+    return out, counts
+
+
+class StreamingTopK:
+    """The top-`width` key indices per landmark, fed one block of transposed scores [B, H, S, E]
+    at a time (native/mita_kernels.c: a min-heap per landmark). `make` returns None where the
+    kernels cannot serve (the caller keeps the scores and runs torch.topk instead); `indices()`
+    gives long [B, H, E, width], ordered as torch.topk orders them (descending score)."""
+
+    def __init__(self, like: Tensor, groups: int, experts: int, width: int) -> None:
+        self.groups, self.experts, self.width = groups, experts, width
+        self.values = like.new_empty(groups, experts, width)
+        self.index = torch.zeros(groups, experts, width, dtype=torch.long)
+        self.size = torch.zeros(groups, experts, dtype=torch.long)
+        name = suffix(like.dtype)
+        self._update = kernel(f"mita_topk_update_{name}", None,
+                              [_PTR, *[_INT] * 5, _PTR, _PTR, _PTR, ctypes.c_int])
+        self._finish = kernel(f"mita_topk_finish_{name}", None, [_INT, _INT, _PTR, _PTR, _PTR])
+
+    @classmethod
+    def make(cls, like: Tensor, groups: int, experts: int, width: int) -> StreamingTopK | None:
+        if like.dtype not in (torch.float32, torch.float64) or native_kernels(like) is None:
+            return None
+        if torch.compiler.is_compiling():
+            return None
+        return cls(like, groups, experts, width)
+
+    def update(self, block_t: Tensor, offset: int) -> None:
+        """Scores [B, H, S, E] of keys offset .. offset + S − 1 (read before they are overwritten)."""
+        block = block_t.detach().contiguous()
+        self._update(pointer(block), self.groups, block.shape[-2], self.experts, offset, self.width,
+                     pointer(self.values), pointer(self.index), pointer(self.size), torch.get_num_threads())
+
+    def indices(self, shape: tuple[int, ...]) -> Tensor:
+        self._finish(self.groups * self.experts, self.width, pointer(self.values), pointer(self.index),
+                     pointer(self.size))
+        return self.index.view(*shape, self.width)

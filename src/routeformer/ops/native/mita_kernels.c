@@ -1,0 +1,316 @@
+/* Fused CPU kernel for bidirectional MiTA with one routed expert per query (R = 1), forward only
+ * (ops/mita_native.py wraps it; ops/mita_experts.py: fused_single_route is its PyTorch twin).
+ *
+ * Why: the PyTorch path sorts the queries by expert, gathers them into runs, runs one SDPA call per
+ * (group, expert) over [shared pairs; expert keys] and scatters the outputs back: about 10 passes
+ * over [N, d] tensors and B·H·E kernel calls for ~4·N·(E + K)·d useful flops. Here one pass per
+ * (batch, head) group reads each query in place, attends to its expert's K keys and the E shared
+ * pairs under one softmax and writes its output row in place. The queries are visited expert by
+ * expert (a counting sort per group), so an expert's keys and values stay in cache while its
+ * queries run.
+ *
+ * Semantics, per group g and query n with expert j = assignment[g, n] (j < 0: no routed slot,
+ * the row is left zero, as the PyTorch twin leaves it):
+ *   s_i = shared_logits[g, n, i]                 (i < E, landmark_ok[g, i]; absent if shared is NULL)
+ *   r_k = scale · q[g, n] · keys[g, j, :, k]     (k < K, key_ok[g, j, k])
+ *   out[g, n] = (Σ_i exp(s_i − m) V̂[g, i] + Σ_k exp(r_k − m) v[g, j, k]) / Σ exp(· − m)
+ * with m the maximum of the allowed logits; no allowed logit gives zeros.
+ * Layouts (contiguous): q [G, N, d]; shared_logits [G, N, E] (already scaled, the routing logits);
+ * landmark_values [G, E, e]; landmark_ok [G, E] or NULL; keys_t [G, E, d, K] (transposed: the K
+ * scores of one query are K-wide vector FMAs); values [G, E, K, e]; key_ok [G, E, K] or NULL;
+ * assignment [G, N]. counts [G, E] receives the queries per expert. Threads split the groups.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define MITA_FAST 1
+#define TILE 4 /* queries per tile: 4 x 4 zmm score accumulators, the expert's rows loaded once */
+
+static inline __m512 exp_nonpositive_512(__m512 x) {
+    __m256 low = exp_nonpositive_ps(_mm512_castps512_ps256(x));
+    __m256 high = exp_nonpositive_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(low)),
+                                               _mm256_castps_pd(high), 1));
+}
+
+/* E = K = d = e = 64, float: `count` (<= TILE) queries of one expert. Scores by broadcast FMAs
+ * over the transposed keys (each key row loaded once per tile), the softmax on 16-lane vectors,
+ * the output by broadcast FMAs over the 128 value rows (each loaded once per tile). */
+static void mita_tile_64(const float *q, const int64_t *rows, int count, const float *shared_logits,
+                         const float *landmark_values, const uint8_t *landmark_ok, const float *keys_t,
+                         const float *values, const uint8_t *key_ok, float scale, float *out) {
+    float weights[TILE][128] __attribute__((aligned(64)));
+    __m512 acc[TILE][4];
+    for (int t = 0; t < TILE; t++)
+        for (int l = 0; l < 4; l++) acc[t][l] = _mm512_setzero_ps();
+    const float *query[TILE];
+    for (int t = 0; t < TILE; t++) query[t] = q + rows[t < count ? t : 0] * 64;
+    for (int c = 0; c < 64; c++) {
+        __m512 line[4];
+        for (int l = 0; l < 4; l++) line[l] = _mm512_loadu_ps(keys_t + c * 64 + 16 * l);
+        for (int t = 0; t < TILE; t++) {
+            __m512 qc = _mm512_set1_ps(query[t][c]);
+            for (int l = 0; l < 4; l++) acc[t][l] = _mm512_fmadd_ps(qc, line[l], acc[t][l]);
+        }
+    }
+    __m512 factor = _mm512_set1_ps(scale);
+    float inverse[TILE];
+    for (int t = 0; t < count; t++) {
+        float *w = weights[t];
+        const float *logits = shared_logits + rows[t] * 64;
+        for (int l = 0; l < 4; l++) {
+            _mm512_store_ps(w + 16 * l, _mm512_loadu_ps(logits + 16 * l));
+            _mm512_store_ps(w + 64 + 16 * l, _mm512_mul_ps(acc[t][l], factor));
+        }
+        if (landmark_ok || key_ok)
+            for (int i = 0; i < 128; i++)
+                if (i < 64 ? (landmark_ok && !landmark_ok[i]) : (key_ok && !key_ok[i - 64])) w[i] = -INFINITY;
+        __m512 best = _mm512_load_ps(w);
+        for (int l = 1; l < 8; l++) best = _mm512_max_ps(best, _mm512_load_ps(w + 16 * l));
+        float top = _mm512_reduce_max_ps(best);
+        if (top == -INFINITY) { inverse[t] = 0; memset(w, 0, sizeof(float) * 128); continue; }
+        __m512 shift = _mm512_set1_ps(top), total = _mm512_setzero_ps();
+        for (int l = 0; l < 8; l++) {
+            __m512 e = exp_nonpositive_512(_mm512_sub_ps(_mm512_load_ps(w + 16 * l), shift));
+            _mm512_store_ps(w + 16 * l, e);
+            total = _mm512_add_ps(total, e);
+        }
+        if (landmark_ok || key_ok) { /* an excluded pair weighs exactly 0 (the clamp leaves e^-87) */
+            float sum = 0;
+            for (int i = 0; i < 128; i++) {
+                if (i < 64 ? (landmark_ok && !landmark_ok[i]) : (key_ok && !key_ok[i - 64])) w[i] = 0;
+                sum += w[i];
+            }
+            inverse[t] = 1.0f / sum;
+        } else {
+            inverse[t] = 1.0f / _mm512_reduce_add_ps(total);
+        }
+    }
+    for (int t = count; t < TILE; t++) { inverse[t] = 0; memset(weights[t], 0, sizeof(float) * 128); }
+    for (int t = 0; t < TILE; t++)
+        for (int l = 0; l < 4; l++) acc[t][l] = _mm512_setzero_ps();
+    for (int i = 0; i < 128; i++) {
+        const float *row = i < 64 ? landmark_values + i * 64 : values + (i - 64) * 64;
+        __m512 line[4];
+        for (int l = 0; l < 4; l++) line[l] = _mm512_loadu_ps(row + 16 * l);
+        for (int t = 0; t < TILE; t++) {
+            __m512 w = _mm512_set1_ps(weights[t][i]);
+            for (int l = 0; l < 4; l++) acc[t][l] = _mm512_fmadd_ps(w, line[l], acc[t][l]);
+        }
+    }
+    for (int t = 0; t < count; t++) {
+        __m512 norm = _mm512_set1_ps(inverse[t]);
+        for (int l = 0; l < 4; l++)
+            _mm512_storeu_ps(out + rows[t] * 64 + 16 * l, _mm512_mul_ps(acc[t][l], norm));
+    }
+}
+#else
+#define MITA_FAST 0
+#define TILE 4
+static void mita_tile_64(const float *q, const int64_t *rows, int count, const float *shared_logits,
+                         const float *landmark_values, const uint8_t *landmark_ok, const float *keys_t,
+                         const float *values, const uint8_t *key_ok, float scale, float *out) {
+    (void)q, (void)rows, (void)count, (void)shared_logits, (void)landmark_values, (void)landmark_ok;
+    (void)keys_t, (void)values, (void)key_ok, (void)scale, (void)out; /* never called: MITA_FAST is 0 */
+}
+#endif
+
+
+#define DEFINE_MITA_ROUTE(SUFFIX, T_, EXP_)                                                              \
+/* One query: the scores against the expert's keys, the joint softmax with the shared logits,   \
+ * and the output row. `scores` holds E + K entries. always_inline: called with constant sizes  \
+ * below, so the loops over K, d, e unroll into fixed vector code. */                            \
+static inline __attribute__((always_inline)) void mita_query_##SUFFIX(                          \
+    const T_ *query, const T_ *shared, const T_ *landmark_values, const uint8_t *landmark_ok,     \
+    const T_ *keys_t, const T_ *values, const uint8_t *key_ok, int64_t experts, int64_t width,    \
+    int64_t dim, int64_t value_dim, T_ scale, T_ *scores, T_ *out) {                              \
+    T_ *routed = scores + experts;                                                                 \
+    for (int64_t k = 0; k < width; k++) routed[k] = 0;                                             \
+    for (int64_t c = 0; c < dim; c++) {                                                            \
+        const T_ *line = keys_t + c * width;                                                       \
+        T_ qc = query[c];                                                                          \
+        for (int64_t k = 0; k < width; k++) routed[k] += qc * line[k];                             \
+    }                                                                                              \
+    T_ top = -INFINITY;                                                                            \
+    for (int64_t k = 0; k < width; k++) {                                                          \
+        routed[k] = key_ok && !key_ok[k] ? -INFINITY : routed[k] * scale;                          \
+        top = routed[k] > top ? routed[k] : top;                                                   \
+    }                                                                                              \
+    int64_t shared_count = shared ? experts : 0;                                                   \
+    for (int64_t i = 0; i < shared_count; i++) {                                                   \
+        scores[i] = landmark_ok && !landmark_ok[i] ? -INFINITY : shared[i];                        \
+        top = scores[i] > top ? scores[i] : top;                                                   \
+    }                                                                                              \
+    for (int64_t u = 0; u < value_dim; u++) out[u] = 0;                                            \
+    if (top == -INFINITY) return; /* no allowed key: zeros */                                      \
+    T_ total = 0;                                                                                  \
+    for (int64_t i = 0; i < shared_count; i++) {                                                   \
+        T_ w = EXP_(scores[i] - top);                                                               \
+        total += w;                                                                                \
+        const T_ *row = landmark_values + i * value_dim;                                           \
+        for (int64_t u = 0; u < value_dim; u++) out[u] += w * row[u];                              \
+    }                                                                                              \
+    for (int64_t k = 0; k < width; k++) {                                                          \
+        T_ w = EXP_(routed[k] - top);                                                               \
+        total += w;                                                                                \
+        const T_ *row = values + k * value_dim;                                                    \
+        for (int64_t u = 0; u < value_dim; u++) out[u] += w * row[u];                              \
+    }                                                                                              \
+    T_ inverse = 1 / total;                                                                        \
+    for (int64_t u = 0; u < value_dim; u++) out[u] *= inverse;                                     \
+}                                                                                                  \
+                                                                                                   \
+void mita_route_##SUFFIX(const T_ *q, const T_ *shared_logits, const T_ *landmark_values,         \
+                         const uint8_t *landmark_ok, const T_ *keys_t, const T_ *values,          \
+                         const uint8_t *key_ok, const int64_t *assignment, int64_t groups,        \
+                         int64_t length, int64_t experts, int64_t width, int64_t dim,             \
+                         int64_t value_dim, double scale, T_ *out, int64_t *counts, int threads) { \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                          \
+    for (int64_t g = 0; g < groups; g++) {                                                         \
+        const int64_t *chosen = assignment + g * length;                                           \
+        int64_t *count = counts + g * experts;                                                     \
+        int64_t *order = malloc(sizeof(int64_t) * (length + experts + 1));                         \
+        int64_t *start = order + length;                                                           \
+        T_ *scores = malloc(sizeof(T_) * (experts + width));                                       \
+        memset(count, 0, sizeof(int64_t) * experts);                                               \
+        for (int64_t n = 0; n < length; n++) {                                                     \
+            if (chosen[n] >= 0) count[chosen[n]]++;                                                \
+            else memset(out + (g * length + n) * value_dim, 0, sizeof(T_) * value_dim);            \
+        }                                                                                          \
+        start[0] = 0;                                                                              \
+        for (int64_t j = 0; j < experts; j++) start[j + 1] = start[j] + count[j];                  \
+        for (int64_t n = 0; n < length; n++)                                                       \
+            if (chosen[n] >= 0) order[start[chosen[n]]++] = n;                                     \
+        const T_ *group_values = landmark_values ? landmark_values + g * experts * value_dim : 0;  \
+        const uint8_t *group_ok = landmark_ok ? landmark_ok + g * experts : 0;                     \
+        int64_t first = 0;                                                                         \
+        for (int64_t j = 0; j < experts; j++) {                                                    \
+            const T_ *expert_keys = keys_t + (g * experts + j) * dim * width;                      \
+            const T_ *expert_values = values + (g * experts + j) * width * value_dim;              \
+            const uint8_t *expert_ok = key_ok ? key_ok + (g * experts + j) * width : 0;            \
+            int64_t slot = first;                                                                  \
+            if (MITA_FAST && sizeof(T_) == 4 && shared_logits && experts == 64 && width == 64 &&   \
+                dim == 64 && value_dim == 64) {                                                    \
+                int64_t tile_rows[TILE];                                                           \
+                for (; slot < first + count[j]; slot += TILE) {                                    \
+                    int tile = (int)(first + count[j] - slot < TILE ? first + count[j] - slot : TILE); \
+                    for (int t = 0; t < tile; t++) tile_rows[t] = g * length + order[slot + t];    \
+                    mita_tile_64((const float *)q, tile_rows, tile, (const float *)shared_logits,  \
+                                 (const float *)group_values, group_ok, (const float *)expert_keys,\
+                                 (const float *)expert_values, expert_ok, (float)scale, (float *)out); \
+                }                                                                                  \
+            }                                                                                      \
+            for (; slot < first + count[j]; slot++) {                                              \
+                int64_t n = order[slot], row = g * length + n;                                     \
+                const T_ *shared = shared_logits ? shared_logits + row * experts : 0;              \
+                if (experts == 64 && width == 64 && dim == 64 && value_dim == 64)                                   \
+                    mita_query_##SUFFIX(q + row * dim, shared, group_values, group_ok, expert_keys,\
+                                        expert_values, expert_ok, 64, 64, 64, 64, (T_)scale,       \
+                                        scores, out + row * value_dim);                            \
+                else                                                                               \
+                    mita_query_##SUFFIX(q + row * dim, shared, group_values, group_ok, expert_keys,\
+                                        expert_values, expert_ok, experts, width, dim, value_dim,  \
+                                        (T_)scale, scores, out + row * value_dim);                 \
+            }                                                                                      \
+            first += count[j];                                                                     \
+        }                                                                                          \
+        free(scores);                                                                              \
+        free(order);                                                                               \
+    }                                                                                              \
+}
+
+DEFINE_MITA_ROUTE(f32, float, expf)
+DEFINE_MITA_ROUTE(f64, double, exp)
+
+/* Streaming top-K of the landmark scores (ops/mita_landmarks.py: _every_key_forward), so that the
+ * [E, N] score matrix never has to exist for a row-wise top-K.
+ *
+ * Why: the landmark stage computes its scores a block of keys at a time, transposed ([S, E]: the
+ * fast product shape); a row-wise torch top-K needs all N scores of a landmark at once, i.e. an
+ * [E, N] buffer filled by a transposing copy. Here each landmark keeps a min-heap of its K best
+ * (value, key index) pairs across the blocks; a score enters only when it beats the heap's root,
+ * which after the first few hundred keys is rare, so most of the work is one vector compare per
+ * 16 landmarks and key.
+ *
+ * mita_topk_update: block [G, S, E] (scores of keys offset .. offset + S − 1); heap_values and
+ * heap_index [G, E, K], heap_size [G, E] (zero before the first block). mita_topk_finish sorts each
+ * heap by descending value (ties: lower key index first), as torch.topk orders its result.
+ */
+#define DEFINE_MITA_TOPK(SUFFIX, T_)                                                               \
+static void sift_down_##SUFFIX(T_ *value, int64_t *index, int64_t size, int64_t at) {              \
+    for (;;) {                                                                                     \
+        int64_t child = 2 * at + 1, low = at;                                                      \
+        if (child < size && value[child] < value[low]) low = child;                                \
+        if (child + 1 < size && value[child + 1] < value[low]) low = child + 1;                    \
+        if (low == at) return;                                                                     \
+        T_ v = value[at]; value[at] = value[low]; value[low] = v;                                  \
+        int64_t i = index[at]; index[at] = index[low]; index[low] = i;                             \
+        at = low;                                                                                  \
+    }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
+static void push_##SUFFIX(T_ *value, int64_t *index, int64_t *size, int64_t width, T_ x, int64_t key) { \
+    if (*size < width) { /* not full: append and sift up */                                        \
+        int64_t at = (*size)++;                                                                    \
+        value[at] = x, index[at] = key;                                                            \
+        while (at > 0 && value[(at - 1) / 2] > value[at]) {                                        \
+            int64_t up = (at - 1) / 2;                                                             \
+            T_ v = value[at]; value[at] = value[up]; value[up] = v;                                \
+            int64_t i = index[at]; index[at] = index[up]; index[up] = i;                           \
+            at = up;                                                                               \
+        }                                                                                          \
+    } else if (x > value[0]) { /* replace the smallest kept */                                     \
+        value[0] = x, index[0] = key;                                                              \
+        sift_down_##SUFFIX(value, index, width, 0);                                                \
+    }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
+void mita_topk_update_##SUFFIX(const T_ *block, int64_t groups, int64_t rows, int64_t experts,     \
+                               int64_t offset, int64_t width, T_ *heap_values, int64_t *heap_index,\
+                               int64_t *heap_size, int threads) {                                  \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                              \
+    for (int64_t g = 0; g < groups; g++) {                                                         \
+        T_ *threshold = malloc(sizeof(T_) * experts);                                              \
+        for (int64_t j = 0; j < experts; j++) {                                                    \
+            int64_t slot = g * experts + j;                                                        \
+            threshold[j] = heap_size[slot] < width ? -INFINITY : heap_values[slot * width];        \
+        }                                                                                          \
+        for (int64_t r = 0; r < rows; r++) {                                                       \
+            const T_ *line = block + (g * rows + r) * experts;                                     \
+            for (int64_t j = 0; j < experts; j++) {                                                \
+                if (!(line[j] > threshold[j]) && !(threshold[j] == -INFINITY)) continue;           \
+                int64_t slot = g * experts + j;                                                    \
+                T_ *value = heap_values + slot * width;                                            \
+                int64_t *index = heap_index + slot * width;                                        \
+                push_##SUFFIX(value, index, heap_size + slot, width, line[j], offset + r);         \
+                threshold[j] = heap_size[slot] < width ? -INFINITY : value[0];                     \
+            }                                                                                      \
+        }                                                                                          \
+        free(threshold);                                                                           \
+    }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
+void mita_topk_finish_##SUFFIX(int64_t heaps, int64_t width, T_ *heap_values, int64_t *heap_index, \
+                               const int64_t *heap_size) {                                         \
+    for (int64_t h = 0; h < heaps; h++) { /* insertion sort: descending value, then index */      \
+        T_ *value = heap_values + h * width;                                                       \
+        int64_t *index = heap_index + h * width;                                                   \
+        for (int64_t a = 1; a < heap_size[h]; a++) {                                               \
+            T_ v = value[a];                                                                       \
+            int64_t i = index[a], b = a - 1;                                                       \
+            while (b >= 0 && (value[b] < v || (value[b] == v && index[b] > i))) {                  \
+                value[b + 1] = value[b], index[b + 1] = index[b];                                  \
+                b--;                                                                               \
+            }                                                                                      \
+            value[b + 1] = v, index[b + 1] = i;                                                    \
+        }                                                                                          \
+    }                                                                                              \
+}
+
+DEFINE_MITA_TOPK(f32, float)
+DEFINE_MITA_TOPK(f64, double)
