@@ -103,11 +103,12 @@ def test_bench_compile_takes_a_mechanism_list(tmp_path, capsys):
     assert "--mechanisms: unknown ['nope']" in capsys.readouterr().err
     output = tmp_path / "compile.md"
     assert main(["bench", "compile", "--lengths", "16", "--repeats", "1", "--dim", "16", "--heads", "2",
-                 "--mechanisms", "expanding", "--output", str(output)]) == 0
+                 "--mechanisms", "full", "--output", str(output)]) == 0
     rows = json.loads(output.with_suffix(".json").read_text())["rows"]
-    # expanding runs outside the compiled graph: one break, around the op
-    assert [r["mechanism"] for r in rows] == ["expanding"] and rows[0]["breaks"] == 1
-    assert "--mechanisms expanding" in output.read_text()
+    # full: the cheapest layer to compile (expanding's one graph: tests/attention/test_compile.py)
+    assert [r["mechanism"] for r in rows] == ["full"] and (rows[0]["graphs"], rows[0]["breaks"]) == (1, 0)
+    assert rows[0]["compile_s"] > 0 and rows[0]["fwd_bwd_speedup"] > 0
+    assert "--mechanisms full" in output.read_text()
 
 
 def test_bench_meta_times_soft_and_hard_layers(tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""Every mechanism under torch.compile gives the eager layer's outputs and gradients.
+"""Every mechanism under torch.compile gives the eager layer's outputs and gradients; the layers
+without data-dependent shapes compile to one graph (no graph break).
 
 The "aot_eager" backend traces the forward and backward graphs exactly as the default inductor
 backend does, without generating C++ (the benchmark `routeformer bench compile` uses inductor)."""
@@ -8,9 +9,20 @@ import torch
 
 from routeformer.attention import list_attentions
 from routeformer.bench.compile_bench import graph_breaks
+from routeformer.ops.expanding import expanding_attention
+from routeformer.ops.native import native_kernels
 from tests.attention.test_contract import DIM, make_layer
 
 LENGTH = 24
+needs_native = pytest.mark.skipif(native_kernels(torch.zeros(1)) is None, reason="no C compiler here")
+
+
+def _forward_backward(module, x, **extra):
+    """(out, stats, grad of x, grads of the parameters) of one training step's attention work."""
+    inputs = x.clone().requires_grad_()
+    result = module(inputs, **extra)
+    result.out.square().sum().backward()
+    return result.out.detach(), result.stats, inputs.grad
 
 
 @pytest.mark.parametrize("name", list(list_attentions()))
@@ -21,19 +33,75 @@ def test_compiled_layer_matches_eager(name):
     extra = {"meta_mask": torch.rand(2, LENGTH, generator=torch.Generator().manual_seed(1)) < 0.2} \
         if getattr(layer, "reads_meta_mask", False) else {}
     compiled = torch.compile(layer, backend="aot_eager")
-    outputs, gradients = [], []
-    for module in (layer, compiled):  # one compiled call: forward and backward graphs
-        inputs = x.clone().requires_grad_()
-        out = module(inputs, **extra).out
-        out.square().sum().backward()
-        outputs.append(out.detach())
-        gradients.append(inputs.grad)
-    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(gradients[1], gradients[0], atol=1e-4, rtol=1e-4)
+    # One compiled call: forward and backward graphs.
+    (out, _, grad), (compiled_out, _, compiled_grad) = (
+        _forward_backward(module, x, **extra) for module in (layer, compiled))
+    torch.testing.assert_close(compiled_out, out, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(compiled_grad, grad, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["full", "local", "linear"])
-def test_fixed_pattern_layers_compile_to_one_graph(name):
+# The layers whose forward has no data-dependent shape or host sync (expanding: on its native path).
+ONE_GRAPH = ["full", "gated", "multihop", "local", "linear",
+             pytest.param("expanding", marks=needs_native)]
+
+
+@pytest.mark.parametrize("name", ONE_GRAPH)
+def test_fixed_shape_layers_compile_to_one_graph(name):
     layer = make_layer(name, causal=True)
     explained = graph_breaks(layer, torch.randn(1, LENGTH, DIM), {})
     assert (explained["graphs"], explained["breaks"]) == (1, 0), explained
+
+
+@needs_native
+def test_expanding_fullgraph_matches_eager_values_stats_and_gradients():
+    """fullgraph=True (a graph break would raise) in training mode; the windows vary (a prior of
+    17 keys at T=48, so queries widen by different amounts); values, every statistic and the
+    gradients of the input and of the prior's parameters equal eager's."""
+    torch._dynamo.reset()
+    layer = make_layer("expanding", causal=True).train()
+    x = torch.randn(2, 48, layer.dim, generator=torch.Generator().manual_seed(2))
+    results = []
+    for module in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
+        layer.zero_grad(set_to_none=True)
+        out, stats, grad = _forward_backward(module, x)
+        params = {name: p.grad.clone() for name, p in layer.named_parameters()}
+        results.append((out, stats, grad, params))
+    (out, stats, grad, params), (c_out, c_stats, c_grad, c_params) = results
+    assert float(stats["window_max"]) > 17 and float(stats["iterations_max"]) > 1  # windows widened
+    torch.testing.assert_close(c_out, out, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(c_grad, grad, atol=1e-4, rtol=1e-4)
+    assert c_stats.keys() == stats.keys()
+    for key in stats:
+        torch.testing.assert_close(c_stats[key], stats[key], rtol=1e-6, atol=0, msg=key)
+    assert params.keys() == c_params.keys() >= {"alpha_raw", "beta_raw"}
+    for key in params:
+        torch.testing.assert_close(c_params[key], params[key], atol=1e-4, rtol=1e-4, msg=key)
+
+
+def test_expanding_band_path_under_compile_matches_eager():
+    """Padded input: the band path, which runs outside the compiled graph (one break), still
+    gives eager's real rows and gradients."""
+    torch._dynamo.reset()
+    layer = make_layer("expanding", causal=True)
+    x = torch.randn(2, LENGTH, layer.dim, generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, LENGTH, dtype=torch.bool)
+    mask[1, 17:] = False
+    compiled = torch.compile(layer, backend="aot_eager")
+    (out, _, grad), (c_out, _, c_grad) = (_forward_backward(m, x, mask=mask) for m in (layer, compiled))
+    torch.testing.assert_close(c_out[mask], out[mask], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(c_grad, grad, atol=1e-4, rtol=1e-4)
+
+
+@needs_native
+def test_expanding_unsynced_counts_equal_the_synced_ints():
+    """sync_stats=False returns the native path's counts as 0-d tensors with the same values."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=gen) for _ in range(3))
+    alpha, beta = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 9.0])
+    synced = expanding_attention(q, k, v, alpha, beta)
+    lazy = expanding_attention(q, k, v, alpha, beta, sync_stats=False)
+    torch.testing.assert_close(lazy.out, synced.out, atol=0, rtol=0)
+    for field in ("scored_pairs", "value_pairs", "step_entries", "flops"):
+        value = getattr(lazy, field)
+        assert isinstance(value, torch.Tensor) and value.dim() == 0, field
+        assert isinstance(getattr(synced, field), int) and int(value) == getattr(synced, field), field

@@ -17,7 +17,12 @@ from torch import Tensor, nn
 from routeformer.attention.base import AttentionLayer, AttentionOutput
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
-from routeformer.ops.expanding import DEFAULT_BLOCK, check_expanding_options, expanding_attention
+from routeformer.ops.expanding import (
+    DEFAULT_BLOCK,
+    check_expanding_options,
+    expanding_attention,
+    expanding_uses_native,
+)
 
 _CONCENTRATION_FLOOR = 1e-4  # keeps softplus(raw) + floor a valid Beta concentration in fp32
 
@@ -27,12 +32,11 @@ def _inverse_softplus(value: float) -> float:
 
 
 @torch.compiler.disable
-def _expanding_outside_compiled_graphs(*args, **kwargs):
-    """`expanding_attention`, run eagerly inside a compiled model (one graph break around it).
-    Compiled, its data-dependent windows and statistics cost more than they gained: the layer's
-    compiled forward+backward ran at 0.80x eager's speed (docs/results/compile.md, T=1024,
-    2026-11-25), so torch.compile compiles the projections around it and leaves the op to its
-    kernels (tests/ops/test_native_ops.py still compiles the op itself)."""
+def _band_path_outside_compiled_graphs(*args, **kwargs):
+    """`expanding_attention` on its band path (padded, bidirectional, mean-field, no C compiler),
+    run eagerly inside a compiled model: one graph break around it. Its Python loop over inference
+    steps stops on data (`bool(going_on.any())`), which dynamo can only trace as a break per step
+    and a recompile per step count. The native path needs none of this (see `forward`)."""
     return expanding_attention(*args, **kwargs)
 
 
@@ -80,22 +84,28 @@ class ExpandingAttention(AttentionLayer):
         mask, positions = self.check_inputs(x, mask, positions)
         q, k, v = self.project_qkv(x, positions)
         alpha, beta = self.prior()
-        result = _expanding_outside_compiled_graphs(
-            q, k, v, alpha, beta, tol=self.tol, max_iters=self.max_iters, mask=mask, causal=self.causal,
-            block=self.block, update=self.update)
+        options = {"tol": self.tol, "max_iters": self.max_iters, "mask": mask, "causal": self.causal,
+                   "block": self.block, "update": self.update}
+        if expanding_uses_native(q, k, v, mask=mask, causal=self.causal, update=self.update):
+            # C kernels behind custom ops and statistics kept as tensors: torch.compile traces the
+            # whole layer as one graph (fullgraph=True works), no host sync, no graph break.
+            result = expanding_attention(q, k, v, alpha, beta, sync_stats=False, **options)
+        else:
+            result = _band_path_outside_compiled_graphs(q, k, v, alpha, beta, **options)
         out = self.out_proj(self.merge_heads(result.out, x))
         batch, heads, length, _ = q.shape
         full_pairs = batch * heads * (length * (length + 1) // 2 if self.causal else length * length)
         window = result.horizon.float()
         iterations = result.iterations.float()
+        scored_pairs = torch.as_tensor(result.scored_pairs, dtype=torch.float64)
         stats = {
-            "flops": torch.tensor(float(result.flops)),
+            "flops": torch.as_tensor(result.flops, dtype=torch.float64).float(),
             "window_mean": window.mean(),
             "window_max": window.max(),
             "iterations_mean": iterations.mean(),
             "iterations_max": iterations.max(),
-            "score_pairs": torch.tensor(float(result.scored_pairs)),
-            "score_ops_vs_full": torch.tensor(result.scored_pairs / full_pairs),
+            "score_pairs": scored_pairs.float(),
+            "score_ops_vs_full": (scored_pairs / full_pairs).float(),
         }
         return AttentionOutput(out=out, aux_loss=x.new_zeros(()), stats=stats)
 

@@ -95,10 +95,12 @@ class ExpandingOutput:
     out: Tensor  # [B, H, T, d]
     horizon: Tensor  # long [B, H, T]: final window (keys at distance < horizon are read)
     iterations: Tensor  # long [B, H, T]: inference steps taken
-    scored_pairs: int  # q·k products computed (at block granularity), counted once each
-    value_pairs: int  # (query, key) pairs of the final P·V products (the whole band)
-    step_entries: int  # (query, key) entries the inference steps and the final softmax touched
-    flops: int  # executed FLOPs: scores + P·V + elementwise inference work
+    # The counts are ints, or 0-d long tensors where `expanding_attention(..., sync_stats=False)`
+    # took the native path (read them without a host sync, e.g. inside a compiled graph).
+    scored_pairs: int | Tensor  # q·k products computed (at block granularity), counted once each
+    value_pairs: int | Tensor  # (query, key) pairs of the final P·V products (the whole band)
+    step_entries: int | Tensor  # (query, key) entries the inference steps and the final softmax touched
+    flops: int | Tensor  # executed FLOPs: scores + P·V + elementwise inference work
 
 
 def check_expanding_options(tol: float, max_iters: int, update: str = "paper") -> None:
@@ -163,7 +165,9 @@ def _check_prior(alpha: Tensor, beta: Tensor, heads: int) -> None:
     for name, value in (("alpha", alpha), ("beta", beta)):
         if value.shape != (heads,):
             raise ValueError(f"{name} must have shape [H] = ({heads},); got {tuple(value.shape)}")
-        if not bool((value > 0).all()):
+        # The value check reads the tensor (a host sync, a graph break under torch.compile): a
+        # graph being traced skips it (the layer's prior is positive by construction).
+        if not torch.compiler.is_compiling() and not bool((value > 0).all()):
             raise ValueError(f"{name} must be positive (a Beta concentration); got {value.tolist()}")
 
 
@@ -413,10 +417,12 @@ class _BandAttention(torch.autograd.Function):
 
 def _expanding_native(
     native, q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, tol: float, max_iters: int,
-    scale: float,
+    scale: float, sync_stats: bool,
 ) -> ExpandingOutput:
     """Causal, unpadded expanding attention by the C kernels: the inference steps per query (no
-    gradient), then the final pass with log(1 - q) from the learnable α, β plus the counts."""
+    gradient), then the final pass with log(1 - q) from the learnable α, β plus the counts.
+    sync_stats=False leaves the counts as 0-d long tensors (no host sync: under torch.compile the
+    whole path is one graph, custom ops included)."""
     batch, heads, length, dim = q.shape
     rows = batch * heads
     q_rows, k_rows, v_rows = (t.reshape(rows, length, -1) for t in (q, k, v))
@@ -432,16 +438,17 @@ def _expanding_native(
     # The final pass as the query-blocked kernel executes it (whole key tiles, three-query groups).
     final_pass = band_attend_flops_tensor(horizon, torch.arange(length).expand(rows, length), dim,
                                           v.shape[-1])
-    # One host sync for every statistic (each int() would be a graph break under torch.compile).
-    value_pairs, step_scored, step_entries, final_pass = torch.stack(
-        [horizon.sum(), counts[0], counts[1], final_pass]).tolist()
+    value_pairs, step_scored, step_entries = horizon.sum(), counts[0], counts[1]
     scored_pairs = step_scored + value_pairs  # the final pass scores its keys again
     step_entries = step_entries + value_pairs
     flops = 2 * dim * step_scored + final_pass + _STEP_FLOPS_PER_ENTRY * step_entries
+    totals = (scored_pairs, value_pairs, step_entries, flops)
+    if sync_stats:  # one host sync for every statistic
+        totals = torch.stack(totals).tolist()
     return ExpandingOutput(
         out=out.view(batch, heads, length, -1), horizon=horizon.view(batch, heads, length),
-        iterations=(steps + 1).view(batch, heads, length), scored_pairs=scored_pairs,
-        value_pairs=value_pairs, step_entries=step_entries, flops=flops,
+        iterations=(steps + 1).view(batch, heads, length), scored_pairs=totals[0],
+        value_pairs=totals[1], step_entries=totals[2], flops=totals[3],
     )
 
 
@@ -465,28 +472,39 @@ def _softmax_rows(logits: Tensor) -> Tensor:
     return torch.where(has_key, logits, torch.zeros_like(logits)).softmax(dim=-1) * has_key
 
 
+def expanding_uses_native(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool,
+                          update: str) -> bool:
+    """Whether `expanding_attention` runs these inputs on the C kernels: causal, unpadded, the
+    paper's update (the only one the kernels implement), tensors the kernels take."""
+    return (causal and mask is None and update == "paper" and q.dtype == k.dtype == v.dtype
+            and native_kernels(q, k, v) is not None)
+
+
 def expanding_attention(
     q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, *, tol: float = 0.01,
     max_iters: int = 8, mask: Tensor | None = None, causal: bool = True, scale: float | None = None,
-    block: int = DEFAULT_BLOCK, update: str = "paper",
+    block: int = DEFAULT_BLOCK, update: str = "paper", sync_stats: bool = True,
 ) -> ExpandingOutput:
     """Expanding attention over [B, H, T, d] tensors; `alpha`, `beta` [H] are the Beta prior's
     positive concentrations (the starting point of every query's inference). `update`: "paper"
     (the paper's accumulating update, which does not converge) or "mean_field" (a true
-    coordinate-ascent step, which does). See the module docstring."""
+    coordinate-ascent step, which does). See the module docstring.
+
+    sync_stats=False: on the native path (`expanding_uses_native`) the counts of the result stay
+    0-d long tensors, so torch.compile traces the whole op as one graph (its kernels are custom
+    ops). The band path reads data-dependent sizes and always returns ints."""
     check_qkv(q, k, v, mask, causal=True)
     check_expanding_options(tol, max_iters, update)
     check_positive("block", block)
     batch, heads, length, dim = q.shape
     _check_prior(alpha, beta, heads)
     scale = dim ** -0.5 if scale is None else scale
-    # The C kernels implement the paper's update only.
-    native = native_kernels(q, k, v) if causal and mask is None and update == "paper" else None
     # The C kernels (ops/native) for causal, unpadded inputs: faster than the band path below at
     # every prior measured, from 47-key windows to the whole context (2026-11-22, T = 1024-16384;
     # docs/results/structural.md).
-    if native is not None and q.dtype == k.dtype == v.dtype:
-        return _expanding_native(native, q, k, v, alpha, beta, tol, max_iters, scale)
+    if expanding_uses_native(q, k, v, mask=mask, causal=causal, update=update):
+        return _expanding_native(native_kernels(q, k, v), q, k, v, alpha, beta, tol, max_iters, scale,
+                                 sync_stats)
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
     if q.dtype != compute_dtype:
         # bf16/fp16 run in fp32 (autograd casts the gradients back): the band's distances and
