@@ -95,9 +95,14 @@ static inline int64_t append_keys(int64_t *key, int64_t count, uint32_t bits, in
 static void rescore(const Row *row, const float *query, float *score, const int64_t *key, int64_t from,
                     int64_t count) {
     int64_t e = from, dim = row->dim;
+    for (int64_t ahead = from; ahead < from + 8 && ahead < count; ahead++)
+        prefetch_row(row->keys + key[ahead] * dim, dim * (int64_t)sizeof(float));
     for (; e + 8 <= count; e += 8) {
         const float *k[8];
         float acc[8];
+        /* the candidates are scattered over the row's keys: ask for the next 8 while these run */
+        for (int64_t ahead = e + 8; ahead < e + 16 && ahead < count; ahead++)
+            prefetch_row(row->keys + key[ahead] * dim, dim * (int64_t)sizeof(float));
 #pragma GCC unroll 8
         for (int c = 0; c < 8; c++) { k[c] = row->keys + key[e + c] * dim; acc[c] = 0.0f; }
         for (int64_t d = 0; d < dim; d++) {
