@@ -18,7 +18,7 @@ from torch import Tensor
 
 from routeformer.ops.full import masked_attention_reference
 from routeformer.ops.native import compute_dtype, native_kernels
-from routeformer.ops.native.topk import routed_attention_op
+from routeformer.ops.native.topk import reads_bf16, routed_attention_op
 from routeformer.ops.triton import dispatch as triton_dispatch
 
 DEFAULT_BLOCK = 64  # small blocks keep the gathered keys in cache: measured fastest
@@ -133,11 +133,10 @@ def routed_attention(
         return triton_dispatch.routed_attention(q, k, v, index, valid, scale)
     native = native_kernels(q, k, v) if q.dtype == k.dtype == v.dtype else None
     if native is not None and index.shape[-1] <= native.route_topk_max_slots():
-        # The fused C kernel as a custom op (compile-safe). bf16/fp16 are widened here, under
-        # autograd, rather than inside the op: the backward then reuses the saved fp32 copies
-        # instead of converting q, k, v, out and grad_out again (`routeformer bench ops`, the
-        # "topk: attention only" row's bf16 speed-up).
-        work = compute_dtype(q.dtype)
+        # The fused C kernel as a custom op (compile-safe). bf16 is read as stored (the op's bf16
+        # kernels); fp16 is widened here, under autograd, rather than inside the op: the backward
+        # then reuses the saved fp32 copies instead of converting q, k, v, out and grad_out again.
+        work = q.dtype if reads_bf16(q, k, v) else compute_dtype(q.dtype)
         out, lse = routed_attention_op(q.to(work), k.to(work), v.to(work), index, valid, scale)
         return out.to(q.dtype), lse.to(q.dtype).detach()
     return _RoutedAttention.apply(q, k.contiguous(), v.contiguous(), index, valid, scale, block)

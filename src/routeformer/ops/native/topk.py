@@ -11,9 +11,10 @@ K slots, r routing dim, d key dim, e value dim, V the kernel's key tile.
   differentiable in q, k, v through `routeformer::routed_attention_backward`.
 
 As custom ops with fake (shape-only) implementations, torch.compile keeps them in its graphs
-instead of tracing the PyTorch twins (ops/topk_routing.py, ops/gathered.py). bfloat16/float16
-inputs are computed in float32 (see `widened`); outputs come back in the input's dtype, except
-the log-sum-exp, which stays in float32 so the backward rebuilds the weights to fp32 accuracy.
+instead of tracing the PyTorch twins (ops/topk_routing.py, ops/gathered.py). bfloat16 is read as
+stored by the routing and attention kernels (fp32 arithmetic); float16 is computed in float32 (see
+`widened`). Outputs come back in the input's dtype, except the log-sum-exp, which stays in float32
+so the backward rebuilds the weights to fp32 accuracy.
 """
 
 from __future__ import annotations
@@ -130,6 +131,24 @@ def route_topk_scored(rows: int, length: int, stride: int, causal: bool, tile: i
 
 
 # -- attention over the routed keys ---------------------------------------------------------------
+BF16_MAX_DIM = 512  # head dims the bf16 kernels (topk_bf16_attention_kernels.c) hold on the stack
+_BF16_FORWARD_ARGS = [*[_PTR] * 5, *[_INT] * 9, ctypes.c_double, _PTR, _PTR, ctypes.c_int]
+_BF16_BACKWARD_ARGS = [*[_PTR] * 8, *[_INT] * 9, ctypes.c_double, _PTR, _PTR, _PTR, ctypes.c_int]
+
+
+def reads_bf16(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the attention kernels read these as bfloat16 (no fp32 copies): all three bf16, head
+    dims <= BF16_MAX_DIM."""
+    return (q.dtype == k.dtype == v.dtype == torch.bfloat16
+            and max(q.shape[-1], v.shape[-1]) <= BF16_MAX_DIM)
+
+
+def _bf16_kernel(name: str, argtypes: list):
+    function = getattr(library(), name)
+    function.restype, function.argtypes = None, argtypes
+    return function
+
+
 @native_op("routed_attention")
 def routed_attention_op(q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: Tensor,
                         scale: float) -> tuple[Tensor, Tensor]:
@@ -137,8 +156,17 @@ def routed_attention_op(q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: T
     have stride 0) -> (out [B, H, T, e] in q's dtype, lse [B, H, T] in the compute dtype)."""
     batch, heads, length, dim = q.shape
     dtype = q.dtype
-    q, k, v = (widened(t).contiguous() for t in (q, k, v))
     index, valid = kernel_layout(index, valid)
+    if reads_bf16(q, k, v):
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        out = q.new_empty(batch, heads, length, v.shape[-1])
+        lse = q.new_empty(batch, heads, length, dtype=torch.float32)
+        _bf16_kernel("routed_attention_bf16", _BF16_FORWARD_ARGS)(
+            pointer(q), pointer(k), pointer(v), index.data_ptr(), valid.data_ptr(), batch, heads, length,
+            k.shape[2], dim, v.shape[-1], index.shape[-1], index.stride(0), index.stride(1), scale,
+            pointer(out), pointer(lse), torch.get_num_threads())
+        return out, lse
+    q, k, v = (widened(t).contiguous() for t in (q, k, v))
     out = q.new_empty(batch, heads, length, v.shape[-1])
     lse = q.new_empty(batch, heads, length)
     getattr(library(), f"routed_attention_{suffix(q.dtype)}")(
@@ -163,10 +191,21 @@ def routed_attention_backward_op(
     """(grad_q, grad_k, grad_v), each in its input's dtype, from the forward's out and lse."""
     batch, heads, length, dim = q.shape
     dtypes = (q.dtype, k.dtype, v.dtype)
+    index, valid = kernel_layout(index, valid)
+    if reads_bf16(q, k, v) and out.dtype == grad_out.dtype == torch.bfloat16:
+        q, k, v, out, grad_out = (t.contiguous() for t in (q, k, v, out, grad_out))
+        lse = lse.float().contiguous()
+        grad_q = torch.empty(q.shape, dtype=torch.float32)  # fp32 accumulators, narrowed below
+        grad_k, grad_v = torch.zeros(k.shape, dtype=torch.float32), torch.zeros(v.shape, dtype=torch.float32)
+        _bf16_kernel("routed_attention_backward_bf16", _BF16_BACKWARD_ARGS)(
+            *(pointer(t) for t in (q, k, v)), index.data_ptr(), valid.data_ptr(), pointer(out), pointer(lse),
+            pointer(grad_out), batch, heads, length, k.shape[2], dim, v.shape[-1], index.shape[-1],
+            index.stride(0), index.stride(1), scale, pointer(grad_q), pointer(grad_k), pointer(grad_v),
+            torch.get_num_threads())
+        return tuple(grad.to(dtype) for dtype, grad in zip(dtypes, (grad_q, grad_k, grad_v), strict=True))
     work = compute_dtype(q.dtype)
     q, k, v, out, grad_out = (widened(t).contiguous() for t in (q, k, v, out, grad_out))
     lse = lse.to(work).contiguous()
-    index, valid = kernel_layout(index, valid)
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
     getattr(library(), f"routed_attention_backward_{suffix(work)}")(
         pointer(q), pointer(k), pointer(v), index.data_ptr(), valid.data_ptr(), pointer(out), pointer(lse),

@@ -43,7 +43,7 @@ float route_topk_keep_best_f32(float *score, int64_t *key, int64_t n, int64_t m)
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
-#define QB 8       /* queries per tile (8 accumulators; 6 and 12 measured no faster) */
+#define QB 8       /* queries per tile (accumulators); 6 and 12 measured within noise of 8 (loaded machine) */
 #define V 16       /* keys per tile: one register of fp32 lanes */
 #define MAX_DIM 64
 
@@ -56,7 +56,8 @@ int64_t route_topk_spec_query_tile(void) { return QB; }
 /* One routing row, prepared once per call: exact fp32 rows and bf16 pairs [tiles, pairs, V]
  * (pair p of key c: dims 2p (low half) and 2p + 1, as _mm512_dpbf16_ps pairs them). */
 typedef struct {
-    const float *keys, *queries;           /* [S, r], [T, r] fp32 (widened when bf16) */
+    const float *keys, *queries;           /* [S, r] fp32 keys (NULL when bf16), [T, r] fp32 queries */
+    const uint16_t *keys_bf16;             /* [S, r] bf16 keys as stored (NULL when fp32) */
     const uint32_t *key_pairs, *query_pairs; /* [tiles, pairs, V], [T, pairs] */
     float key_norm;                        /* max |k| (rounded up), +inf when unguarded */
     int64_t num_keys, dim, pairs;
@@ -89,26 +90,40 @@ static inline int64_t append_keys(int64_t *key, int64_t count, uint32_t bits, in
     return count + __builtin_popcount(bits);
 }
 
+/* A key value of the row as fp32: bf16 keys are read as stored and widened (exactly). */
+static inline float key_at(const Row *row, int64_t j, int64_t d) {
+    return row->keys_bf16 ? bf16_to_float(row->keys_bf16[j * row->dim + d]) : row->keys[j * row->dim + d];
+}
+
 /* score[e] = the exact score of candidate key[e], e in [from, count): 8 candidates at a time, so
  * that 8 independent chains overlap (one at a time, each of the r dependent multiply-adds waits
- * for the last; measured: a 16-lane gather per dim was slower still). Each chain is exact_score's. */
+ * for the last; measured: a 16-lane gather per dim was slower still). Each chain is exact_score's:
+ * fmaf over d in order from 0, on the fp32 (or exactly widened bf16) values. */
 static void rescore(const Row *row, const float *query, float *score, const int64_t *key, int64_t from,
                     int64_t count) {
-    int64_t e = from, dim = row->dim;
+    int64_t e = from, dim = row->dim, bytes = dim * (row->keys_bf16 ? 2 : 4);
+    const char *base = row->keys_bf16 ? (const char *)row->keys_bf16 : (const char *)row->keys;
+    for (int64_t ahead = from; ahead < from + 8 && ahead < count; ahead++) prefetch_row(base + key[ahead] * bytes, bytes);
     for (; e + 8 <= count; e += 8) {
-        const float *k[8];
         float acc[8];
+        /* the candidates are scattered over the row's keys: ask for the next 8 while these run */
+        for (int64_t ahead = e + 8; ahead < e + 16 && ahead < count; ahead++)
+            prefetch_row(base + key[ahead] * bytes, bytes);
 #pragma GCC unroll 8
-        for (int c = 0; c < 8; c++) { k[c] = row->keys + key[e + c] * dim; acc[c] = 0.0f; }
+        for (int c = 0; c < 8; c++) acc[c] = 0.0f;
         for (int64_t d = 0; d < dim; d++) {
             float q = query[d];
 #pragma GCC unroll 8
-            for (int c = 0; c < 8; c++) acc[c] = fmaf(q, k[c][d], acc[c]);
+            for (int c = 0; c < 8; c++) acc[c] = fmaf(q, key_at(row, key[e + c], d), acc[c]);
         }
 #pragma GCC unroll 8
         for (int c = 0; c < 8; c++) score[e + c] = acc[c];
     }
-    for (; e < count; e++) score[e] = exact_score(query, row->keys + key[e] * dim, dim);
+    for (; e < count; e++) {
+        float acc = 0.0f;
+        for (int64_t d = 0; d < dim; d++) acc = fmaf(query[d], key_at(row, key[e], d), acc);
+        score[e] = acc;
+    }
 }
 
 /* Rescore candidates [from, *count) exactly, keep the `cap` best (ties: lower key) and set *count
@@ -217,7 +232,7 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
             hits[a] = _mm512_cmp_ps_mask(acc[a], _mm512_set1_ps(low[a]), _CMP_GT_OQ) | force_all[a];
             any |= hits[a];
         }
-        if (any && (!simple || j0 + V > i0 || j0 + V > keys)) /* keys some query may not take */
+        if (any && (!simple || (causal && j0 + V > i0) || j0 + V > keys)) /* keys some query may not take */
             for (int64_t a = 0; a < nq; a++) {
                 uint32_t bits = hits[a];
                 int64_t i = i0 + a, last = causal && i < keys - 1 ? i : keys - 1; /* eligible keys end */
@@ -266,25 +281,24 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
     return QB * ((end + V - 1) / V * V);
 }
 
-/* Pack one row: fp32 rows (widened when bf16), bf16 pairs of keys (zero-padded tiles) and of
- * queries, the guard's max key norm. */
+/* Pack one row: fp32 queries (widened when bf16; keys are read as stored), bf16 pairs of keys
+ * (zero-padded tiles) and of queries, the guard's max key norm. */
 static void prepare_row(const void *rq, const void *rk, int bf16, int64_t length, int64_t keys, int64_t dim,
-                        float *wide_q, float *wide_k, uint32_t *key_pairs, uint32_t *query_pairs, Row *row) {
+                        float *wide_q, uint32_t *key_pairs, uint32_t *query_pairs, Row *row) {
     int64_t pairs = (dim + 1) / 2;
-    const float *qf = bf16 ? wide_q : rq, *kf = bf16 ? wide_k : rk;
+    const uint16_t *half_q = rq, *half_k = rk;
+    const float *qf = bf16 ? wide_q : rq, *kf = bf16 ? NULL : rk;
     for (int pass = 0; pass < 2; pass++) {
         int64_t n = pass ? keys : length;
-        const uint16_t *half = pass ? rk : rq;
+        const uint16_t *half = pass ? half_k : half_q;
         const float *full = pass ? kf : qf;
-        float *wide = pass ? wide_k : wide_q;
         for (int64_t t = 0; t < n; t++)
             for (int64_t p = 0; p < pairs; p++) {
                 int64_t d = 2 * p;
                 uint16_t low, high = 0;
                 if (bf16) {
                     low = half[t * dim + d];
-                    wide[t * dim + d] = bf16_to_float(low);
-                    if (d + 1 < dim) { high = half[t * dim + d + 1]; wide[t * dim + d + 1] = bf16_to_float(high); }
+                    if (d + 1 < dim) high = half[t * dim + d + 1];
                 } else {
                     low = float_to_bf16(full[t * dim + d]);
                     if (d + 1 < dim) high = float_to_bf16(full[t * dim + d + 1]);
@@ -294,15 +308,18 @@ static void prepare_row(const void *rq, const void *rk, int bf16, int64_t length
                 else query_pairs[t * pairs + p] = pair;
             }
     }
+    if (bf16)
+        for (int64_t e = 0; e < length * dim; e++) wide_q[e] = bf16_to_float(half_q[e]);
+    *row = (Row){.keys = kf, .queries = qf, .keys_bf16 = bf16 ? half_k : NULL, .key_pairs = key_pairs,
+                 .query_pairs = query_pairs, .num_keys = keys, .dim = dim, .pairs = pairs};
     double largest = 0;
     for (int64_t t = 0; t < keys; t++) {
         double sum = 0;
-        for (int64_t d = 0; d < dim; d++) sum += (double)kf[t * dim + d] * kf[t * dim + d];
+        for (int64_t d = 0; d < dim; d++) sum += (double)key_at(row, t, d) * key_at(row, t, d);
         largest = sum > largest || sum != sum ? sum : largest; /* NaN sticks */
     }
     float norm = (float)(sqrt(largest) * (1 + 0x1p-20));
-    *row = (Row){.keys = kf, .queries = qf, .key_pairs = key_pairs, .query_pairs = query_pairs,
-                 .key_norm = norm < 0x1p60f ? norm : INFINITY, .num_keys = keys, .dim = dim, .pairs = pairs};
+    row->key_norm = norm < 0x1p60f ? norm : INFINITY;
 }
 
 /* The next guess from a routed block: ratio = min (K-th best / |q|) over the block's queries that
@@ -339,13 +356,11 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
     uint32_t *key_pairs = calloc((size_t)(rows * tiles * pairs * V), sizeof(uint32_t));
     uint32_t *query_pairs = malloc((size_t)(rows * length * pairs) * sizeof(uint32_t) + 1);
     float *wide_q = bf16 ? malloc((size_t)(rows * length * dim) * sizeof(float) + 1) : NULL;
-    float *wide_k = bf16 ? malloc((size_t)(rows * keys * dim) * sizeof(float) + 1) : NULL;
     Row *row = malloc(sizeof(Row) * (size_t)rows);
     _Pragma("omp parallel for num_threads(threads) schedule(static)")
     for (int64_t bh = 0; bh < rows; bh++)
         prepare_row((const char *)rq + bh * length * dim * element, (const char *)rk + bh * keys * dim * element,
-                    bf16, length, keys, dim, bf16 ? wide_q + bh * length * dim : NULL,
-                    bf16 ? wide_k + bh * keys * dim : NULL, key_pairs + bh * tiles * pairs * V,
+                    bf16, length, keys, dim, bf16 ? wide_q + bh * length * dim : NULL, key_pairs + bh * tiles * pairs * V,
                     query_pairs + bh * length * pairs, &row[bh]);
     _Pragma("omp parallel num_threads(threads) reduction(+:scored)")
     {
@@ -383,7 +398,7 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
         free(buffer_keys);
         free(bits);
     }
-    free(key_pairs); free(query_pairs); free(wide_q); free(wide_k); free(row);
+    free(key_pairs); free(query_pairs); free(wide_q); free(row);
     return scored;
 }
 
