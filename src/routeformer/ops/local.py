@@ -7,6 +7,10 @@ Fast path: cut the (internally padded) sequence into N query blocks of b tokens;
 attends to its own block and the ceil(window / b) blocks before it (and, non-causal, after it),
 with a band mask, through `blockwise_sdpa` (SDPA's fused kernel, blocks folded into the batch).
 With b = window that is the block and its neighbour(s). Time and memory O(T·(window + b)·d).
+Native path (CPU, float32 / bfloat16 / float16, no explicit `block`, kernels on): the C kernel of
+ops/native/local.py scores only each query's exact band (give or take five keys), flash-style
+forward and backward, bf16 with bf16 pair products; time O(T·window·d), memory O(T·d + window·d).
+The blockwise path is its fallback and runs everywhere else.
 Reference: the dense T×T score matrix with the band mask.
 """
 
@@ -72,8 +76,9 @@ def local_attention(
 ) -> Tensor:
     """Blockwise sliding-window softmax attention; see the module docstring.
 
-    `block` is the query block length (default: `window`, capped at 128 — smaller blocks score
-    fewer keys outside the window, larger ones make bigger, more efficient matrix products).
+    `block` is the query block length of the blockwise path (default: `window`, capped at 128 —
+    smaller blocks score fewer keys outside the window, larger ones make bigger, more efficient
+    matrix products); passing one selects that path even where the C kernel could run.
     """
     check_qkv(q, k, v, mask, causal=True)  # a window needs queries and keys on one axis
     check_positive("window", window)
