@@ -24,6 +24,10 @@ void local_pairs_transposed(const uint16_t *x, int64_t length, int64_t dim, cons
                             uint32_t *out, int64_t ld);
 void local_pairs_of_rows(const uint16_t *x, int64_t length, int64_t dim, const float *bias, uint32_t *out);
 void local_narrow_row(const float *x, int64_t n, uint32_t *y);
+void local_gemm_pairs_strided(int64_t rows, int64_t n, int64_t depth, const uint32_t *a, int64_t a_row,
+                              int64_t a_step, const uint32_t *b, int64_t ldb, float *c, int64_t ldc,
+                              int accumulate);
+void local_pair_rows(const float *x0, const float *x1, int64_t n, uint32_t *y);
 /* local_rows_kernels.c: row passes (softmax, its backward, conversions). */
 void local_widen(const void *x, int bf16, int64_t length, int64_t dim, float factor, const float *bias,
                  float *rows, float *columns, int64_t ld);
@@ -38,13 +42,14 @@ static inline float element(const void *x, int64_t i, int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
-/* What the backward of one row bh reads, in float32 (and, `pairs`: bf16 storage with an even d,
- * the bf16 pair layouts for the products over d and dQ = dS K). */
+/* What the backward of one row bh reads: in float32, or (`pairs`: bf16 storage with an even d) as
+ * bf16 pair layouts for every product (dO also in float32, for D = dO · O). */
 typedef struct {
     int pairs;
     float *qs, *kr, *kt, *vt, *go;                   /* float32: scale·q, k, kᵀ, vᵀ, dO */
     uint16_t *q2, *go2;                              /* pairs: raw q and dO rows, MR zero rows after */
     uint32_t *kt2, *vt2, *k2;                        /* pairs: kᵀ, vᵀ over d; k rows paired over keys */
+    uint32_t *q2r, *go2r;                            /* pairs: q, dO rows paired over queries */
 } Operands;
 
 static void prepare(Operands *x, const void *q, const void *k, const void *v, const void *grad_out,
@@ -54,11 +59,11 @@ static void prepare(Operands *x, const void *q, const void *k, const void *v, co
 #if defined(__AVX512BF16__)
     x->pairs = bf16 && dim % 2 == 0;
 #endif
-    x->qs = malloc(rows_size);
     x->go = malloc(rows_size);
-    local_widen(q, bf16, length, dim, scale, NULL, x->qs, NULL, 0);
-    local_widen(grad_out, bf16, length, dim, 1.0f, NULL, x->go, NULL, 0);
+    local_widen(grad_out, bf16, length, dim, 1.0f, NULL, x->go, NULL, 0); /* also for D = dO · O */
     if (!x->pairs) {
+        x->qs = malloc(rows_size);
+        local_widen(q, bf16, length, dim, scale, NULL, x->qs, NULL, 0);
         x->kr = malloc(rows_size);
         x->kt = malloc(sizeof(float) * dim * ld);
         x->vt = malloc(sizeof(float) * dim * ld);
@@ -76,11 +81,15 @@ static void prepare(Operands *x, const void *q, const void *k, const void *v, co
     local_pairs_transposed(k, length, dim, bias, x->kt2, ld);
     local_pairs_transposed(v, length, dim, bias, x->vt2, ld);
     local_pairs_of_rows(k, length, dim, bias, x->k2);
+    x->q2r = malloc(sizeof(uint32_t) * ((length + 1) / 2 + MR) * dim);
+    x->go2r = malloc(sizeof(uint32_t) * ((length + 1) / 2 + MR) * dim);
+    local_pairs_of_rows(q, length, dim, NULL, x->q2r);
+    local_pairs_of_rows(grad_out, length, dim, NULL, x->go2r);
 }
 
 static void release(Operands *x) {
     free(x->qs); free(x->go); free(x->kr); free(x->kt); free(x->vt);
-    free(x->q2); free(x->go2); free(x->kt2); free(x->vt2); free(x->k2);
+    free(x->q2); free(x->go2); free(x->kt2); free(x->vt2); free(x->k2); free(x->q2r); free(x->go2r);
 }
 
 static void backward_bh(const void *q, const void *k, const void *v, const void *out, const void *grad_out,
@@ -94,6 +103,9 @@ static void backward_bh(const void *q, const void *k, const void *v, const void 
     float *p = calloc((size_t)(BQ + MR) * span, sizeof(float)), *ds = calloc((size_t)(BQ + MR) * span, sizeof(float));
     float *row_dot = malloc(sizeof(float) * length), *o = malloc(sizeof(float) * MR * dim);
     uint32_t *narrow = calloc((size_t)MR * span, sizeof(uint32_t));
+    /* Pairs: P and dS of the tile with query rows paired, for dV = Pᵀ dO and dK = dSᵀ q. */
+    uint32_t *p2 = calloc((size_t)(BQ / 2 + MR) * span, sizeof(uint32_t));
+    uint32_t *ds2 = calloc((size_t)(BQ / 2 + MR) * span, sizeof(uint32_t));
     for (int64_t i = 0; i < length; i++) {
         float sum = 0;
         for (int64_t c = 0; c < dim; c++) sum += x.go[i * dim + c] * element(out, i * dim + c, bf16);
@@ -131,19 +143,38 @@ static void backward_bh(const void *q, const void *k, const void *v, const void 
             for (int64_t r = 0; r < rows; r++)
                 local_store(o + r * dim, dim, scale, bf16, (char *)grad_q + (i0 + r) * dim * (bf16 ? 2 : 4));
         }
+        int64_t width = key1 - key0 + MR;
+        if (x.pairs) {
+            if (queries % 2) { /* the last pair's second row: no query */
+                memset(p + queries * span, 0, sizeof(float) * width);
+                memset(ds + queries * span, 0, sizeof(float) * width);
+            }
+            for (int64_t m = 0; 2 * m < queries; m++) {
+                local_pair_rows(p + 2 * m * span, p + (2 * m + 1) * span, width, p2 + m * span);
+                local_pair_rows(ds + 2 * m * span, ds + (2 * m + 1) * span, width, ds2 + m * span);
+            }
+        }
         for (int64_t j0 = key0; j0 < key1; j0 += MR) {
             int64_t keys = min64(MR, key1 - j0);
-            int64_t first = max64(t0, j0 - after), last = min64(t0 + queries, j0 + keys + before);
+            int64_t first = max64(t0, j0 - after) & align, last = min64(t0 + queries, j0 + keys + before);
             if (last <= first) continue;
+            if (x.pairs) { /* t0 and first are even: pair m of the tile is queries t0 + 2m, t0 + 2m + 1 */
+                int64_t at = ((first - t0) / 2) * span + (j0 - key0), depth = (last - first + 1) / 2;
+                local_gemm_pairs_strided(keys, dim, depth, p2 + at, 1, span, x.go2r + (first / 2) * dim, dim,
+                                         dv + j0 * dim, dim, 1);
+                local_gemm_pairs_strided(keys, dim, depth, ds2 + at, 1, span, x.q2r + (first / 2) * dim, dim,
+                                         dk + j0 * dim, dim, 1);
+                continue;
+            }
             int64_t at = (first - t0) * span + (j0 - key0);
             local_gemm(keys, dim, last - first, p + at, 1, span, x.go + first * dim, dim, dv + j0 * dim, dim, 1);
             local_gemm(keys, dim, last - first, ds + at, 1, span, x.qs + first * dim, dim, dk + j0 * dim, dim, 1);
         }
     }
-    local_store(dk, length * dim, 1.0f, bf16, grad_k);
+    local_store(dk, length * dim, x.pairs ? scale : 1.0f, bf16, grad_k); /* pairs: dSᵀ q, unscaled */
     local_store(dv, length * dim, 1.0f, bf16, grad_v);
     release(&x);
-    free(dk); free(dv); free(p); free(ds); free(row_dot); free(o); free(narrow);
+    free(dk); free(dv); free(p); free(ds); free(row_dot); free(o); free(narrow); free(p2); free(ds2);
 }
 
 /* The gradients of local_attend: grad_q, grad_k, grad_v [BH, T, d] in the storage dtype. */
