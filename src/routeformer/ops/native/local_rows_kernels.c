@@ -48,15 +48,27 @@ static inline void set_element(void *x, int64_t i, float value, int bf16) {
  * the last; skipped if NULL) and, if `columns` is not NULL, its transpose [d x ld]. */
 void local_widen(const void *x, int bf16, int64_t length, int64_t dim, float factor, const float *bias,
                  float *rows, float *columns, int64_t ld) {
-    for (int64_t i = 0; i < length; i++) {
-        int keep = !(bias && bias[i] < 0); /* a product with 0 would keep a NaN */
-        for (int64_t c = 0; c < dim; c++) {
-            float value = keep ? element(x, i * dim + c, bf16) * factor : 0.0f;
-            if (rows) rows[i * dim + c] = value;
-            if (columns) columns[c * ld + i] = value;
+    if (rows) {
+        for (int64_t i = 0; i < length; i++) {
+            float *row = rows + i * dim;
+            if (bias && bias[i] < 0) memset(row, 0, sizeof(float) * dim); /* 0·NaN would stay NaN */
+            else if (bf16) for (int64_t c = 0; c < dim; c++) row[c] = bf16_to_float(((const uint16_t *)x)[i * dim + c]) * factor;
+            else for (int64_t c = 0; c < dim; c++) row[c] = ((const float *)x)[i * dim + c] * factor;
         }
+        memset(rows + length * dim, 0, sizeof(float) * MR * dim);
     }
-    if (rows) memset(rows + length * dim, 0, sizeof(float) * MR * dim);
+    if (!columns) return;
+    /* The transpose in blocks of 16 rows: each column segment written is one cache line, and the
+     * 16 rows read stay in L1 (a row at a time wrote d scattered lines per row). */
+    for (int64_t i0 = 0; i0 < length; i0 += 16) {
+        int64_t n = length - i0 < 16 ? length - i0 : 16;
+        for (int64_t c = 0; c < dim; c++)
+            for (int64_t r = 0; r < n; r++) {
+                int64_t i = i0 + r;
+                float value = rows ? rows[i * dim + c] : element(x, i * dim + c, bf16) * factor;
+                columns[c * ld + i] = (bias && bias[i] < 0) ? 0.0f : value;
+            }
+    }
 }
 
 /* 0 for a real key, −inf for a masked one (NULL without a mask). */
