@@ -11,6 +11,7 @@ from routeformer.ops import (
     linear_attention_reference,
     local_attention_reference,
 )
+from routeformer.ops.local import local_kernel_serves_cpu
 
 
 def explicit_heads(layer, x):
@@ -74,8 +75,14 @@ def test_flops_stats_match_the_op_formulas():
     # Under a padding mask the causal kernel runs on heads widened to 16 (ops/padded_keys.py).
     assert padded.item() == 2 * 4 * 4 * (100 * 101 // 2) * 16
     local = build_attention("local", dim=32, heads=4, window=16)
-    # 7 blocks of 16 queries, each scoring its own and the previous block: 32 keys.
-    assert local(x).stats["flops"].item() == 2 * 4 * 4 * 7 * 16 * 32 * 8
+    if local_kernel_serves_cpu():
+        # The C kernel (ops/native/local.py): 17 blocks of 6 queries, each scoring the keys its
+        # bands cover: Σ rows x keys = 1930 query-key pairs.
+        assert local(x).stats["flops"].item() == 2 * 4 * 4 * 1930 * 8
+    else:  # the blockwise path: 7 blocks of 16 queries, each scoring its own and the previous block
+        assert local(x).stats["flops"].item() == 2 * 4 * 4 * 7 * 16 * 32 * 8
+    blockwise = build_attention("local", dim=32, heads=4, window=16, block=16)
+    assert blockwise(x).stats["flops"].item() == 2 * 4 * 4 * 7 * 16 * 32 * 8
     linear = build_attention("linear", dim=32, heads=4, causal=False)
     assert linear(x).stats["flops"].item() == 2 * 4 * (2 * 2 * 8 * 100 * 8 + 2 * 100 * 8)
     assert math.isfinite(full(x).stats["flops"].item())

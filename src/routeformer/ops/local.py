@@ -164,7 +164,7 @@ def local_attention_flops(
     of its block. The C kernel (`native`; None: whether it serves CPU float32 tensors with this
     `block` now): every block of NATIVE_ROWS queries scores the keys its bands cover."""
     if native is None:
-        native = block is None and _native_local(_PROBE, _PROBE, _PROBE, None) is not None
+        native = block is None and local_kernel_serves_cpu()
     if native:
         return batch * heads * _native_flops(length, head_dim, window, causal)
     block = default_block(window) if block is None else block
@@ -175,7 +175,12 @@ def local_attention_flops(
 
 
 NATIVE_ROWS = 6  # local_kernels.c's MR: the queries of one register tile
-_PROBE = torch.zeros(1, 1, 1, 1)  # a CPU float32 tensor: does the kernel serve such inputs now?
+_PROBE = torch.zeros(1, 1, 1, 1)
+
+
+def local_kernel_serves_cpu() -> bool:
+    """Whether `local_attention` runs the C kernel now for CPU float32 inputs (no explicit block)."""
+    return _native_local(_PROBE, _PROBE, _PROBE, None) is not None
 
 
 def _native_flops(length: int, head_dim: int, window: int, causal: bool) -> int:
