@@ -11,7 +11,7 @@ from routeformer.ops import (
     linear_attention_reference,
     local_attention_reference,
 )
-from routeformer.ops.native import native_kernels
+from routeformer.ops.local import local_kernel_serves_cpu
 
 
 def explicit_heads(layer, x):
@@ -75,12 +75,14 @@ def test_flops_stats_match_the_op_formulas():
     # Under a padding mask the causal kernel runs on heads widened to 16 (ops/padded_keys.py).
     assert padded.item() == 2 * 4 * 4 * (100 * 101 // 2) * 16
     local = build_attention("local", dim=32, heads=4, window=16)
-    if native_kernels(x) is not None:
-        # The C kernel: tiles of 6 queries, each scoring the keys its rows' bands cover.
-        pairs = sum((min(t + 6, 100) - t) * (min(t + 6, 100) - max(0, t - 15)) for t in range(0, 100, 6))
-        assert local(x).stats["flops"].item() == 2 * 4 * 4 * pairs * 8
-    else:  # 7 blocks of 16 queries, each scoring its own and the previous block: 32 keys.
+    if local_kernel_serves_cpu():
+        # The C kernel (ops/native/local.py): 17 blocks of 6 queries, each scoring the keys its
+        # bands cover: Σ rows x keys = 1930 query-key pairs.
+        assert local(x).stats["flops"].item() == 2 * 4 * 4 * 1930 * 8
+    else:  # the blockwise path: 7 blocks of 16 queries, each scoring its own and the previous block
         assert local(x).stats["flops"].item() == 2 * 4 * 4 * 7 * 16 * 32 * 8
+    blockwise = build_attention("local", dim=32, heads=4, window=16, block=16)
+    assert blockwise(x).stats["flops"].item() == 2 * 4 * 4 * 7 * 16 * 32 * 8
     linear = build_attention("linear", dim=32, heads=4, causal=False)
     assert linear(x).stats["flops"].item() == 2 * 4 * (2 * 2 * 8 * 100 * 8 + 2 * 100 * 8)
     assert math.isfinite(full(x).stats["flops"].item())

@@ -163,3 +163,20 @@ def test_native_flops_closed_form_counts_every_block():
         for window in (1, 5, 6, 7, 13, 256, 5000):
             for causal in (True, False):
                 assert _native_flops(length, 8, window, causal) == by_blocks(length, window, causal)
+
+
+def test_threads_split_rows_without_changing_results():
+    q, k, v, mask = _inputs(2, 3, 70, 16, seed=10, dtype=torch.float32)
+    leaves = [[t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2)]
+    previous = torch.get_num_threads()
+    results = []
+    try:
+        for threads, inputs in zip((1, 2), leaves, strict=True):
+            torch.set_num_threads(threads)
+            out = local_attention(*inputs, window=9, mask=mask, causal=True)
+            out.sum().backward()
+            results.append([out.detach()] + [t.grad for t in inputs])
+    finally:
+        torch.set_num_threads(previous)
+    for one, two in zip(*results, strict=True):
+        assert torch.equal(one, two)

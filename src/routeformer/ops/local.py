@@ -7,6 +7,10 @@ Fast path: cut the (internally padded) sequence into N query blocks of b tokens;
 attends to its own block and the ceil(window / b) blocks before it (and, non-causal, after it),
 with a band mask, through `blockwise_sdpa` (SDPA's fused kernel, blocks folded into the batch).
 With b = window that is the block and its neighbour(s). Time and memory O(T·(window + b)·d).
+Native path (CPU, float32 / bfloat16 / float16, no explicit `block`, kernels on): the C kernel of
+ops/native/local.py scores only each query's exact band (give or take five keys), flash-style
+forward and backward, bf16 with bf16 pair products; time O(T·window·d), memory O(T·d + window·d).
+The blockwise path is its fallback and runs everywhere else.
 Reference: the dense T×T score matrix with the band mask.
 """
 
@@ -72,8 +76,9 @@ def local_attention(
 ) -> Tensor:
     """Blockwise sliding-window softmax attention; see the module docstring.
 
-    `block` is the query block length (default: `window`, capped at 128 — smaller blocks score
-    fewer keys outside the window, larger ones make bigger, more efficient matrix products).
+    `block` is the query block length of the blockwise path (default: `window`, capped at 128 —
+    smaller blocks score fewer keys outside the window, larger ones make bigger, more efficient
+    matrix products); passing one selects that path even where the C kernel could run.
     """
     check_qkv(q, k, v, mask, causal=True)  # a window needs queries and keys on one axis
     check_positive("window", window)
@@ -159,7 +164,7 @@ def local_attention_flops(
     of its block. The C kernel (`native`; None: whether it serves CPU float32 tensors with this
     `block` now): every block of NATIVE_ROWS queries scores the keys its bands cover."""
     if native is None:
-        native = block is None and _native_local(_PROBE, _PROBE, _PROBE, None) is not None
+        native = block is None and local_kernel_serves_cpu()
     if native:
         return batch * heads * _native_flops(length, head_dim, window, causal)
     block = default_block(window) if block is None else block
@@ -170,7 +175,12 @@ def local_attention_flops(
 
 
 NATIVE_ROWS = 6  # local_kernels.c's MR: the queries of one register tile
-_PROBE = torch.zeros(1, 1, 1, 1)  # a CPU float32 tensor: does the kernel serve such inputs now?
+_PROBE = torch.zeros(1, 1, 1, 1)
+
+
+def local_kernel_serves_cpu() -> bool:
+    """Whether `local_attention` runs the C kernel now for CPU float32 inputs (no explicit block)."""
+    return _native_local(_PROBE, _PROBE, _PROBE, None) is not None
 
 
 def _native_flops(length: int, head_dim: int, window: int, causal: bool) -> int:

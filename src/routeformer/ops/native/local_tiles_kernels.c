@@ -73,14 +73,14 @@ void local_gemm(int64_t rows, int64_t n, int64_t depth, const float *a, int64_t 
 #if defined(__AVX512BF16__)
 /* As gemm_tile with bf16 pairs: one vdpbf16ps adds two products per lane. */
 static inline __attribute__((always_inline)) void pairs_tile(
-        int64_t depth, const uint32_t *a, int64_t a_row, const uint32_t *b, int64_t ldb, float *c,
-        int64_t ldc, int64_t rows, const int lanes, __mmask16 tail) {
+        int64_t depth, const uint32_t *a, int64_t a_row, int64_t a_step, const uint32_t *b, int64_t ldb,
+        float *c, int64_t ldc, int64_t rows, const int lanes, __mmask16 tail, int accumulate) {
     __m512 acc[MR][4];
 #pragma GCC unroll 6
     for (int r = 0; r < MR; r++)
 #pragma GCC unroll 4
         for (int l = 0; l < lanes; l++) acc[r][l] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < depth; k++, a++, b += ldb) {
+    for (int64_t k = 0; k < depth; k++, a += a_step, b += ldb) {
         __m512i x[4];
 #pragma GCC unroll 4
         for (int l = 0; l < lanes; l++)
@@ -94,23 +94,35 @@ static inline __attribute__((always_inline)) void pairs_tile(
     }
     for (int r = 0; r < MR && r < rows; r++)
 #pragma GCC unroll 4
-        for (int l = 0; l < lanes; l++)
-            _mm512_mask_storeu_ps(c + r * ldc + 16 * l, l == lanes - 1 ? tail : (__mmask16)0xffff, acc[r][l]);
+        for (int l = 0; l < lanes; l++) {
+            __mmask16 m = l == lanes - 1 ? tail : (__mmask16)0xffff;
+            float *at = c + r * ldc + 16 * l;
+            __m512 value = accumulate ? _mm512_add_ps(acc[r][l], _mm512_maskz_loadu_ps(m, at)) : acc[r][l];
+            _mm512_mask_storeu_ps(at, m, value);
+        }
 }
 
-void local_gemm_pairs(int64_t rows, int64_t n, int64_t depth, const uint32_t *a, int64_t a_row,
-                      const uint32_t *b, int64_t ldb, float *c, int64_t ldc) {
+/* C[rows x n] (+)= A · B over `depth` pairs; A's word for (row r, pair k) is a[r·a_row + k·a_step]. */
+void local_gemm_pairs_strided(int64_t rows, int64_t n, int64_t depth, const uint32_t *a, int64_t a_row,
+                              int64_t a_step, const uint32_t *b, int64_t ldb, float *c, int64_t ldc,
+                              int accumulate) {
     for (int64_t j = 0; j < n; j += NR) {
         int64_t width = min64(NR, n - j);
         int lanes = (int)((width + 15) / 16);
         __mmask16 tail = lanes_below(width - 16 * (lanes - 1));
         switch (lanes) {
-            case 4: pairs_tile(depth, a, a_row, b + j, ldb, c + j, ldc, rows, 4, tail); break;
-            case 3: pairs_tile(depth, a, a_row, b + j, ldb, c + j, ldc, rows, 3, tail); break;
-            case 2: pairs_tile(depth, a, a_row, b + j, ldb, c + j, ldc, rows, 2, tail); break;
-            default: pairs_tile(depth, a, a_row, b + j, ldb, c + j, ldc, rows, 1, tail); break;
+            case 4: pairs_tile(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 4, tail, accumulate); break;
+            case 3: pairs_tile(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 3, tail, accumulate); break;
+            case 2: pairs_tile(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 2, tail, accumulate); break;
+            default: pairs_tile(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 1, tail, accumulate); break;
         }
     }
+}
+
+/* C[rows x n] = A · B, A's pairs contiguous along its rows. */
+void local_gemm_pairs(int64_t rows, int64_t n, int64_t depth, const uint32_t *a, int64_t a_row,
+                      const uint32_t *b, int64_t ldb, float *c, int64_t ldc) {
+    local_gemm_pairs_strided(rows, n, depth, a, a_row, 1, b, ldb, c, ldc, 0);
 }
 
 /* 32-bit word p of bf16 row `row` (two bf16 values; memcpy: the row may be only 2-byte aligned). */
@@ -124,9 +136,13 @@ static inline uint32_t pair_at(const uint16_t *row, int64_t p) {
  * q·k, or dO·v). Masked keys (bias −inf) give zeros. */
 void local_pairs_transposed(const uint16_t *x, int64_t length, int64_t dim, const float *bias,
                             uint32_t *out, int64_t ld) {
-    for (int64_t j = 0; j < length; j++) {
-        int keep = !(bias && bias[j] < 0);
-        for (int64_t p = 0; p < dim / 2; p++) out[p * ld + j] = keep ? pair_at(x + j * dim, p) : 0;
+    for (int64_t j0 = 0; j0 < length; j0 += 16) { /* blocks of 16 keys: see local_widen */
+        int64_t n = length - j0 < 16 ? length - j0 : 16;
+        for (int64_t p = 0; p < dim / 2; p++)
+            for (int64_t r = 0; r < n; r++) {
+                int64_t j = j0 + r;
+                out[p * ld + j] = (bias && bias[j] < 0) ? 0 : pair_at(x + j * dim, p);
+            }
     }
 }
 
@@ -152,6 +168,15 @@ void local_narrow_row(const float *x, int64_t n, uint32_t *y) {
         __m512 low = _mm512_maskz_loadu_ps(lanes_below(n - j), x + j);
         __m512 high = _mm512_maskz_loadu_ps(n - j > 16 ? lanes_below(n - j - 16) : 0, x + j + 16);
         _mm512_storeu_si512(y, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+}
+/* y[j] = (bf16 x0[j], bf16 x1[j]) for j < n: two rows of weights paired for a product over rows. */
+void local_pair_rows(const float *x0, const float *x1, int64_t n, uint32_t *y) {
+    for (int64_t j = 0; j < n; j += 16) {
+        __mmask16 m = lanes_below(n - j);
+        __m512i low = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x0 + j)));
+        __m512i high = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x1 + j)));
+        _mm512_mask_storeu_epi32(y + j, m, _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
     }
 }
 int local_pairs_available(void) { return 1; }

@@ -1,0 +1,145 @@
+/* Row passes of the sliding-window kernels (local_kernels.c, local_backward_kernels.c): the softmax
+ * of one row of scores and its backward, and the float32 / bfloat16 conversions of whole arrays.
+ * A row pass costs O(window) per query beside the O(window · d) products, so one call per row is
+ * cheap; e^x is computed on 16 lanes here, inlined into the row loops.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include "common.h"
+
+#if defined(__AVX512F__)
+#define MR 6 /* as local_tiles_kernels.c: zero rows after an array, read by the row tiles */
+
+static inline __mmask16 lanes_below(int64_t count) {
+    return count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
+}
+
+/* e^x on 16 lanes for x <= 0 (Cephes' degree-6 polynomial on x − n·ln 2, relative error ~1e-7);
+ * exactly 0 below −87, so −inf (a masked key) weighs exactly nothing. */
+static inline __m512 exp16(__m512 x) {
+    __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(kept, p, _mm512_castsi512_ps(bits));
+}
+
+
+/* Element i of a float32 (bf16 == 0) or bfloat16 (bf16 == 1) array. */
+static inline float element(const void *x, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+static inline void set_element(void *x, int64_t i, float value, int bf16) {
+    if (bf16) ((uint16_t *)x)[i] = float_to_bf16(value);
+    else ((float *)x)[i] = value;
+}
+
+/* rows [T x d] of x -> float32 `rows` (factor·x; zero where `bias` is −inf, and MR zero rows after
+ * the last; skipped if NULL) and, if `columns` is not NULL, its transpose [d x ld]. */
+void local_widen(const void *x, int bf16, int64_t length, int64_t dim, float factor, const float *bias,
+                 float *rows, float *columns, int64_t ld) {
+    if (rows) {
+        for (int64_t i = 0; i < length; i++) {
+            float *row = rows + i * dim;
+            if (bias && bias[i] < 0) memset(row, 0, sizeof(float) * dim); /* 0·NaN would stay NaN */
+            else if (bf16) for (int64_t c = 0; c < dim; c++) row[c] = bf16_to_float(((const uint16_t *)x)[i * dim + c]) * factor;
+            else for (int64_t c = 0; c < dim; c++) row[c] = ((const float *)x)[i * dim + c] * factor;
+        }
+        memset(rows + length * dim, 0, sizeof(float) * MR * dim);
+    }
+    if (!columns) return;
+    /* The transpose in blocks of 16 rows: each column segment written is one cache line, and the
+     * 16 rows read stay in L1 (a row at a time wrote d scattered lines per row). */
+    for (int64_t i0 = 0; i0 < length; i0 += 16) {
+        int64_t n = length - i0 < 16 ? length - i0 : 16;
+        for (int64_t c = 0; c < dim; c++)
+            for (int64_t r = 0; r < n; r++) {
+                int64_t i = i0 + r;
+                float value = rows ? rows[i * dim + c] : element(x, i * dim + c, bf16) * factor;
+                columns[c * ld + i] = (bias && bias[i] < 0) ? 0.0f : value;
+            }
+    }
+}
+
+/* 0 for a real key, −inf for a masked one (NULL without a mask). */
+float *local_key_bias(const uint8_t *valid, int64_t length) {
+    if (!valid) return NULL;
+    float *bias = malloc(sizeof(float) * length);
+    for (int64_t j = 0; j < length; j++) bias[j] = valid[j] ? 0.0f : -INFINITY;
+    return bias;
+}
+
+/* One row of forward scores s[a, b) (·scale + bias) -> probabilities, zero elsewhere in [0, n); returns the
+ * log-sum-exp (+inf: no key) and sets *inverse = 1 / Σ (0: no key). */
+float local_softmax_row(float *s, float scale, const float *bias, int64_t a, int64_t b, int64_t n,
+                        float *inverse) {
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = a; j < b; j += 16) {
+        __mmask16 m = lanes_below(b - j);
+        __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), _mm512_set1_ps(scale));
+        if (bias) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(m, bias + j));
+        _mm512_mask_storeu_ps(s + j, m, x);
+        best = _mm512_mask_max_ps(best, m, best, x);
+    }
+    float top = _mm512_reduce_max_ps(best);
+    memset(s, 0, sizeof(float) * a);
+    memset(s + b, 0, sizeof(float) * (n - b));
+    if (top == -INFINITY) {
+        memset(s + a, 0, sizeof(float) * (b - a));
+        *inverse = 0.0f;
+        return INFINITY;
+    }
+    __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(top);
+    for (int64_t j = a; j < b; j += 16) {
+        __mmask16 m = lanes_below(b - j);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), shift));
+        e = _mm512_maskz_mov_ps(m, e);
+        _mm512_mask_storeu_ps(s + j, m, e);
+        total = _mm512_add_ps(total, e);
+    }
+    float sum = _mm512_reduce_add_ps(total);
+    *inverse = 1.0f / sum;
+    return top + logf(sum);
+}
+
+/* One backward row: s[a, b) holds the scores, dp[a, b) the products dO_i · v_j. Both become, in
+ * place, P = exp(s + bias − lse) and dS = P ∘ (dP − D), and are zeroed elsewhere in [0, n). */
+void local_backward_row(float *s, float *dp, float scale, const float *bias, int64_t a, int64_t b,
+                        int64_t n, float lse, float row_dot) {
+    memset(s, 0, sizeof(float) * a);
+    memset(dp, 0, sizeof(float) * a);
+    memset(s + b, 0, sizeof(float) * (n - b));
+    memset(dp + b, 0, sizeof(float) * (n - b));
+    __m512 shift = _mm512_set1_ps(lse), dot = _mm512_set1_ps(row_dot), factor = _mm512_set1_ps(scale);
+    for (int64_t j = a; j < b; j += 16) {
+        __mmask16 m = lanes_below(b - j);
+        __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, s + j), factor, shift);
+        if (bias) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(m, bias + j));
+        __m512 p = exp16(x); /* lse = +inf (no key): x = −inf, p = 0 */
+        __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(_mm512_maskz_loadu_ps(m, dp + j), dot));
+        _mm512_mask_storeu_ps(s + j, m, p);
+        _mm512_mask_storeu_ps(dp + j, m, ds);
+    }
+}
+
+/* out[i] = factor · x[i] for i < count, stored as float32 or (bf16) bfloat16 rounded to nearest even. */
+void local_store(const float *x, int64_t count, float factor, int bf16, void *out) {
+    __m512 f = _mm512_set1_ps(factor);
+    int64_t i = 0;
+    if (bf16)
+        for (; i + 16 <= count; i += 16) store_bf16_ps((uint16_t *)out + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), f));
+    else
+        for (; i + 16 <= count; i += 16) _mm512_storeu_ps((float *)out + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), f));
+    for (; i < count; i++) set_element(out, i, x[i] * factor, bf16);
+}
+#endif
