@@ -11,9 +11,10 @@ from routeformer.ops.native import native_enabled, native_kernels
 pytestmark = pytest.mark.skipif(native_kernels(torch.zeros(1)) is None, reason="no native kernels here")
 
 # Relative (Frobenius) error against the fp64 reference. fp32: products accumulate in fp32 over up
-# to T terms. bf16: inputs and outputs are rounded to 8 bits of mantissa (~4e-3 each), the
-# arithmetic is fp32, so a few roundings' worth.
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+# to T terms. bf16: inputs and outputs are rounded to 8 bits of mantissa (2^-9 relative each), and
+# so are the operands of the d×e state products (the sums stay fp32): measured 2e-3 (out) to 6e-3
+# (dq) at d = 64, T = 2048, vs 4e-3 to 1.1e-2 for the PyTorch bf16 path.
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
 
 
 def make_inputs(length, dim=16, value_dim=16, batch=2, heads=2, padded=False, seed=0):

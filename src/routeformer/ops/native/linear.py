@@ -8,7 +8,8 @@ for the backward and not differentiable. `routeformer::causal_linear_backward` i
 backward: one sweep from the last chunk to the first that recomputes each chunk's scores instead of
 saving them, so memory stays O(T·(d + e) + (T/BLOCK)·d·e).
 
-Storage float32 or bfloat16 (the kernels accumulate in float32 either way); q, k, v may have any
+Storage float32 or bfloat16 (the kernels accumulate in float32 either way; for bfloat16 the d×e
+state products multiply bf16 operands where the CPU has AVX-512 BF16); q, k, v may have any
 batch/head/token strides with a contiguous last axis. Other dtypes use the PyTorch path
 (`supported` says which).
 """
