@@ -53,7 +53,7 @@ from routeformer.ops.local import _in_window
 from routeformer.ops.native import native_kernels
 from routeformer.ops.native.band import band_attend
 from routeformer.ops.native.kernel_flops import band_attend_flops, linear_rows_flops
-from routeformer.ops.native.linear_rows import NativeLinearRows
+from routeformer.ops.native.linear_rows import NativeLinearRows, linear_rows_features
 from routeformer.ops.row_chunks import rows_attention_by_chunks
 from routeformer.ops.triton import dispatch as triton_dispatch
 
@@ -233,8 +233,13 @@ def linear_attention_rows(
         out = linear_attention(q_rows, k, v, mask=mask, causal=False, eps=eps)
         flops = matmul_flops(dim, length, value_dim) + matmul_flops(count, dim, value_dim) + 2 * count * dim
         return out * valid[:, None, :, None].to(out.dtype), batch * heads * flops
-    phi_q, phi_k = masked_features(q_rows, k, mask)
     native = native_kernels(q_rows, k, v) if q_rows.dtype == k.dtype == v.dtype else None
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_rows, k, v))
+    if native is not None and mask is None and not wants_grad and not torch.compiler.is_compiling():
+        # Inference: the kernel applies the features itself (no phi tensors).
+        out = linear_rows_features(q_rows.reshape(batch * heads, count, dim), k, v, rows, valid, eps)
+        return out.view(batch, heads, count, value_dim), linear_rows_flops(rows, valid, heads, dim, value_dim)
+    phi_q, phi_k = masked_features(q_rows, k, mask)
     if native is not None:  # one sweep of the running state per (batch, head) row
         return _linear_rows_native(native, phi_q, phi_k, v, rows, valid, eps)
     chunks = -(-length // chunk)

@@ -10,10 +10,14 @@ linear_rows_kernels.c. bfloat16/float16 inputs are computed in float32 and retur
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import Tensor
 
-from routeformer.ops.native import compute_dtype, library, native_op, pointer, suffix
+from routeformer.ops.native import compute_dtype, kernel, library, native_op, pointer, suffix
+
+_INT, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 def _inner_contiguous(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -103,3 +107,23 @@ class NativeLinearRows:
     def apply(phi_q: Tensor, phi_k: Tensor, v: Tensor, positions: Tensor, valid: Tensor, eps: float,
               native) -> Tensor:
         return linear_rows_op(phi_q, phi_k, v, positions, valid, eps).to(phi_q.dtype)
+
+
+def linear_rows_features(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Tensor,
+                         eps: float) -> Tensor:
+    """Inference only (no autograd): `linear_rows_op` from the raw q [BH, M, d] and k [B, H, T, d]
+    (any strides), the kernel applying phi = elu + 1 itself (`linear_rows_features_*`): no
+    feature tensors, which in PyTorch cost about twice the sweep on strided head views. Returns
+    out [BH, M, e] in q's dtype."""
+    rows, queries, dim = q.shape
+    work = compute_dtype(q.dtype)
+    queries_in = q.to(work).contiguous()
+    k, v = _inner_contiguous(k, work), _inner_contiguous(v, work)
+    out = queries_in.new_empty(rows, queries, v.shape[-1])
+    valid, positions, layout = valid.to(torch.uint8).contiguous(), positions.contiguous(), _layout(k, v)
+    function = kernel(f"linear_rows_features_{suffix(work)}", None,
+                      [*[_PTR] * 6, *[_INT] * 6, ctypes.c_double, _PTR, ctypes.c_int])
+    function(pointer(queries_in), k.data_ptr(), v.data_ptr(), pointer(layout), pointer(positions),
+             pointer(valid), rows, queries, k.shape[1], k.shape[2], dim, v.shape[-1], eps, pointer(out),
+             torch.get_num_threads())
+    return out.to(q.dtype)

@@ -28,6 +28,25 @@
 
 #define LINEAR_CHUNK 32 /* keys per chunk of the forward sweep (a multiple of 8: AVX2 lanes) */
 
+/* y = phi(x) = elu(x) + 1 = exp(min(x, 0)) + max(x, 0) for n contiguous values (linear_rows_features
+ * applies the feature map itself: the PyTorch elu + 1 on the strided head views of the keys cost
+ * about twice the sweep). exp(0) is exactly 1 on the vector path, so x > 0 gives x + 1 as elu does. */
+static inline void features_float(const float *x, int64_t n, float *y) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= n; i += 8) {
+        __m256 value = _mm256_loadu_ps(x + i), zero = _mm256_setzero_ps();
+        __m256 e = exp_nonpositive_ps(_mm256_min_ps(value, zero));
+        _mm256_storeu_ps(y + i, _mm256_add_ps(e, _mm256_max_ps(value, zero)));
+    }
+#endif
+    for (; i < n; i++) y[i] = x[i] > 0 ? x[i] + 1 : expf(x[i]);
+}
+
+static inline void features_double(const double *x, int64_t n, double *y) {
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] > 0 ? x[i] + 1 : exp(x[i]);
+}
+
 #define DEFINE_LINEAR_ROWS(SUFFIX, T_)                                                             \
 /* state[c][:] += a[c] · x[:] for every c < d (a rank-one update of a [d, e] matrix). */         \
 static inline void rank_one_##SUFFIX(T_ *state, const T_ *a, const T_ *x, int64_t dim,            \
@@ -83,7 +102,7 @@ static inline void chunk_rows_##SUFFIX(const T_ *phi_q, const T_ *state, const T
     int64_t reach = 0;                                                                             \
     for (int r = 0; r < 3; r++) {                                                                  \
         int64_t slot = bh * queries + list[r < count ? r : 0];                                     \
-        weights[r] = phi_q + slot * dim;                                                           \
+        weights[r] = phi_q + list[r < count ? r : 0] * dim; /* phi_q: this (batch, head)'s rows */ \
         results[r] = r < count ? out + slot * value_dim : discard;                                 \
         memset(results[r], 0, sizeof(T_) * value_dim);                                             \
         memset(scores[r], 0, sizeof(T_) * LINEAR_CHUNK);                                           \
@@ -111,11 +130,11 @@ static inline void chunk_rows_##SUFFIX(const T_ *phi_q, const T_ *state, const T
  * the rows in a chunk read the state before it plus their part of the chunk, then the chunk       \
  * joins the state as three state rows per pass over its values (weighted_rows3), where adding     \
  * one key at a time loads and stores the whole d x e state per key. */                            \
-void linear_rows_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v, const int64_t *layout,   \
-                          const int64_t *positions, const uint8_t *valid, int64_t rows,           \
-                          int64_t queries, int64_t heads,                                          \
+static void linear_rows_sweep_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v,              \
+                          const int64_t *layout, const int64_t *positions, const uint8_t *valid,   \
+                          int64_t rows, int64_t queries, int64_t heads,                            \
                           int64_t length, int64_t dim, int64_t value_dim, double eps, T_ *out,     \
-                          int threads) {                                                           \
+                          int threads, int features) {                                             \
     _Pragma("omp parallel num_threads(threads)")                                                   \
     {                                                                                              \
         T_ *state = malloc(sizeof(T_) * dim * value_dim), *norm = malloc(sizeof(T_) * dim);        \
@@ -123,25 +142,41 @@ void linear_rows_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v, const i
         T_ *discard = malloc(sizeof(T_) * value_dim); /* the missing rows' results */               \
         int64_t *list = malloc(sizeof(int64_t) * LINEAR_CHUNK);                                    \
         T_ scores[3][LINEAR_CHUNK];                                                                \
+        /* features: phi of this row's queries, and of one key at a time before its transpose. */ \
+        T_ *query_features = features ? malloc(sizeof(T_) * queries * dim) : NULL;                \
+        T_ *key_features = malloc(sizeof(T_) * dim);                                               \
         _Pragma("omp for schedule(dynamic, 1)")                                                    \
         for (int64_t bh = 0; bh < rows; bh++) {                                                    \
             row_##SUFFIX row = row_inputs_##SUFFIX(phi_k, v, layout, positions, valid, bh, heads,  \
                                                    queries);                                       \
+            const T_ *phi_rows = phi_q + bh * queries * dim;                                       \
+            if (features) {                                                                        \
+                features_##T_(phi_rows, queries * dim, query_features);                            \
+                phi_rows = query_features;                                                         \
+            }                                                                                      \
             memset(state, 0, sizeof(T_) * dim * value_dim);                                        \
             memset(norm, 0, sizeof(T_) * dim);                                                     \
             int64_t m = 0;                                                                         \
             for (int64_t j0 = 0; j0 < length && m < queries; j0 += LINEAR_CHUNK) {                 \
                 int64_t n = length - j0 < LINEAR_CHUNK ? length - j0 : LINEAR_CHUNK;               \
-                for (int64_t c = 0; c < dim; c++)                                                  \
-                    for (int64_t i = 0; i < LINEAR_CHUNK; i++)                                     \
-                        key_block[c * LINEAR_CHUNK + i] = i < n ? row.keys[(j0 + i) * layout[2] + c] : 0; \
+                if (features) {                                                                    \
+                    for (int64_t i = 0; i < LINEAR_CHUNK; i++) {                                   \
+                        if (i < n) features_##T_(row.keys + (j0 + i) * layout[2], dim, key_features); \
+                        for (int64_t c = 0; c < dim; c++)                                          \
+                            key_block[c * LINEAR_CHUNK + i] = i < n ? key_features[c] : 0;         \
+                    }                                                                              \
+                } else {                                                                           \
+                    for (int64_t c = 0; c < dim; c++)                                              \
+                        for (int64_t i = 0; i < LINEAR_CHUNK; i++)                                 \
+                            key_block[c * LINEAR_CHUNK + i] = i < n ? row.keys[(j0 + i) * layout[2] + c] : 0; \
+                }                                                                                  \
                 int count = 0;                                                                     \
                 for (; m < queries && (!row.real[m] || row.where[m] < j0 + n); m++) {              \
                     if (row.real[m]) { list[count++] = m; continue; }                              \
                     memset(out + (bh * queries + m) * value_dim, 0, sizeof(T_) * value_dim);       \
                 }                                                                                  \
                 for (int at = 0; at < count; at += 3)                                              \
-                    chunk_rows_##SUFFIX(phi_q, state, norm, key_block, row.values, layout[5],      \
+                    chunk_rows_##SUFFIX(phi_rows, state, norm, key_block, row.values, layout[5],   \
                                         row.where, list + at, count - at < 3 ? count - at : 3, bh, \
                                         queries, j0, dim, value_dim, eps, out, discard, scores);   \
                 if (m == queries) break; /* no row reads the state past this chunk */              \
@@ -166,7 +201,29 @@ void linear_rows_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v, const i
         free(key_block);                                                                           \
         free(discard);                                                                             \
         free(list);                                                                                \
+        free(query_features);                                                                      \
+        free(key_features);                                                                        \
     }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
+void linear_rows_##SUFFIX(const T_ *phi_q, const T_ *phi_k, const T_ *v, const int64_t *layout,   \
+                          const int64_t *positions, const uint8_t *valid, int64_t rows,           \
+                          int64_t queries, int64_t heads,                                          \
+                          int64_t length, int64_t dim, int64_t value_dim, double eps, T_ *out,     \
+                          int threads) {                                                           \
+    linear_rows_sweep_##SUFFIX(phi_q, phi_k, v, layout, positions, valid, rows, queries, heads,   \
+                               length, dim, value_dim, eps, out, threads, 0);                      \
+}                                                                                                  \
+                                                                                                   \
+/* The same forward from raw q and k: phi = elu + 1 applied in the sweep (inference; the autograd \
+ * path applies phi in PyTorch so that it differentiates it). */                                   \
+void linear_rows_features_##SUFFIX(const T_ *q, const T_ *k, const T_ *v, const int64_t *layout,  \
+                                   const int64_t *positions, const uint8_t *valid, int64_t rows,  \
+                                   int64_t queries, int64_t heads,                                 \
+                                   int64_t length, int64_t dim, int64_t value_dim, double eps,     \
+                                   T_ *out, int threads) {                                         \
+    linear_rows_sweep_##SUFFIX(q, k, v, layout, positions, valid, rows, queries, heads,            \
+                               length, dim, value_dim, eps, out, threads, 1);                      \
 }                                                                                                  \
                                                                                                    \
 /* grad_phi_q [BH, M, d], grad_phi_k [BH, T, d], grad_v [BH, T, e] are written in full;             \
