@@ -13,6 +13,7 @@ user's first run pays, not a cache hit.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +42,8 @@ def bench_compile(
     import logging
 
     logging.getLogger("torch._dynamo").setLevel(logging.ERROR)  # breaks are reported in the table
+    # Switching the caches off also switches off dynamo's profile-guided recompilation, which warns.
+    warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
     rows = []
     for mechanism in mechanisms:
         with torch._inductor.config.patch(force_disable_caches=True):  # cold compile times
