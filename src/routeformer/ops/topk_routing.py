@@ -210,14 +210,16 @@ def _route_topk_native(
     native, route_q: Tensor, route_k: Tensor, slots: int, causal: bool, key_mask: Tensor | None,
     local_window: int, global_tokens: int,
 ) -> tuple[Tensor, Tensor, int]:
-    """`route_topk` by the fused C kernel (ops/native/topk.py, a custom op): same contract; forced
-    keys first in a row."""
+    """`route_topk` by the fused C kernels (ops/native/topk.py, custom ops): same contract; forced
+    keys first in a row. float32, bfloat16 (read as stored) and float16 (widened) take the
+    speculative kernel on CPUs with AVX-512 BF16, float64 the tiled kernel; both select the same
+    keys. The product count is the kernel's closed form; queries whose threshold guess is refuted
+    and routed again (~0.1% on random routing vectors) are not counted twice."""
     batch, heads, length, _ = route_q.shape
     num_keys = route_k.shape[2]
     tile = native.route_topk_chunk()
     query_tile = speculative_query_tile() if route_q.dtype != torch.float64 else 0
     if query_tile:
-        # float32 and bfloat16 (float16 widened): the speculative kernel, same selection as route_topk_f32
         if route_q.dtype == torch.float16:
             route_q, route_k = route_q.float(), route_k.float()
         mask = None if key_mask is None else key_mask.to(torch.uint8)
