@@ -48,6 +48,7 @@ from torch import Tensor
 # its Python wrapper declares its functions with `kernel`).
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*_kernels.c")))
 HEADER = Path(__file__).with_name("common.h")
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # every header: an edit rebuilds the library
 _ENABLED: ContextVar[bool] = ContextVar("routeformer_native_enabled", default=True)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11",
          "-Werror=implicit-function-declaration")  # a missing helper fails the build, not the load
@@ -130,7 +131,7 @@ def _load() -> ctypes.CDLL | None:
                       "PyTorch (slower). Install one (cc/gcc) or set ROUTEFORMER_NATIVE=0 to silence this.",
                       stacklevel=3)
         return None
-    sources = b"".join(source.read_bytes() for source in (*SOURCES, HEADER))
+    sources = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
     key = hashlib.sha256(sources + " ".join((compiler, *FLAGS)).encode()
                          + _cpu_signature().encode()).hexdigest()[:16]
     error: Exception | None = None
