@@ -105,3 +105,19 @@ def test_expanding_unsynced_counts_equal_the_synced_ints():
         value = getattr(lazy, field)
         assert isinstance(value, torch.Tensor) and value.dim() == 0, field
         assert isinstance(getattr(synced, field), int) and int(value) == getattr(synced, field), field
+
+
+@needs_native
+def test_expanding_compiled_across_lengths_matches_eager():
+    """A second length recompiles with a symbolic length (automatic dynamic shapes): the native
+    path's shapes and counts must trace symbolically and still give eager's values and stats."""
+    torch._dynamo.reset()
+    layer = make_layer("expanding", causal=True)
+    compiled = torch.compile(layer, backend="aot_eager")
+    gen = torch.Generator().manual_seed(5)
+    for length in (24, 31, 40):
+        x = torch.randn(2, length, layer.dim, generator=gen)
+        expected, actual = layer(x), compiled(x)
+        torch.testing.assert_close(actual.out, expected.out, atol=1e-5, rtol=1e-4)
+        for key in expected.stats:
+            torch.testing.assert_close(actual.stats[key], expected.stats[key], rtol=1e-6, atol=0, msg=key)
