@@ -40,9 +40,10 @@ def test_compiled_layer_matches_eager(name):
     torch.testing.assert_close(compiled_grad, grad, atol=1e-4, rtol=1e-4)
 
 
-# The layers whose forward has no data-dependent shape or host sync (expanding: on its native path).
+# The layers whose forward has no data-dependent shape or host sync (expanding and topk: on their
+# native paths).
 ONE_GRAPH = ["full", "gated", "multihop", "local", "linear",
-             pytest.param("expanding", marks=needs_native)]
+             pytest.param("expanding", marks=needs_native), pytest.param("topk", marks=needs_native)]
 
 
 @pytest.mark.parametrize("name", ONE_GRAPH)

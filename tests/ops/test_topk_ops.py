@@ -219,3 +219,20 @@ def test_ties_go_to_the_lower_key_index(implementation, causal):
     if causal:
         expected &= torch.ones(length, length, dtype=torch.bool).tril()
     assert torch.equal(member, expected)
+
+
+def test_routing_product_count_matches_a_loop_over_query_tiles():
+    from routeformer.ops.native.topk import route_topk_scored
+
+    def by_loop(rows, length, stride, causal, tile, query_tile):
+        blocks = -(-length // query_tile)
+        if not causal:
+            return rows * blocks * query_tile * stride
+        stops = (min(t * query_tile, length) for t in range(1, blocks + 1))
+        return rows * query_tile * sum(-(-stop // tile) * tile for stop in stops)
+
+    for length in (1, 5, 6, 7, 16, 17, 95, 96, 97, 1000, 4099):
+        for tile, query_tile in ((16, 6), (16, 4), (8, 12), (32, 1)):
+            for causal in (True, False):
+                assert route_topk_scored(3, length, 4112, causal, tile, query_tile) == \
+                    by_loop(3, length, 4112, causal, tile, query_tile), (length, tile, query_tile, causal)

@@ -361,11 +361,13 @@ class TopKAttention(AttentionLayer):
             inter = torch.einsum("bhns,bgns->bnhg", member, member)
             sizes = member.sum(-1).transpose(1, 2)  # [B, n, H]
             union = sizes[..., :, None] + sizes[..., None, :] - inter
-            pairs = ~torch.eye(member.shape[1], dtype=torch.bool, device=q.device)
-            jaccard = (inter / union.clamp_min(1))[..., pairs]  # [B, n, H(H-1)]
-            stats["head_overlap"] = (jaccard * real[..., None].float()).sum() / (
-                real.float().sum() * jaccard.shape[-1]
-            ).clamp_min(1)
+            jaccard = inter / union.clamp_min(1)  # [B, n, H, H]
+            # the off-diagonal pairs: all minus the diagonal (a boolean index would be a nonzero,
+            # a data-dependent shape that breaks torch.compile's graph)
+            pairs = member.shape[1] * (member.shape[1] - 1)
+            off_diagonal = jaccard.sum((-2, -1)) - jaccard.diagonal(dim1=-2, dim2=-1).sum(-1)  # [B, n]
+            real_rows = real.float()
+            stats["head_overlap"] = (off_diagonal * real_rows).sum() / (real_rows.sum() * pairs).clamp_min(1)
         else:
             stats["head_overlap"] = torch.tensor(1.0)
         return stats

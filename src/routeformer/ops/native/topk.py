@@ -121,13 +121,37 @@ def _route_topk_rows_fake(queries, keys, key_mask, heads, slots, causal, local_w
 
 def route_topk_scored(rows: int, length: int, stride: int, causal: bool, tile: int, query_tile: int) -> int:
     """The routing products the kernel executes (as it counts them): all `query_tile` rows of a
-    query tile, keys up to a whole key tile past the tile's last query (causal) or all keys."""
+    query tile, keys up to a whole key tile past the tile's last query (causal) or all keys.
+    Plain int arithmetic (no tensors: under torch.compile a tensor sum read back would break the
+    graph, and a Python loop over the T / query_tile tiles costs on every forward)."""
     blocks = -(-length // query_tile)
     if not causal:
         return rows * blocks * query_tile * stride
-    # per query tile: its last query's keys rounded up to whole key tiles (no Python loop over T)
-    stops = torch.clamp(torch.arange(1, blocks + 1, dtype=torch.int64) * query_tile, max=length)
-    return rows * query_tile * int(((stops + tile - 1) // tile * tile).sum())
+    # tile t (1-based) stops at min(t·query_tile, length); its keys round up to whole key tiles:
+    # Σ_t ceil(t·q / tile) over the whole tiles, in O(log) by the floor sum, plus a partial last one.
+    whole = length // query_tile
+    keys = tile * _floor_sum(whole, tile, query_tile, query_tile + tile - 1)
+    if blocks > whole:
+        keys += -(-length // tile) * tile
+    return rows * query_tile * keys
+
+
+def _floor_sum(n: int, m: int, a: int, b: int) -> int:
+    """Σ_{i=0}^{n-1} floor((a·i + b) / m) for n, m >= 1 and a, b >= 0 (the Euclid-like reduction:
+    each step swaps the roles of a and m, so it takes O(log m) steps)."""
+    total = 0
+    while n > 0:
+        if a >= m:
+            total += (n - 1) * n // 2 * (a // m)
+            a %= m
+        if b >= m:
+            total += n * (b // m)
+            b %= m
+        top = a * n + b
+        if top < m:
+            break
+        n, b, m, a = top // m, top % m, a, m
+    return total
 
 
 # -- attention over the routed keys ---------------------------------------------------------------
