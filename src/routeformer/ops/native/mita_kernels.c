@@ -241,6 +241,27 @@ DEFINE_MITA_ROUTE(f64, double, exp)
  * heap_index [G, E, K], heap_size [G, E] (zero before the first block). mita_topk_finish sorts each
  * heap by descending value (ties: lower key index first), as torch.topk orders its result.
  */
+/* Whether any score of a key beats its landmark's threshold (a heap not yet full has threshold
+ * −inf, which every score but −inf beats): most keys beat none once the heaps are full, and 16
+ * landmarks are checked per vector compare. */
+static inline int mita_any_above_f32(const float *line, const float *threshold, int64_t experts) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= experts; j += 16)
+        if (_mm512_cmp_ps_mask(_mm512_loadu_ps(line + j), _mm512_loadu_ps(threshold + j), _CMP_GT_OQ))
+            return 1;
+#endif
+    for (; j < experts; j++)
+        if (line[j] > threshold[j]) return 1;
+    return 0;
+}
+
+static inline int mita_any_above_f64(const double *line, const double *threshold, int64_t experts) {
+    for (int64_t j = 0; j < experts; j++)
+        if (line[j] > threshold[j]) return 1;
+    return 0;
+}
+
 #define DEFINE_MITA_TOPK(SUFFIX, T_)                                                               \
 static void sift_down_##SUFFIX(T_ *value, int64_t *index, int64_t size, int64_t at) {              \
     for (;;) {                                                                                     \
@@ -282,6 +303,7 @@ void mita_topk_update_##SUFFIX(const T_ *block, int64_t groups, int64_t rows, in
         }                                                                                          \
         for (int64_t r = 0; r < rows; r++) {                                                       \
             const T_ *line = block + (g * rows + r) * experts;                                     \
+            if (!mita_any_above_##SUFFIX(line, threshold, experts)) continue;                      \
             for (int64_t j = 0; j < experts; j++) {                                                \
                 if (!(line[j] > threshold[j]) && !(threshold[j] == -INFINITY)) continue;           \
                 int64_t slot = g * experts + j;                                                    \
