@@ -11,7 +11,7 @@ from routeformer.ops import mita_landmarks
 from routeformer.ops.mita import mita_attention, mita_reference
 from routeformer.ops.mita_experts import fused_single_route
 from routeformer.ops.mita_landmarks import landmark_attention, landmark_attention_reference
-from routeformer.ops.mita_native import StreamingTopK, single_route
+from routeformer.ops.mita_native import StreamingTopK, route_by_maximum, single_route
 from routeformer.ops.native import native_enabled, native_kernels
 
 pytestmark = pytest.mark.skipif(native_kernels(torch.zeros(1)) is None, reason="no native kernels")
@@ -67,6 +67,19 @@ def test_routed_step_declines_when_a_gradient_is_wanted():
     case[0].requires_grad_()
     logits = case[0] @ case[1].transpose(-1, -2)
     assert single_route(case[0], logits, *case[2:], 0.5) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_route_by_maximum_matches_torch_max(dtype):
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 3, 50, 7, generator=gen, dtype=dtype)
+    logits[0, 0, 0] = 1.0  # a tie: the first maximum wins
+    logits[1, 2, 3] = torch.tensor([-1e30] * 7, dtype=dtype)  # every landmark masked
+    values, indices = route_by_maximum(logits)
+    expected = logits.max(dim=-1, keepdim=True)
+    torch.testing.assert_close(values, expected.values)
+    assert torch.equal(indices, expected.indices) and int(indices[0, 0, 0]) == 0
+    assert route_by_maximum(logits.requires_grad_()) is None  # a gradient wanted: PyTorch's max
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

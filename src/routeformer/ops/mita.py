@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -77,10 +78,17 @@ from routeformer.ops.mita_landmarks import (
     pool_landmarks,
     pool_windows,
 )
-from routeformer.ops.mita_native import single_route
+from routeformer.ops.mita_native import route_by_maximum, single_route
 
 __all__ = ["DEFAULT_BLOCK", "DEFAULT_PACK", "MitaResult", "check_mita_args", "grid_pool_shape",
            "mita_attention", "mita_reference"]
+
+class _Routed(NamedTuple):
+    """(values, indices) of the routed experts, as torch.topk returns them."""
+
+    values: Tensor
+    indices: Tensor
+
 
 DEFAULT_PACK = 64  # queries per packed block of one expert (measured: 64-128 fastest at N >= 16k)
 DEFAULT_BLOCK = 64  # causal block length b: tokens per landmark (the pre-streaming m = 8 at T = 512)
@@ -188,8 +196,11 @@ def _bidirectional(q, k, v, real, key_real, *, landmarks, topk, route, shared, g
         flops += batch * heads * 2 * length * experts * dim
         if eligible is not None:
             query_logits = query_logits.masked_fill(~eligible, MASKED)
-        # One route: the maximum (a top-1 without the selection machinery).
-        routed = query_logits.max(dim=-1, keepdim=True) if routes == 1 else query_logits.topk(routes, dim=-1)
+        if routes == 1:  # the maximum (a top-1 without the selection machinery), in C where it can
+            maximum = route_by_maximum(query_logits)
+            routed = _Routed(*maximum) if maximum is not None else query_logits.max(dim=-1, keepdim=True)
+        else:
+            routed = query_logits.topk(routes, dim=-1)
         slot_valid = routed.values > MASKED / 2
         if fused:
             native = single_route(

@@ -105,3 +105,24 @@ class StreamingTopK:
         self._finish(self.groups * self.experts, self.width, pointer(self.values), pointer(self.index),
                      pointer(self.size))
         return self.index.view(*shape, self.width)
+
+
+def route_by_maximum(logits: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(values, indices) of the maximum over the last axis of `logits` [..., E] (the first one on
+    ties), keepdim, as `logits.max(-1, keepdim=True)`, by one C pass; None where the kernels do not
+    apply (a gradient wanted, not CPU fp32/fp64, switched off, compiling)."""
+    if logits.requires_grad and torch.is_grad_enabled():
+        return None
+    if logits.dtype not in (torch.float32, torch.float64) or logits.shape[-1] == 0:
+        return None
+    if native_kernels(logits) is None or torch.compiler.is_compiling():
+        return None
+    flat = logits.contiguous().view(-1, logits.shape[-1])
+    best = flat.new_empty(flat.shape[0])
+    index = torch.empty(flat.shape[0], dtype=torch.long)
+    function = kernel(f"mita_argmax_{suffix(logits.dtype)}", None,
+                      [_PTR, _INT, _INT, _PTR, _PTR, ctypes.c_int])
+    function(pointer(flat), flat.shape[0], flat.shape[1], pointer(best), pointer(index),
+             torch.get_num_threads())
+    shape = (*logits.shape[:-1], 1)
+    return best.view(shape), index.view(shape)

@@ -241,6 +241,27 @@ DEFINE_MITA_ROUTE(f64, double, exp)
  * heap_index [G, E, K], heap_size [G, E] (zero before the first block). mita_topk_finish sorts each
  * heap by descending value (ties: lower key index first), as torch.topk orders its result.
  */
+/* Whether any score of a key beats its landmark's threshold (a heap not yet full has threshold
+ * −inf, which every score but −inf beats): most keys beat none once the heaps are full, and 16
+ * landmarks are checked per vector compare. */
+static inline int mita_any_above_f32(const float *line, const float *threshold, int64_t experts) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= experts; j += 16)
+        if (_mm512_cmp_ps_mask(_mm512_loadu_ps(line + j), _mm512_loadu_ps(threshold + j), _CMP_GT_OQ))
+            return 1;
+#endif
+    for (; j < experts; j++)
+        if (line[j] > threshold[j]) return 1;
+    return 0;
+}
+
+static inline int mita_any_above_f64(const double *line, const double *threshold, int64_t experts) {
+    for (int64_t j = 0; j < experts; j++)
+        if (line[j] > threshold[j]) return 1;
+    return 0;
+}
+
 #define DEFINE_MITA_TOPK(SUFFIX, T_)                                                               \
 static void sift_down_##SUFFIX(T_ *value, int64_t *index, int64_t size, int64_t at) {              \
     for (;;) {                                                                                     \
@@ -282,6 +303,7 @@ void mita_topk_update_##SUFFIX(const T_ *block, int64_t groups, int64_t rows, in
         }                                                                                          \
         for (int64_t r = 0; r < rows; r++) {                                                       \
             const T_ *line = block + (g * rows + r) * experts;                                     \
+            if (!mita_any_above_##SUFFIX(line, threshold, experts)) continue;                      \
             for (int64_t j = 0; j < experts; j++) {                                                \
                 if (!(line[j] > threshold[j]) && !(threshold[j] == -INFINITY)) continue;           \
                 int64_t slot = g * experts + j;                                                    \
@@ -314,3 +336,23 @@ void mita_topk_finish_##SUFFIX(int64_t heaps, int64_t width, T_ *heap_values, in
 
 DEFINE_MITA_TOPK(f32, float)
 DEFINE_MITA_TOPK(f64, double)
+
+/* Routing by the maximum logit (R = 1): index and value of the first maximum of each row of
+ * x [rows, width]. Why: torch's max over a short last axis (64 landmarks) ran at ~4 ns per element
+ * on this machine, as long as the routing GEMM that produced the logits; this is one pass. */
+#define DEFINE_MITA_ARGMAX(SUFFIX, T_)                                                             \
+void mita_argmax_##SUFFIX(const T_ *x, int64_t rows, int64_t width, T_ *best, int64_t *index,     \
+                          int threads) {                                                           \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                              \
+    for (int64_t r = 0; r < rows; r++) {                                                           \
+        const T_ *line = x + r * width;                                                            \
+        T_ top = line[0];                                                                          \
+        int64_t at = 0;                                                                            \
+        for (int64_t i = 1; i < width; i++)                                                        \
+            if (line[i] > top) top = line[i], at = i;                                              \
+        best[r] = top, index[r] = at;                                                              \
+    }                                                                                              \
+}
+
+DEFINE_MITA_ARGMAX(f32, float)
+DEFINE_MITA_ARGMAX(f64, double)
