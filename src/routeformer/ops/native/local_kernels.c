@@ -45,6 +45,7 @@ void local_backward_row(float *s, float *dp, float scale, const float *bias, int
                         int64_t n, float lse, float row_dot);
 void local_store(const float *x, int64_t count, float factor, int bf16, void *out);
 
+/* The forward of one (batch, head) row bh, float32 products (float32 or bfloat16 storage). */
 static void forward_row(const void *q, const void *k, const void *v, const float *bias, int bf16,
                         int64_t length, int64_t dim, int64_t before, int64_t after, float scale,
                         void *out, float *lse) {
@@ -97,13 +98,7 @@ static void forward_row_pairs(const uint16_t *q, const uint16_t *k, const uint16
             local_narrow_row(s + r * span, n, p + r * (span / 2));
         }
         local_gemm_pairs(rows, dim, (n + 1) / 2, p, span / 2, vp + (lo / 2) * dim, dim, o, dim);
-        for (int64_t r = 0; r < rows; r++) {
-            int64_t c = 0;
-            for (; c + 16 <= dim; c += 16)
-                store_bf16_ps(out + (i0 + r) * dim + c,
-                              _mm512_mul_ps(_mm512_loadu_ps(o + r * dim + c), _mm512_set1_ps(inverse[r])));
-            for (; c < dim; c++) out[(i0 + r) * dim + c] = float_to_bf16(o[r * dim + c] * inverse[r]);
-        }
+        for (int64_t r = 0; r < rows; r++) local_store(o + r * dim, dim, inverse[r], 1, out + (i0 + r) * dim);
     }
     free(qr); free(kt); free(vp); free(p); free(s); free(o);
 }
