@@ -45,8 +45,10 @@ def native_calls(monkeypatch):
     return calls
 
 
-CASES = [  # (length, window, dim): odd lengths, window 1, window >= T, a window not a multiple of 6
-    (37, 5, 16), (100, 16, 8), (203, 64, 64), (50, 100, 16), (1, 3, 8), (130, 7, 24),
+CASES = [  # (length, window, dim): odd lengths, window 1, window >= T, a window not a multiple of 6,
+    # head dims over several 64-column tiles (80, 130) and odd ones
+    (37, 5, 16), (100, 16, 8), (203, 64, 64), (50, 100, 16), (1, 3, 8), (130, 7, 24), (64, 1, 80),
+    (45, 9, 130), (29, 4, 7),
 ]
 
 
