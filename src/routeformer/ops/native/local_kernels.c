@@ -6,7 +6,7 @@
  * out by the key-padding mask `valid` [B, T] (bytes, or NULL).
  *
  * Forward (this file), per block of MR = 6 queries: the scores of the keys the block's bands cover
- * (window + 5 keys: the exact band give or take five) by a register-tiled product S = (scale·Q) Kᵀ,
+ * (window + 5 keys: the exact band give or take five) by a register-tiled product S = Q Kᵀ · scale,
  * an exact softmax per row (the whole band fits in a buffer, so no online rescaling is needed),
  * then O = P V. The log-sum-exp of every row is returned for the backward (+inf: a row with no key).
  * bf16 storage with an even d: q·k and p·v as bf16 pair products (vdpbf16ps) with float32 sums.
@@ -45,26 +45,37 @@ void local_backward_row(float *s, float *dp, float scale, const float *bias, int
                         int64_t n, float lse, float row_dot);
 void local_store(const float *x, int64_t count, float factor, int bf16, void *out);
 
+/* The forward of one (batch, head) row bh, float32 products (float32 or bfloat16 storage). float32
+ * q and (without a mask) v are read in place: only kᵀ is always copied, the scale is applied to the
+ * scores, and the last partial block of queries reads a zero-padded copy of its rows. */
 static void forward_row(const void *q, const void *k, const void *v, const float *bias, int bf16,
                         int64_t length, int64_t dim, int64_t before, int64_t after, float scale,
                         void *out, float *lse) {
     int64_t ld = length + 16, span = min64(length, before + after + MR) + 16;
-    float *qs = malloc(sizeof(float) * (length + MR) * dim), *kt = malloc(sizeof(float) * dim * ld);
-    float *vr = malloc(sizeof(float) * (length + MR) * dim);
+    int in_place = !bf16, values_in_place = !bf16 && !bias;
+    float *qs = in_place ? calloc((size_t)MR * dim, sizeof(float)) : malloc(sizeof(float) * (length + MR) * dim);
+    float *kt = malloc(sizeof(float) * dim * ld);
+    float *vr = values_in_place ? NULL : malloc(sizeof(float) * (length + MR) * dim);
     float *s = calloc((size_t)MR * span, sizeof(float)), *o = malloc(sizeof(float) * MR * dim);
-    local_widen(q, bf16, length, dim, scale, NULL, qs, NULL, 0);
+    if (!in_place) local_widen(q, bf16, length, dim, 1.0f, NULL, qs, NULL, 0);
     local_widen(k, bf16, length, dim, 1.0f, bias, NULL, kt, ld);
-    local_widen(v, bf16, length, dim, 1.0f, bias, vr, NULL, 0);
+    if (!values_in_place) local_widen(v, bf16, length, dim, 1.0f, bias, vr, NULL, 0);
+    const float *values = values_in_place ? (const float *)v : vr;
     for (int64_t i0 = 0; i0 < length; i0 += MR) {
         int64_t rows = min64(MR, length - i0);
         int64_t lo = max64(0, i0 - before), hi = min64(length, i0 + rows + after), n = hi - lo;
-        local_gemm(rows, n, dim, qs + i0 * dim, dim, 1, kt + lo, ld, s, span, 0);
+        const float *queries = in_place ? (const float *)q + i0 * dim : qs + i0 * dim;
+        if (in_place && rows < MR) { /* the tile reads MR rows */
+            memcpy(qs, queries, sizeof(float) * rows * dim);
+            queries = qs;
+        }
+        local_gemm(rows, n, dim, queries, dim, 1, kt + lo, ld, s, span, 0);
         float inverse[MR];
         for (int64_t r = 0; r < rows; r++) {
             int64_t i = i0 + r, a = max64(0, i - before) - lo, b = min64(length, i + after + 1) - lo;
-            lse[i] = local_softmax_row(s + r * span, 1.0f, bias ? bias + lo : NULL, a, b, n, &inverse[r]);
+            lse[i] = local_softmax_row(s + r * span, scale, bias ? bias + lo : NULL, a, b, n, &inverse[r]);
         }
-        local_gemm(rows, dim, n, s, span, 1, vr + lo * dim, dim, o, dim, 0);
+        local_gemm(rows, dim, n, s, span, 1, values + lo * dim, dim, o, dim, 0);
         for (int64_t r = 0; r < rows; r++)
             local_store(o + r * dim, dim, inverse[r], bf16, (char *)out + (i0 + r) * dim * (bf16 ? 2 : 4));
     }
@@ -97,13 +108,7 @@ static void forward_row_pairs(const uint16_t *q, const uint16_t *k, const uint16
             local_narrow_row(s + r * span, n, p + r * (span / 2));
         }
         local_gemm_pairs(rows, dim, (n + 1) / 2, p, span / 2, vp + (lo / 2) * dim, dim, o, dim);
-        for (int64_t r = 0; r < rows; r++) {
-            int64_t c = 0;
-            for (; c + 16 <= dim; c += 16)
-                store_bf16_ps(out + (i0 + r) * dim + c,
-                              _mm512_mul_ps(_mm512_loadu_ps(o + r * dim + c), _mm512_set1_ps(inverse[r])));
-            for (; c < dim; c++) out[(i0 + r) * dim + c] = float_to_bf16(o[r * dim + c] * inverse[r]);
-        }
+        for (int64_t r = 0; r < rows; r++) local_store(o + r * dim, dim, inverse[r], 1, out + (i0 + r) * dim);
     }
     free(qr); free(kt); free(vp); free(p); free(s); free(o);
 }

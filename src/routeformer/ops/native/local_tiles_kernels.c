@@ -8,6 +8,7 @@
  * Both compute MR rows (A must be readable for all of them) and store the first `rows`.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -181,6 +182,33 @@ void local_pair_rows(const float *x0, const float *x1, int64_t n, uint32_t *y) {
 }
 int local_pairs_available(void) { return 1; }
 #else
+/* Without AVX-512 BF16 the kernels never take the pair path; these stubs only keep every symbol the
+ * other local_*_kernels.c files name defined, whatever the optimiser removes. */
+void local_gemm_pairs_strided(int64_t rows, int64_t n, int64_t depth, const uint32_t *a, int64_t a_row,
+                              int64_t a_step, const uint32_t *b, int64_t ldb, float *c, int64_t ldc,
+                              int accumulate) {
+    (void)rows; (void)n; (void)depth; (void)a; (void)a_row; (void)a_step; (void)b; (void)ldb; (void)c;
+    (void)ldc; (void)accumulate;
+    abort();
+}
+void local_gemm_pairs(int64_t rows, int64_t n, int64_t depth, const uint32_t *a, int64_t a_row,
+                      const uint32_t *b, int64_t ldb, float *c, int64_t ldc) {
+    local_gemm_pairs_strided(rows, n, depth, a, a_row, 1, b, ldb, c, ldc, 0);
+}
+void local_pairs_transposed(const uint16_t *x, int64_t length, int64_t dim, const float *bias,
+                            uint32_t *out, int64_t ld) {
+    (void)x; (void)length; (void)dim; (void)bias; (void)out; (void)ld;
+    abort();
+}
+void local_pairs_of_rows(const uint16_t *x, int64_t length, int64_t dim, const float *bias, uint32_t *out) {
+    (void)x; (void)length; (void)dim; (void)bias; (void)out;
+    abort();
+}
+void local_narrow_row(const float *x, int64_t n, uint32_t *y) { (void)x; (void)n; (void)y; abort(); }
+void local_pair_rows(const float *x0, const float *x1, int64_t n, uint32_t *y) {
+    (void)x0; (void)x1; (void)n; (void)y;
+    abort();
+}
 int local_pairs_available(void) { return 0; }
 #endif
 #endif
