@@ -1,22 +1,32 @@
 """Optional fused CPU kernels (C, compiled once per machine, called through ctypes).
 
-`topk_kernels.c` holds the routing selection and the gathered attention (forward and backward)
-of the `topk` layer; `expanding_kernels.c` the inference steps of causal expanding attention and
-its final pass's backward; `band_kernels.c` a query-blocked banded softmax pass, the final pass's
-forward and the local expert of hard-routed `meta` at inference; `linear_rows_kernels.c` the
-linear expert of hard-routed `meta` at its selected rows (forward and backward);
-`rotary_kernels.c` the rotary position embedding in one pass. `band.py`, `linear_rows.py` and
-`rotary.py` wrap the last three for the ops. On first use they are compiled with the system C
-compiler (`$CC`, else `cc`) with -O3, -march=native and OpenMP into one library in a cache
-directory (`$ROUTEFORMER_CACHE_DIR`, else ~/.cache/routeformer, else the temporary directory),
-keyed by the sources, the flags and the CPU; later processes load the cached library (~2 s to
-compile, no PyTorch headers involved).
+The kernel files (every `*_kernels.c` here goes into one library) and their wrappers:
+- `topk`: `topk_kernels.c` (routing selection, the reference kernel and fp64; the gathered
+  attention forward/backward), `topk_speculative_kernels.c` (the routing selection that runs for
+  fp32/bf16: a bf16 prefilter, exact fp32 rescoring, verified threshold guesses),
+  `topk_bf16_attention_kernels.c` (the gathered attention reading bf16 as stored); wrapper topk.py.
+- `local`: `local_kernels.c` (forward), `local_backward_kernels.c`, `local_rows_kernels.c`
+  (softmax rows, conversions), `local_tiles_kernels.c` (register tiles, bf16 pair products);
+  wrapper local.py.
+- causal `linear`: `linear_kernels.c` (forward/backward sweeps), `linear_gemm_kernels.c`,
+  `linear_chunk_kernels.c`, `linear_bf16_kernels.c`; wrapper linear.py.
+- hard-routed `meta`: `band_kernels.c` (query-blocked banded softmax pass: the local expert at its
+  rows, and expanding's final pass), `linear_rows_kernels.c` (the linear expert at its rows);
+  wrappers band.py, linear_rows.py.
+- `expanding_kernels.c` (expanding attention's inference steps and final-pass backward),
+  `mita_kernels.c` (MiTA's routed step and streaming top-K at inference; ops/mita_native.py),
+  `rotary_kernels.c` (rotary embedding; rotary.py).
+On first use they are compiled with the system C compiler (`$CC`, else `cc`) with -O3,
+-march=native and OpenMP into one library in a cache directory (`$ROUTEFORMER_CACHE_DIR`, else
+~/.cache/routeformer, else the temporary directory), keyed by the sources, headers, flags and the
+CPU; later processes load the cached library (seconds to compile, no PyTorch headers involved).
 
-Every kernel is wrapped as a `torch.library` custom op (`routeformer::*`, in topk.py, band.py,
-linear_rows.py and rotary.py; see `NativeOp`) with a fake (shape) implementation and registered
-autograd, so `torch.compile` keeps the kernels in its graphs. The kernels compute in float32 or
-float64; bfloat16 and float16 inputs are converted to float32 at the op boundary (fp32 copies of
-the op's inputs, O(T·d)) and the results converted back.
+Every kernel is wrapped as a `torch.library` custom op (`routeformer::*`; see `NativeOp`) with a
+fake (shape) implementation and registered autograd, so `torch.compile` keeps the kernels in its
+graphs. bfloat16: the topk, local and causal linear kernels read and write it as stored and
+accumulate in float32 (AVX-512 BF16 pair products where they pay; common.h's conversions round as
+torch does); the other kernels compute in float32 or float64 and take bfloat16/float16 through
+float32 copies at the op boundary (O(T·d)).
 
 Every kernel has a PyTorch twin in `routeformer.ops` that is the reference in the tests and the
 fallback: `native_kernels()` returns None — and the ops run in PyTorch — when
