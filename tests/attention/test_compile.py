@@ -122,3 +122,12 @@ def test_expanding_compiled_across_lengths_matches_eager():
         torch.testing.assert_close(actual.out, expected.out, atol=1e-5, rtol=1e-4)
         for key in expected.stats:
             torch.testing.assert_close(actual.stats[key], expected.stats[key], rtol=1e-6, atol=0, msg=key)
+
+
+def test_meta_tokens_breaks_its_graph_once_at_the_packing():
+    # The packing's sizes depend on the data (how many meta-tokens per row): one break there, run
+    # eagerly; the statistics stay tensors, so no other host read breaks the graph.
+    layer = make_layer("meta_tokens", causal=True)
+    meta_mask = torch.rand(1, LENGTH, generator=torch.Generator().manual_seed(2)) < 0.2
+    explained = graph_breaks(layer, torch.randn(1, LENGTH, DIM), {"meta_mask": meta_mask})
+    assert (explained["graphs"], explained["breaks"]) == (2, 1), explained

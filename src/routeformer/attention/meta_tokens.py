@@ -93,9 +93,10 @@ class MetaTokensAttention(AttentionLayer):
         q, k, v = self.project_qkv(x, positions)
         packing = pack_meta_positions(meta_mask, mask)
         flops = meta_token_attention_flops(q, packing, masked=mask is not None, causal=self.causal)
-        real = x.shape[0] * x.shape[1] if mask is None else int(mask.sum())
+        # tensors, not host reads (each read would break a compiled graph)
+        real = torch.tensor(float(x.shape[0] * x.shape[1])) if mask is None else mask.sum().float()
         stats = {"flops": torch.tensor(float(flops)),
-                 "meta_fraction": torch.tensor(float(packing.counts.sum()) / max(real, 1))}
+                 "meta_fraction": packing.counts.sum().float() / real.to(packing.counts.device).clamp_min(1)}
         if self.meta_input == "sequential":
             out = self._sequential(x, q, k, v, packing, mask, positions)
             return AttentionOutput(out=out, aux_loss=x.new_zeros(()), stats=stats)

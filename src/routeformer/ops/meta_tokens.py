@@ -59,6 +59,7 @@ class MetaPacking:
         return self.index.shape[1]
 
 
+@torch.compiler.disable  # data-dependent sizes: one graph break here instead of one per host read
 def pack_meta_positions(meta: Tensor, mask: Tensor | None = None) -> MetaPacking:
     """Pack the meta positions of bool `meta` [B, T] (padding positions, mask False, never count)."""
     if meta.dtype != torch.bool or meta.dim() != 2:
@@ -90,7 +91,8 @@ def gather_rows(t: Tensor, index: Tensor) -> Tensor:
 def scatter_add_rows(base: Tensor, rows: Tensor, packing: MetaPacking) -> Tensor:
     """base [B, H, T, d] plus the valid packed `rows` [B, H, M, d] at their positions. In place when
     nothing needs a gradient (inference), else out of place (SDPA's backward reads `base`)."""
-    if not bool(packing.valid.all()):
+    # (Under torch.compile always multiply: reading valid.all() back would break the graph.)
+    if torch.compiler.is_compiling() or not bool(packing.valid.all()):
         rows = rows * packing.valid[:, None, :, None].to(rows.dtype)
     batch = base.shape[0]
     if torch.is_grad_enabled() and (base.requires_grad or rows.requires_grad):
