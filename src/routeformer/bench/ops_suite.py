@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -226,12 +227,16 @@ def format_row(row: SuiteRow) -> str:
 
 
 def write_report(rows: list[SuiteRow], peaks: dict[str, dict[str, float]], output: Path,
-                 command: str) -> None:
+                 command: str, load: tuple[float, float] | None = None) -> None:
+    """`load`: the 1-minute load average when the timing started and when it ended (this job counts
+    about 1 on its own): how busy the machine was, stated rather than assumed."""
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    busy = "" if load is None else (
+        f" 1-minute load average {load[0]:.1f} at the start and {load[1]:.1f} at the end (this job "
+        "alone counts about 1); the ratios, measured in alternating rounds, are fairer than the times.")
     lines = [
         "# Ops benchmark", "",
-        f"Measured {now} on {machine_description()}. Command: `{command}`. The machine was shared "
-        "with other jobs while this ran (loaded): read the ratios, not the times.", "",
+        f"Measured {now} on {machine_description()}. Command: `{command}`.{busy}", "",
         "Matmul peak ([1024 x 1024] @ [1024 x 1024], timed in the same alternating rounds as the "
         "forward passes, and again in the fwd+bwd rounds), GFLOP/s: "
         + "; ".join(f"T={length}: fp32 {p['fp32']:.0f}, bf16 {p['bf16']:.0f}" for length, p in peaks.items())
@@ -255,6 +260,7 @@ def command_ops(args) -> int:
         output = Path(args.output)
         output.parent.mkdir(parents=True, exist_ok=True)
     print(HEADER, flush=True)
+    load_at_start = os.getloadavg()[0]
     rows, peaks = bench_ops_suite(args.lengths, repeats=args.repeats, window=args.window, batch=args.batch,
                                   heads=args.heads, head_dim=args.head_dim, topk=args.topk,
                                   routing_dim=args.routing_dim, flex=not args.no_flex,
@@ -265,6 +271,6 @@ def command_ops(args) -> int:
             f"--window {args.window} --batch {args.batch} --heads {args.heads} --head-dim {args.head_dim}",
             f"--topk {args.topk} --routing-dim {args.routing_dim}", *(["--no-flex"] if args.no_flex else []),
             *(["--ops", *args.ops] if args.ops else [])])
-        write_report(rows, peaks, output, command)
+        write_report(rows, peaks, output, command, load=(load_at_start, os.getloadavg()[0]))
         print(f"wrote {output} and {output.with_suffix('.json')}")
     return 0
