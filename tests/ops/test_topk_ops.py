@@ -236,3 +236,18 @@ def test_routing_product_count_matches_a_loop_over_query_tiles():
             for causal in (True, False):
                 assert route_topk_scored(3, length, 4112, causal, tile, query_tile) == \
                     by_loop(3, length, 4112, causal, tile, query_tile), (length, tile, query_tile, causal)
+
+
+def test_a_position_like_routing_dim_takes_the_tiled_kernel_with_the_same_selection():
+    from routeformer.ops import topk_routing
+
+    gen = torch.Generator().manual_seed(3)
+    route_q, route_k = torch.randn(1, 2, 300, 5, generator=gen), torch.randn(1, 2, 300, 5, generator=gen)
+    assert not topk_routing._one_dim_dominates(route_k)
+    # the topk layer's recency feature: the key position itself in one dim
+    route_k[..., -1] = torch.arange(300.0)
+    route_q[..., -1] = 0.05
+    assert topk_routing._one_dim_dominates(route_k)
+    index, valid, _ = route_topk(route_q, route_k, 8, causal=True)
+    expected = route_topk_reference(route_q.double(), route_k.double(), 8, causal=True)
+    assert torch.equal(slot_membership(index, valid, 300), expected)
