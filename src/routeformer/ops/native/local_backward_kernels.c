@@ -9,34 +9,9 @@
 #include "common.h"
 
 #if defined(__AVX512F__)
-#define MR 6  /* rows of the register tile: as local_tiles_kernels.c */
+#include "local_kernels.h"
 #define BQ 96 /* query tile: dK, dV take up-to-BQ-deep products per key block */
 
-static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
-
-/* local_tiles_kernels.c: the register-tiled products and the bf16 pair layouts. */
-void local_gemm(int64_t rows, int64_t n, int64_t depth, const float *a, int64_t a_row, int64_t a_step,
-                const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate);
-void local_gemm_pairs(int64_t rows, int64_t n, int64_t depth, const uint32_t *a, int64_t a_row,
-                      const uint32_t *b, int64_t ldb, float *c, int64_t ldc);
-void local_pairs_transposed(const uint16_t *x, int64_t length, int64_t dim, const float *bias,
-                            uint32_t *out, int64_t ld);
-void local_pairs_of_rows(const uint16_t *x, int64_t length, int64_t dim, const float *bias, uint32_t *out);
-void local_narrow_row(const float *x, int64_t n, uint32_t *y);
-void local_gemm_pairs_strided(int64_t rows, int64_t n, int64_t depth, const uint32_t *a, int64_t a_row,
-                              int64_t a_step, const uint32_t *b, int64_t ldb, float *c, int64_t ldc,
-                              int accumulate);
-void local_pair_rows(const float *x0, const float *x1, int64_t n, uint32_t *y);
-/* local_rows_kernels.c: row passes (softmax, its backward, conversions). */
-void local_widen(const void *x, int bf16, int64_t length, int64_t dim, float factor, const float *bias,
-                 float *rows, float *columns, int64_t ld);
-float *local_key_bias(const uint8_t *valid, int64_t length);
-float local_softmax_row(float *s, float scale, const float *bias, int64_t a, int64_t b, int64_t n,
-                        float *inverse);
-void local_backward_row(float *s, float *dp, float scale, const float *bias, int64_t a, int64_t b,
-                        int64_t n, float lse, float row_dot);
-void local_store(const float *x, int64_t count, float factor, int bf16, void *out);
 
 static inline float element(const void *x, int64_t i, int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];

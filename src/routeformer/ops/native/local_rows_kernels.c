@@ -8,7 +8,7 @@
 #include "common.h"
 
 #if defined(__AVX512F__)
-#define MR 6 /* as local_tiles_kernels.c: zero rows after an array, read by the row tiles */
+#include "local_kernels.h" /* MR: zero rows after an array, read by the row tiles */
 
 static inline __mmask16 lanes_below(int64_t count) {
     return count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);

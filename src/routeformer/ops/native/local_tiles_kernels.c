@@ -12,10 +12,9 @@
 #include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#define MR 6
+#include "local_kernels.h" /* MR, and the declarations these definitions must match */
 #define NR 64
 
-static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 static inline __mmask16 lanes_below(int64_t count) {
     return count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
