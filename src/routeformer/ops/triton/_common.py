@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import torch
 import triton
+import triton.language as tl
 from torch import Tensor
 
 
@@ -85,3 +86,21 @@ def check_device(*tensors: Tensor) -> None:
     if len(devices) != 1 or next(iter(devices)).type not in ("cuda", "cpu"):
         raise ValueError("the tensors must share one CUDA (or, interpreted, CPU) device; "
                          f"got {sorted(map(str, devices))}")
+
+
+@triton.jit
+def load_backward_rows(Q, OUT, GRAD_OUT, LSE, bh, rows, row_ok, offs_d, offs_e, d_ok, e_ok, length, dim,
+                       value_dim):
+    """A backward kernel's query-row block (rows of row-major [BH, length, ·] tensors), in float32:
+    q, out, grad_out, the rows' log-sum-exp (-inf for an empty row read as 0: every weight of such
+    a row is masked to 0), and the q and value-width masks the caller stores with."""
+    qd_mask = row_ok[:, None] & d_ok[None, :]
+    qe_mask = row_ok[:, None] & e_ok[None, :]
+    q = tl.load(Q + bh * length * dim + rows[:, None] * dim + offs_d[None, :], mask=qd_mask,
+                other=0.0).to(tl.float32)
+    e_offsets = bh * length * value_dim + rows[:, None] * value_dim + offs_e[None, :]
+    grad_out = tl.load(GRAD_OUT + e_offsets, mask=qe_mask, other=0.0).to(tl.float32)
+    out = tl.load(OUT + e_offsets, mask=qe_mask, other=0.0).to(tl.float32)
+    lse = tl.load(LSE + bh * length + rows, mask=row_ok, other=0.0)
+    lse = tl.where(lse == float("-inf"), 0.0, lse)
+    return q, out, grad_out, lse, qd_mask, qe_mask

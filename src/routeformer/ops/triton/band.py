@@ -26,7 +26,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from routeformer.ops.triton._common import check_device, check_float, kernel, next_power_of_2
+from routeformer.ops.triton._common import (
+    check_device,
+    check_float,
+    kernel,
+    load_backward_rows,
+    next_power_of_2,
+)
 
 
 @kernel
@@ -98,15 +104,8 @@ def _band_backward_kernel(
     offs_e = tl.arange(0, BLOCK_E)
     d_ok = offs_d < dim
     e_ok = offs_e < value_dim
-    qd_mask = row_ok[:, None] & d_ok[None, :]
-    qe_mask = row_ok[:, None] & e_ok[None, :]
-    q = tl.load(Q + bh * queries * dim + rows[:, None] * dim + offs_d[None, :], mask=qd_mask,
-                other=0.0).to(tl.float32)
-    e_offsets = bh * queries * value_dim + rows[:, None] * value_dim + offs_e[None, :]
-    grad_out = tl.load(GRAD_OUT + e_offsets, mask=qe_mask, other=0.0).to(tl.float32)
-    out = tl.load(OUT + e_offsets, mask=qe_mask, other=0.0).to(tl.float32)
-    lse = tl.load(LSE + bh * queries + rows, mask=row_ok, other=0.0)
-    lse = tl.where(lse == float("-inf"), 0.0, lse)
+    q, out, grad_out, lse, qd_mask, qe_mask = load_backward_rows(
+        Q, OUT, GRAD_OUT, LSE, bh, rows, row_ok, offs_d, offs_e, d_ok, e_ok, queries, dim, value_dim)
     decay = tl.load(DECAY + bh * queries + rows, mask=row_ok, other=0.0).to(tl.float32)
     horizon = tl.load(HORIZON + bh * queries + rows, mask=row_ok, other=0)
     if HAS_POSITIONS:

@@ -25,7 +25,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from routeformer.ops.triton._common import check_device, check_float, kernel, next_power_of_2
+from routeformer.ops.triton._common import (
+    check_device,
+    check_float,
+    kernel,
+    load_backward_rows,
+    next_power_of_2,
+)
 
 
 @kernel
@@ -97,16 +103,9 @@ def _routed_backward_kernel(
     offs_e = tl.arange(0, BLOCK_E)
     d_ok = offs_d < dim
     e_ok = offs_e < value_dim
-    qd_mask = row_ok[:, None] & d_ok[None, :]
-    qe_mask = row_ok[:, None] & e_ok[None, :]
-    q = tl.load(Q + bh * length * dim + rows[:, None] * dim + offs_d[None, :], mask=qd_mask,
-                other=0.0).to(tl.float32)
-    e_offsets = bh * length * value_dim + rows[:, None] * value_dim + offs_e[None, :]
-    grad_out = tl.load(GRAD_OUT + e_offsets, mask=qe_mask, other=0.0).to(tl.float32)
-    out = tl.load(OUT + e_offsets, mask=qe_mask, other=0.0).to(tl.float32)
-    lse = tl.load(LSE + bh * length + rows, mask=row_ok, other=0.0)
+    q, out, grad_out, lse, qd_mask, qe_mask = load_backward_rows(
+        Q, OUT, GRAD_OUT, LSE, bh, rows, row_ok, offs_d, offs_e, d_ok, e_ok, length, dim, value_dim)
     grad_lse = tl.load(GRAD_LSE + bh * length + rows, mask=row_ok, other=0.0)
-    lse = tl.where(lse == float("-inf"), 0.0, lse)  # empty rows: every p is masked to 0 below
     # rowsum(dO ∘ O) = Σ_slot p (dO · v); the lse gradient g adds p·g to every logit's gradient.
     delta = tl.sum(grad_out * out, axis=1) - grad_lse
     grad_q = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
