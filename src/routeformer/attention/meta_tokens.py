@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from routeformer.attention.base import AttentionLayer, AttentionOutput
+from routeformer.attention.base import AttentionLayer, AttentionOutput, split_qkv
 from routeformer.attention.registry import register_attention
 from routeformer.ops.decode import allowed_cached, append_keys_values, cached_softmax_attention
 from routeformer.ops.full import full_attention
@@ -90,8 +90,10 @@ class MetaTokensAttention(AttentionLayer):
         elif meta_mask.dtype != torch.bool or meta_mask.shape != x.shape[:2]:
             raise ValueError(f"meta_mask must be a bool tensor of shape [B, T] = {tuple(x.shape[:2])}; "
                              f"got {meta_mask.dtype} {tuple(meta_mask.shape)}")
-        q, k, v = self.project_qkv(x, positions)
+        # Packing first: its graph break (data-dependent width) then splits nothing that matters,
+        # and the projections, both attentions and their backward compile as one graph.
         packing = pack_meta_positions(meta_mask, mask)
+        q, k, v = self.project_qkv(x, positions)
         flops = meta_token_attention_flops(q, packing, masked=mask is not None, causal=self.causal)
         # tensors, not host reads (each read would break a compiled graph)
         real = torch.tensor(float(x.shape[0] * x.shape[1])) if mask is None else mask.sum().float()
@@ -183,7 +185,7 @@ class MetaTokensAttention(AttentionLayer):
     def _project_rows(self, rows: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         batch, width, _ = rows.shape
         qkv = self.meta_qkv_proj(rows).view(batch, width, 3, self.heads, self.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = split_qkv(qkv)
         return self.rotate(q, positions), self.rotate(k, positions), v
 
     def extra_repr(self) -> str:

@@ -81,7 +81,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from routeformer.attention.base import AttentionLayer, AttentionOutput
+from routeformer.attention.base import AttentionLayer, AttentionOutput, split_qkv
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
 from routeformer.ops.gathered import gathered_dot, routed_attention, slot_membership
@@ -154,7 +154,7 @@ class Router(nn.Module):
             with torch.autocast(x.device.type, enabled=False):
                 projected = _fp32_forward(self.net, x32)
         projected = projected.view(batch, length, 2, self.routing_heads, self.routing_dim)
-        route_q, route_k = projected.permute(2, 0, 3, 1, 4).unbind(0)
+        route_q, route_k = split_qkv(projected)
         if "rotary" in self.positions:
             cos, sin = rotary_angles(positions, self.routing_dim, self.rotary_base)
             route_q, route_k = apply_rotary(route_q, cos, sin), apply_rotary(route_k, cos, sin)
