@@ -313,7 +313,9 @@ def _bench_compile(args: argparse.Namespace) -> int:
                  "landmarks of 64 keys, meta-token density 0.1. Graphs/breaks: `torch._dynamo.explain` of "
                  "one inference forward. Compile s: the first compiled forward and forward + backward. "
                  f"Times: medians of {args.repeats} alternating repetitions, eager vs compiled "
-                 "(default inductor backend) in the same process.", ""]
+                 "(default inductor backend) in the same process; speed-up = eager time / compiled "
+                 "time (> 1: compiled is faster). Per-round speed-up: eager / compiled of each round "
+                 "(the two run back to back, order alternating), median (lower-upper quartile).", ""]
         for length in args.lengths:
             lines += [f"T = {length}:", "", HEADER, *[format_row(r) for r in rows if r["T"] == length], ""]
         output.write_text("\n".join(lines))

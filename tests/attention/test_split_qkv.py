@@ -34,7 +34,9 @@ def test_split_qkv_gives_the_heads_as_views_with_the_permuted_layout():
 
 
 def test_split_qkv_backward_is_one_stack_into_the_projection_layout():
-    weights = [torch.randn(24, 16, generator=torch.Generator().manual_seed(1)).requires_grad_() for _ in range(2)]
+    seed = torch.Generator().manual_seed(1)
+    weights = [torch.randn(24, 16, generator=seed).requires_grad_() for _ in range(2)]
+    weights[1].data.copy_(weights[0].data)
     splits = (split_qkv, lambda qkv: qkv.permute(2, 0, 3, 1, 4).unbind(0))  # ours, the old form
     recorded = []
     for weight, split in zip(weights, splits, strict=True):

@@ -12,6 +12,7 @@ user's first run pays, not a cache hit.
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -19,10 +20,11 @@ from typing import Any
 
 import torch
 
-from routeformer.bench.timing import median_times
+from routeformer.bench.timing import ratio_quartiles, round_times
 
 HEADER = ("| mechanism | graphs | breaks | compile s | forward eager ms | compiled ms | speedup | "
-          "fwd+bwd eager ms | compiled ms | speedup | first break |\n|" + "---|" * 11)
+          "fwd+bwd eager ms | compiled ms | speedup | per-round speedup, quartiles | first break |\n|"
+          + "---|" * 12)
 
 
 def graph_breaks(layer: torch.nn.Module, x: torch.Tensor, extra: dict[str, Any]) -> dict[str, Any]:
@@ -69,26 +71,34 @@ def _bench_one(mechanism: str, length: int, repeats: int, dim: int, heads: int,
         layer_forward(compiled, x, extra)()
         layer_forward_backward(compiled, x, extra)()
         row["compile_s"] = time.perf_counter() - began
-        fwd = median_times({"eager": layer_forward(layer, x, extra),
-                            "compiled": layer_forward(compiled, x, extra)}, repeats)
-        both = median_times({"eager": layer_forward_backward(layer, x, extra),
-                             "compiled": layer_forward_backward(compiled, x, extra)}, repeats)
+        fwd = _medians(round_times({"eager": layer_forward(layer, x, extra),
+                                    "compiled": layer_forward(compiled, x, extra)}, repeats))
+        rounds = round_times({"eager": layer_forward_backward(layer, x, extra),
+                              "compiled": layer_forward_backward(compiled, x, extra)}, repeats)
+        both = _medians(rounds)
     except Exception as error:  # noqa: BLE001 - a mechanism that fails to compile is a result to report
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
         return row
     row.update(forward_eager_ms=1000 * fwd["eager"], forward_compiled_ms=1000 * fwd["compiled"],
                forward_speedup=fwd["eager"] / fwd["compiled"], fwd_bwd_eager_ms=1000 * both["eager"],
                fwd_bwd_compiled_ms=1000 * both["compiled"],
-               fwd_bwd_speedup=both["eager"] / both["compiled"])
+               fwd_bwd_speedup=both["eager"] / both["compiled"],
+               # speed-up of each round (eager / compiled, run back to back): robust to drift
+               fwd_bwd_round_quartiles=ratio_quartiles(rounds["eager"], rounds["compiled"]))
     return row
+
+
+def _medians(times: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def format_row(row: dict[str, Any]) -> str:
     head = f"| {row['mechanism']} | {row['graphs']} | {row['breaks']} | "
     if "error" in row:
-        return head + f"failed: {row['error']} |" + " |" * 6 + f" {row['first_break'][:120]} |"
+        return head + f"failed: {row['error']} |" + " |" * 7 + f" {row['first_break'][:120]} |"
     return head + " | ".join([
         f"{row['compile_s']:.1f}", f"{row['forward_eager_ms']:.2f}", f"{row['forward_compiled_ms']:.2f}",
         f"{row['forward_speedup']:.2f}x", f"{row['fwd_bwd_eager_ms']:.2f}",
         f"{row['fwd_bwd_compiled_ms']:.2f}", f"{row['fwd_bwd_speedup']:.2f}x",
+        "{1:.3f} ({0:.3f}-{2:.3f})".format(*row["fwd_bwd_round_quartiles"]),
         row["first_break"][:120]]) + " |"

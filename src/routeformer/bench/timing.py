@@ -1,7 +1,8 @@
 """Timing and peak-memory measurement on CPU (and CUDA when the tensors live there).
 
-Timings: callables are run in alternation (A, B, C, A, B, C, ...) so that a noisy neighbour hurts
-all of them alike, and the median of the repetitions is reported.
+Timings: callables are run in alternation (A, B, C, then C, B, A, ...) so that a noisy neighbour
+hurts all of them alike and none always runs first, and the median of the repetitions is reported
+(or the quartiles of the per-round ratios, `ratio_quartiles`).
 Peak memory on CPU: the process's resident-set high-water mark (Linux /proc), reset before the
 call, minus the resident set before it — the extra memory the call needed. Freed heap memory is
 returned to the OS first (malloc_trim), so an earlier call's cached pages do not hide the peak.
@@ -57,11 +58,16 @@ def peak_memory_mib(fn: Callable[[], object]) -> float | None:
     return max(0, _status_kib("VmHWM") - before) / 1024
 
 
-def median_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median wall-clock seconds of each callable over `repeats` alternating rounds."""
+def round_times(fns: dict[str, Callable[[], object]], repeats: int,
+                warmup: int = 1) -> dict[str, list[float]]:
+    """Wall-clock seconds of each callable in each of `repeats` rounds (after `warmup` rounds).
+
+    Every round runs every callable once; odd rounds run them in reverse order, so none always
+    runs first (cold caches, freshly released memory) or always second."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for round_index in range(warmup + repeats):
-        for name, fn in fns.items():
+        order = list(fns.items())
+        for name, fn in order if round_index % 2 == 0 else order[::-1]:
             start = time.perf_counter()
             fn()
             if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -69,7 +75,22 @@ def median_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int
             elapsed = time.perf_counter() - start
             if round_index >= warmup:
                 times[name].append(elapsed)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return times
+
+
+def median_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median wall-clock seconds of each callable over `repeats` alternating rounds (round_times)."""
+    return {name: statistics.median(values) for name, values in round_times(fns, repeats, warmup).items()}
+
+
+def ratio_quartiles(numerator: list[float], denominator: list[float]) -> tuple[float, float, float]:
+    """(lower quartile, median, upper quartile) of the per-round ratios numerator / denominator:
+    the pairing cancels the drift a shared machine adds to both sides of one round."""
+    ratios = [a / b for a, b in zip(numerator, denominator, strict=True)]
+    if len(ratios) < 2:
+        return ratios[0], ratios[0], ratios[0]
+    low, median, high = statistics.quantiles(ratios, n=4)
+    return low, median, high
 
 
 def machine_description() -> str:
