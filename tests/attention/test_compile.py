@@ -42,7 +42,7 @@ def test_compiled_layer_matches_eager(name):
 
 # The layers whose forward has no data-dependent shape or host sync (expanding and topk: on their
 # native paths).
-ONE_GRAPH = ["full", "gated", "multihop", "local", "linear",
+ONE_GRAPH = ["full", "gated", "multihop", "local", "linear", "meta",
              pytest.param("expanding", marks=needs_native), pytest.param("topk", marks=needs_native)]
 
 
@@ -148,3 +148,32 @@ def test_meta_tokens_packs_before_projecting_so_the_layer_work_is_one_graph():
     meta_mask = torch.rand(1, LENGTH, generator=torch.Generator().manual_seed(2)) < 0.2
     graphs = torch._dynamo.explain(layer)(torch.randn(1, LENGTH, DIM), meta_mask=meta_mask).graphs
     assert [_linear_calls(graph) for graph in graphs] == [0, 4]
+
+
+def _native_calls(layer, grad: bool) -> list[tuple[str, object]]:
+    """(custom op, its last argument) of every routeformer op in the layer's traced graphs."""
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(grad):
+        graphs = torch._dynamo.explain(layer)(torch.randn(1, LENGTH, DIM)).graphs
+    return [(str(node.target), node.args[-1]) for graph in graphs for node in graph.graph.nodes
+            if str(node.target).startswith("routeformer.")]
+
+
+@needs_native
+def test_compiled_topk_with_recency_routing_takes_the_tiled_kernel_like_eager():
+    # The recency dim (key positions, up to T) widens the speculative kernel's bf16 margin; eagerly
+    # a data check sends such vectors to the tiled kernel, which compiled graphs could not read
+    # (0.93x eager's forward at T = 1024-4096). The layer now says so itself.
+    layer = make_layer("topk", causal=True)
+    assert "recency" in layer.router.positions
+    assert [name for name, _ in _native_calls(layer, grad=False)] == [
+        "routeformer.route_topk.default", "routeformer.routed_attention.default"]
+
+
+@needs_native
+def test_compiled_linear_saves_its_states_only_for_a_gradient():
+    # causal_linear's last argument says whether the per-chunk states are saved for the backward:
+    # a compiled inference graph skipped nothing before (0.92x eager's forward at T = 4096).
+    layer = make_layer("linear", causal=True)
+    assert _native_calls(layer, grad=False) == [("routeformer.causal_linear.default", False)]
+    assert _native_calls(layer, grad=True) == [("routeformer.causal_linear.default", True)]

@@ -251,3 +251,19 @@ def test_a_position_like_routing_dim_takes_the_tiled_kernel_with_the_same_select
     index, valid, _ = route_topk(route_q, route_k, 8, causal=True)
     expected = route_topk_reference(route_q.double(), route_k.double(), 8, causal=True)
     assert torch.equal(slot_membership(index, valid, 300), expected)
+
+
+def test_position_dim_takes_the_tiled_kernel_without_reading_the_data(implementation, monkeypatch):
+    from routeformer.ops import topk_routing
+
+    gen = torch.Generator().manual_seed(4)
+    route_q, route_k = torch.randn(1, 2, 200, 5, generator=gen), torch.randn(1, 2, 200, 5, generator=gen)
+    route_k[..., -1], route_q[..., -1] = torch.arange(200.0), 0.05
+    expected = route_topk_reference(route_q.double(), route_k.double(), 8, causal=True)
+    calls = []
+    monkeypatch.setattr(topk_routing, "_one_dim_dominates", lambda keys: calls.append(keys) or False)
+    for position_dim in (False, True):  # the data check (forced to say no) then the caller's word
+        index, valid, _ = route_topk(route_q, route_k, 8, causal=True, position_dim=position_dim)
+        assert torch.equal(slot_membership(index, valid, 200), expected)
+    # position_dim=True chose without the check (which only the speculative kernel's path runs)
+    assert len(calls) == (1 if implementation == "native" and speculative_query_tile() else 0)

@@ -248,6 +248,7 @@ class TopKAttention(AttentionLayer):
         index, valid, scored = route_topk(
             route_q.detach(), route_k.detach(), self.topk - explore, causal=self.causal, key_mask=mask,
             local_window=self.local_window, global_tokens=self.global_tokens, block=self.block,
+            position_dim="recency" in self.router.positions,
         )
         index, valid = add_random_slots(index, valid, explore, causal=self.causal, key_mask=mask)
         # Routing heads R are 1 (shared) or H; attention needs one index per head.

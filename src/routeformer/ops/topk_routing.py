@@ -112,13 +112,18 @@ def _mask_block(
 def route_topk(
     route_q: Tensor, route_k: Tensor, topk: int, *, causal: bool = True, key_mask: Tensor | None = None,
     local_window: int = 0, global_tokens: int = 0, block: int = DEFAULT_ROUTING_BLOCK,
-    group: int = DEFAULT_GROUP,
+    group: int = DEFAULT_GROUP, position_dim: bool = False,
 ) -> tuple[Tensor, Tensor, int]:
     """Select each query's keys. Returns (index [B, R, T, K] long, valid [B, R, T, K] bool,
     routing scores computed) with K = `routing_slots(...)`. Order of slots within a row is
     unspecified; valid entries of a row are distinct keys; invalid slots point at key 0.
     No gradient flows through selection (it is a hard top-k); see the `topk` layer for how the
     router is trained.
+
+    `position_dim=True` says the last routing dim of route_k holds key positions (the `topk`
+    layer's recency feature): the native CPU path then takes the tiled kernel, which such a dim
+    does not slow down (see `_one_dim_dominates`), without reading the data — the same choice
+    eagerly and under torch.compile. The selection is the same either way.
     """
     _check_routing(route_q, route_k, key_mask, causal)
     check_positive("topk", topk)
@@ -136,7 +141,7 @@ def route_topk(
     if native is not None and route_q.dtype == route_k.dtype and slots <= native.route_topk_max_slots() \
             and route_q.shape[-1] <= native.route_topk_max_dim():
         return _route_topk_native(native, route_q, route_k, slots, causal, key_mask, local_window,
-                                  global_tokens)
+                                  global_tokens, position_dim)
     padded_keys = math.ceil(num_keys / group) * group
     keys_t = torch.zeros(batch, heads, route_k.shape[-1], padded_keys, dtype=route_k.dtype,
                          device=route_k.device)
@@ -213,7 +218,8 @@ def _one_dim_dominates(route_k: Tensor, ratio: float = 8.0) -> bool:
     (proportional to Σ_d |q_d|·max_j |k_jd|) wide enough to pass most keys: measured at T = 16384
     with the layer's own routing vectors, 7.9 s against the tiled kernel's 3.0 s (same selection);
     on vectors without such a dim the speculative kernel is 1.5-2x faster. Under torch.compile the
-    speculative kernel is kept (a host read here would break the graph)."""
+    speculative kernel is kept (a host read here would break the graph) unless the caller says
+    which dim holds positions (`route_topk(position_dim=True)`, as the `topk` layer does)."""
     if torch.compiler.is_compiling() or route_k.numel() == 0:
         return False
     largest = route_k.detach().abs().amax(dim=2).float()  # [B, R, r]
@@ -222,7 +228,7 @@ def _one_dim_dominates(route_k: Tensor, ratio: float = 8.0) -> bool:
 
 def _route_topk_native(
     native, route_q: Tensor, route_k: Tensor, slots: int, causal: bool, key_mask: Tensor | None,
-    local_window: int, global_tokens: int,
+    local_window: int, global_tokens: int, position_dim: bool = False,
 ) -> tuple[Tensor, Tensor, int]:
     """`route_topk` by the fused C kernels (ops/native/topk.py, custom ops): same contract; forced
     keys first in a row. float32, bfloat16 (read as stored) and float16 (widened) take the
@@ -233,7 +239,7 @@ def _route_topk_native(
     num_keys = route_k.shape[2]
     tile = native.route_topk_chunk()
     query_tile = speculative_query_tile() if route_q.dtype != torch.float64 else 0
-    if query_tile and not _one_dim_dominates(route_k):
+    if query_tile and not position_dim and not _one_dim_dominates(route_k):
         if route_q.dtype == torch.float16:
             route_q, route_k = route_q.float(), route_k.float()
         mask = None if key_mask is None else key_mask.to(torch.uint8)

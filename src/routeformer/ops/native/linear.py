@@ -137,7 +137,7 @@ causal_linear.op.register_autograd(_backward, setup_context=_setup)
 
 def causal_linear_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, eps: float) -> Tensor:
     """The output of `causal_linear` (see the module docstring); the states are saved only when a
-    gradient will be wanted (or a graph is being compiled: it may be differentiated)."""
-    save = torch.compiler.is_compiling() or (
-        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    gradient will be wanted. Under torch.compile dynamo reads grad mode and `requires_grad` at
+    trace time (and guards on them), so a compiled inference graph saves nothing either."""
+    save = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     return causal_linear(q, k, v, mask, eps, save)[0]
