@@ -28,12 +28,14 @@ def routing_inputs(length, heads=3, dim=4, seed=0):
             torch.randn(2, heads, length, dim, generator=gen))
 
 
-def expected_scored(implementation, length, causal, group, block, rows=2 * 3):
+def expected_scored(implementation, length, causal, group, block, rows=2 * 3, tiled=False):
     """Routing products each implementation executes: query blocks score whole key groups (tiles)
-    up to the block's last query (causal) or all keys; the C kernel always scores whole tiles."""
+    up to the block's last query (causal) or all keys; the C kernel always scores whole tiles
+    (`tiled`: the tiled kernel, which route_topk(position_dim=True) takes)."""
     if implementation == "native":
         lib = native_kernels(torch.zeros(1))
-        group, block = lib.route_topk_chunk(), speculative_query_tile() or lib.route_topk_query_tile()
+        query_tile = 0 if tiled else speculative_query_tile()
+        group, block = lib.route_topk_chunk(), query_tile or lib.route_topk_query_tile()
         padded = -(-length // group) * group
         per_block = [block * (min(-(-(start + block) // group) * group, padded) if causal else padded)
                      for start in range(0, length, block)]
@@ -51,8 +53,9 @@ def expected_scored(implementation, length, causal, group, block, rows=2 * 3):
     [(37, 5, 0, 0, 4, 8), (37, 5, 3, 2, 4, 8), (100, 64, 0, 0, 32, 128), (300, 8, 4, 1, 8, 64),
      (65, 3, 0, 0, 2, 7)],
 )
+@pytest.mark.parametrize("position_dim", [False, True])  # True: the tiled kernel, newest keys first
 def test_route_topk_selects_the_reference_set(
-    implementation, causal, length, topk, local_window, global_tokens, group, block
+    implementation, causal, length, topk, local_window, global_tokens, group, block, position_dim
 ):
     route_q, route_k = routing_inputs(length)
     key_mask = torch.ones(2, length, dtype=torch.bool)
@@ -60,14 +63,14 @@ def test_route_topk_selects_the_reference_set(
     key_mask[0, 3] = False
     index, valid, scored = route_topk(
         route_q, route_k, topk, causal=causal, key_mask=key_mask, local_window=local_window,
-        global_tokens=global_tokens, block=block, group=group,
+        global_tokens=global_tokens, block=block, group=group, position_dim=position_dim,
     )
     member = slot_membership(index, valid, length)
     assert valid.sum() == member.sum(), "valid slots must name distinct keys"
     reference = route_topk_reference(route_q, route_k, topk, causal=causal, key_mask=key_mask,
                                      local_window=local_window, global_tokens=global_tokens)
     assert torch.equal(member, reference)
-    assert scored == expected_scored(implementation, length, causal, group, block)
+    assert scored == expected_scored(implementation, length, causal, group, block, tiled=position_dim)
 
 
 def test_causal_routing_takes_every_key_when_fewer_than_k_are_eligible():
@@ -198,21 +201,23 @@ def test_non_causal_routing_of_fewer_queries_than_keys():
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_ties_go_to_the_lower_key_index(implementation, causal):
+@pytest.mark.parametrize("position_dim", [False, True])  # True: the tiled kernel, newest keys first
+def test_ties_go_to_the_lower_key_index(implementation, causal, position_dim):
     """Routing vectors drawn from a few distinct values tie exactly in most rows; every
-    implementation must pick the same set, the lower indices among equal scores."""
+    implementation (and scan order) must pick the same set, the lower indices among equal scores."""
     gen = torch.Generator().manual_seed(0)
     table = torch.randn(6, 4, generator=gen)
     length = 150
     route_q = table[torch.randint(0, 6, (2, 3, length), generator=gen)]
     route_k = table[torch.randint(0, 6, (2, 3, length), generator=gen)]
-    index, valid, _ = route_topk(route_q, route_k, 5, causal=causal, block=16, group=4)
+    index, valid, _ = route_topk(route_q, route_k, 5, causal=causal, block=16, group=4,
+                                 position_dim=position_dim)
     member = slot_membership(index, valid, length)
     reference = route_topk_reference(route_q, route_k, 5, causal=causal)
     assert torch.equal(member, reference)
     # The rule itself, on a row where every key scores the same: keys 0..4 (causal: up to i).
     same = torch.ones(1, 1, length, 4)
-    index, valid, _ = route_topk(same, same, 5, causal=causal, block=16, group=4)
+    index, valid, _ = route_topk(same, same, 5, causal=causal, block=16, group=4, position_dim=position_dim)
     member = slot_membership(index, valid, length)[0, 0]
     expected = torch.zeros(length, length, dtype=torch.bool)
     expected[:, :5] = True

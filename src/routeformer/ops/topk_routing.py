@@ -252,8 +252,10 @@ def _route_topk_native(
     keys_t = F.pad(route_k, (0, 0, 0, stride - num_keys)).unflatten(2, (stride // tile, tile))
     keys_t = keys_t.transpose(-1, -2).contiguous()
     mask = None if key_mask is None else key_mask.to(torch.uint8)
+    # A position dim (recency): the newest keys score best, so scanning them first sets a high
+    # threshold at once (topk_kernels.c).
     index, valid = route_topk_op(route_q, keys_t, mask, heads, num_keys, slots, causal, local_window,
-                                 global_tokens)
+                                 global_tokens, position_dim)
     scored = route_topk_scored(batch * heads, length, stride, causal, tile, native.route_topk_query_tile())
     return index, valid, scored
 

@@ -94,8 +94,8 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("route_topk_f32", "route_topk_f64"):
         function = getattr(library, name)
         function.restype = _INT
-        function.argtypes = [_PTR, _PTR, _PTR, *[_INT] * 7, ctypes.c_int, _INT, _INT, _PTR, _PTR,
-                             ctypes.c_int]
+        function.argtypes = [_PTR, _PTR, _PTR, *[_INT] * 7, ctypes.c_int, _INT, _INT, ctypes.c_int, _PTR,
+                             _PTR, ctypes.c_int]
     for name in ("routed_attention_f32", "routed_attention_f64"):
         function = getattr(library, name)
         function.restype = None

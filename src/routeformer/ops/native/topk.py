@@ -40,10 +40,12 @@ def kernel_layout(index: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
 # -- routing ------------------------------------------------------------------------------------
 @native_op("route_topk")
 def route_topk_op(queries: Tensor, keys_t: Tensor, key_mask: Tensor | None, heads: int, num_keys: int,
-                  slots: int, causal: bool, local_window: int, global_tokens: int) -> tuple[Tensor, Tensor]:
+                  slots: int, causal: bool, local_window: int, global_tokens: int,
+                  newest_first: bool = False) -> tuple[Tensor, Tensor]:
     """queries [B, R, T, r]; keys_t [B, R, S'/V, r, V] (tiles of V keys, each transposed, S' >= S
     padded); key_mask uint8 [B, S] or None -> (index long [B, R, T, K], valid bool [B, R, T, K]);
-    forced keys first in a row, invalid slots point at key 0."""
+    forced keys first in a row, invalid slots point at key 0. `newest_first` scans the keys from
+    the newest (for scores that grow with the key position; see topk_kernels.c): the same set."""
     batch, routes, length, dim = queries.shape
     tile = int(_native.library().route_topk_chunk())  # a query, not a kernel call
     if keys_t.shape[-1] != tile or keys_t.shape[2] * tile < num_keys:
@@ -57,13 +59,14 @@ def route_topk_op(queries: Tensor, keys_t: Tensor, key_mask: Tensor | None, head
     stride = keys_t.shape[2] * keys_t.shape[4]
     getattr(library(), f"route_topk_{suffix(queries.dtype)}")(
         pointer(queries), pointer(keys_t), pointer(mask), batch * routes, heads, length, num_keys, stride,
-        dim, slots, int(causal), local_window, global_tokens, pointer(index), valid.data_ptr(),
-        torch.get_num_threads())
+        dim, slots, int(causal), local_window, global_tokens, int(newest_first), pointer(index),
+        valid.data_ptr(), torch.get_num_threads())
     return index, valid
 
 
 @route_topk_op.op.register_fake
-def _route_topk_fake(queries, keys_t, key_mask, heads, num_keys, slots, causal, local_window, global_tokens):
+def _route_topk_fake(queries, keys_t, key_mask, heads, num_keys, slots, causal, local_window, global_tokens,
+                     newest_first=False):
     shape = (*queries.shape[:3], slots)
     return queries.new_empty(shape, dtype=torch.long), queries.new_empty(shape, dtype=torch.bool)
 

@@ -37,10 +37,16 @@
  * per candidate) was measured 10-15% slower end to end, and so were a sampled-pivot flush that
  * skips the exact select and a ping-pong select on scores alone.
  * Ties: among equal scores the lower key index wins (the rule of route_topk's PyTorch path and
- * reference, so all three select the same set). Keys are scanned in increasing index, so a later
- * key whose score only equals the threshold loses to the one holding it: the strict `>` test is
- * exact; inside a flush, only the pivot class that straddles the m-th place needs ordering by key
- * (every other split separates strictly), so the tie rule costs nothing on rows without ties. */
+ * reference, so all three select the same set). Keys are scanned in increasing index by default,
+ * so a later key whose score only equals the threshold loses to the one holding it: the strict `>`
+ * test is exact; inside a flush, only the pivot class that straddles the m-th place needs ordering
+ * by key (every other split separates strictly), so the tie rule costs nothing on rows without
+ * ties. `newest_first` scans the tiles in decreasing index instead, for routers whose scores grow
+ * with the key position (the topk layer's recency term): the newest keys then set a high threshold
+ * at the first flush, where an oldest-first scan meets a better key in nearly every tile and
+ * appends and flushes all the way. A later (lower) key that equals the threshold must then win, so
+ * that scan tests `>=` (ties go through the flush's key order); on rows whose scores all tie it
+ * appends every key, which is why it is an option and not the default. */
 #define DEFINE_SELECT(T_)                                                                          \
 /* Reorder the n candidates of equal score so that the m lowest keys come first (quickselect on   \
  * the key, branchless partition as below). */                                                    \
@@ -119,8 +125,8 @@ static inline int is_forced(int64_t i, int64_t j, int64_t local_window, int64_t 
  * query the bitmask of scores above its threshold. */
 #define DEFINE_TILE(T_)                                                                            \
 static inline void score_tile_##T_(T_ query[QB][64], const T_ *keys_at,                           \
-                                   int64_t dim, const T_ *threshold, T_ tile[QB][V],               \
-                                   uint32_t hits[QB]) {                                            \
+                                   int64_t dim, const T_ *threshold, int inclusive,                \
+                                   T_ tile[QB][V], uint32_t hits[QB]) {                            \
     for (int a = 0; a < QB; a++)                                                                   \
         for (int c = 0; c < V; c++) tile[a][c] = 0;                                                \
     for (int64_t d = 0; d < dim; d++) {                                                            \
@@ -130,7 +136,8 @@ static inline void score_tile_##T_(T_ query[QB][64], const T_ *keys_at,         
     }                                                                                              \
     for (int a = 0; a < QB; a++) {                                                                 \
         uint32_t bits = 0;                                                                         \
-        for (int c = 0; c < V; c++) bits |= (uint32_t)(tile[a][c] > threshold[a]) << c;            \
+        for (int c = 0; c < V; c++)                                                                \
+            bits |= (uint32_t)(inclusive ? tile[a][c] >= threshold[a] : tile[a][c] > threshold[a]) << c; \
         hits[a] = bits;                                                                            \
     }                                                                                              \
 }
@@ -141,8 +148,8 @@ DEFINE_TILE(double)
 /* The same with AVX-512 registers: six accumulators, one key load per six multiply-adds, and the
  * comparison straight into a mask (the generic loops spill the tile to the stack). */
 static inline void score_tile_float(float query[QB][64], const float *keys_at,
-                                    int64_t dim, const float *threshold, float tile[QB][V],
-                                    uint32_t hits[QB]) {
+                                    int64_t dim, const float *threshold, int inclusive,
+                                    float tile[QB][V], uint32_t hits[QB]) {
     __m512 acc[QB];
 #pragma GCC unroll 8
     for (int a = 0; a < QB; a++) acc[a] = _mm512_setzero_ps();
@@ -154,15 +161,17 @@ static inline void score_tile_float(float query[QB][64], const float *keys_at,
 #pragma GCC unroll 8
     for (int a = 0; a < QB; a++) {
         _mm512_storeu_ps(tile[a], acc[a]);
-        hits[a] = _mm512_cmp_ps_mask(acc[a], _mm512_set1_ps(threshold[a]), _CMP_GT_OQ);
+        __m512 bound = _mm512_set1_ps(threshold[a]);
+        hits[a] = inclusive ? _mm512_cmp_ps_mask(acc[a], bound, _CMP_GE_OQ)
+                            : _mm512_cmp_ps_mask(acc[a], bound, _CMP_GT_OQ);
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 /* AVX2: each query's V = 16 scores in two 8-wide registers (12 accumulators of the 16). */
 static inline void score_tile_float(float query[QB][64], const float *keys_at,
-                                    int64_t dim, const float *threshold, float tile[QB][V],
-                                    uint32_t hits[QB]) {
+                                    int64_t dim, const float *threshold, int inclusive,
+                                    float tile[QB][V], uint32_t hits[QB]) {
     __m256 low[QB], high[QB];
 #pragma GCC unroll 8
     for (int a = 0; a < QB; a++) low[a] = high[a] = _mm256_setzero_ps();
@@ -181,8 +190,9 @@ static inline void score_tile_float(float query[QB][64], const float *keys_at,
         _mm256_storeu_ps(tile[a], low[a]);
         _mm256_storeu_ps(tile[a] + 8, high[a]);
         __m256 bound = _mm256_set1_ps(threshold[a]);
-        hits[a] = (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(low[a], bound, _CMP_GT_OQ))
-                  | (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(high[a], bound, _CMP_GT_OQ)) << 8;
+        __m256 below = inclusive ? _mm256_cmp_ps(low[a], bound, _CMP_GE_OQ) : _mm256_cmp_ps(low[a], bound, _CMP_GT_OQ);
+        __m256 above = inclusive ? _mm256_cmp_ps(high[a], bound, _CMP_GE_OQ) : _mm256_cmp_ps(high[a], bound, _CMP_GT_OQ);
+        hits[a] = (uint32_t)_mm256_movemask_ps(below) | (uint32_t)_mm256_movemask_ps(above) << 8;
     }
 }
 #else
@@ -246,7 +256,8 @@ DEFINE_APPEND(float)
 #define DEFINE_ROUTE(NAME, T_)                                                                     \
 static void NAME##_block(const T_ *rq, const T_ *rkt, const uint8_t *mask, int64_t keys,          \
                          int64_t stride, int64_t dim, int64_t slots, int causal,                   \
-                         int64_t local_window, int64_t global_tokens, int64_t i0, int64_t nq,      \
+                         int64_t local_window, int64_t global_tokens, int newest_first,            \
+                         int64_t i0, int64_t nq,                                                   \
                          int64_t *index, uint8_t *valid, T_ *buffer_scores, int64_t *buffer_keys,  \
                          int64_t buffer) {                                                         \
     T_ query[QB][64];                                                                              \
@@ -273,10 +284,12 @@ static void NAME##_block(const T_ *rq, const T_ *rkt, const uint8_t *mask, int64
     int simple = !mask && local_window == 0 && global_tokens == 0; /* every hit is a candidate */ \
     for (int64_t a = 0; a < QB; a++)                                                               \
         threshold[a] = a < nq && cap[a] > 0 ? -INFINITY : INFINITY;                               \
-    for (int64_t j0 = 0; j0 < end; j0 += V) {                                                      \
+    int64_t tiles = (end + V - 1) / V;                                                             \
+    for (int64_t t = 0; t < tiles; t++) {                                                          \
+        int64_t j0 = (newest_first ? tiles - 1 - t : t) * V;                                       \
         T_ tile[QB][V];                                                                            \
-        uint32_t hits[QB]; /* bit c: tile[a][c] beats threshold[a] */                             \
-        score_tile_##T_(query, rkt + j0 * dim, dim, threshold, tile, hits);                        \
+        uint32_t hits[QB]; /* bit c: tile[a][c] beats threshold[a] (or ties it, newest_first) */  \
+        score_tile_##T_(query, rkt + j0 * dim, dim, threshold, newest_first, tile, hits);          \
         for (int64_t a = 0; a < nq; a++) {                                                         \
             uint32_t bits = hits[a];                                                               \
             if (!bits) continue;                                                                   \
@@ -317,8 +330,8 @@ static void NAME##_block(const T_ *rq, const T_ *rkt, const uint8_t *mask, int64
                                                                                                    \
 int64_t NAME(const T_ *rq, const T_ *rkt, const uint8_t *key_mask, int64_t rows, int64_t heads,   \
              int64_t length, int64_t keys, int64_t stride, int64_t dim, int64_t slots, int causal, \
-             int64_t local_window, int64_t global_tokens, int64_t *index, uint8_t *valid,          \
-             int threads) {                                                                        \
+             int64_t local_window, int64_t global_tokens, int newest_first, int64_t *index,        \
+             uint8_t *valid, int threads) {                                                        \
     int64_t blocks = (length + QB - 1) / QB, scored = 0;                                           \
     init_compress_lut(); /* before the threads: they only read it */                              \
     _Pragma("omp parallel num_threads(threads) reduction(+:scored)")                               \
@@ -333,7 +346,7 @@ int64_t NAME(const T_ *rq, const T_ *rkt, const uint8_t *key_mask, int64_t rows,
             int64_t nq = length - i0 < QB ? length - i0 : QB;                                      \
             const uint8_t *mask = key_mask ? key_mask + (bh / heads) * keys : NULL;               \
             NAME##_block(rq + bh * length * dim, rkt + bh * dim * stride, mask, keys, stride, dim, \
-                         slots, causal, local_window, global_tokens, i0, nq,                       \
+                         slots, causal, local_window, global_tokens, newest_first, i0, nq,         \
                          index + bh * length * slots, valid + bh * length * slots,                 \
                          buffer_scores, buffer_keys, buffer);                                      \
             /* Executed products: all QB rows of the tile, keys up to a whole tile. */            \
