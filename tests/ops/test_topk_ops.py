@@ -272,3 +272,22 @@ def test_position_dim_takes_the_tiled_kernel_without_reading_the_data(implementa
         assert torch.equal(slot_membership(index, valid, 200), expected)
     # position_dim=True chose without the check (which only the speculative kernel's path runs)
     assert len(calls) == (1 if implementation == "native" and speculative_query_tile() else 0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("position_dim", [False, True])
+def test_float64_routing_selects_the_reference_set_in_both_scan_orders(implementation, causal, position_dim):
+    # float64 takes the tiled kernel (route_topk_f64) on the native path; a recency-like last dim
+    # and a few exact ties (keys repeated) exercise the newest-first scan's `>=` test.
+    gen = torch.Generator().manual_seed(5)
+    route_q = torch.randn(2, 2, 90, 6, generator=gen, dtype=torch.float64)
+    route_k = torch.randn(2, 2, 90, 6, generator=gen, dtype=torch.float64)
+    route_k[:, :, 40:50] = route_k[:, :, 10:20]  # equal keys: equal scores
+    route_k[..., -1], route_q[..., -1] = torch.arange(90.0, dtype=torch.float64) / 30, 0.3
+    route_q[:, :, ::2, -1] = 0.0  # these queries ignore the position dim: their repeated keys tie
+    key_mask = torch.rand(2, 90, generator=gen) > 0.1
+    index, valid, _ = route_topk(route_q, route_k, 7, causal=causal, key_mask=key_mask, local_window=3,
+                                 global_tokens=2, position_dim=position_dim)
+    expected = route_topk_reference(route_q, route_k, 7, causal=causal, key_mask=key_mask, local_window=3,
+                                    global_tokens=2)
+    assert torch.equal(slot_membership(index, valid, 90), expected)
