@@ -12,7 +12,6 @@ user's first run pays, not a cache hit.
 
 from __future__ import annotations
 
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from routeformer.bench.timing import ratio_quartiles, round_times
+from routeformer.bench.timing import medians, ratio_quartiles, round_times
 
 HEADER = ("| mechanism | graphs | breaks | compile s | forward eager ms | compiled ms | speedup | "
           "fwd+bwd eager ms | compiled ms | speedup | per-round speedup, quartiles | first break |\n|"
@@ -71,11 +70,11 @@ def _bench_one(mechanism: str, length: int, repeats: int, dim: int, heads: int,
         layer_forward(compiled, x, extra)()
         layer_forward_backward(compiled, x, extra)()
         row["compile_s"] = time.perf_counter() - began
-        fwd = _medians(round_times({"eager": layer_forward(layer, x, extra),
+        fwd = medians(round_times({"eager": layer_forward(layer, x, extra),
                                     "compiled": layer_forward(compiled, x, extra)}, repeats))
         rounds = round_times({"eager": layer_forward_backward(layer, x, extra),
                               "compiled": layer_forward_backward(compiled, x, extra)}, repeats)
-        both = _medians(rounds)
+        both = medians(rounds)
     except Exception as error:  # noqa: BLE001 - a mechanism that fails to compile is a result to report
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
         return row
@@ -86,10 +85,6 @@ def _bench_one(mechanism: str, length: int, repeats: int, dim: int, heads: int,
                # speed-up of each round (eager / compiled, run back to back): robust to drift
                fwd_bwd_round_quartiles=ratio_quartiles(rounds["eager"], rounds["compiled"]))
     return row
-
-
-def _medians(times: dict[str, list[float]]) -> dict[str, float]:
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def format_row(row: dict[str, Any]) -> str:

@@ -78,9 +78,14 @@ def round_times(fns: dict[str, Callable[[], object]], repeats: int,
     return times
 
 
+def medians(times: dict[str, list[float]]) -> dict[str, float]:
+    """The median of each callable's times (as `round_times` returns them)."""
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def median_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
     """Median wall-clock seconds of each callable over `repeats` alternating rounds (round_times)."""
-    return {name: statistics.median(values) for name, values in round_times(fns, repeats, warmup).items()}
+    return medians(round_times(fns, repeats, warmup))
 
 
 def ratio_quartiles(numerator: list[float], denominator: list[float]) -> tuple[float, float, float]:

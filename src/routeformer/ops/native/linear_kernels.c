@@ -62,6 +62,9 @@ typedef struct {
     int bf16, dpbf16; /* bf16 storage; and the d×e state products in bf16 (linear_bf16_kernels.c) */
 } head_t;
 
+/* Floats of one saved state [Sᵀ (ep × dp); zᵀ (1 × dp)] (see `states` in the header). */
+static inline int64_t state_floats(const head_t *x) { return (x->ep + 1) * x->dp; }
+
 static head_t head_at(const void *q, const void *k, const void *v, const int64_t *layout, const uint8_t *mask,
                       int64_t bh, int64_t heads, int64_t length, int64_t dim, int64_t value_dim, int64_t block,
                       int bf16) {
@@ -141,7 +144,7 @@ static void forward_head(const head_t *x, scratch_t *w, float eps, char *out, fl
     int64_t c = round16(x->block), dp = x->dp, ep = x->ep;
     for (int64_t t0 = 0; t0 < x->length; t0 += x->block) {
         if (states != NULL) {
-            float *saved = states + (t0 / x->block) * (ep + 1) * dp;
+            float *saved = states + (t0 / x->block) * state_floats(x);
             transpose(w->s, ep, x->dim, x->value_dim, saved, dp);
             memcpy(saved + ep * dp, w->z, sizeof(float) * dp);
         }
@@ -221,7 +224,7 @@ static void backward_head(const head_t *x, scratch_t *w, const char *out, const 
         int64_t t0 = n * x->block, rows = x->length - t0 < x->block ? x->length - t0 : x->block;
         int64_t cols = round16(rows);
         const uint8_t *keep = x->keep == NULL ? NULL : x->keep + t0;
-        const float *saved = states + n * (ep + 1) * dp, *z = saved + ep * dp;
+        const float *saved = states + n * state_floats(x), *z = saved + ep * dp;
         const char *q = x->q + t0 * x->q_stride * x->size, *k = x->k + t0 * x->k_stride * x->size;
         rf_linear_load_rows(q, x->q_stride, x->bf16, rows, x->dim, dp, 1, NULL, w->phq, NULL, 0);
         rf_linear_load_rows(k, x->k_stride, x->bf16, rows, x->dim, dp, 1, keep, w->phk, w->phk_t, c);
@@ -269,7 +272,7 @@ int64_t causal_linear_forward(const void *q, const void *k, const void *v, const
         scratch_t w;
         float *base = scratch_alloc(&x, &w);
         if (base == NULL) { failed = 1; continue; }
-        int64_t per_head = (length + block - 1) / block * (x.ep + 1) * x.dp;
+        int64_t per_head = (length + block - 1) / block * state_floats(&x);
         forward_head(&x, &w, (float)eps, (char *)out + bh * length * value_dim * x.size, den + bh * length,
                      states == NULL ? NULL : states + bh * per_head);
         free(base);
@@ -291,7 +294,7 @@ int64_t causal_linear_backward(const void *q, const void *k, const void *v, cons
         if (base == NULL) { failed = 1; continue; }
         size_t values = (size_t)(bh * length * value_dim * x.size), keys = (size_t)(bh * length * dim * x.size);
         const char *o = (const char *)out + values, *g = (const char *)grad_out + values;
-        int64_t per_head = (length + block - 1) / block * (x.ep + 1) * x.dp;
+        int64_t per_head = (length + block - 1) / block * state_floats(&x);
         backward_head(&x, &w, o, g, den + bh * length, states + bh * per_head, (char *)dq + keys, (char *)dk + keys,
                       (char *)dv + values);
         free(base);

@@ -15,9 +15,10 @@ import ctypes
 import torch
 from torch import Tensor
 
-from routeformer.ops.native import compute_dtype, kernel, library, native_op, pointer, suffix
+from routeformer.ops.native import compute_dtype, library, native_op, pointer, suffix
 
 _INT, _PTR = ctypes.c_int64, ctypes.c_void_p
+_FORWARD_ARGS = [*[_PTR] * 6, *[_INT] * 6, ctypes.c_double, _PTR, ctypes.c_int]  # both forward kernels
 
 
 def _inner_contiguous(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -30,23 +31,33 @@ def _layout(phi_k: Tensor, v: Tensor) -> Tensor:
     return torch.tensor([*phi_k.stride()[:3], *v.stride()[:3]], dtype=torch.long)
 
 
+def _rows_forward(name: str, queries: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Tensor,
+                  eps: float) -> Tensor:
+    """One call of the forward row kernel `name` (`linear_rows` on features, `linear_rows_features`
+    on raw q, k): queries [BH, M, d], k [B, H, T, d], v [B, H, T, e] (any strides) -> out [BH, M, e]
+    in the compute dtype."""
+    rows, count, dim = queries.shape
+    work = compute_dtype(queries.dtype)
+    queries = queries.to(work).contiguous()
+    k, v = _inner_contiguous(k, work), _inner_contiguous(v, work)
+    out = queries.new_empty(rows, count, v.shape[-1])
+    # Bound to names: a temporary's memory would be freed before the call reads it.
+    valid, positions, layout = valid.to(torch.uint8).contiguous(), positions.contiguous(), _layout(k, v)
+    function = getattr(library(), f"{name}_{suffix(work)}")
+    function.restype, function.argtypes = None, _FORWARD_ARGS  # linear_rows_features_* is not in _declare
+    function(
+        pointer(queries), k.data_ptr(), v.data_ptr(), pointer(layout), pointer(positions), pointer(valid),
+        rows, count, k.shape[1], k.shape[2], dim, v.shape[-1], eps, pointer(out), torch.get_num_threads())
+    return out
+
+
 @native_op("linear_rows")
 def linear_rows_op(phi_q: Tensor, phi_k: Tensor, v: Tensor, positions: Tensor, valid: Tensor,
                    eps: float) -> Tensor:
     """phi_q [BH, M, d], phi_k [B, H, T, d], v [B, H, T, e] (any strides), positions long [B, M]
-    (ascending over the valid slots), valid bool [B, M] -> out [BH, M, e] in phi_q's dtype."""
-    rows, queries, dim = phi_q.shape
-    work = compute_dtype(phi_q.dtype)
-    phi_q = phi_q.to(work).contiguous()
-    phi_k, v = _inner_contiguous(phi_k, work), _inner_contiguous(v, work)
-    out = phi_q.new_empty(rows, queries, v.shape[-1])
-    # Bound to names: a temporary's memory would be freed before the call reads it.
-    valid, positions, layout = valid.to(torch.uint8).contiguous(), positions.contiguous(), _layout(phi_k, v)
-    getattr(library(), f"linear_rows_{suffix(work)}")(
-        pointer(phi_q), phi_k.data_ptr(), v.data_ptr(), pointer(layout), pointer(positions), pointer(valid),
-        rows, queries, phi_k.shape[1], phi_k.shape[2], dim, v.shape[-1], eps,
-        pointer(out), torch.get_num_threads())
-    return out
+    (ascending over the valid slots), valid bool [B, M] -> out [BH, M, e] in the compute dtype
+    (float32 for bfloat16/float16; `NativeLinearRows` returns phi_q's dtype)."""
+    return _rows_forward("linear_rows", phi_q, phi_k, v, positions, valid, eps)
 
 
 @linear_rows_op.op.register_fake
@@ -115,15 +126,4 @@ def linear_rows_features(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, val
     (any strides), the kernel applying phi = elu + 1 itself (`linear_rows_features_*`): no
     feature tensors, which in PyTorch cost about twice the sweep on strided head views. Returns
     out [BH, M, e] in q's dtype."""
-    rows, queries, dim = q.shape
-    work = compute_dtype(q.dtype)
-    queries_in = q.to(work).contiguous()
-    k, v = _inner_contiguous(k, work), _inner_contiguous(v, work)
-    out = queries_in.new_empty(rows, queries, v.shape[-1])
-    valid, positions, layout = valid.to(torch.uint8).contiguous(), positions.contiguous(), _layout(k, v)
-    function = kernel(f"linear_rows_features_{suffix(work)}", None,
-                      [*[_PTR] * 6, *[_INT] * 6, ctypes.c_double, _PTR, ctypes.c_int])
-    function(pointer(queries_in), k.data_ptr(), v.data_ptr(), pointer(layout), pointer(positions),
-             pointer(valid), rows, queries, k.shape[1], k.shape[2], dim, v.shape[-1], eps, pointer(out),
-             torch.get_num_threads())
-    return out.to(q.dtype)
+    return _rows_forward("linear_rows_features", q, k, v, positions, valid, eps).to(q.dtype)

@@ -122,7 +122,7 @@ static inline int is_forced(int64_t i, int64_t j, int64_t local_window, int64_t 
 }
 
 /* Scores of the QB queries against the V keys of one tile (keys_at[d * V + c]) into tile, and per
- * query the bitmask of scores above its threshold. */
+ * query the bitmask of scores above its threshold (or equal to it, when `inclusive`). */
 #define DEFINE_TILE(T_)                                                                            \
 static inline void score_tile_##T_(T_ query[QB][64], const T_ *keys_at,                           \
                                    int64_t dim, const T_ *threshold, int inclusive,                \
@@ -190,9 +190,11 @@ static inline void score_tile_float(float query[QB][64], const float *keys_at,
         _mm256_storeu_ps(tile[a], low[a]);
         _mm256_storeu_ps(tile[a] + 8, high[a]);
         __m256 bound = _mm256_set1_ps(threshold[a]);
-        __m256 below = inclusive ? _mm256_cmp_ps(low[a], bound, _CMP_GE_OQ) : _mm256_cmp_ps(low[a], bound, _CMP_GT_OQ);
-        __m256 above = inclusive ? _mm256_cmp_ps(high[a], bound, _CMP_GE_OQ) : _mm256_cmp_ps(high[a], bound, _CMP_GT_OQ);
-        hits[a] = (uint32_t)_mm256_movemask_ps(below) | (uint32_t)_mm256_movemask_ps(above) << 8;
+        __m256 low_hits = inclusive ? _mm256_cmp_ps(low[a], bound, _CMP_GE_OQ)
+                                    : _mm256_cmp_ps(low[a], bound, _CMP_GT_OQ);
+        __m256 high_hits = inclusive ? _mm256_cmp_ps(high[a], bound, _CMP_GE_OQ)
+                                     : _mm256_cmp_ps(high[a], bound, _CMP_GT_OQ);
+        hits[a] = (uint32_t)_mm256_movemask_ps(low_hits) | (uint32_t)_mm256_movemask_ps(high_hits) << 8;
     }
 }
 #else
