@@ -38,13 +38,19 @@ class LocalAttention(AttentionLayer):
         return out, flops
 
     def decode_attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cache: dict) -> Tensor:
+        keep = self.window - 1  # the keys a later query can still read
         if "k" not in cache:  # a prefill: the blockwise kernel, not a T×T mask
             out = self.attend(q, k, v, None)[0]
-            append_keys_values(cache, k, v)
+            kept = min(keep, k.shape[2])
+            # Only the last window - 1 keys are cached: the buffer holds 2·window rows, whatever the
+            # prompt's length, and the live rows move back to its start every ~window steps.
+            cache["start"] = start + k.shape[2] - kept
+            append_keys_values(cache, k[:, :, k.shape[2] - kept:], v[:, :, k.shape[2] - kept:],
+                               capacity=2 * self.window)
         else:
             k_all, v_all, key_start = append_keys_values(cache, k, v)
             out = cached_softmax_attention(q, k_all, v_all, start, key_start, window=self.window)
-        trim_keys_values(cache, self.window - 1)
+        trim_keys_values(cache, keep)
         return out
 
     def extra_repr(self) -> str:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from routeformer.models.cache import CACHED_DESCRIPTION, DecodeCache
+from routeformer.models.cache import DecodeCache, cached_description
 from routeformer.models.config import ModelConfig
 from routeformer.models.transformer import Transformer
 
@@ -109,11 +109,12 @@ class CausalLM(TokenPredictor):
             raise ValueError("use_cache=True: " + (
                 "learned positions stop at model.max_seq_len; the prompt plus max_new_tokens exceed it"
                 if self.backbone.supports_cache() else
-                f"some layers have no cached decoding (these mechanisms have: {CACHED_DESCRIPTION})"))
+                f"some layers have no cached decoding (these mechanisms have: {cached_description()})"))
         use_cache = can_cache if use_cache is None else use_cache
         was_training = self.training
         self.eval()
-        cache = DecodeCache() if use_cache else None
+        # The stream's length is known: each layer's keys/values are allocated once, never grown.
+        cache = DecodeCache(reserve=tokens.shape[1] + max_new_tokens) if use_cache else None
         step_input = tokens
         for _ in range(max_new_tokens):
             if cache is None:

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from routeformer.attention import build_attention
 from routeformer.attention.base import AttentionOutput
-from routeformer.models.cache import CACHED_DESCRIPTION, DecodeCache
+from routeformer.models.cache import DecodeCache, cached_description
 from routeformer.models.config import ModelConfig
 
 
@@ -132,11 +132,11 @@ class Transformer(nn.Module):
             missing = sorted({type(block.attention).__name__ for block in self.blocks
                               if not block.attention.supports_cache})
             raise ValueError(f"cache: layers {missing} have no cached decoding; the mechanisms with one are "
-                             f"{CACHED_DESCRIPTION}")
+                             f"{cached_description()}")
         if mask is not None:
             raise ValueError("cache: cached decoding takes no padding mask (every token is real)")
         if not cache.layers:
-            cache.layers.extend({} for _ in self.blocks)
+            cache.layers.extend(({"reserve": cache.reserve} if cache.reserve else {}) for _ in self.blocks)
         elif len(cache.layers) != len(self.blocks):
             raise ValueError(f"cache holds {len(cache.layers)} layers; this model has {len(self.blocks)}")
 

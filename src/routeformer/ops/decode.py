@@ -17,23 +17,106 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def append_keys_values(cache: dict, k: Tensor, v: Tensor, prefix: str = "") -> tuple[Tensor, Tensor, int]:
-    """Append the new k, v [B, H, t, d] to `cache[prefix + "k"/"v"]`; return every cached key and
-    value (old + new) and the index of the first one (`prefix + "start"`, 0 until trimmed)."""
-    if prefix + "k" in cache:
-        k = torch.cat([cache[prefix + "k"], k], dim=2)
-        v = torch.cat([cache[prefix + "v"], v], dim=2)
-    cache[prefix + "k"], cache[prefix + "v"] = k, v
-    return k, v, cache.get(prefix + "start", 0)
+def append_rows(cache: dict, rows: dict[str, Tensor], prefix: str = "", *,
+                capacity: int | None = None) -> dict[str, Tensor]:
+    """Append the t new rows (dim 2) of each tensor of `rows` [B, X, t, ...] to the cache's buffer
+    for that name, without copying what is cached: return, and store as `cache[prefix + name]`,
+    views of the live rows (old + new) of each buffer.
+
+    A buffer (`cache[prefix + name + "_buffer"]`, [B, X, capacity, ...]) is allocated once with room
+    to spare and reused: appending writes the new rows in place; only when they do not fit is a
+    buffer twice as long (or as long as needed) allocated and the live rows copied into it, so the
+    copies cost O(1) per row amortised (doubling), instead of the O(L) of a concatenation per step
+    (O(T²) per sequence). The first allocation takes `capacity` rows (default: `cache["reserve"]`
+    for the unprefixed group, the stream length `CausalLM.generate` announces; else just what is
+    needed). Rows dropped from the front by `trim_rows` leave room there: when the live rows fill
+    at most half the buffer they are moved back to its start (a window's keys: one copy of the
+    window every ~capacity/2 steps) instead of growing it.
+
+    Names appended together share one row count (`prefix + "filled"`), buffer offset
+    (`prefix + "offset"`) and stream index of the first live row (`prefix + "start"`). Every tensor
+    of the state keeps the batch first and every count is a plain int, so beam reordering and batch
+    selection (which map each tensor along dim 0) keep working.
+    """
+    names = list(rows)
+    new = rows[names[0]].shape[2]
+    offset, filled = cache.get(prefix + "offset", 0), cache.get(prefix + "filled", 0)
+    need = filled + new
+    buffer = cache.get(prefix + names[0] + "_buffer")
+    room = 0 if buffer is None else buffer.shape[2]
+    if offset + need > room:
+        if buffer is not None and 2 * need <= room:
+            # Compact: offset > room - need >= room / 2 >= filled, so source and target do not overlap.
+            for name in names:
+                held = cache[prefix + name + "_buffer"]
+                held[:, :, :filled].copy_(held[:, :, offset:offset + filled])
+        else:
+            if buffer is None:
+                first = capacity if capacity is not None else (cache.get("reserve", 0) if not prefix else 0)
+                size = max(need, first)
+            else:
+                size = max(need, 2 * room)
+            for name in names:
+                tensor, held = rows[name], cache.get(prefix + name + "_buffer")
+                fresh = tensor.new_empty(tensor.shape[0], tensor.shape[1], size, *tensor.shape[3:])
+                if held is not None and filled:
+                    fresh[:, :, :filled].copy_(held[:, :, offset:offset + filled])
+                cache[prefix + name + "_buffer"] = fresh
+        offset = 0
+    for name in names:
+        held = cache[prefix + name + "_buffer"]
+        held[:, :, offset + filled:offset + need].copy_(rows[name])
+        cache[prefix + name] = held[:, :, offset:offset + need]
+    cache[prefix + "offset"], cache[prefix + "filled"] = offset, need
+    return {name: cache[prefix + name] for name in names}
+
+
+def trim_rows(cache: dict, keep: int, names: tuple[str, ...], prefix: str = "") -> None:
+    """Drop all but the last `keep` live rows of the group `prefix` (a window never reads further
+    back): the views move, nothing is copied; the buffer's front is reused by `append_rows`."""
+    filled = cache.get(prefix + "filled", 0)
+    drop = max(0, filled - keep)
+    if drop:
+        offset = cache.get(prefix + "offset", 0) + drop
+        for name in names:
+            held = cache[prefix + name + "_buffer"]
+            cache[prefix + name] = held[:, :, offset:offset + keep]
+        cache[prefix + "offset"], cache[prefix + "filled"] = offset, keep
+        cache[prefix + "start"] = cache.get(prefix + "start", 0) + drop
+
+
+def append_keys_values(cache: dict, k: Tensor, v: Tensor, prefix: str = "", *,
+                       capacity: int | None = None) -> tuple[Tensor, Tensor, int]:
+    """Append the new k, v [B, H, t, d] to the cached keys/values (`append_rows`: in place, amortised
+    growth); return every cached key and value (old + new, views `cache[prefix + "k"/"v"]`) and the
+    stream index of the first one (`prefix + "start"`, 0 until trimmed)."""
+    both = append_rows(cache, {"k": k, "v": v}, prefix, capacity=capacity)
+    return both["k"], both["v"], cache.get(prefix + "start", 0)
 
 
 def trim_keys_values(cache: dict, keep: int, prefix: str = "") -> None:
     """Drop all but the last `keep` cached keys/values (a window never reads further back)."""
-    k = cache[prefix + "k"]
-    drop = max(0, k.shape[2] - keep)
-    if drop:
-        cache[prefix + "k"], cache[prefix + "v"] = k[:, :, drop:], cache[prefix + "v"][:, :, drop:]
-        cache[prefix + "start"] = cache.get(prefix + "start", 0) + drop
+    trim_rows(cache, keep, ("k", "v"), prefix)
+
+
+def state_bytes(state) -> int:
+    """Bytes held by the tensors of a decode state (dicts and lists of them, nested), each storage
+    counted once: a view and its buffer are one allocation."""
+    seen: dict[int, int] = {}
+
+    def visit(value) -> None:
+        if isinstance(value, Tensor):
+            storage = value.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                visit(item)
+
+    visit(state)
+    return sum(seen.values())
 
 
 def allowed_cached(query_index: Tensor, key_index: Tensor, window: int | None = None) -> Tensor:
@@ -49,10 +132,15 @@ def cached_softmax_attention(
     q: Tensor, k: Tensor, v: Tensor, query_start: int, key_start: int, window: int | None = None,
 ) -> Tensor:
     """softmax(q kᵀ / sqrt(d)) v for q [B, H, t, d] of indices query_start.. over k, v [B, H, L, d]
-    of indices key_start.., under the causal (and window) rule."""
+    of indices key_start.., under the causal (and window) rule. k, v may be views of a longer
+    buffer (strided heads): SDPA reads them in place."""
     if window is None and query_start == key_start and q.shape[2] == k.shape[2]:
         # A prefill (the queries are all the keys): SDPA's causal kernel, no T×T mask built.
         return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1)
+    last_query, first_key, last_key = query_start + q.shape[2] - 1, key_start, key_start + k.shape[2] - 1
+    if last_key <= query_start and (window is None or last_query - first_key < window):
+        # Every query reads every key (a one-token step): no mask to build.
+        return F.scaled_dot_product_attention(q, k, v)
     device = q.device
     query_index = torch.arange(query_start, query_start + q.shape[2], device=device)
     key_index = torch.arange(key_start, key_start + k.shape[2], device=device)
