@@ -17,12 +17,14 @@ from torch import Tensor, nn
 from routeformer.attention.base import AttentionLayer, AttentionOutput
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
+from routeformer.ops.decode import append_keys_values
 from routeformer.ops.expanding import (
     DEFAULT_BLOCK,
     check_expanding_options,
     expanding_attention,
     expanding_uses_native,
 )
+from routeformer.ops.expanding_decode import expanding_decode
 
 _CONCENTRATION_FLOOR = 1e-4  # keeps softplus(raw) + floor a valid Beta concentration in fp32
 
@@ -54,7 +56,14 @@ class ExpandingAttention(AttentionLayer):
     stats: `window_mean`, `window_max` (final horizons), `iterations_mean`, `iterations_max`,
     `score_pairs` (q·k products computed), `score_ops_vs_full` (score_pairs over those of full
     attention with the same masking rule), `flops` (scores + P·V + inference steps).
+
+    Cached decoding (causal): the cache holds every key and value (a horizon may reach back to the
+    first token); a prefill is the parallel op, and each new token runs its own inference over the
+    cached keys (`ops.expanding_decode`, the same recurrence for either update), scoring only the
+    keys its horizon reaches.
     """
+
+    supports_cache = True
 
     def __init__(
         self, dim: int, heads: int, causal: bool = True, *, prior_alpha: float = 1.0,
@@ -108,6 +117,15 @@ class ExpandingAttention(AttentionLayer):
             "score_ops_vs_full": (scored_pairs / full_pairs).float(),
         }
         return AttentionOutput(out=out, aux_loss=x.new_zeros(()), stats=stats)
+
+    def decode_attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cache: dict) -> Tensor:
+        k_all, v_all, _ = append_keys_values(cache, k, v)
+        alpha, beta = self.prior()
+        if start == 0:  # a prefill: the parallel op (the C kernels when they serve it)
+            return expanding_attention(q, k, v, alpha, beta, tol=self.tol, max_iters=self.max_iters,
+                                       causal=True, block=self.block, update=self.update).out
+        return expanding_decode(q, k_all, v_all, start, alpha, beta, tol=self.tol, max_iters=self.max_iters,
+                                update=self.update)
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", tol={self.tol}, max_iters={self.max_iters}, "

@@ -12,10 +12,12 @@ from torch import Tensor
 
 from routeformer.attention.base import AttentionLayer
 from routeformer.attention.registry import register_attention
+from routeformer.ops.decode import append_keys_values, append_rows, cached_softmax_attention
 from routeformer.ops.multihop import (
     check_multihop_options,
     multihop_attention,
     multihop_attention_flops,
+    path_settings,
 )
 
 
@@ -27,7 +29,14 @@ class MultihopAttention(AttentionLayer):
     path; None = the form's default); `form` ("paper": the sum, any masking; "authors": the
     authors' code, the mean of I, P̃, P̃² with the softmax over the query axis, non-causal only).
     Same parameters as `full`; costs `hops` attention passes.
+
+    Cached decoding (causal "paper" form) is the exact recurrence: hop h of token i is
+    P_i · hop_{h-1}[0..i] (hop_0 = V), so the cache keeps the keys, the values and the outputs of
+    hops 1 .. hops-1 of every token (hops + 1 tensors of [B, H, L, d]: hops - 1 more than `full`),
+    and a step reads all of them, one attention pass per hop as in the parallel op.
     """
+
+    supports_cache = True
 
     def __init__(
         self, dim: int, heads: int, causal: bool = True, *, hops: int = 2, identity: bool | None = None,
@@ -43,6 +52,19 @@ class MultihopAttention(AttentionLayer):
         batch, heads, length, dim = q.shape
         flops = multihop_attention_flops(batch, heads, length, dim, self.hops, self.causal, mask is not None)
         return out, flops
+
+    def decode_attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cache: dict) -> Tensor:
+        # check_decode has refused non-causal layers; form "authors" is non-causal only.
+        k_all, hop_all, key_start = append_keys_values(cache, k, v)
+        identity, _ = path_settings(self.form, self.identity, self.hops)
+        total = v if identity else None
+        for hop_number in range(1, self.hops + 1):
+            hop = cached_softmax_attention(q, k_all, hop_all, start, key_start)
+            total = hop if total is None else total + hop
+            if hop_number < self.hops:  # the next hop reads this one's outputs, its own row included
+                hop_all = append_rows(cache, {"v": hop}, prefix=f"hop{hop_number}_",
+                                      capacity=cache.get("reserve") or None)["v"]
+        return total
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", hops={self.hops}, identity={self.identity}, form={self.form!r}"

@@ -84,9 +84,11 @@ from torch import Tensor, nn
 from routeformer.attention.base import AttentionLayer, AttentionOutput, split_qkv
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
+from routeformer.ops.decode import append_keys_values
 from routeformer.ops.gathered import gathered_dot, routed_attention, slot_membership
 from routeformer.ops.native import native_kernels
 from routeformer.ops.rotary import apply_rotary, rotary_angles
+from routeformer.ops.topk_decode import append_routing_keys, route_cached
 from routeformer.ops.topk_routing import DEFAULT_ROUTING_BLOCK, add_random_slots, route_topk
 
 ROUTING_LEARNING = ("score_bias", "distill", "none")
@@ -238,6 +240,12 @@ class TopKAttention(AttentionLayer):
         self, x: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None
     ) -> AttentionOutput:
         mask, positions = self.check_inputs(x, mask, positions)
+        return self._routed_forward(x, mask, positions)[0]
+
+    def _routed_forward(
+        self, x: Tensor, mask: Tensor | None, positions: Tensor
+    ) -> tuple[AttentionOutput, Tensor, Tensor, Tensor]:
+        """The parallel pass: (output, the keys attention scored k_att [B, H, T, d(+r)], v, route_k)."""
         q, k, v = self.project_qkv(x, positions)
         batch, heads, length, head_dim = q.shape
         route_q, route_k = self.router(x, positions)
@@ -255,15 +263,7 @@ class TopKAttention(AttentionLayer):
         head_index = index.expand(batch, heads, *index.shape[2:])
         head_valid = valid.expand(batch, heads, *valid.shape[2:])
         slots = index.shape[-1]
-        scale = head_dim ** -0.5
-        if self.routing_learning == "score_bias":
-            bias = self.score_bias_scale / self.temperature
-            expand = (batch, heads, length, route_q.shape[-1])
-            q_att = torch.cat([q * scale, (bias * route_q).to(q.dtype).expand(expand)], dim=-1)
-            k_att = torch.cat([k, route_k.to(k.dtype).expand(expand)], dim=-1)
-            scale = 1.0
-        else:
-            q_att, k_att = q, k
+        q_att, k_att, scale = self._attention_inputs(q, k, route_q, route_k)
         num_keys = k.shape[2]
         if num_keys <= self.dense_limit(q_att, k_att, v):
             # Short sequences: one masked SDPA over the routed-set mask beats per-query gathers
@@ -284,7 +284,62 @@ class TopKAttention(AttentionLayer):
             "selected_keys": valid.float().sum(-1).mean().detach(),
             **self.routing_diagnostics(q, k, index, valid, mask),
         }
-        return AttentionOutput(out=out, aux_loss=aux_loss, stats=stats)
+        return AttentionOutput(out=out, aux_loss=aux_loss, stats=stats), k_att, v, route_k
+
+    # -- cached decoding -------------------------------------------------------------------
+    supports_cache = True
+
+    def decode(self, x: Tensor, *, positions: Tensor, cache: dict, meta_mask: Tensor | None = None) -> Tensor:
+        """Cached decoding (see AttentionLayer.decode): the rows of the parallel pass, as at
+        evaluation. The cache holds the keys attention scores (with `score_bias`, k with the routing
+        keys appended, as the parallel pass builds them), the values, and the routing keys
+        (ops/topk_decode: the routing kernel's own tiled layout on CPU). A prefill (empty cache) is
+        the parallel pass; each later token routes over the cached routing keys with the same
+        kernel and tie rule (`route_cached`: the forced window and global keys plus the K best
+        others among keys <= its index) and attends exactly to those slots, reading O(L·r) routing
+        numbers and O((K + w + g)·d) keys and values per head, not the O(L·d) of full attention.
+        Exploration (random slots in training) has no cached form: refused in training mode."""
+        self.check_decode(x, positions)
+        if self.training and self.exploration:
+            raise ValueError("topk: cached decoding draws no exploration slots; call model.eval() "
+                             f"(exploration={self.exploration} applies in training mode only)")
+        start = cache.get("length", 0)
+        if start == 0:
+            result, k_att, v, route_k = self._routed_forward(x, None, positions)
+            heads_out = None
+        else:
+            q, k, v = self.project_qkv(x, positions)
+            route_q, route_k = self.router(x, positions)
+            q_att, k_att, scale = self._attention_inputs(q, k, route_q, route_k)
+        append_keys_values(cache, k_att, v)
+        append_routing_keys(cache, route_k.detach())
+        cache["length"] = start + x.shape[1]
+        if start == 0:
+            return result.out
+        index, valid = route_cached(route_q.detach(), cache, start, self.topk, local_window=self.local_window,
+                                    global_tokens=self.global_tokens,
+                                    position_dim="recency" in self.router.positions)
+        batch, heads = q.shape[:2]
+        head_index = index.expand(batch, heads, *index.shape[2:])
+        head_valid = valid.expand(batch, heads, *valid.shape[2:])
+        # The whole buffers (topk never trims: row j is key j); the slots only point at filled rows.
+        heads_out, _ = routed_attention(q_att, cache["k_buffer"], cache["v_buffer"], head_index, head_valid,
+                                        scale=scale)
+        return self.out_proj(self.merge_heads(heads_out, x))
+
+    def _attention_inputs(self, q: Tensor, k: Tensor, route_q: Tensor, route_k: Tensor
+                          ) -> tuple[Tensor, Tensor, float]:
+        """(q_att, k_att, scale): with `score_bias` the routing vectors appended to q (times λ/τ,
+        q pre-scaled) and k, else q, k and 1/√d."""
+        scale = q.shape[-1] ** -0.5
+        if self.routing_learning != "score_bias":
+            return q, k, scale
+        bias = self.score_bias_scale / self.temperature
+        batch, heads, length = q.shape[:3]
+        expand = (batch, heads, length, route_q.shape[-1])
+        q_att = torch.cat([q * scale, (bias * route_q).to(q.dtype).expand(expand)], dim=-1)
+        k_att = torch.cat([k, route_k.to(k.dtype).expand(expand)], dim=-1)
+        return q_att, k_att, 1.0
 
     def warn_if_capped(self, num_keys: int) -> None:
         """Warn once per layer when K + local_window + global_tokens exceeds the keys of an input:
