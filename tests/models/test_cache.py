@@ -19,6 +19,14 @@ CACHED = {
     "meta_shared_qkv": ("meta", {"window": 3, "share_qkv": True, "eval_eta": 0.3, "position_scale": 16.0}),
     "meta_tokens": ("meta_tokens", {}),
     "meta_tokens_gated_separate": ("meta_tokens", {"combine": "gated", "meta_projections": "separate"}),
+    "topk": ("topk", {"topk": 3}),
+    "topk_window_global_gathered": ("topk", {"topk": 2, "local_window": 2, "global_tokens": 2, "dense_below": 0}),
+    "topk_shared_score_bias": ("topk", {"topk": 3, "shared_routing": True, "routing_learning": "score_bias",
+                                        "routing_positions": "rotary", "dense_below": 0}),
+    "multihop": ("multihop", {}),
+    "multihop_three_identity": ("multihop", {"hops": 3, "identity": True}),
+    "expanding": ("expanding", {"prior_alpha": 1.0, "prior_beta": 4.0}),
+    "expanding_mean_field": ("expanding", {"update": "mean_field", "prior_alpha": 2.0, "prior_beta": 3.0}),
 }
 
 
@@ -115,13 +123,20 @@ def test_local_cache_keeps_only_the_window():
     assert all(layer["k"].shape[2] == 3 and layer["start"] == LENGTH - 3 for layer in cache.layers)
 
 
-def test_cache_errors():
+def test_cache_errors(monkeypatch):
+    from routeformer.attention.topk import TopKAttention
+
     model = build("topk", {"topk": 4})
+    monkeypatch.setattr(TopKAttention, "supports_cache", False)  # a mechanism without a cached form
     with pytest.raises(ValueError, match="no cached decoding"):
         model(stream(), cache=DecodeCache())
     with pytest.raises(ValueError, match="use_cache=True"):
         model.generate(stream()[:, :3], 2, use_cache=True)
     assert model.generate(stream()[:, :3], 2).shape == (2, 5)  # falls back to re-reading
+    monkeypatch.undo()
+    exploring = build("topk", {"topk": 4, "exploration": 0.5}).train()
+    with pytest.raises(ValueError, match="exploration"):
+        exploring(stream(), cache=DecodeCache())
     meta = build("meta", {"window": 4, "position_scale": None})  # the paper's length-dependent feature
     with pytest.raises(ValueError, match="position_scale"):
         meta(stream(), cache=DecodeCache())

@@ -86,12 +86,15 @@ class CausalLM(TokenPredictor):
     def generate(
         self, tokens: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
         top_k: int | None = None, generator: torch.Generator | None = None, use_cache: bool | None = None,
-    ) -> Tensor:
-        """Sample `max_new_tokens` tokens after `tokens` [B, T].
+        output_logits: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Sample `max_new_tokens` tokens after `tokens` [B, T]; with `output_logits`, also return the
+        fp32 logits each new token was sampled from, [B, max_new_tokens, vocab].
 
         With a cache (`use_cache=True`, or None = whenever it can), the prompt is read once and each
-        new token costs one step against the cached keys/values/state; the mechanisms with one are
-        full, gated, local, linear, meta (with position_scale) and meta_tokens. The cache keeps the
+        new token costs one step against the cached keys/values/state; every registered mechanism
+        has one (`routeformer.models.cache.CACHED_MECHANISMS`; meta only with a fixed
+        position_scale). Keys/values are allocated once for prompt + new tokens. The cache keeps the
         whole stream (rotary positions keep counting past model.max_seq_len; learned positions
         cannot, so there the cache needs prompt + new tokens <= model.max_seq_len). Without a cache,
         the context, cropped to model.max_seq_len, is re-read at every step.
@@ -115,16 +118,20 @@ class CausalLM(TokenPredictor):
         self.eval()
         # The stream's length is known: each layer's keys/values are allocated once, never grown.
         cache = DecodeCache(reserve=tokens.shape[1] + max_new_tokens) if use_cache else None
-        step_input = tokens
+        step_input, step_logits = tokens, []
         for _ in range(max_new_tokens):
             if cache is None:
                 logits = self(tokens[:, -self.config.max_seq_len:]).logits[:, -1].float()
             else:
                 logits = self(step_input, cache=cache).logits[:, -1].float()
+            step_logits.append(logits)
             next_token = self._sample(logits, temperature, top_k, generator)
             tokens = torch.cat([tokens, next_token], dim=1)
             step_input = next_token
         self.train(was_training)
+        if output_logits:
+            empty = tokens.new_zeros(tokens.shape[0], 0, self.config.vocab_size, dtype=torch.float32)
+            return tokens, torch.stack(step_logits, dim=1) if step_logits else empty
         return tokens
 
     @staticmethod
