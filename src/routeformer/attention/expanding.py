@@ -124,8 +124,9 @@ class ExpandingAttention(AttentionLayer):
         if start == 0:  # a prefill: the parallel op (the C kernels when they serve it)
             return expanding_attention(q, k, v, alpha, beta, tol=self.tol, max_iters=self.max_iters,
                                        causal=True, block=self.block, update=self.update).out
+        # "scored_keys" (a plain int in the state): the keys this step read, for the decode benchmark.
         return expanding_decode(q, k_all, v_all, start, alpha, beta, tol=self.tol, max_iters=self.max_iters,
-                                update=self.update)
+                                update=self.update, stats=cache)
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", tol={self.tol}, max_iters={self.max_iters}, "

@@ -8,13 +8,14 @@ step without it). Medians of alternating repetitions in one process.
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from routeformer.bench.timing import median_times
-from routeformer.models.cache import CACHED_MECHANISMS
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import CausalLM
 
@@ -33,9 +34,12 @@ def generation_model(mechanism: str, max_len: int, dim: int = 256, depth: int = 
 
 
 def bench_generation(
-    mechanisms: Sequence[str] = CACHED_MECHANISMS, contexts: Sequence[int] = (1024, 4096),
+    mechanisms: Sequence[str] | None = None, contexts: Sequence[int] = (1024, 4096),
     new_tokens: int = 32, repeats: int = 3, progress: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
+    from routeformer.models.cache import CACHED_MECHANISMS
+
+    mechanisms = CACHED_MECHANISMS if mechanisms is None else mechanisms
     rows = []
     for context in contexts:
         prompt = torch.randint(2, 256, (1, context), generator=torch.Generator().manual_seed(0))
@@ -62,3 +66,187 @@ def format_row(row: dict[str, Any]) -> str:
     return (f"| {row['mechanism']} | {row['context']} | {row['new_tokens']} | "
             f"{row['cached_tokens_per_s']:.1f} | {row['reread_tokens_per_s']:.1f} | {row['speedup']:.1f}x | "
             f"{'yes' if row['same_tokens'] else 'no'} |")
+
+
+# -- the decode benchmark: one prefill, then new tokens one step at a time ---------------------
+# `routeformer bench generate`: per context, every mechanism's model reads the prompt once into
+# its cache, then all of them decode `new_tokens` steps in alternating rounds (timing.round_times:
+# one step of each per round, the order reversed every other round). tokens/s = 1 / median step.
+
+DECODE_OPTIONS = {
+    "local": {"window": 256},
+    "meta": {"window": 256, "position_scale": 4096.0},
+    "topk": {"topk": 64, "routing_dim": 16},
+}
+# full's decode before the copy-free cache (commit 66f52b3), run in the same process as the
+# baseline the copy-free cache is compared with.
+CONCATENATING = "full (cat cache, before)"
+DECODE_HEADER = ("| mechanism | context | prefill s | decode tok/s | step vs full (quartiles) | state MiB | "
+                 "peak MiB | read / step MiB |\n|---|---|---|---|---|---|---|---|")
+
+
+def _append_by_concatenation(cache: dict, k, v, prefix: str = ""):
+    """`ops.decode.append_keys_values` as it was before the copy-free cache: every step copies
+    every cached key and value into a new tensor (O(L) per token)."""
+    if prefix + "k" in cache:
+        k = torch.cat([cache[prefix + "k"], k], dim=2)
+        v = torch.cat([cache[prefix + "v"], v], dim=2)
+    cache[prefix + "k"], cache[prefix + "v"] = k, v
+    return k, v, cache.get(prefix + "start", 0)
+
+
+def _softmax_before(q, k, v, query_start: int, key_start: int, window: int | None = None):
+    """`ops.decode.cached_softmax_attention` as it was before (a [t, L] mask built and tested per step)."""
+    import torch.nn.functional as F
+
+    from routeformer.ops.decode import allowed_cached
+
+    if window is None and query_start == key_start and q.shape[2] == k.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1)
+    query_index = torch.arange(query_start, query_start + q.shape[2], device=q.device)
+    key_index = torch.arange(key_start, key_start + k.shape[2], device=q.device)
+    allowed = allowed_cached(query_index, key_index, window)
+    if bool(allowed.all()):
+        return F.scaled_dot_product_attention(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+
+class _BeforeCopyFreeCache:
+    """Within the block, `full` layers decode with the code they had before the copy-free cache."""
+
+    def __enter__(self):
+        import routeformer.attention.full as full
+
+        self.saved = full.append_keys_values, full.cached_softmax_attention
+        full.append_keys_values, full.cached_softmax_attention = _append_by_concatenation, _softmax_before
+
+    def __exit__(self, *exc):
+        import routeformer.attention.full as full
+
+        full.append_keys_values, full.cached_softmax_attention = self.saved
+
+
+def _live_bytes(value) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def step_read_bytes(mechanism: str, layer, cache: dict) -> tuple[int, bool]:
+    """(bytes of cached state one decoding step of `layer` reads, exact): the live keys/values a
+    step attends over, the routing keys it scans, the recurrent state it reads. Where the mechanism
+    reads a data-dependent part (meta's experts, mita's routed experts, meta_tokens' meta keys),
+    the state's live tensors are an upper bound (exact=False)."""
+    if mechanism in ("full", "gated", "local", CONCATENATING):
+        return _live_bytes(cache["k"]) + _live_bytes(cache["v"]), True
+    if mechanism == "linear":
+        return _live_bytes(cache["state"]) + _live_bytes(cache["normaliser"]), True
+    if mechanism == "multihop":
+        hops = [cache[f"hop{h}_v"] for h in range(1, layer.hops)]
+        return _live_bytes(cache["k"]) + _live_bytes(cache["v"]) + sum(map(_live_bytes, hops)), True
+    if mechanism == "expanding":
+        keys = cache.get("scored_keys", cache["k"].shape[2])
+        per_key = (cache["k"].shape[-1] + cache["v"].shape[-1]) * cache["k"].element_size()
+        return cache["k"].shape[0] * cache["k"].shape[1] * keys * per_key, True
+    if mechanism == "topk":
+        length = cache["length"]
+        if cache["routing_tiled"]:
+            tiles = cache["routing_tiles"]
+            tile = tiles.shape[-1]
+            routing = tiles[:, :, :-(-length // tile)].numel() * tiles.element_size()
+        else:
+            routing = _live_bytes(cache["routing_keys"])
+        slots = min(length, layer.topk + layer.local_window + layer.global_tokens)
+        k, v = cache["k"], cache["v"]
+        per_key = (k.shape[-1] * k.element_size() + v.shape[-1] * v.element_size())
+        return routing + k.shape[0] * k.shape[1] * slots * per_key, True
+    return _state_live_bytes(cache), False
+
+
+def _state_live_bytes(state) -> int:
+    if isinstance(state, dict):
+        return sum(_state_live_bytes(value) for key, value in state.items() if not key.endswith("_buffer"))
+    return _live_bytes(state)
+
+
+def _decode_model(mechanism: str, max_len: int, dim: int, depth: int, heads: int,
+                  options: dict) -> CausalLM:
+    torch.manual_seed(0)
+    name = "full" if mechanism == CONCATENATING else mechanism
+    config = ModelConfig(vocab_size=256, dim=dim, depth=depth, heads=heads, attention=name,
+                         attention_options={name: options.get(name, {})}, max_seq_len=max_len,
+                         meta_token_id=1 if name == "meta_tokens" else None)
+    return CausalLM(config).eval()
+
+
+@torch.no_grad()
+def bench_decode(
+    mechanisms: Sequence[str], contexts: Sequence[int], new_tokens: int = 64, *, dim: int = 256,
+    depth: int = 1, heads: int = 4, options: dict | None = None, memory_steps: int = 4,
+    before: bool = True, progress: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """Per context: every mechanism prefills the same random prompt into its cache, then all decode
+    `new_tokens` greedy steps in alternating rounds; then each runs `memory_steps` more steps alone
+    under the peak-memory probe. `before`: also run `full` with the code it had before the
+    copy-free cache (CONCATENATING), as the same-process baseline for it."""
+    from routeformer.bench.timing import peak_memory_mib, ratio_quartiles, round_times
+    from routeformer.models.cache import DecodeCache
+    from routeformer.ops.decode import state_bytes
+
+    options = {**DECODE_OPTIONS, **(options or {})}
+    names = list(mechanisms)
+    if before and "full" in names:
+        names.insert(names.index("full") + 1, CONCATENATING)
+    rows = []
+    for context in contexts:
+        prompt = torch.randint(2, 256, (1, context), generator=torch.Generator().manual_seed(0))
+        prompt[0, ::10] = 1  # a meta-token every 10 positions (read only by meta_tokens)
+        runs: dict[str, dict[str, Any]] = {}
+        for name in names:
+            model = _decode_model(name, context + new_tokens + memory_steps + 1, dim, depth, heads, options)
+            cache = DecodeCache(reserve=context + new_tokens + memory_steps + 1)
+            started = time.perf_counter()
+            if name == CONCATENATING:
+                with _BeforeCopyFreeCache():
+                    logits = model(prompt, cache=cache).logits[:, -1]
+            else:
+                logits = model(prompt, cache=cache).logits[:, -1]
+            runs[name] = {"model": model, "cache": cache, "next": logits.argmax(-1, keepdim=True),
+                          "prefill_s": time.perf_counter() - started}
+
+        def step(name: str) -> None:
+            run = runs[name]
+            if name == CONCATENATING:
+                with _BeforeCopyFreeCache():
+                    logits = run["model"](run["next"], cache=run["cache"]).logits[:, -1]
+            else:
+                logits = run["model"](run["next"], cache=run["cache"]).logits[:, -1]
+            run["next"] = logits.argmax(-1, keepdim=True)
+
+        times = round_times({name: (lambda name=name: step(name)) for name in names}, new_tokens, warmup=0)
+        for name in names:
+            run = runs[name]
+            layers = run["model"].backbone.blocks
+            state = state_bytes(run["cache"].layers)
+            read, exact = 0, True
+            for block, layer_cache in zip(layers, run["cache"].layers, strict=True):
+                layer_read, layer_exact = step_read_bytes(name, block.attention, layer_cache)
+                read, exact = read + layer_read, exact and layer_exact
+            extra = peak_memory_mib(lambda name=name: [step(name) for _ in range(memory_steps)])
+            median = statistics.median(times[name])
+            low, mid, high = ratio_quartiles(times[name], times["full"]) if "full" in times else (1, 1, 1)
+            row = {"mechanism": name, "context": context, "new_tokens": new_tokens,
+                   "prefill_s": run["prefill_s"], "step_s": median, "tokens_per_s": 1.0 / median,
+                   "step_vs_full": [low, mid, high], "state_mib": state / 2**20,
+                   "peak_mib": None if extra is None else state / 2**20 + extra,
+                   "read_mib": read / 2**20, "read_exact": exact}
+            rows.append(row)
+            progress(format_decode_row(row))
+        runs.clear()
+    return rows
+
+
+def format_decode_row(row: dict[str, Any]) -> str:
+    low, mid, high = row["step_vs_full"]
+    peak = "n/a" if row["peak_mib"] is None else f"{row['peak_mib']:.1f}"
+    read = f"{row['read_mib']:.2f}" if row["read_exact"] else f"≤ {row['read_mib']:.2f}"
+    return (f"| {row['mechanism']} | {row['context']} | {row['prefill_s']:.1f} | {row['tokens_per_s']:.1f} | "
+            f"{mid:.3f} ({low:.3f}-{high:.3f}) | {row['state_mib']:.1f} | {peak} | {read} |")

@@ -38,11 +38,12 @@ from routeformer.ops.expanding import (
 @torch.no_grad()
 def expanding_decode(
     q: Tensor, k: Tensor, v: Tensor, start: int, alpha: Tensor, beta: Tensor, *, tol: float = 0.01,
-    max_iters: int = 8, update: str = "paper", scale: float | None = None,
+    max_iters: int = 8, update: str = "paper", scale: float | None = None, stats: dict | None = None,
 ) -> Tensor:
     """Outputs [B, H, t, e] of the queries q [B, H, t, d] of stream indices start .. start + t - 1,
     over every key and value of the stream so far, k [B, H, L, d], v [B, H, L, e] (L = start + t),
-    under the Beta(α, β) [H] prior: the rows of `expanding_attention(causal=True)` for them."""
+    under the Beta(α, β) [H] prior: the rows of `expanding_attention(causal=True)` for them.
+    `stats`, when given, receives "scored_keys": how many of the most recent keys were read."""
     check_expanding_options(tol, max_iters, update)
     batch, heads, length, dim = q.shape
     num_keys = k.shape[2]
@@ -108,4 +109,6 @@ def expanding_decode(
     else:
         log_decay = _log_decay(alpha_start + steps, beta_start + distance_sum)
     probs = _softmax_rows(_masked_logits(scores, distance, key_valid, horizon, log_decay, scale, True))
+    if stats is not None:
+        stats["scored_keys"] = num_keys - scored_from
     return (probs @ v[:, :, scored_from:].to(work)).to(q.dtype)
