@@ -259,29 +259,9 @@ def command_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_generate(args: argparse.Namespace) -> int:
-    from routeformer.bench.generate_bench import HEADER, bench_generation, format_row
-    from routeformer.experiments.report import provenance
+    from routeformer.bench.generate_bench import command_generate
 
-    print(HEADER, flush=True)
-    rows = bench_generation(contexts=args.lengths, new_tokens=args.new_tokens, repeats=args.repeats,
-                            progress=lambda line: print(line, flush=True))
-    if args.output:
-        output = Path(args.output)
-        output.parent.mkdir(parents=True, exist_ok=True)
-        command = (f"routeformer bench generate --lengths {' '.join(map(str, args.lengths))} "
-                   f"--new-tokens {args.new_tokens} --repeats {args.repeats}")
-        output.write_text("\n".join([
-            "# Generation with and without the decoding cache", "",
-            provenance(command) + " CausalLM with D=256, 4 layers, 4 heads, rotary positions, vocabulary "
-            "256, untrained; B=1; "
-            f"greedy decoding of {args.new_tokens} tokens after a random prompt of `context` tokens; "
-            "tokens/s = new tokens / the whole generate call (prompt included), medians of "
-            f"{args.repeats} alternating repetitions. local window 256; meta window 256 with "
-            "position_scale 4096; meta_tokens with a meta-token every 10 prompt positions.", "",
-            HEADER, *[format_row(row) for row in rows], ""]))
-        output.with_suffix(".json").write_text(json.dumps({"rows": rows}, indent=2))
-        print(f"wrote {output} and {output.with_suffix('.json')}")
-    return 0
+    return command_generate(args)
 
 
 def _bench_compile(args: argparse.Namespace) -> int:
@@ -467,13 +447,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--density", type=non_negative_float, default=0.1,
                        help="meta_tokens suite: meta-token density")
     bench.add_argument("--new-tokens", type=positive_int, default=32, help="generate suite: tokens to sample")
+    bench.add_argument("--depth", type=positive_int, default=1, help="generate suite: layers of the model")
+    bench.add_argument("--reread", action="store_true",
+                       help="generate suite: time generation with and without the cache (short contexts) "
+                            "instead of the decode steps")
     bench.add_argument("--no-flex", action="store_true",
                        help="ops suite: leave FlexAttention out (compiling it takes seconds)")
     bench.add_argument("--ops", nargs="+", choices=("local", "linear", "topk"), default=None,
                        help="ops suite: time only these op families beside SDPA (default: all)")
     bench.add_argument("--mechanisms", nargs="+", default=None,
                        help="compile suite: the mechanisms to compile (default: every registered one); "
-                            "layers suite: the ones timed against full (default: local linear topk mita)")
+                            "layers suite: the ones timed against full (default: local linear topk mita); "
+                            "generate suite: the ones decoded (default: every one with a cache)")
     bench.add_argument("--output", default=None, help="write a Markdown table (and JSON beside it)")
 
     reproduce = commands.add_parser("reproduce", help="run a reproduced paper experiment")

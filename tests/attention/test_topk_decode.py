@@ -40,8 +40,9 @@ def test_cached_routing_selects_the_parallel_rows_with_ties(native, forced):
         cache, rows = {}, []
         for i in range(LENGTH):
             append_routing_keys(cache, keys[:, :, i:i + 1])
-            rows.append(as_sets(*route_cached(queries[:, :, i:i + 1], cache, i, topk, local_window=local_window,
-                                              global_tokens=global_tokens), LENGTH))
+            selected = route_cached(queries[:, :, i:i + 1], cache, i, topk, local_window=local_window,
+                                    global_tokens=global_tokens)
+            rows.append(as_sets(*selected, LENGTH))
     assert cache["routing_tiled"] == int(native)
     torch.testing.assert_close(cached_routing_keys(cache), keys)
     stepped = torch.cat(rows, dim=2)

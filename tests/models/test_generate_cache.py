@@ -28,7 +28,8 @@ def build(mechanism: str) -> CausalLM:
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=VOCAB, dim=32, depth=2, heads=2, attention=mechanism,
                          attention_options={mechanism: OPTIONS.get(mechanism, {})}, positions="rotary",
-                         max_seq_len=PROMPT + NEW, meta_token_id=PAUSE if mechanism == "meta_tokens" else None)
+                         max_seq_len=PROMPT + NEW,
+                         meta_token_id=PAUSE if mechanism == "meta_tokens" else None)
     model = CausalLM(config).eval()
     for parameter in model.parameters():  # larger weights than the init, so differences show
         parameter.data.normal_(0, 0.3)
@@ -88,7 +89,8 @@ def test_window_cache_compacts_instead_of_growing():
     append_keys_values(cache, stream[:, :, :keep], stream[:, :, :keep], capacity=8)
     pointer = cache["k_buffer"].data_ptr()
     for index in range(keep, 40):
-        k_all, _, start = append_keys_values(cache, stream[:, :, index:index + 1], stream[:, :, index:index + 1])
+        token = stream[:, :, index:index + 1]
+        k_all, _, start = append_keys_values(cache, token, token)
         assert start == index - keep and torch.equal(k_all, stream[:, :, index - keep:index + 1])
         trim_keys_values(cache, keep)
         assert cache["k_buffer"].data_ptr() == pointer and cache["k_buffer"].shape[2] == 8
@@ -122,8 +124,8 @@ def test_batch_reorder_of_a_cache_state(mechanism):
     with torch.no_grad():
         cache = {"reserve": 20}
         layer.decode(x[:, :12], positions=positions[:, :12], cache=cache)
-        cache = {key: value.index_select(0, order) if isinstance(value, torch.Tensor) and value.dim() else value
-                 for key, value in cache.items()}
+        cache = {key: value.index_select(0, order) if isinstance(value, torch.Tensor) and value.dim()
+                 else value for key, value in cache.items()}
         steps = [layer.decode(x[order, index:index + 1], positions=positions[:, index:index + 1], cache=cache)
                  for index in range(12, 20)]
         expected = layer(x[order]).out[:, 12:]

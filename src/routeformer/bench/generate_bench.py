@@ -212,7 +212,7 @@ def bench_decode(
             runs[name] = {"model": model, "cache": cache, "next": logits.argmax(-1, keepdim=True),
                           "prefill_s": time.perf_counter() - started}
 
-        def step(name: str) -> None:
+        def step(name: str, runs: dict = runs) -> None:
             run = runs[name]
             if name == CONCATENATING:
                 with _BeforeCopyFreeCache():
@@ -250,3 +250,65 @@ def format_decode_row(row: dict[str, Any]) -> str:
     read = f"{row['read_mib']:.2f}" if row["read_exact"] else f"≤ {row['read_mib']:.2f}"
     return (f"| {row['mechanism']} | {row['context']} | {row['prefill_s']:.1f} | {row['tokens_per_s']:.1f} | "
             f"{mid:.3f} ({low:.3f}-{high:.3f}) | {row['state_mib']:.1f} | {peak} | {read} |")
+
+
+def command_generate(args) -> int:
+    """`routeformer bench generate`: the decode benchmark (or, with --reread, generation with and
+    without the cache at short contexts). Writes docs when --output is given."""
+    import json
+    import os
+    from pathlib import Path
+
+    from routeformer.experiments.report import provenance
+    from routeformer.models.cache import CACHED_MECHANISMS
+
+    if args.reread:
+        print(HEADER, flush=True)
+        rows = bench_generation(args.mechanisms, contexts=args.lengths, new_tokens=args.new_tokens,
+                                repeats=args.repeats, progress=lambda line: print(line, flush=True))
+        lines = [HEADER, *[format_row(row) for row in rows]]
+        summary = ("CausalLM with D=256, 4 layers, 4 heads, vocabulary 256, untrained; B=1; greedy "
+                   f"decoding of {args.new_tokens} tokens after a random prompt; tokens/s = new tokens / "
+                   "the whole generate call (prompt included), medians of "
+                   f"{args.repeats} alternating repetitions.")
+    else:
+        unknown = sorted(set(args.mechanisms or ()) - set(CACHED_MECHANISMS))
+        if unknown:
+            raise ValueError(f"--mechanisms: {unknown} have no cached decoding; those with one: "
+                             f"{list(CACHED_MECHANISMS)}")
+        mechanisms = sorted(args.mechanisms or CACHED_MECHANISMS, key=lambda name: name != "full")
+        options = {"local": {"window": args.window},
+                   "topk": {"topk": args.topk, "routing_dim": args.routing_dim}}
+        print(DECODE_HEADER, flush=True)
+        rows = bench_decode(mechanisms, args.lengths, args.new_tokens, dim=args.dim, depth=args.depth,
+                            heads=args.heads, options=options, progress=lambda line: print(line, flush=True))
+        lines = [DECODE_HEADER, *[format_decode_row(row) for row in rows]]
+        load = " ".join(f"{value:.2f}" for value in os.getloadavg())
+        summary = (f"CausalLM with D={args.dim}, {args.depth} layer(s), {args.heads} heads, rotary "
+                   "positions, vocabulary 256, untrained, fp32; B=1; per context one random prompt is "
+                   f"prefilled once per mechanism, then {args.new_tokens} greedy single-token steps run in "
+                   "alternating rounds "
+                   "(one step of every mechanism per round, order reversed every other round). decode tok/s "
+                   "= 1 / median step; step vs full = quartiles of the per-round ratio step time / full's; "
+                   "state = bytes allocated by the cache's tensors (each buffer once); peak = state + the "
+                   "extra resident memory 4 further steps needed (VmHWM probe); read / step = the cached "
+                   "bytes one step reads (≤: an upper bound, the live state). "
+                   f"`{CONCATENATING}`: full with the decode code it had before the copy-free cache "
+                   "(torch.cat per step), in the same process. Options: local window "
+                   f"{args.window}; topk K={args.topk}, r={args.routing_dim} (recency router, distill); meta "
+                   f"window 256, position_scale 4096; meta_tokens with a meta-token every 10 positions. "
+                   f"Load average at the end (1, 5, 15 min): {load}.")
+    if args.output:
+        output = Path(args.output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        command = (f"routeformer bench generate --lengths {' '.join(map(str, args.lengths))} "
+                   f"--new-tokens {args.new_tokens}"
+                   + (f" --repeats {args.repeats} --reread" if args.reread else
+                      f" --dim {args.dim} --depth {args.depth} --heads {args.heads}")
+                   + (f" --mechanisms {' '.join(args.mechanisms)}" if args.mechanisms else ""))
+        title = ("# Generation with and without the decoding cache" if args.reread else
+                 "# Cached decoding: tokens/s, memory and bytes read per step")
+        output.write_text("\n".join([title, "", provenance(command) + " " + summary, "", *lines, ""]))
+        output.with_suffix(".json").write_text(json.dumps({"rows": rows}, indent=2))
+        print(f"wrote {output} and {output.with_suffix('.json')}")
+    return 0

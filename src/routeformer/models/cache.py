@@ -42,8 +42,8 @@ def cached_description() -> str:
     conditional = [name for name in names if option_dependent(name)]
     text = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names)
     if conditional:
-        text += f" ({', '.join(conditional)} depending on their options: meta needs a fixed position_scale, " \
-                "a layer built non-causal has none)"
+        text += (f" ({', '.join(conditional)} depending on their options: meta needs a fixed "
+                 "position_scale, a layer built non-causal has none)")
     return text
 
 

@@ -48,8 +48,8 @@ def expanding_decode(
     batch, heads, length, dim = q.shape
     num_keys = k.shape[2]
     if num_keys != start + length:
-        raise ValueError(f"expanding_decode: k must hold the {start + length} keys 0 .. {start + length - 1}; "
-                         f"got {num_keys}")
+        raise ValueError(f"expanding_decode: k must hold the {start + length} keys 0 .. "
+                         f"{start + length - 1}; got {num_keys}")
     scale = dim ** -0.5 if scale is None else scale
     work = torch.promote_types(q.dtype, torch.float32)
     queries = q.to(work)

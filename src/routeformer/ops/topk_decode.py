@@ -125,8 +125,8 @@ def _route_one(route_q: Tensor, cache: dict, i: int, topk: int, local_window: in
                 query, cache["routing_tiles"], None, routes, before, wanted, False, 0, global_tokens,
                 position_dim)
         else:
-            index, valid, _ = route_topk(query, cache["routing_keys"][:, :, :before], max(1, routed), causal=False,
-                                         global_tokens=global_tokens, position_dim=position_dim)
+            index, valid, _ = route_topk(query, cache["routing_keys"][:, :, :before], max(1, routed),
+                                         causal=False, global_tokens=global_tokens, position_dim=position_dim)
             index, valid = index[..., :wanted], valid[..., :wanted]
         parts_index.append(index)
         parts_valid.append(valid)
