@@ -448,6 +448,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="meta_tokens suite: meta-token density")
     bench.add_argument("--new-tokens", type=positive_int, default=32, help="generate suite: tokens to sample")
     bench.add_argument("--depth", type=positive_int, default=1, help="generate suite: layers of the model")
+    bench.add_argument("--decode-threads", type=positive_int, default=1,
+                       help="generate suite: torch threads for the decode steps (the prefill uses all)")
+    bench.add_argument("--up-to", nargs="+", default=None, metavar="MECHANISM=LENGTH",
+                       help="generate suite: the longest context a mechanism runs at (its prefill is slow)")
     bench.add_argument("--reread", action="store_true",
                        help="generate suite: time generation with and without the cache (short contexts) "
                             "instead of the decode steps")

@@ -135,7 +135,7 @@ def step_read_bytes(mechanism: str, layer, cache: dict) -> tuple[int, bool]:
     step attends over, the routing keys it scans, the recurrent state it reads. Where the mechanism
     reads a data-dependent part (meta's experts, mita's routed experts, meta_tokens' meta keys),
     the state's live tensors are an upper bound (exact=False)."""
-    if mechanism in ("full", "gated", "local", CONCATENATING):
+    if mechanism in ("full", "gated", "local", CONCATENATING):  # (local: the live window)
         return _live_bytes(cache["k"]) + _live_bytes(cache["v"]), True
     if mechanism == "linear":
         return _live_bytes(cache["state"]) + _live_bytes(cache["normaliser"]), True
@@ -181,12 +181,20 @@ def _decode_model(mechanism: str, max_len: int, dim: int, depth: int, heads: int
 def bench_decode(
     mechanisms: Sequence[str], contexts: Sequence[int], new_tokens: int = 64, *, dim: int = 256,
     depth: int = 1, heads: int = 4, options: dict | None = None, memory_steps: int = 4,
-    before: bool = True, progress: Callable[[str], None] = print,
+    before: bool = True, up_to: dict[str, int] | None = None, decode_threads: int | None = None,
+    progress: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
     """Per context: every mechanism prefills the same random prompt into its cache, then all decode
     `new_tokens` greedy steps in alternating rounds; then each runs `memory_steps` more steps alone
     under the peak-memory probe. `before`: also run `full` with the code it had before the
-    copy-free cache (CONCATENATING), as the same-process baseline for it."""
+    copy-free cache (CONCATENATING), as the same-process baseline for it: its model is full's and
+    its cache starts as a copy of full's after the prefill (the same keys and values, in the
+    layout that code kept: one tensor per layer), so the prompt is read once for both.
+    `up_to`: mechanism -> longest context it runs at (a quadratic prefill at 64k on 2 cores takes
+    minutes). `decode_threads`: torch threads for the decode steps (the prefill keeps the process's):
+    a one-token step's ops are too small to split, and on a shared machine two OpenMP threads wait
+    on each other's barriers (measured on the loaded 2-core machine: a 1-layer full step at 600
+    keys 100-220 ms with 2 threads, 2.2-2.8 ms with 1)."""
     from routeformer.bench.timing import peak_memory_mib, ratio_quartiles, round_times
     from routeformer.models.cache import DecodeCache
     from routeformer.ops.decode import state_bytes
@@ -200,15 +208,18 @@ def bench_decode(
         prompt = torch.randint(2, 256, (1, context), generator=torch.Generator().manual_seed(0))
         prompt[0, ::10] = 1  # a meta-token every 10 positions (read only by meta_tokens)
         runs: dict[str, dict[str, Any]] = {}
-        for name in names:
+        here = [name for name in names if context <= (up_to or {}).get(name, context)]
+        for name in here:
+            if name == CONCATENATING:
+                full = runs["full"]
+                layers = [{"k": state["k"].clone(), "v": state["v"].clone(), "length": state["length"]}
+                          for state in full["cache"].layers]
+                runs[name] = {**full, "cache": DecodeCache(length=full["cache"].length, layers=layers)}
+                continue
             model = _decode_model(name, context + new_tokens + memory_steps + 1, dim, depth, heads, options)
             cache = DecodeCache(reserve=context + new_tokens + memory_steps + 1)
             started = time.perf_counter()
-            if name == CONCATENATING:
-                with _BeforeCopyFreeCache():
-                    logits = model(prompt, cache=cache).logits[:, -1]
-            else:
-                logits = model(prompt, cache=cache).logits[:, -1]
+            logits = model(prompt, cache=cache).logits[:, -1]
             runs[name] = {"model": model, "cache": cache, "next": logits.argmax(-1, keepdim=True),
                           "prefill_s": time.perf_counter() - started}
 
@@ -221,8 +232,10 @@ def bench_decode(
                 logits = run["model"](run["next"], cache=run["cache"]).logits[:, -1]
             run["next"] = logits.argmax(-1, keepdim=True)
 
-        times = round_times({name: (lambda name=name: step(name)) for name in names}, new_tokens, warmup=0)
-        for name in names:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(decode_threads or threads)
+        times = round_times({name: (lambda name=name: step(name)) for name in here}, new_tokens, warmup=0)
+        for name in here:
             run = runs[name]
             layers = run["model"].backbone.blocks
             state = state_bytes(run["cache"].layers)
@@ -240,6 +253,7 @@ def bench_decode(
                    "read_mib": read / 2**20, "read_exact": exact}
             rows.append(row)
             progress(format_decode_row(row))
+        torch.set_num_threads(threads)
         runs.clear()
     return rows
 
@@ -280,11 +294,21 @@ def command_generate(args) -> int:
         options = {"local": {"window": args.window},
                    "topk": {"topk": args.topk, "routing_dim": args.routing_dim}}
         print(DECODE_HEADER, flush=True)
+        up_to = {}
+        for item in args.up_to or ():
+            name, _, length = item.partition("=")
+            if name not in CACHED_MECHANISMS or not length.isdigit():
+                raise ValueError(f"--up-to: expected MECHANISM=LENGTH with a cached mechanism; got {item!r}")
+            up_to[name] = int(length)
         rows = bench_decode(mechanisms, args.lengths, args.new_tokens, dim=args.dim, depth=args.depth,
-                            heads=args.heads, options=options, progress=lambda line: print(line, flush=True))
+                            heads=args.heads, options=options, up_to=up_to,
+                            decode_threads=args.decode_threads,
+                            progress=lambda line: print(line, flush=True))
         lines = [DECODE_HEADER, *[format_decode_row(row) for row in rows]]
         load = " ".join(f"{value:.2f}" for value in os.getloadavg())
-        summary = (f"CausalLM with D={args.dim}, {args.depth} layer(s), {args.heads} heads, rotary "
+        summary = (f"Prefill with {torch.get_num_threads()} threads, decode steps with "
+                   f"{args.decode_threads}. "
+                   f"CausalLM with D={args.dim}, {args.depth} layer(s), {args.heads} heads, rotary "
                    "positions, vocabulary 256, untrained, fp32; B=1; per context one random prompt is "
                    f"prefilled once per mechanism, then {args.new_tokens} greedy single-token steps run in "
                    "alternating rounds "
@@ -304,7 +328,9 @@ def command_generate(args) -> int:
         command = (f"routeformer bench generate --lengths {' '.join(map(str, args.lengths))} "
                    f"--new-tokens {args.new_tokens}"
                    + (f" --repeats {args.repeats} --reread" if args.reread else
-                      f" --dim {args.dim} --depth {args.depth} --heads {args.heads}")
+                      f" --dim {args.dim} --depth {args.depth} --heads {args.heads}"
+                      f" --decode-threads {args.decode_threads}"
+                      + (f" --up-to {' '.join(args.up_to)}" if args.up_to else ""))
                    + (f" --mechanisms {' '.join(args.mechanisms)}" if args.mechanisms else ""))
         title = ("# Generation with and without the decoding cache" if args.reread else
                  "# Cached decoding: tokens/s, memory and bytes read per step")
