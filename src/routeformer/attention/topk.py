@@ -66,6 +66,12 @@ function is the same, and `flops` then counts the T x S work actually done. 0 al
 default (None) uses the measured crossover: 256 keys with the native kernels of ops/native, 1024
 with the PyTorch ops.
 
+Cached decoding (`decode`, `CausalLM.generate`): the routing keys are cached beside K and V (on CPU
+in the routing kernel's own tiled layout); a new token routes over them with the parallel pass's
+kernel and tie rule (`ops.topk_decode.route_cached`) and attends to its K routed + window + global
+keys only: a step reads O(L·r) routing numbers and O((K + w + g)·d) keys/values per head instead of
+full attention's O(L·d). Exploration has no cached form (refused in training mode).
+
 stats: `routing_recall` (fraction of the dense attention mass inside R_i, on `recall_queries`
 evenly spaced queries), `head_overlap` (mean Jaccard overlap of R_i between pairs of heads),
 `selected_keys` (mean valid slots per query), `routing_flops` and `flops` (routing + attention

@@ -7,7 +7,14 @@ whatever position its rotary angle or embedding uses (meta-tokens may zero it). 
 reads the keys of index j <= i (and, with a window w, i - j < w) — the causal rule of the parallel
 layers, so decoding token by token gives the parallel forward pass's outputs.
 
-The reference these are tested against is the parallel layer itself (tests/models/test_cache.py).
+Storage (`append_rows`): cached rows live in preallocated buffers that grow by doubling, and
+readers get views of the live rows, so a token costs O(1) amortised copying instead of the
+O(L) of concatenating the cache with it (O(T²) per sequence). Every tensor of a state keeps the
+batch first and every count is a plain int: beam reordering and batch selection map the tensors
+along dim 0 and nothing else.
+
+The reference these are tested against is the parallel layer itself (tests/models/test_cache.py,
+tests/models/test_generate_cache.py).
 """
 
 from __future__ import annotations
