@@ -312,7 +312,6 @@ class TopKAttention(AttentionLayer):
         start = cache.get("length", 0)
         if start == 0:
             result, k_att, v, route_k = self._routed_forward(x, None, positions)
-            heads_out = None
         else:
             q, k, v = self.project_qkv(x, positions)
             route_q, route_k = self.router(x, positions)

@@ -338,3 +338,36 @@ def command_generate(args) -> int:
         output.with_suffix(".json").write_text(json.dumps({"rows": rows}, indent=2))
         print(f"wrote {output} and {output.with_suffix('.json')}")
     return 0
+
+
+@torch.no_grad()
+def bench_across_contexts(
+    mechanism: str, contexts: Sequence[int], new_tokens: int = 64, *, dim: int = 256, depth: int = 1,
+    heads: int = 4, options: dict | None = None, decode_threads: int | None = 1,
+) -> dict[int, float]:
+    """Median decode step (s) of one mechanism after prompts of each context, the steps of all
+    contexts in alternating rounds in one process: whether its step depends on the context, with
+    the machine's drift shared by every context (no other mechanism's steps in between)."""
+    from routeformer.bench.timing import round_times
+    from routeformer.models.cache import DecodeCache
+
+    options = {**DECODE_OPTIONS, **(options or {})}
+    runs = {}
+    for context in contexts:
+        prompt = torch.randint(2, 256, (1, context), generator=torch.Generator().manual_seed(0))
+        model = _decode_model(mechanism, context + new_tokens + 1, dim, depth, heads, options)
+        cache = DecodeCache(reserve=context + new_tokens + 1)
+        runs[context] = [model, cache, model(prompt, cache=cache).logits[:, -1].argmax(-1, keepdim=True)]
+
+    def step(context: int) -> None:
+        model, cache, token = runs[context]
+        runs[context][2] = model(token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(decode_threads or threads)
+    try:
+        times = round_times({context: (lambda c=context: step(c)) for context in contexts}, new_tokens,
+                            warmup=0)
+    finally:
+        torch.set_num_threads(threads)
+    return {context: statistics.median(values) for context, values in times.items()}
