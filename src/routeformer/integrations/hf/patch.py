@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from routeformer.attention import build_attention
 from routeformer.integrations.hf.cache import cache_layer, check_usable
+from routeformer.integrations.hf.compat import passed_cache, refuse_untested_cache, untested_reason
 
 
 class RouteformerAttention(nn.Module):
@@ -59,10 +60,13 @@ class RouteformerAttention(nn.Module):
         self.last_stats: dict[str, Tensor] = {}
 
     def forward(self, hidden_states: Tensor, *args: Any, attention_mask: Tensor | None = None,
-                position_ids: Tensor | None = None, past_key_values: Any = None,
+                position_ids: Tensor | None = None, past_key_values: Any = None, cache: Any = None,
                 **kwargs: Any) -> tuple[Tensor, None]:
+        # transformers >= 5.24 passes the cache as `cache`, earlier releases as `past_key_values`.
+        transformers_cache = passed_cache(args, kwargs, past_key_values, cache)
+        refuse_untested_cache(transformers_cache)
         batch, length, _ = hidden_states.shape
-        cache = None if past_key_values is None else cache_layer(past_key_values, self.layer_index)
+        cache = None if transformers_cache is None else cache_layer(transformers_cache, self.layer_index)
         past = 0 if cache is None else cache.length
         if position_ids is None:
             position_ids = torch.arange(past, past + length, device=hidden_states.device)
@@ -242,8 +246,9 @@ def patch_attention(model: nn.Module, mechanism: str, **options: Any) -> nn.Modu
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attribute, replacement)
     config.routeformer = {"mechanism": mechanism, "options": dict(options)}
-    if not routeformer_layers(model)[0].layer.supports_cache:
-        # Generation by default would stop at its second token with a ValueError; re-read instead.
+    if not routeformer_layers(model)[0].layer.supports_cache or untested_reason() is not None:
+        # Generation by default would stop with a ValueError (no cached decoding, or a transformers
+        # release outside the tested range: compat.py); re-read the context instead.
         config.use_cache = False
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.use_cache = False
