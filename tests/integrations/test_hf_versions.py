@@ -13,8 +13,12 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 
-from routeformer.integrations.hf import RouteformerConfig, RouteformerForCausalLM, patch_attention  # noqa: E402
-from routeformer.integrations.hf import compat  # noqa: E402
+from routeformer.integrations.hf import (  # noqa: E402
+    RouteformerConfig,
+    RouteformerForCausalLM,
+    compat,  # noqa: E402
+    patch_attention,
+)
 from routeformer.integrations.hf.patch import routeformer_layers  # noqa: E402
 from tests.integrations.test_hf import gpt2  # noqa: E402
 

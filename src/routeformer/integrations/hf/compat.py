@@ -59,7 +59,8 @@ def passed_cache(args: tuple, kwargs: dict[str, Any], past_key_values: Any = Non
     `past_key_values`, earlier), or None. A `Cache` under any other argument, positional or named,
     raises: transformers changed how it hands over the cache and routeformer would not see it."""
     if past_key_values is not None and cache is not None and past_key_values is not cache:
-        raise ValueError("both cache and past_key_values were passed; pass one (cache in transformers >= 5.24)")
+        raise ValueError("both cache and past_key_values were passed; pass one "
+                         "(cache in transformers >= 5.24)")
     found = cache if cache is not None else past_key_values
     stray = [f"argument {name!r}" for name, value in kwargs.items() if isinstance(value, Cache)]
     stray += [f"positional argument {index}" for index, value in enumerate(args) if isinstance(value, Cache)]
