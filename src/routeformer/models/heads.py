@@ -74,6 +74,13 @@ class TokenPredictor(nn.Module):
         return ModelOutput(logits, loss, result.aux_loss, result.stats)
 
 
+def left_aligned(tokens: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The rows of a padded batch with their real tokens moved to the right end, in order, and the
+    pads before them: (tokens, mask) in left-padded layout."""
+    order = mask.long().argsort(dim=1, stable=True)  # pads (0) first, real tokens (1) after, in order
+    return tokens.gather(1, order), mask.gather(1, order)
+
+
 class CausalLM(TokenPredictor):
     """Next-token language model with tied input/output embeddings."""
 
@@ -86,13 +93,18 @@ class CausalLM(TokenPredictor):
     def generate(
         self, tokens: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
         top_k: int | None = None, generator: torch.Generator | None = None, use_cache: bool | None = None,
+        mask: Tensor | None = None,
     ) -> Tensor:
-        """Sample `max_new_tokens` tokens after `tokens` [B, T].
+        """Sample `max_new_tokens` tokens after `tokens` [B, T]; returns [B, T + max_new_tokens].
+
+        `mask` (bool [B, T], True = real token) lets the prompts be padded — left, right or
+        anywhere: each row generates what its real tokens generate alone (new tokens are appended
+        after the whole padded row and are all real).
 
         With a cache (`use_cache=True`, or None = whenever it can), the prompt is read once and each
-        new token costs one step against the cached keys/values/state; the mechanisms with one are
-        full, gated, local, linear, meta (with position_scale) and meta_tokens. The cache keeps the
-        whole stream (rotary positions keep counting past model.max_seq_len; learned positions
+        new token costs one step against the cached keys/values/state (mechanisms with one:
+        models/cache.py); a padded batch keeps one state per row (models/ragged.py). The cache keeps
+        the whole stream (rotary positions keep counting past model.max_seq_len; learned positions
         cannot, so there the cache needs prompt + new tokens <= model.max_seq_len). Without a cache,
         the context, cropped to model.max_seq_len, is re-read at every step.
         """
@@ -102,6 +114,15 @@ class CausalLM(TokenPredictor):
             raise ValueError(f"top_k must be a positive integer or None; got {top_k!r}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0; got {max_new_tokens!r}")
+        if mask is not None:
+            if mask.shape != tokens.shape:
+                raise ValueError(f"mask must have the prompt's shape {tuple(tokens.shape)}; "
+                                 f"got {tuple(mask.shape)}")
+            mask = mask.to(device=tokens.device, dtype=torch.bool)
+            if not bool(mask.any(1).all()):
+                raise ValueError("mask: every prompt needs at least one real token")
+            if bool(mask.all()):
+                mask = None
         fits = (self.config.positions != "learned"
                 or tokens.shape[1] + max_new_tokens <= self.config.max_seq_len)
         can_cache = self.backbone.supports_cache() and fits
@@ -114,15 +135,29 @@ class CausalLM(TokenPredictor):
         was_training = self.training
         self.eval()
         cache = DecodeCache() if use_cache else None
-        step_input = tokens
+        step_input, step_mask = tokens, mask
+        # Without a cache a padded context is re-read with its pads moved to the left, so that
+        # windows over token indices (local, meta's window) reach real tokens only, as alone.
+        context, real = (tokens, None) if mask is None else left_aligned(tokens, mask)
         for _ in range(max_new_tokens):
-            if cache is None:
-                logits = self(tokens[:, -self.config.max_seq_len:]).logits[:, -1].float()
+            if cache is not None:
+                logits, rows_real = self(step_input, cache=cache, mask=step_mask).logits, step_mask
+            elif real is None:
+                logits, rows_real = self(context[:, -self.config.max_seq_len:]).logits, None
             else:
-                logits = self(step_input, cache=cache).logits[:, -1].float()
-            next_token = self._sample(logits, temperature, top_k, generator)
+                window, rows_real = context[:, -self.config.max_seq_len:], real[:, -self.config.max_seq_len:]
+                positions = (rows_real.long().cumsum(1) - 1).clamp_min(0)  # as each row alone
+                logits = self(window, mask=rows_real, positions=positions).logits
+                rows_real = None  # left-aligned: the last column is every row's last real token
+            # The next token follows each row's last real token.
+            row_logits = (logits[:, -1] if rows_real is None
+                          else logits[torch.arange(len(logits)), rows_real.long().cumsum(1).argmax(1)])
+            next_token = self._sample(row_logits.float(), temperature, top_k, generator)
             tokens = torch.cat([tokens, next_token], dim=1)
-            step_input = next_token
+            context = torch.cat([context, next_token], dim=1)
+            if real is not None:
+                real = torch.cat([real, torch.ones_like(next_token, dtype=torch.bool)], dim=1)
+            step_input, step_mask = next_token, None
         self.train(was_training)
         return tokens
 

@@ -14,6 +14,7 @@ from routeformer.attention import build_attention
 from routeformer.attention.base import AttentionOutput
 from routeformer.models.cache import CACHED_DESCRIPTION, DecodeCache
 from routeformer.models.config import ModelConfig
+from routeformer.models.ragged import decode_rows, is_ragged, ragged_positions, start_ragged
 
 
 @dataclass
@@ -52,7 +53,11 @@ class Block(nn.Module):
     def forward(self, h: Tensor, mask: Tensor | None, positions: Tensor, meta_mask: Tensor | None = None,
                 cache: dict | None = None):
         extra = {"meta_mask": meta_mask} if getattr(self.attention, "reads_meta_mask", False) else {}
-        if cache is not None:  # incremental decoding: the layer reads and extends its cache
+        if cache is not None and is_ragged(cache):  # a padded batch: each row decodes on its own state
+            real = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device) if mask is None else mask
+            out = decode_rows(self.attention, self.attention_norm(h), real, positions, cache, **extra)
+            result = AttentionOutput(out, h.new_zeros(()), {})
+        elif cache is not None:  # incremental decoding: the layer reads and extends its cache
             out = self.attention.decode(self.attention_norm(h), positions=positions, cache=cache, **extra)
             result = AttentionOutput(out, h.new_zeros(()), {})
         else:
@@ -85,13 +90,19 @@ class Transformer(nn.Module):
         `meta_mask` [B, T] marks meta-tokens; by default, where tokens == config.meta_token_id.
         `cache`: incremental decoding (see models/cache.py): these T tokens follow the
         `cache.length` tokens already seen, and the hidden states equal the parallel pass's rows.
+        With a cache, `mask` marks which of the T new tokens are real: a padded first call makes
+        every row keep its own state (models/ragged.py), and each row then continues as it would
+        alone; positions count each row's real tokens.
         """
         h = self.token_embedding(tokens) if inputs_embeds is None else inputs_embeds
         batch, length, _ = h.shape
         offset = 0
         if cache is not None:
-            self.check_cache(cache, mask)
+            mask = self.check_cache(cache, mask, batch, h.device)
             offset = cache.length
+        if positions is None and cache is not None and is_ragged(cache.layers[0]):
+            real = torch.ones(batch, length, dtype=torch.bool, device=h.device) if mask is None else mask
+            positions = ragged_positions(cache.layers[0], real)
         if positions is None:
             positions = torch.arange(offset, offset + length, device=h.device).expand(batch, length)
         if meta_mask is None and self.config.meta_token_id is not None and inputs_embeds is None:
@@ -127,18 +138,30 @@ class Transformer(nn.Module):
         """Whether every layer can decode incrementally (CausalLM.generate's cached path)."""
         return all(block.attention.supports_cache for block in self.blocks)
 
-    def check_cache(self, cache: DecodeCache, mask: Tensor | None) -> None:
+    def check_cache(self, cache: DecodeCache, mask: Tensor | None, batch: int,
+                    device: torch.device) -> Tensor | None:
+        """Checks the cache (filling an empty one) and returns the padding mask to decode with:
+        None when every token is real and the cache is shared by the batch."""
         if not self.supports_cache():
             missing = sorted({type(block.attention).__name__ for block in self.blocks
                               if not block.attention.supports_cache})
             raise ValueError(f"cache: layers {missing} have no cached decoding; the mechanisms with one are "
                              f"{CACHED_DESCRIPTION}")
-        if mask is not None:
-            raise ValueError("cache: cached decoding takes no padding mask (every token is real)")
         if not cache.layers:
             cache.layers.extend({} for _ in self.blocks)
         elif len(cache.layers) != len(self.blocks):
             raise ValueError(f"cache holds {len(cache.layers)} layers; this model has {len(self.blocks)}")
+        if mask is not None:
+            mask = mask.to(torch.bool)
+            if bool(mask.all()):
+                mask = None
+        if mask is not None and not is_ragged(cache.layers[0]):
+            if cache.length:
+                raise ValueError("cache: padding after an unpadded start; pass the padding mask with the "
+                                 "first (prompt) call, which gives every row its own state")
+            for state in cache.layers:
+                start_ragged(state, batch, device)
+        return mask
 
 
 def init_weights(module: nn.Module) -> None:
