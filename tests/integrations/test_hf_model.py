@@ -108,19 +108,27 @@ def test_mechanisms_without_a_cache_refuse_cached_generation(mechanism):
         greedy(model, ids, use_cache=True)
 
 
-def test_padded_batches_refuse_the_cache_but_the_forward_pass_is_exact():
-    model = build("full", {})
+@pytest.mark.parametrize("mechanism", list(CACHED))
+def test_a_left_padded_batch_generates_with_the_cache_what_each_prompt_does_alone(mechanism):
+    model = build(mechanism, CACHED[mechanism])
+    model.generation_config.eos_token_id = None  # a row alone would stop at EOS; the batch pads on
     ids = prompt()
     attention_mask = torch.ones_like(ids)
     attention_mask[0, :3] = 0
+    attention_mask[1, :7] = 0
+    ids = ids.masked_fill(attention_mask == 0, 0)
     with torch.no_grad():
         padded = model(ids, attention_mask=attention_mask, use_cache=True).logits
         alone = model(ids[:1, 3:]).logits
     torch.testing.assert_close(padded[0, 3:], alone[0], atol=1e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match="padding.*pass use_cache=False"):
-        model.generate(ids, attention_mask=attention_mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
-    model.generate(ids, attention_mask=attention_mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
-                   use_cache=False)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    batch = model.generate(ids, attention_mask=attention_mask, **kwargs)  # cached by default
+    for row, pads in enumerate((3, 7)):
+        single = model.generate(ids[row:row + 1, pads:], use_cache=False, **kwargs)
+        assert torch.equal(batch.sequences[row, ids.shape[1]:], single.sequences[0, ids.shape[1] - pads:])
+        torch.testing.assert_close(torch.stack(batch.logits, 1)[row], torch.stack(single.logits, 1)[0],
+                                   atol=2e-5, rtol=1e-4)
 
 
 def test_beam_search_with_the_cache_equals_without():

@@ -29,6 +29,7 @@ from routeformer.integrations.hf.compat import passed_cache, refuse_untested_cac
 from routeformer.models.cache import DecodeCache
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import IGNORE_INDEX, CausalLM
+from routeformer.models.ragged import is_ragged
 from routeformer.models.transformer import Block, init_weights
 
 # ModelConfig's fields a causal LM uses (num_classes and pooling belong to the classifier head).
@@ -174,9 +175,11 @@ class RouteformerForCausalLM(PreTrainedModel, GenerationMixin):
         if layers is not None:
             for layer in layers:
                 check_usable(layer)
-            reason = self._cannot_decode(real)
+            reason = self._cannot_decode()
             if reason is None:
                 decode = DecodeCache(length=past, layers=[layer.state for layer in layers])
+                if real is not None or is_ragged(layers[0].state):
+                    positions = None  # a padded batch: each row counts its own real tokens (ragged.py)
             elif past:
                 raise ValueError(f"cached generation cannot continue exactly: {reason}; pass use_cache=False")
             else:
@@ -198,7 +201,7 @@ class RouteformerForCausalLM(PreTrainedModel, GenerationMixin):
         return RouteformerCausalLMOutput(loss=loss, logits=logits, aux_loss=result.aux_loss,
                                          **{CACHE_FIELD: past_key_values})
 
-    def _cannot_decode(self, real: Tensor | None) -> str | None:
+    def _cannot_decode(self) -> str | None:
         backbone = self.model.backbone
         if not backbone.supports_cache():
             names = sorted({type(block.attention).__name__ for block in backbone.blocks
@@ -206,7 +209,5 @@ class RouteformerForCausalLM(PreTrainedModel, GenerationMixin):
             return f"layers {names} have no cached decoding"
         if self.training:
             return "the cache was filled in training mode (aux losses and routing noise need the full pass)"
-        if real is not None:
-            return "the batch has padding (routeformer decode caches hold real tokens only)"
         return None
 

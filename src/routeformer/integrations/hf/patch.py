@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from routeformer.attention import build_attention
 from routeformer.integrations.hf.cache import cache_layer, check_usable
 from routeformer.integrations.hf.compat import passed_cache, refuse_untested_cache, untested_reason
+from routeformer.models.ragged import decode_rows, is_ragged, ragged_positions, start_ragged
 
 
 class RouteformerAttention(nn.Module):
@@ -46,9 +47,10 @@ class RouteformerAttention(nn.Module):
 
     With `past_key_values` (use_cache=True) the layer decodes incrementally with routeformer's own
     decode cache, kept in its slot of transformers' cache (integrations/hf/cache.py): exactly the
-    function of the uncached pass. A prompt the cache cannot continue from exactly (a padded batch,
-    training mode, a mechanism without cached decoding) is still answered exactly, and the next
-    cached step raises a ValueError saying to pass use_cache=False.
+    function of the uncached pass. A padded (left- or right-padded) prompt batch keeps one state per
+    row, and each row generates what its prompt generates alone. A prompt the cache cannot continue
+    from exactly (training mode, a mechanism without cached decoding) is still answered exactly,
+    and the next cached step raises a ValueError saying to pass use_cache=False.
     """
 
     def __init__(self, layer: nn.Module, layer_index: int, mechanism: str) -> None:
@@ -74,9 +76,9 @@ class RouteformerAttention(nn.Module):
         real = key_padding_mask(attention_mask, batch, length, past)
         if cache is not None:
             check_usable(cache)
-            reason = self._cannot_decode(real)
+            reason = self._cannot_decode()
             if reason is None:
-                out = self.layer.decode(hidden_states, positions=positions, cache=cache.state)
+                out = self._decode(hidden_states, positions, real, cache, past)
                 cache.length += length
                 self.last_aux_loss, self.last_stats = hidden_states.new_zeros(()), {}
                 return out, None
@@ -89,13 +91,27 @@ class RouteformerAttention(nn.Module):
         self.last_aux_loss, self.last_stats = result.aux_loss, result.stats
         return result.out, None
 
-    def _cannot_decode(self, real: Tensor | None) -> str | None:
+    def _decode(self, hidden_states: Tensor, positions: Tensor, real: Tensor | None, cache, past: int) -> Tensor:
+        """One cached step. A padded prompt makes every row keep its own state (models/ragged.py),
+        each row then continuing as it would alone, with positions counted over its real tokens."""
+        new_real = None if real is None else real[:, past:]
+        if not is_ragged(cache.state):
+            if new_real is None:
+                return self.layer.decode(hidden_states, positions=positions, cache=cache.state)
+            if past:
+                raise ValueError("cached generation cannot continue exactly: padding after an unpadded "
+                                 "prompt; pass use_cache=False")
+            start_ragged(cache.state, hidden_states.shape[0], hidden_states.device)
+        if new_real is None:
+            new_real = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
+        positions = ragged_positions(cache.state, new_real)
+        return decode_rows(self.layer, hidden_states, new_real, positions, cache.state)
+
+    def _cannot_decode(self) -> str | None:
         if not self.layer.supports_cache:
             return f"routeformer mechanism {self.mechanism!r} has no cached decoding"
         if self.training:
             return "the cache was filled in training mode (aux losses and routing noise need the full pass)"
-        if real is not None:
-            return "the batch has padding (routeformer decode caches hold real tokens only)"
         return None
 
 
