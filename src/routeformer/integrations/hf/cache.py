@@ -8,8 +8,9 @@ a `RouteformerCacheLayer` in its slot of that cache and stores the state there. 
 bookkeeping (sequence length, mask sizes, beam reordering) then reads the right numbers.
 
 A padded batch keeps one state per row (models/ragged.py). A cache that cannot continue exactly
-(filled in training mode, or by a mechanism without cached decoding) is marked unusable with the reason: reading it again raises a
-one-line ValueError that says to pass `use_cache=False`, never a silently wrong continuation.
+(filled in training mode, or by a mechanism without cached decoding) is marked unusable with the
+reason: reading it again raises a one-line ValueError that says to pass `use_cache=False`, never
+a silently wrong continuation.
 """
 
 from __future__ import annotations

@@ -91,7 +91,8 @@ class RouteformerAttention(nn.Module):
         self.last_aux_loss, self.last_stats = result.aux_loss, result.stats
         return result.out, None
 
-    def _decode(self, hidden_states: Tensor, positions: Tensor, real: Tensor | None, cache, past: int) -> Tensor:
+    def _decode(self, hidden_states: Tensor, positions: Tensor, real: Tensor | None, cache,
+                past: int) -> Tensor:
         """One cached step. A padded prompt makes every row keep its own state (models/ragged.py),
         each row then continuing as it would alone, with positions counted over its real tokens."""
         new_real = None if real is None else real[:, past:]
