@@ -106,12 +106,19 @@ def command_compare(args: argparse.Namespace) -> int:
 
 def command_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from routeformer.train import load_config, train
+    from routeformer.train.interrupts import RunInterrupted
 
     config = load_config(resolve_config(args.config), overrides)
     try:
         result = train(config, resume=not args.fresh)
+    except RunInterrupted as interrupted:  # one line saying what was saved (rank 0 of torchrun only)
+        if str(interrupted):
+            print(f"routeformer: {interrupted}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except KeyboardInterrupt:
-        return 130
+        print("routeformer: interrupted before training began; run again to resume or start",
+              file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     if result.final_eval is not None:  # under torchrun, rank 0 alone evaluates and reports
         skipped = {"skipped_steps": result.skipped_steps} if result.skipped_steps else {}
         print(json.dumps({"out_dir": str(result.out_dir), "steps": result.step,
@@ -486,7 +493,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a bad input ends in one line `routeformer: error: ...` and exit status 2,
-    never a traceback (the error types below are the ones bad input raises)."""
+    never a traceback (the error types below are the ones bad input raises); Ctrl-C at any moment
+    ends in one line and exit status 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("routeformer: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     from routeformer.train.checkpoint import CheckpointError
     from routeformer.train.guard import TrainingDiverged
 
@@ -507,9 +523,6 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(error, EXIT_BAD_INPUT)
     except TrainingDiverged as error:
         return _fail(error, EXIT_FAILED)
-    except KeyboardInterrupt:
-        print("routeformer: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
 
 
 def _fail(error: BaseException, status: int) -> int:
