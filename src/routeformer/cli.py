@@ -126,28 +126,40 @@ def command_train(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def load_for_use(target: str):
+    """(model, tokeniser, config, checkpoint file, step) for eval and sample. CheckpointError when
+    a run directory's newest checkpoint is unreadable: an older state is used only when its file is
+    named explicitly."""
+    from routeformer.train.checkpoint import CheckpointError, choose_checkpoint, trained_model
+
+    path, state, unreadable = choose_checkpoint(target)
+    step = state.get("step")
+    if unreadable:
+        raise CheckpointError(
+            f"the newest checkpoint of {target!r} is unreadable ({unreadable}); its newest intact one is "
+            f"{str(path)!r} (step {step}), an older state: name that file to use it")
+    return (*trained_model(state), path, step)
+
+
 def command_eval(args: argparse.Namespace) -> int:
     from routeformer.data.corpora import load_corpus, load_data
-    from routeformer.train.checkpoint import load_trained_model
     from routeformer.train.evaluate import evaluate_lm
 
-    model, vocab, config = load_trained_model(args.checkpoint)
+    model, vocab, config, path, step = load_for_use(args.checkpoint)
     corpus = load_corpus(args.corpus) if args.corpus else load_data(config.data.corpus, config.data.path)
     ids = vocab.encode(corpus.val)
     density = config.data.meta_density  # a meta-token run is scored as it was trained
     meta = {"meta_density": density, "meta_id": vocab.pause_id} if density > 0 else {}
     result = evaluate_lm(model, ids, seq_len=config.data.seq_len, batch_size=config.train.batch_size,
                          max_tokens=args.max_tokens, **meta)
-    print(json.dumps({"corpus": corpus.name, **result}))
+    print(json.dumps({"checkpoint": str(path), "step": step, "corpus": corpus.name, **result}))
     return 0
 
 
 def command_sample(args: argparse.Namespace) -> int:
     import torch
 
-    from routeformer.train.checkpoint import load_trained_model
-
-    model, vocab, _ = load_trained_model(args.checkpoint)
+    model, vocab, _, path, step = load_for_use(args.checkpoint)
     if args.temperature is not None and not args.temperature >= 0:
         raise ValueError(f"--temperature must be >= 0; got {args.temperature!r}")
     prompt = vocab.encode(args.prompt)[None]
@@ -157,6 +169,7 @@ def command_sample(args: argparse.Namespace) -> int:
     tokens = model.generate(prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
                             generator=generator)
     print(vocab.decode(tokens[0].tolist()))
+    print(f"routeformer: sampled from {str(path)!r} (step {step})", file=sys.stderr, flush=True)
     return 0
 
 
@@ -165,7 +178,13 @@ def command_export_hf(args: argparse.Namespace) -> int:
         from routeformer.integrations.hf.export import export_hf
     except ImportError as error:  # transformers is an optional extra
         raise ValueError(str(error)) from error
-    print(f"wrote {export_hf(args.run_dir, args.out_dir)}")
+    out = export_hf(args.run_dir, args.out_dir)
+    print(f"wrote {out}; load it with (the first import registers routeformer's model with transformers):\n"
+          f"  import routeformer.integrations.hf\n"
+          f"  from transformers import AutoModelForCausalLM\n"
+          f"  model = AutoModelForCausalLM.from_pretrained({str(out)!r})\n"
+          f"  (tokeniser: routeformer.data.tokenizers.tokenizer_from_dict(json.load(open("
+          f"{str(out / 'routeformer_vocab.json')!r}))))")
     return 0
 
 
