@@ -69,6 +69,7 @@ WHERE = {
     "after backward, before the update": ("clip_grad_norm_", 3, False, 1, 3),
     "right after the evaluation at step 6": ("evaluate_lm", 1, False, 1, 6),
     "writing the checkpoint at step 5": ("save_rotating", 1, True, 1, 5),
+    "drawing the last batch (before the final evaluation)": ("training_batch", 12, False, 1, 12),
     "twice inside step 8": ("training_batch", 8, False, 2, 5),  # stops at once: step 5's checkpoint
 }
 

@@ -57,7 +57,12 @@ from routeformer.train.distributed import (
 )
 from routeformer.train.evaluate import evaluate_lm
 from routeformer.train.guard import NonFiniteGuard
-from routeformer.train.interrupts import DeferredInterrupts, InterruptedMidStep, RunInterrupted
+from routeformer.train.interrupts import (
+    DeferredInterrupts,
+    InterruptedMidStep,
+    RunInterrupted,
+    interrupted_message,
+)
 from routeformer.train.logging import RunLog
 from routeformer.train.optim import apply_optimizer_settings, build_optimizer, weight_decay_groups
 from routeformer.train.precision import autocast, check_precision, gradient_scaler
@@ -265,17 +270,13 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
             at_boundary = True
             if after_step is not None:
                 after_step(step)
+        interrupts.check()  # a Ctrl-C in the last step stops before the final evaluation
     except KeyboardInterrupt as interrupt:
         if at_boundary and not isinstance(interrupt, InterruptedMidStep):
             with interrupts.critical(raise_after=False):
                 checkpoint(step)
-        if last_saved == step:
-            message = f"interrupted: checkpoint saved at step {step}; run again to resume"
-        else:  # a second Ctrl-C inside a step: the step is not saved
-            message = "interrupted inside a step, not saved; " + (
-                f"run again to resume from step {last_saved}" if last_saved is not None
-                else "no checkpoint was written yet: start over with --fresh")
-        raise RunInterrupted(message if context.is_main else "") from None
+        message = interrupted_message(step, last_saved) if context.is_main else ""
+        raise RunInterrupted(message) from None
     finally:
         interrupts.restore()
     train_seconds = time.perf_counter() - began
