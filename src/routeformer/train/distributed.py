@@ -105,6 +105,17 @@ def mean_over_ranks(value: Tensor, context: DistributedContext) -> Tensor:
     return reduced / context.world_size
 
 
+def any_rank(flag: bool, context: DistributedContext) -> bool:
+    """Whether `flag` is set on any rank (every rank must call it); the flag itself on one process."""
+    if not context.enabled:
+        return flag
+    import torch.distributed as dist
+
+    value = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=context.cpu_group)
+    return bool(value.item() > 0)
+
+
 def needs_unused_parameter_search(mechanisms: Iterable[str]) -> bool:
     """Whether DDP must look for parameters left without gradient (`find_unused_parameters`): true
     unless every layer's mechanism is one of EVERY_PARAMETER_USED."""
