@@ -107,6 +107,11 @@ class MitaAttention(AttentionLayer):
                              "use preset='agent' (shared, topk=0) or topk >= 1")
         self.landmarks, self.topk, self.route = landmarks, topk, route
 
+    def check_packable(self) -> None:
+        if self.grid is not None or self.extra_tokens:
+            raise ValueError("mita: packed documents need a 1-D build; grid / extra_tokens pool landmarks "
+                             "over a fixed image layout, which a document of another length does not have")
+
     def forward(
         self, x: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None
     ) -> AttentionOutput:

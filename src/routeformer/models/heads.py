@@ -48,8 +48,12 @@ class TokenPredictor(nn.Module):
     def forward(
         self, tokens: Tensor, labels: Tensor | None = None, *, mask: Tensor | None = None,
         positions: Tensor | None = None, logits_at_labels: bool = False, cache: DecodeCache | None = None,
+        documents: Tensor | None = None,
     ) -> ModelOutput:
         """`labels[b, t]` is the target for position t (already shifted); -100 is ignored.
+        `documents`: packed sequences (document ids [B, T], see Transformer.forward); the label of
+        a document's last token (the next document's first) should be -100 so that the loss is the
+        documents' own (data/documents.py's batches do so).
         `cache`: incremental decoding — `tokens` continue the stream the cache has seen
         (models/cache.py); the logits equal those rows of the parallel pass over the whole stream.
 
@@ -57,7 +61,8 @@ class TokenPredictor(nn.Module):
         those logits flattened [N, V] (in label order): tasks with sparse labels, such as
         associative recall, skip the largest matmul of the model elsewhere.
         """
-        result = self.backbone(tokens, mask=mask, positions=positions, cache=cache)
+        extra = {} if documents is None else {"documents": documents}
+        result = self.backbone(tokens, mask=mask, positions=positions, cache=cache, **extra)
         if logits_at_labels:
             if labels is None:
                 raise ValueError("logits_at_labels=True needs labels")

@@ -15,6 +15,7 @@ from routeformer.attention.base import AttentionOutput
 from routeformer.models.cache import CACHED_DESCRIPTION, DecodeCache
 from routeformer.models.config import ModelConfig
 from routeformer.models.ragged import decode_rows, is_ragged, ragged_positions, start_ragged
+from routeformer.ops.documents import check_documents, document_positions
 
 
 @dataclass
@@ -51,8 +52,10 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, h: Tensor, mask: Tensor | None, positions: Tensor, meta_mask: Tensor | None = None,
-                cache: dict | None = None):
+                cache: dict | None = None, documents: Tensor | None = None):
         extra = {"meta_mask": meta_mask} if getattr(self.attention, "reads_meta_mask", False) else {}
+        if documents is not None:
+            extra["documents"] = documents
         if cache is not None and is_ragged(cache):  # a padded batch: each row decodes on its own state
             real = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device) if mask is None else mask
             out = decode_rows(self.attention, self.attention_norm(h), real, positions, cache, **extra)
@@ -83,7 +86,7 @@ class Transformer(nn.Module):
     def forward(
         self, tokens: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None,
         inputs_embeds: Tensor | None = None, meta_mask: Tensor | None = None,
-        cache: DecodeCache | None = None,
+        cache: DecodeCache | None = None, documents: Tensor | None = None,
     ) -> BackboneOutput:
         """tokens long [B, T] (or `inputs_embeds` [B, T, D]) -> hidden states and aux loss.
 
@@ -93,10 +96,20 @@ class Transformer(nn.Module):
         With a cache, `mask` marks which of the T new tokens are real: a padded first call makes
         every row keep its own state (models/ragged.py), and each row then continues as it would
         alone; positions count each row's real tokens.
+        `documents`: packed sequences, document ids [B, T] nondecreasing per row
+        (ops/documents.py): no layer attends across documents and positions (default) restart at
+        0 in each document, so every document's hidden states are those it gets alone.
         """
         h = self.token_embedding(tokens) if inputs_embeds is None else inputs_embeds
         batch, length, _ = h.shape
         offset = 0
+        if documents is not None:
+            if cache is not None:
+                raise ValueError("documents: packed sequences are for training and prefill, "
+                                 "not cached decoding")
+            check_documents(documents, batch, length)
+            if positions is None:
+                positions = document_positions(documents)
         if cache is not None:
             mask = self.check_cache(cache, mask, batch, h.device)
             offset = cache.length
@@ -127,7 +140,7 @@ class Transformer(nn.Module):
         stats = []
         for index, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache.layers[index]
-            h, result = block(h, mask, layer_positions, meta_mask, layer_cache)
+            h, result = block(h, mask, layer_positions, meta_mask, layer_cache, documents)
             aux_loss = aux_loss + result.aux_loss
             stats.append(result.stats)
         if cache is not None:
