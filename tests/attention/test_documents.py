@@ -43,7 +43,8 @@ def make_layer(name, causal, **extra):
 
 
 def layer_grads(layer):
-    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in layer.named_parameters()}
+    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+            for n, p in layer.named_parameters()}
 
 
 @pytest.mark.parametrize("name", list(list_attentions()))

@@ -72,7 +72,8 @@ def run_per_document(
     else:
         out = torch.cat(outputs)
         total = torch.stack(weights).sum().clamp_min(1.0)
-        aux_loss = sum(r.aux_loss * (w / total).to(r.aux_loss.device) for r, w in zip(results, weights, strict=True))
+        aux_loss = sum(r.aux_loss * (w / total).to(r.aux_loss.device)
+                       for r, w in zip(results, weights, strict=True))
         stats = _merge_stats([r.stats for r in results], [w / total for w in weights])
     scatter = torch.cat(order)
     restore = torch.empty_like(scatter)

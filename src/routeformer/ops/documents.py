@@ -35,7 +35,8 @@ def check_documents(documents: Tensor, batch: int, length: int) -> None:
         kind = documents.dtype if isinstance(documents, Tensor) else type(documents).__name__
         raise ValueError(f"documents must be an integer tensor of document ids [B, T]; got {kind}")
     if documents.shape != (batch, length):
-        raise ValueError(f"documents must have shape [B, T] = {(batch, length)}; got {tuple(documents.shape)}")
+        raise ValueError(f"documents must have shape [B, T] = {(batch, length)}; "
+                         f"got {tuple(documents.shape)}")
     if length > 1 and bool((documents[:, 1:] < documents[:, :-1]).any()):
         raise ValueError("documents must be nondecreasing along each row (a document is a run of equal "
                          "ids; pack each document into one contiguous stretch)")
@@ -63,7 +64,8 @@ def documents_from_cu_seqlens(cu_seqlens: Tensor | list[int], length: int | None
     Tokens past cu_seqlens[-1] (when `length` is larger) form one more document (padding, say)."""
     cu = torch.as_tensor(cu_seqlens, dtype=torch.long)
     if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"cu_seqlens must be a 1-D nondecreasing integer sequence starting at 0; got {cu.tolist()}")
+        raise ValueError("cu_seqlens must be a 1-D nondecreasing integer sequence starting at 0; "
+                         f"got {cu.tolist()}")
     total = int(cu[-1])
     length = total if length is None else length
     if length < total:
@@ -106,6 +108,7 @@ def document_groups(documents: Tensor, *, exact_lengths: bool) -> list[DocumentG
         width = int(size.max())
         offsets = torch.arange(width, device=starts.device)
         inside = offsets[None, :] < size[:, None]
-        index = torch.where(inside, first[:, None] + offsets[None, :], torch.zeros_like(inside, dtype=torch.long))
+        index = torch.where(inside, first[:, None] + offsets[None, :],
+                            torch.zeros_like(inside, dtype=torch.long))
         groups.append(DocumentGroup(index, inside, first))
     return groups

@@ -35,6 +35,7 @@ import torch
 
 from routeformer.data.batches import random_batch
 from routeformer.data.corpora import load_data
+from routeformer.data.documents import DOCUMENT_SEPARATOR, document_starts, packed_random_batch
 from routeformer.data.meta_tokens import inject_into_batch, real_tokens_per_window
 from routeformer.data.token_cache import tokenise_corpus
 from routeformer.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_from_dict
@@ -140,6 +141,8 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
     changes = config_changes(state["config"], config.to_dict()) if state else {}
     check_changes(changes, out_dir, start)
     train_ids, val_ids = tokenise_corpus(corpus, vocab)
+    starts = (document_starts(train_ids, vocab.encode(DOCUMENT_SEPARATOR)) if config.data.pack_documents
+              else None)
 
     torch.manual_seed(config.train.seed)
     model = CausalLM(config.model).to(device)
@@ -241,11 +244,17 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
                                  total_steps=settings.steps, min_lr_ratio=settings.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = rate
-            inputs, labels = training_batch(train_ids, settings.batch_size, config.data.seq_len, density,
-                                            vocab, data_generator)
+            packed = {}
+            if starts is not None:  # data.pack_documents: windows with document ids (data/documents.py)
+                inputs, labels, documents = packed_random_batch(train_ids, starts, settings.batch_size,
+                                                                config.data.seq_len, data_generator)
+                packed["documents"] = local_shard(documents, context).to(device)
+            else:
+                inputs, labels = training_batch(train_ids, settings.batch_size, config.data.seq_len, density,
+                                                vocab, data_generator)
             inputs, labels = local_shard(inputs, context).to(device), local_shard(labels, context).to(device)
             with autocast(settings.precision, device):
-                result = trained(inputs, labels)
+                result = trained(inputs, labels, **packed)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(result.total_loss).backward()
             scaler.unscale_(optimizer)
