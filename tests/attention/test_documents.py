@@ -173,3 +173,12 @@ def test_local_op_with_documents_matches_its_reference(causal):
     expected = torch.autograd.grad(slow.square().sum(), (q, k, v))
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_packed_call_advances_step_counters_once():
+    layer = make_layer("meta", causal=True, train_eta=0.5, eta_anneal_steps=10).train()
+    x = torch.randn(2, LENGTH, DIM)
+    layer(x, documents=packed_ids())
+    assert int(layer.routing_step) == 1
+    layer(x)
+    assert int(layer.routing_step) == 2

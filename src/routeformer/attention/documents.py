@@ -17,6 +17,9 @@ tokens nor on the length, and padded rows never move real ones. Memory O(B·T·D
 copies plus the layer's own O(T) memory per group; time: the layer's, on at most 2x the tokens,
 in at most log2(T) + 1 calls (bidirectional: one call per distinct length). One host sync to plan.
 
+A call advances the layer's integer buffers (step counters: meta's `routing_step`) once, as an
+unpacked call does; every group sees the value the call started from.
+
 `aux_loss` is the mean of the groups' aux losses weighted by their real tokens, which equals the
 aux loss of all documents run as one padded batch when it is a mean over real tokens (meta's ELBO
 term, topk's distillation loss). `stats`: keys named `flops` or `*_flops` are summed over groups;
@@ -47,8 +50,14 @@ def run_per_document(
     flat_positions = positions.reshape(-1)
     flat_mask = None if mask is None else mask.reshape(-1)
     groups = document_groups(documents, exact_lengths=not layer.causal)
+    # Integer buffers are step counters (meta's routing_step, which anneals eta): every group must
+    # see the value this call started from, and the call must advance it once, not once per group.
+    counters = [b for b in layer.buffers() if not b.is_floating_point() and not b.is_complex()]
+    started = [b.clone() for b in counters]
     outputs, order, weights, results = [], [], [], []
     for group in groups:
+        for counter, value in zip(counters, started, strict=True):
+            counter.copy_(value)
         inside = group.inside
         padded = not bool(inside.all())
         offsets = torch.arange(inside.shape[1], device=x.device)
