@@ -235,3 +235,17 @@ def test_template_headers_are_shipped():
     assert '"ops/native/*.h"' in pyproject
     templates = sorted(SOURCES[0].parent.glob("*_impl.h"))
     assert templates and set(templates) <= set(native.HEADERS)
+
+
+def test_every_kernel_call_site_names_a_declared_function():
+    """Each `kernel("...")` / `kernel(f"...")` in routeformer.ops names a declared function (the
+    f-string's fields read as any name part): a call site that runs only on some CPUs (AVX-512
+    BF16) or dtypes is checked here too, wherever the tests run."""
+    _import_every_ops_module()
+    root = Path(routeformer.ops.__file__).parent
+    sites = [(path.name, match.group(1)) for path in sorted(root.rglob("*.py"))
+             for match in re.finditer(r'\bkernel\(f?"([^"]+)"', path.read_text())]
+    assert len(sites) >= 20, sites
+    for filename, name in sites:
+        pattern = re.compile(re.sub(r"\\\{[^}]*\\\}", r"\\w+", re.escape(name)))
+        assert any(pattern.fullmatch(declared) for declared in DECLARED), (filename, name)
