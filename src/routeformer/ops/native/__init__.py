@@ -91,45 +91,8 @@ def _compile(compiler: str, target: Path) -> None:
 
 
 def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
-    for name in ("route_topk_f32", "route_topk_f64"):
-        function = getattr(library, name)
-        function.restype = _INT
-        function.argtypes = [_PTR, _PTR, _PTR, *[_INT] * 7, ctypes.c_int, _INT, _INT, ctypes.c_int, _PTR,
-                             _PTR, ctypes.c_int]
-    for name in ("routed_attention_f32", "routed_attention_f64"):
-        function = getattr(library, name)
-        function.restype = None
-        function.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, *[_INT] * 9, ctypes.c_double, _PTR, _PTR,
-                             ctypes.c_int]
-    for name in ("routed_attention_backward_f32", "routed_attention_backward_f64"):
-        function = getattr(library, name)
-        function.restype = None
-        function.argtypes = [*[_PTR] * 8, *[_INT] * 9, ctypes.c_double, _PTR, _PTR, _PTR, ctypes.c_int]
-    for suffix_ in ("f32", "f64"):
-        infer = getattr(library, f"expanding_infer_{suffix_}")
-        infer.restype = None
-        infer.argtypes = [*[_PTR] * 4, *[_INT] * 4, ctypes.c_double, _INT, ctypes.c_double, *[_PTR] * 4,
-                          ctypes.c_int]
-        backward = getattr(library, f"expanding_attend_backward_{suffix_}")
-        backward.restype = None
-        backward.argtypes = [*[_PTR] * 7, *[_INT] * 4, ctypes.c_double, *[_PTR] * 4, ctypes.c_int]
-        band = getattr(library, f"band_attend_{suffix_}")
-        band.restype = None
-        band.argtypes = [*[_PTR] * 7, *[_INT] * 6, ctypes.c_double, _PTR, ctypes.c_int]
-        linear_rows = getattr(library, f"linear_rows_{suffix_}")
-        linear_rows.restype = None
-        linear_rows.argtypes = [*[_PTR] * 6, *[_INT] * 6, ctypes.c_double, _PTR, ctypes.c_int]
-        linear_rows_backward = getattr(library, f"linear_rows_backward_{suffix_}")
-        linear_rows_backward.restype = None
-        linear_rows_backward.argtypes = [*[_PTR] * 8, *[_INT] * 6, ctypes.c_double, *[_PTR] * 4,
-                                         ctypes.c_int]
-        rotary = getattr(library, f"rotary_{suffix_}")
-        rotary.restype = None
-        rotary.argtypes = [*[_PTR] * 5, *[_INT] * 5, ctypes.c_double, _PTR, ctypes.c_int]
-    library.route_topk_max_slots.restype = _INT
-    library.route_topk_max_dim.restype = _INT
-    library.route_topk_chunk.restype = _INT
-    library.route_topk_query_tile.restype = _INT
+    """The library as loaded: its functions are declared where they are used (`declare`, in each
+    wrapper module) and set up, checked against their C prototypes, by `kernel`."""
     return library
 
 
@@ -182,10 +145,10 @@ class NativeKernels:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.library = library
-        self.max_slots = int(library.route_topk_max_slots())
-        self.max_dim = int(library.route_topk_max_dim())
-        self.chunk = int(library.route_topk_chunk())
-        self.query_tile = int(library.route_topk_query_tile())
+        self.max_slots = int(kernel("route_topk_max_slots", library)())
+        self.max_dim = int(kernel("route_topk_max_dim", library)())
+        self.chunk = int(kernel("route_topk_chunk", library)())
+        self.query_tile = int(kernel("route_topk_query_tile", library)())
 
     def route_topk_max_slots(self) -> int:
         return self.max_slots
@@ -275,12 +238,50 @@ def library() -> ctypes.CDLL:
     return loaded
 
 
-def kernel(name: str, restype, argtypes: list) -> ctypes._CFuncPtr:
-    """The C function `name` of the loaded library, declared with its ctypes signature (for kernel
-    files whose functions `_declare` does not list; declaring again is cheap and idempotent)."""
-    function = getattr(library(), name)
-    function.restype, function.argtypes = restype, argtypes
+# -- the C boundary: every kernel declared once, checked against its C prototype ------------------
+# name -> (restype, argtypes): filled by `declare` when the wrapper modules are imported.
+DECLARED: dict[str, tuple[object, tuple]] = {}
+_KERNELS: dict[str, tuple[ctypes.CDLL, ctypes._CFuncPtr]] = {}  # name -> (library, declared function)
+
+
+def declare(restype, argtypes: list, *names: str) -> None:
+    """Declare the C functions `names` (twins such as `band_attend_f32` and `band_attend_f64` share
+    one signature): ctypes return type (None: void) and argument types, written once, beside the
+    wrapper that calls them. `kernel` checks the declaration against the C prototype the first time
+    it hands the function out (routeformer.ops.native.boundary). Declaring a name again with the
+    same signature is a no-op; with another, an error."""
+    signature = (restype, tuple(argtypes))
+    for name in names:
+        if DECLARED.setdefault(name, signature) != signature:
+            raise ValueError(f"routeformer: `{name}` is declared twice with different ctypes signatures: "
+                             f"{DECLARED[name]} and {signature}")
+
+
+def kernel(name: str, loaded: ctypes.CDLL | None = None) -> ctypes._CFuncPtr:
+    """The C function `name` of the loaded library (or of `loaded`), with the ctypes signature
+    `declare` gave it. The first time, the declaration is compared with the function's C prototype
+    in the kernel sources (number of arguments, the kind of each: pointer / int64 / int32 / double /
+    float, and the return type) and a mismatch raises `boundary.CBoundaryError`, naming the
+    function and the argument: ctypes itself would call it anyway and read garbage."""
+    library_ = library() if loaded is None else loaded
+    found = _KERNELS.get(name)
+    if found is not None and found[0] is library_:
+        return found[1]
+    if name not in DECLARED:
+        raise KeyError(f"routeformer: the C function `{name}` has no declaration; declare(restype, "
+                       "argtypes, name) it beside its wrapper")
+    restype, argtypes = DECLARED[name]
+    from routeformer.ops.native import boundary  # the C sources are read once, on first use
+
+    boundary.check(name, restype, argtypes)
+    function = getattr(library_, name)
+    function.restype, function.argtypes = restype, list(argtypes)
+    _KERNELS[name] = (library_, function)
     return function
+
+
+# Declared here: the size limits NativeKernels reads (the kernels are declared beside their wrappers).
+declare(_INT, [], "route_topk_max_slots", "route_topk_max_dim", "route_topk_chunk", "route_topk_query_tile")
 
 
 def widened(tensor: Tensor) -> Tensor:
