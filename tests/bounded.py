@@ -4,9 +4,11 @@ subprocess together with its own children (torchrun's ranks), or every spawned r
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -61,3 +63,10 @@ def spawn_ranks(function: Callable, args: tuple, nprocs: int, *, timeout: float,
                 process.join(10)
         pytest.fail(f"{what}: {len(alive)} of {nprocs} spawned ranks still running after {timeout:g} s "
                     f"(rank, pid: {alive}); terminated")
+
+
+def rank_watchdog(seconds: float) -> None:
+    """Called first thing in a spawned rank: past `seconds` the rank prints every thread's stack to
+    stderr (the test's captured output) and exits with status 1, so a rank stuck anywhere — a
+    collective, a store, interpreter exit — fails the test with where it was stuck."""
+    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)

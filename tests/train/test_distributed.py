@@ -19,12 +19,13 @@ from routeformer.train.distributed import (
     local_shard,
     needs_unused_parameter_search,
 )
-from tests.bounded import run_bounded, spawn_ranks
+from tests.bounded import rank_watchdog, run_bounded, spawn_ranks
 
 # Every wait here is bounded (issue 37): a rank waits at most RANK_TIMEOUT_S for the others (gloo
 # then raises, naming the collective), and a test at most SPAWN_TIMEOUT_S for its ranks.
 RANK_TIMEOUT_S = "60"
-SPAWN_TIMEOUT_S = 240
+SPAWN_TIMEOUT_S = 280
+RANK_WATCHDOG_S = 240  # a rank stuck past this prints its stacks and exits (before SPAWN_TIMEOUT_S)
 
 # No dropout: the ranks draw their own dropout masks, which a single process would not.
 TINY = ["--model.dim", "32", "--model.depth", "2", "--model.heads", "2", "--seq_len", "32",
@@ -77,6 +78,7 @@ def test_torchrun_two_processes_match_one(tmp_path):
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, stop_step: int) -> None:
+    rank_watchdog(RANK_WATCHDOG_S)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), ROUTEFORMER_DIST_TIMEOUT_S=RANK_TIMEOUT_S)
     torch.set_num_threads(1)
@@ -112,6 +114,7 @@ def _resume_worker(rank: int, world_size: int, ports: list[int], root: str) -> N
     """On each of 2 ranks: an uninterrupted run, then the same run interrupted after step 4 (its
     checkpoint holds step 4) and resumed in the same processes (each run on a fresh port: a process
     group set up again on the port of a destroyed one can wait forever)."""
+    rank_watchdog(RANK_WATCHDOG_S)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       ROUTEFORMER_DIST_TIMEOUT_S=RANK_TIMEOUT_S)
