@@ -15,6 +15,10 @@ run resumed on the same number of processes continues bit-identically to one nev
 A rank the checkpoint has no state for (more processes than before, or a checkpoint whose
 interrupted ranks could not be reached) is reseeded, and the run says so.
 
+Waits: `$ROUTEFORMER_DIST_TIMEOUT_S` bounds the rendezvous and every collective (`collective_timeout`;
+unset: PyTorch's default, 30 min for gloo); a rank that waits longer fails with an error naming the
+operation instead of waiting on a rank that died or took another path. The tests set 60 s.
+
 DistributedDataParallel searches for parameters without gradient after every backward only when
 the model needs it (`needs_unused_parameter_search`): that search costs a graph traversal per
 step, and the mechanisms that always use every parameter skip it.
