@@ -57,7 +57,7 @@ def test_bundled_configs_are_valid_and_repo_configs_are_the_same_files():
 
 def test_console_script_runs():
     result = subprocess.run([sys.executable, "-m", "routeformer.cli", "list"], capture_output=True,
-                            text=True, check=True)
+                            text=True, check=True, timeout=120)
     assert "local" in result.stdout
 
 
@@ -215,7 +215,7 @@ def test_a_corrupt_checkpoint_reaches_stderr_as_one_line_without_traceback(place
     for path in run.glob("checkpoint*.pt"):
         path.write_bytes(path.read_bytes()[:-100])  # truncated
     result = subprocess.run([sys.executable, "-m", "routeformer.cli", "eval", str(run)], capture_output=True,
-                            text=True)
+                            text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("routeformer: error: no intact checkpoint in")
@@ -224,7 +224,7 @@ def test_a_corrupt_checkpoint_reaches_stderr_as_one_line_without_traceback(place
 
 def test_a_bad_override_in_a_subprocess_gives_no_traceback():
     result = subprocess.run([sys.executable, "-m", "routeformer.cli", "train", "--model.attention_options",
-                             "5"], capture_output=True, text=True)
+                             "5"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == ("routeformer: error: model.attention_options must be a mapping like "
                              "{local: {window: 64}}; got 5\n")

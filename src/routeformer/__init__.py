@@ -14,18 +14,23 @@ What a user imports, from one place (each name's docstring says what it does):
 Everything else lives in the subpackages (routeformer.attention, .models, .tasks, .train, ...).
 """
 
-from routeformer.attention import (
-    AttentionLayer,
-    AttentionOutput,
-    build_attention,
-    list_attentions,
-    register_attention,
-)
-from routeformer.models import CausalLM, ModelConfig, SequenceClassifier, TokenPredictor
-from routeformer.models.vit import ViT
-from routeformer.tasks import Task, build_task, list_tasks
-from routeformer.train import RunConfig, load_config, train
-from routeformer.train.checkpoint import load_checkpoint, load_trained_model
+from routeformer._startup import interrupt_as_one_line
+
+with interrupt_as_one_line():  # Ctrl-C while the command starts: one line, not a traceback
+    from routeformer.attention import (
+        AttentionLayer,
+        AttentionOutput,
+        build_attention,
+        list_attentions,
+        register_attention,
+    )
+    from routeformer.models import CausalLM, ModelConfig, SequenceClassifier, TokenPredictor
+    from routeformer.models.vit import ViT
+    from routeformer.tasks import Task, build_task, list_tasks
+    from routeformer.train import RunConfig, load_config, train
+    from routeformer.train.checkpoint import load_checkpoint, load_trained_model
+
+del interrupt_as_one_line
 
 __version__ = "0.1.0"
 

@@ -106,12 +106,19 @@ def command_compare(args: argparse.Namespace) -> int:
 
 def command_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from routeformer.train import load_config, train
+    from routeformer.train.interrupts import RunInterrupted
 
     config = load_config(resolve_config(args.config), overrides)
     try:
         result = train(config, resume=not args.fresh)
+    except RunInterrupted as interrupted:  # one line saying what was saved (rank 0 of torchrun only)
+        if str(interrupted):
+            print(f"routeformer: {interrupted}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except KeyboardInterrupt:
-        return 130
+        print("routeformer: interrupted before training began; run again to resume or start",
+              file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     if result.final_eval is not None:  # under torchrun, rank 0 alone evaluates and reports
         skipped = {"skipped_steps": result.skipped_steps} if result.skipped_steps else {}
         print(json.dumps({"out_dir": str(result.out_dir), "steps": result.step,
@@ -119,28 +126,40 @@ def command_train(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def load_for_use(target: str):
+    """(model, tokeniser, config, checkpoint file, step) for eval and sample. CheckpointError when
+    a run directory's newest checkpoint is unreadable: an older state is used only when its file is
+    named explicitly."""
+    from routeformer.train.checkpoint import CheckpointError, choose_checkpoint, trained_model
+
+    path, state, unreadable = choose_checkpoint(target)
+    step = state.get("step")
+    if unreadable:
+        raise CheckpointError(
+            f"the newest checkpoint of {target!r} is unreadable ({unreadable}); its newest intact one is "
+            f"{str(path)!r} (step {step}), an older state: name that file to use it")
+    return (*trained_model(state), path, step)
+
+
 def command_eval(args: argparse.Namespace) -> int:
     from routeformer.data.corpora import load_corpus, load_data
-    from routeformer.train.checkpoint import load_trained_model
     from routeformer.train.evaluate import evaluate_lm
 
-    model, vocab, config = load_trained_model(args.checkpoint)
+    model, vocab, config, path, step = load_for_use(args.checkpoint)
     corpus = load_corpus(args.corpus) if args.corpus else load_data(config.data.corpus, config.data.path)
     ids = vocab.encode(corpus.val)
     density = config.data.meta_density  # a meta-token run is scored as it was trained
     meta = {"meta_density": density, "meta_id": vocab.pause_id} if density > 0 else {}
     result = evaluate_lm(model, ids, seq_len=config.data.seq_len, batch_size=config.train.batch_size,
                          max_tokens=args.max_tokens, **meta)
-    print(json.dumps({"corpus": corpus.name, **result}))
+    print(json.dumps({"checkpoint": str(path), "step": step, "corpus": corpus.name, **result}))
     return 0
 
 
 def command_sample(args: argparse.Namespace) -> int:
     import torch
 
-    from routeformer.train.checkpoint import load_trained_model
-
-    model, vocab, _ = load_trained_model(args.checkpoint)
+    model, vocab, _, path, step = load_for_use(args.checkpoint)
     if args.temperature is not None and not args.temperature >= 0:
         raise ValueError(f"--temperature must be >= 0; got {args.temperature!r}")
     prompt = vocab.encode(args.prompt)[None]
@@ -150,6 +169,7 @@ def command_sample(args: argparse.Namespace) -> int:
     tokens = model.generate(prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
                             generator=generator)
     print(vocab.decode(tokens[0].tolist()))
+    print(f"routeformer: sampled from {str(path)!r} (step {step})", file=sys.stderr, flush=True)
     return 0
 
 
@@ -158,7 +178,13 @@ def command_export_hf(args: argparse.Namespace) -> int:
         from routeformer.integrations.hf.export import export_hf
     except ImportError as error:  # transformers is an optional extra
         raise ValueError(str(error)) from error
-    print(f"wrote {export_hf(args.run_dir, args.out_dir)}")
+    out = export_hf(args.run_dir, args.out_dir)
+    print(f"wrote {out}; load it with (the first import registers routeformer's model with transformers):\n"
+          f"  import routeformer.integrations.hf\n"
+          f"  from transformers import AutoModelForCausalLM\n"
+          f"  model = AutoModelForCausalLM.from_pretrained({str(out)!r})\n"
+          f"  (tokeniser: routeformer.data.tokenizers.tokenizer_from_dict(json.load(open("
+          f"{str(out / 'routeformer_vocab.json')!r}))))")
     return 0
 
 
@@ -475,7 +501,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a bad input ends in one line `routeformer: error: ...` and exit status 2,
-    never a traceback (the error types below are the ones bad input raises)."""
+    never a traceback (the error types below are the ones bad input raises); Ctrl-C at any moment
+    ends in one line and exit status 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("routeformer: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     from routeformer.train.checkpoint import CheckpointError
     from routeformer.train.guard import TrainingDiverged
 
@@ -496,9 +531,6 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(error, EXIT_BAD_INPUT)
     except TrainingDiverged as error:
         return _fail(error, EXIT_FAILED)
-    except KeyboardInterrupt:
-        print("routeformer: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
 
 
 def _fail(error: BaseException, status: int) -> int:

@@ -144,8 +144,12 @@ def test_cache_errors(monkeypatch):
     learned = build("full", {}, "learned")
     with pytest.raises(ValueError, match="max_seq_len"):
         learned.generate(stream()[:, :30 - LENGTH + 20], 20, use_cache=True)
-    with pytest.raises(ValueError, match="padding mask"):
-        learned(stream(), cache=DecodeCache(), mask=torch.ones(2, LENGTH, dtype=torch.bool))
+    # A padding mask is taken with the first call (each row then keeps its own state:
+    # tests/models/test_padded_generate.py); padding that starts after an unpadded prompt is refused.
+    cache = DecodeCache()
+    learned(stream(), cache=cache, mask=torch.ones(2, LENGTH, dtype=torch.bool))
+    with pytest.raises(ValueError, match="padding after an unpadded start"):
+        learned(stream()[:, :1], cache=cache, mask=torch.tensor([[True], [False]]))
 
 
 def test_generation_bench_reports_both_paths():

@@ -49,7 +49,7 @@ def probe(tmp_path_factory):
     flags = [f for f in FLAGS if f != "-fopenmp"]
     source, library = folder / "probe.c", folder / "probe.so"
     subprocess.run([compiler, *flags, f"-I{HEADER.parent}", str(source), "-o", str(library)], check=True,
-                   capture_output=True, text=True)
+                   capture_output=True, text=True, timeout=300)
     return ctypes.CDLL(str(library))
 
 

@@ -5,14 +5,13 @@ that exercise its guesses, flushes, refuted guesses and unguarded rows. bfloat16
 it selects exactly what float32 selects on the widened values, and against the fp64 scores of the
 unrounded vectors each selected key is within the stated tolerance of the K-th best."""
 
-import ctypes
 
 import pytest
 import torch
 
 from routeformer.ops import route_topk, route_topk_reference, routed_attention, routed_attention_reference
 from routeformer.ops.gathered import slot_membership
-from routeformer.ops.native import library, native_kernels
+from routeformer.ops.native import kernel, native_kernels
 from routeformer.ops.native.topk import reads_bf16, route_topk_op, route_topk_rows_op, speculative_query_tile
 
 pytestmark = pytest.mark.skipif(native_kernels(torch.zeros(1)) is None or not speculative_query_tile(),
@@ -38,9 +37,7 @@ def _both(route_q, route_k, slots, causal=True, key_mask=None, local_window=0, g
 
 
 def _refuted() -> int:
-    function = library().route_topk_spec_refuted
-    function.restype = ctypes.c_int64
-    return int(function())
+    return int(kernel("route_topk_spec_refuted")())
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -5,12 +5,10 @@ per rank) resumes bit-identically, and the unused-parameter search is on only wh
 import json
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from routeformer.train import load_config, train
 from routeformer.train.checkpoint import load_checkpoint
@@ -21,6 +19,13 @@ from routeformer.train.distributed import (
     local_shard,
     needs_unused_parameter_search,
 )
+from tests.bounded import rank_watchdog, run_bounded, spawn_ranks
+
+# Every wait here is bounded (issue 37): a rank waits at most RANK_TIMEOUT_S for the others (gloo
+# then raises, naming the collective), and a test at most SPAWN_TIMEOUT_S for its ranks.
+RANK_TIMEOUT_S = "60"
+SPAWN_TIMEOUT_S = 280
+RANK_WATCHDOG_S = 240  # a rank stuck past this prints its stacks and exits (before SPAWN_TIMEOUT_S)
 
 # No dropout: the ranks draw their own dropout masks, which a single process would not.
 TINY = ["--model.dim", "32", "--model.depth", "2", "--model.heads", "2", "--seq_len", "32",
@@ -57,10 +62,10 @@ def test_torchrun_two_processes_match_one(tmp_path):
     single = tmp_path / "single"
     train(load_config(None, TINY + ["--out_dir", str(single)]), quiet=True)
     pair = tmp_path / "pair"
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "ROUTEFORMER_DIST_TIMEOUT_S": RANK_TIMEOUT_S}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "routeformer.cli", "train", *TINY, "--out_dir", str(pair)]
-    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    finished = run_bounded(command, env=environment, timeout=SPAWN_TIMEOUT_S, what="torchrun with 2 ranks")
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert "2 processes" in finished.stderr
     assert_close_models(load_checkpoint(pair)["model"], load_checkpoint(single)["model"])
@@ -73,8 +78,9 @@ def test_torchrun_two_processes_match_one(tmp_path):
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, stop_step: int) -> None:
+    rank_watchdog(RANK_WATCHDOG_S)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size))
+                      WORLD_SIZE=str(world_size), ROUTEFORMER_DIST_TIMEOUT_S=RANK_TIMEOUT_S)
     torch.set_num_threads(1)
 
     def stop(step):
@@ -89,7 +95,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, stop_step: int)
 
 def test_run_interrupted_on_two_processes_resumes_on_one(tmp_path):
     split = tmp_path / "split"
-    mp.spawn(_worker, args=(2, free_port(), str(split), 4), nprocs=2, join=True)
+    spawn_ranks(_worker, (2, free_port(), str(split), 4), 2, timeout=SPAWN_TIMEOUT_S,
+                what="2 ranks training until the interrupt at step 4")
     assert load_checkpoint(split)["step"] == 4
     train(load_config(None, TINY + ["--out_dir", str(split)]), quiet=True)  # one process: steps 5-6
     whole = tmp_path / "whole"
@@ -107,8 +114,10 @@ def _resume_worker(rank: int, world_size: int, ports: list[int], root: str) -> N
     """On each of 2 ranks: an uninterrupted run, then the same run interrupted after step 4 (its
     checkpoint holds step 4) and resumed in the same processes (each run on a fresh port: a process
     group set up again on the port of a destroyed one can wait forever)."""
+    rank_watchdog(RANK_WATCHDOG_S)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      ROUTEFORMER_DIST_TIMEOUT_S=RANK_TIMEOUT_S)
     torch.set_num_threads(1)
     train(load_config(None, META + ["--out_dir", f"{root}/whole"]), quiet=True)
     os.environ["MASTER_PORT"] = str(ports[1])
@@ -130,7 +139,8 @@ def test_a_two_process_meta_run_resumes_bit_identically(tmp_path):
         for sock in (a, b, c):
             sock.bind(("127.0.0.1", 0))
         ports = [sock.getsockname()[1] for sock in (a, b, c)]
-    mp.spawn(_resume_worker, args=(2, ports, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_resume_worker, (2, ports, str(tmp_path)), 2, timeout=SPAWN_TIMEOUT_S,
+                what="2 ranks running a meta run whole, interrupted and resumed")
     split, whole = load_checkpoint(tmp_path / "split"), load_checkpoint(tmp_path / "whole")
     assert split["step"] == whole["step"] == 6 and len(whole["rng"]["ranks"]) == 2
     assert not torch.equal(*whole["rng"]["ranks"])  # the ranks' generators differ

@@ -1,6 +1,7 @@
 """The contract every routeformer attention layer keeps (see DESIGN.md).
 
     layer(x [B, T, D], *, mask=None, positions=None) -> AttentionOutput(out [B, T, D], aux_loss, stats)
+    layer(x, documents=ids)  # packed sequences: ids [B, T], no attention across documents
 
 `mask` is a bool key-padding mask [B, T] (True = real token); `positions` are long [B, T]
 (default arange), used by rotary embeddings and position-aware routers. `causal` is fixed at
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from routeformer.ops._checks import check_positive
+from routeformer.ops.documents import check_documents, document_starts
 from routeformer.ops.rotary import apply_rotary, rotary_angles
 
 
@@ -53,6 +55,9 @@ def keeps_contract(forward: Callable[..., AttentionOutput]) -> Callable[..., Att
       into padded rows is exactly zero.
     - T = 0 or B = 0: an empty output of the input's shape, zero aux_loss and zero flops (after the
       usual validation), without running kernels that reshape by -1 or divide by the length.
+    - `documents` (packed sequences, ids [B, T]; attention/documents.py): validated, then
+      `forward_documents` runs each document as if alone; a row holding one document takes the
+      ordinary call.
 
     `AttentionLayer.__init_subclass__` applies it to every subclass that defines `forward`, so a
     new mechanism keeps these invariants the day it is registered.
@@ -62,12 +67,21 @@ def keeps_contract(forward: Callable[..., AttentionOutput]) -> Callable[..., Att
 
     @functools.wraps(forward)
     def forward_with_contract(self, x: Tensor, *, mask: Tensor | None = None,
-                              positions: Tensor | None = None, **extra) -> AttentionOutput:
+                              positions: Tensor | None = None, documents: Tensor | None = None,
+                              **extra) -> AttentionOutput:
+        if documents is not None:
+            self.check_inputs(x, mask, positions)
+            check_documents(documents, x.shape[0], x.shape[1])
+            self.check_packable()
         if x.dim() == 3 and (x.shape[0] == 0 or x.shape[1] == 0):
             self.check_inputs(x, mask, positions)
             return self.empty_output(x)
         if mask is not None and mask.dtype == torch.bool and mask.shape == x.shape[:2]:
             x = x.masked_fill(~mask[..., None], 0.0)
+        if documents is not None and bool(document_starts(documents)[:, 1:].any()):
+            return self.forward_documents(x, mask=mask, positions=positions, documents=documents, **extra)
+        # One document per row (or none given): the ordinary call; positions default to arange,
+        # which is each row's document positions.
         return forward(self, x, mask=mask, positions=positions, **extra)
 
     forward_with_contract.keeps_contract = True
@@ -174,6 +188,20 @@ class AttentionLayer(nn.Module):
             aux_loss=x.new_zeros(()),
             stats={"flops": torch.tensor(float(flops))},
         )
+
+    # -- packed documents (attention/documents.py) -------------------------------------------
+    def check_packable(self) -> None:
+        """Raise ValueError (naming the mechanism) if this layer cannot run packed documents."""
+
+    def forward_documents(
+        self, x: Tensor, *, mask: Tensor | None, positions: Tensor | None, documents: Tensor, **extra
+    ) -> AttentionOutput:
+        """The layer on a packed batch: every document (a run of equal `documents` ids in a row)
+        as if alone. Default: run the documents separately, grouped by length
+        (`attention.documents.run_per_document`); mechanisms with a segmented path override it."""
+        from routeformer.attention.documents import run_per_document
+
+        return run_per_document(self, x, mask=mask, positions=positions, documents=documents, **extra)
 
     # -- cached decoding (CausalLM.generate) -------------------------------------------------
     # Layers that can decode incrementally set this and define decode_attend (or decode).

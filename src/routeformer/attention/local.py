@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-from routeformer.attention.base import AttentionLayer
+from routeformer.attention.base import AttentionLayer, AttentionOutput
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
 from routeformer.ops.decode import append_keys_values, cached_softmax_attention, trim_keys_values
+from routeformer.ops.documents import document_positions
 from routeformer.ops.local import local_attention, local_attention_flops
 
 
@@ -15,7 +17,8 @@ from routeformer.ops.local import local_attention, local_attention_flops
 class LocalAttention(AttentionLayer):
     """Each token attends to `window` tokens: [i - window + 1, i] causal, [i - window, i + window]
     otherwise. `block` sets the query block length of the blockwise kernel (default min(window, 128)).
-    Cached decoding keeps only the last window - 1 keys."""
+    Cached decoding keeps only the last window - 1 keys. Packed `documents`: one blockwise call
+    with the window cut at document boundaries (`forward_documents`)."""
 
     supports_cache = True
 
@@ -36,6 +39,23 @@ class LocalAttention(AttentionLayer):
         batch, heads, length, dim = q.shape
         flops = local_attention_flops(batch, heads, length, dim, self.window, self.causal, self.block)
         return out, flops
+
+    def forward_documents(
+        self, x: Tensor, *, mask: Tensor | None, positions: Tensor | None, documents: Tensor, **extra
+    ) -> AttentionOutput:
+        """Packed documents in one call: the window stops at the document's start (and end), via the
+        blockwise kernel's band mask (ops/local.py); positions restart at 0 in each document."""
+        mask, _ = self.check_inputs(x, mask, positions)
+        if positions is None:
+            positions = document_positions(documents)
+        q, k, v = self.project_qkv(x, positions)
+        heads_out = local_attention(q, k, v, window=self.window, mask=mask, causal=self.causal,
+                                    block=self.block, documents=documents)
+        batch, heads, length, dim = q.shape
+        flops = local_attention_flops(batch, heads, length, dim, self.window, self.causal, self.block,
+                                      native=False)
+        out = self.out_proj(self.merge_heads(heads_out, x))
+        return AttentionOutput(out=out, aux_loss=x.new_zeros(()), stats={"flops": torch.tensor(float(flops))})
 
     def decode_attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cache: dict) -> Tensor:
         keep = self.window - 1  # the keys a later query can still read

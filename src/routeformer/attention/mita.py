@@ -29,6 +29,15 @@ repeated) — both warn once per layer, since the budget then buys nothing.
 Padding: padded tokens take no place in the layout (windows and blocks count real tokens only), are
 never pooled into a landmark, never routed to and never in the shared expert.
 
+Low precision (bf16/fp16 weights, or torch.autocast): routing is computed in fp32 whatever the
+dtype — the q/k projection runs in fp32 (from the stored, possibly rounded, weights; under
+autocast from the fp32 weights), and the op keeps its landmark scores, routing logits and softmax
+in fp32 with autocast switched off inside. A bf16 layer therefore routes as the fp32 layer with
+the same stored weights does; under autocast, as the fp32 model itself does. (A model cast to
+bf16 rounds its weights, which moves routing logits by ~2e-3 relative: a near-tied choice can
+still flip there; tests/attention/test_mita_precision.py measures both.) Cost: the projection in
+fp32, and fp32 keys (values stay in the model's dtype) in the decoding cache.
+
 Cached decoding (`CausalLM.generate`, `decode`): causal builds keep every key, the incomplete
 block's queries and each completed block's landmark, shared value and expert
 (`routeformer.ops.mita_decode`); new tokens get the parallel pass's outputs.
@@ -42,9 +51,10 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from routeformer.attention.base import AttentionLayer, AttentionOutput
+from routeformer.attention.base import AttentionLayer, AttentionOutput, split_qkv
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
 from routeformer.ops.flops import dense_attention_flops
@@ -107,6 +117,24 @@ class MitaAttention(AttentionLayer):
                              "use preset='agent' (shared, topk=0) or topk >= 1")
         self.landmarks, self.topk, self.route = landmarks, topk, route
 
+    def check_packable(self) -> None:
+        if self.grid is not None or self.extra_tokens:
+            raise ValueError("mita: packed documents need a 1-D build; grid / extra_tokens pool landmarks "
+                             "over a fixed image layout, which a document of another length does not have")
+
+    def project_qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v [B, H, T, d]; for bf16/fp16 inputs or under autocast, q and k in fp32 (computed
+        in fp32 from the stored weights), so that landmarks, expert keys and routing are decided in
+        fp32 (v comes back in x's dtype: it is not part of any decision)."""
+        if x.dtype not in (torch.bfloat16, torch.float16) and not torch.is_autocast_enabled(x.device.type):
+            return super().project_qkv(x, positions)
+        batch, length, _ = x.shape
+        bias = self.qkv_proj.bias
+        with torch.autocast(x.device.type, enabled=False):
+            qkv = F.linear(x.float(), self.qkv_proj.weight.float(), None if bias is None else bias.float())
+            q, k, v = split_qkv(qkv.view(batch, length, 3, self.heads, self.head_dim))
+            return self.rotate(q, positions), self.rotate(k, positions), v.to(x.dtype)
+
     def forward(
         self, x: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None
     ) -> AttentionOutput:
@@ -114,9 +142,9 @@ class MitaAttention(AttentionLayer):
         self._warn_if_oversized(x.shape[1])
         q, k, v = self.project_qkv(x, positions)
         result = mita_attention(
-            q, k, v, landmarks=self.landmarks, topk=self.topk, route=self.route, shared=self.shared,
-            causal=self.causal, block=self.block, grid=self.grid, extra_tokens=self.extra_tokens,
-            mask=mask, pack=self.pack,
+            q, k, v.to(q.dtype), landmarks=self.landmarks, topk=self.topk, route=self.route,
+            shared=self.shared, causal=self.causal, block=self.block, grid=self.grid,
+            extra_tokens=self.extra_tokens, mask=mask, pack=self.pack,
         )
         batch, heads, length, dim = q.shape
         full = batch * heads * dense_attention_flops(length * length, dim)
@@ -128,7 +156,7 @@ class MitaAttention(AttentionLayer):
             "expert_load_max": (load.max() * load.numel()).detach().float() if load.numel()
             else torch.tensor(0.0),
         }
-        out = self.out_proj(self.merge_heads(result.out, x))
+        out = self.out_proj(self.merge_heads(result.out.to(x.dtype), x))
         return AttentionOutput(out=out, aux_loss=x.new_zeros(()), stats=stats)
 
     @property
@@ -138,8 +166,9 @@ class MitaAttention(AttentionLayer):
         return self.causal
 
     def decode_attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cache: dict) -> Tensor:
+        # q, k may be fp32 where v is bf16/fp16 (project_qkv): the heads come back in v's dtype.
         return mita_decode(q, k, v, start, cache, landmarks=self.landmarks, topk=self.topk,
-                           route=self.route, shared=self.shared, block=self.block)
+                           route=self.route, shared=self.shared, block=self.block).to(v.dtype)
 
     def _warn_if_oversized(self, length: int) -> None:
         """Bidirectional budgets larger than the input are kept (not clamped) but buy nothing: say

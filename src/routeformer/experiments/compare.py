@@ -20,6 +20,7 @@ another on an idle machine, on a freshly initialised model.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -192,13 +193,17 @@ def run_compare(
 
     costs = {task: cached_run(out, f"{budget.name}-{task}-costs-{'-'.join(by_task[task])}",
                               lambda task=task: task_costs(task)) for task in tasks}
-    bench_rows = []
+    bench_rows, bench_key = [], f"{budget.name}-bench-{'-'.join(mechanisms)}"
+    kept_bench = not bench and (out / "runs" / f"{bench_key}.json").is_file()
     if bench:
         from routeformer.experiments.compare_bench import bench_layers
 
         log(f"compare: layer benchmark at T = {list(budget.bench_lengths)}")
-        bench_rows = cached_run(out, f"{budget.name}-bench-{'-'.join(mechanisms)}", lambda: {
+        bench_rows = cached_run(out, bench_key, lambda: {
             "rows": bench_layers(mechanisms, budget.bench_lengths, budget.repeats)})["rows"]
+    elif kept_bench:  # --no-bench: what an earlier invocation measured stays in the report
+        bench_rows = json.loads((out / "runs" / f"{bench_key}.json").read_text())["rows"]
+        log("compare: --no-bench; the report keeps the layer benchmark an earlier invocation measured")
     log(f"compare: done in {time.perf_counter() - began:.0f} s")
     default_mechanisms = check_selection(None, None, budget)[0]
     command = "routeformer compare" + "".join([
@@ -208,7 +213,8 @@ def run_compare(
         f" --seeds {budget.seeds}" if seeds is not None else "",
         f" --corpus {corpus}" if corpus != "pydoc" else "", "" if bench else " --no-bench"])
     return write_compare_report(out, by_task, floors, costs, bench_rows, budget, command,
-                                elapsed=time.perf_counter() - began, workers=workers, failed=failed)
+                                elapsed=time.perf_counter() - began, workers=workers, failed=failed,
+                                bench_from_earlier=kept_bench)
 
 
 def budget_summary(budget: CompareBudget) -> dict[str, Any]:

@@ -4,6 +4,7 @@ executed FLOPs, time and memory, and the quality-vs-FLOPs Pareto plot with error
 
 from __future__ import annotations
 
+import json
 import statistics
 from itertools import combinations
 from pathlib import Path
@@ -87,15 +88,23 @@ def write_compare_report(
     out: Path, by_task: dict[str, dict[str, list[dict[str, Any]]]], floors: dict[str, dict[str, Any]],
     costs: dict[str, dict[str, Any]], bench_rows: list[dict[str, Any]], budget: Any, command: str, *,
     elapsed: float, workers: int, failed: dict[str, dict[str, str]] | None = None,
+    bench_from_earlier: bool = False,
 ) -> Path:
+    """report.md + result.json in `out`. A rerun keeps the wall-clock times of the invocations that
+    wrote the report before (result.json `invocations`, named in report.md)."""
     from routeformer.experiments.compare import budget_summary
 
-    summary: dict[str, Any] = {"budget": budget_summary(budget), "elapsed_seconds": elapsed, "tasks": {}}
+    earlier = earlier_invocations(out / "result.json")
+    summary: dict[str, Any] = {"budget": budget_summary(budget), "elapsed_seconds": elapsed, "tasks": {},
+                               "invocations": [*earlier, {"command": command, "elapsed_seconds": elapsed}]}
     spec = budget.spec
     sections = [
         "# routeformer compare",
         provenance(command) + f" Wall-clock of this invocation: {elapsed:.0f} s ({workers} training "
-        "process(es), one thread each; finished runs found on disk are not re-timed).",
+        "process(es), one thread each; finished runs found on disk are not re-timed)" + (
+            "; earlier invocations that wrote this report: " + ", ".join(
+                f"{run['elapsed_seconds']:.0f} s (`{run['command']}`)" for run in earlier) if earlier else "")
+        + ".",
         f"Budget `{budget.name}`: one backbone for every mechanism ({spec.depth} layers, D={spec.dim}, "
         f"{spec.heads} heads, MLP ratio {spec.mlp_ratio}, {spec.positions} positions), AdamW with warm-up "
         f"and cosine decay; {budget.seeds} seeds per mechanism, and with the same seed every mechanism sees "
@@ -134,7 +143,23 @@ def write_compare_report(
     if bench_rows:
         summary["bench"] = bench_rows
         sections += _bench_section(out, bench_rows)
+        if bench_from_earlier:
+            summary["bench_from_earlier_invocation"] = True
+            sections.append("(Measured by an earlier invocation; this one ran with `--no-bench`.)")
     return write_result(out, summary, "\n\n".join(sections) + "\n")
+
+
+def earlier_invocations(result_json: Path) -> list[dict[str, Any]]:
+    """The invocations (command, wall-clock) an existing result.json records; [] when none."""
+    try:
+        previous = json.loads(result_json.read_text())
+    except (OSError, ValueError):
+        return []
+    if "invocations" in previous:
+        return list(previous["invocations"])
+    if "elapsed_seconds" in previous:  # written before invocations were kept
+        return [{"command": "routeformer compare", "elapsed_seconds": previous["elapsed_seconds"]}]
+    return []
 
 
 def _task_section(task: str, setup: Any, summary: dict[str, Any], runs: dict[str, list]) -> list[str]:

@@ -89,9 +89,17 @@ def _run_one(out: Path, job: Job, threads: int | None) -> tuple[str, dict[str, A
         return job.key, {"error": f"{type(error).__name__}: {error}", "quality": float("nan")}
 
 
-def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str], None]) -> dict[str, dict]:
+def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str], None],
+             timeout_s: float | None = None) -> dict[str, dict]:
     """Every job's record, by key. Finished jobs are read from `out/runs/`; the others run in
-    `workers` spawned processes (or in this one when workers == 1)."""
+    `workers` spawned processes (or in this one when workers == 1).
+
+    The wait for the worker processes is bounded by `timeout_s` (None: by the jobs themselves — a
+    sweep's runs take what its budget says, up to hours): past it, the workers are stopped and a
+    TimeoutError names the unfinished runs. A worker that dies (killed, out of memory) stops the
+    sweep with a RuntimeError naming the runs it left; so does an interrupt (Ctrl-C), after
+    stopping the workers instead of waiting for their runs. Finished runs are stored either way,
+    and a re-run resumes after them."""
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer; got {workers!r}")
     began = time.perf_counter()
@@ -115,12 +123,50 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
             note(*_run_one(out, job, None))
         return records
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
 
     # spawn, not fork: a forked child inherits the parent's OpenMP thread pool in a broken state
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(min(workers, len(pending)), mp_context=context) as pool:
-        futures = [pool.submit(_run_one, out, job, 1) for job in pending]
-        for future in as_completed(futures):
-            note(*future.result())
+    pool = ProcessPoolExecutor(min(workers, len(pending)), mp_context=context)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    futures = {pool.submit(_run_one, out, job, 1): job.key for job in pending}
+    waiting = set(futures)
+    try:
+        while waiting:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, waiting = wait(waiting, timeout=remaining, return_when=FIRST_COMPLETED)
+            if not done:
+                raise TimeoutError(f"run_jobs: {len(waiting)} run(s) unfinished after {timeout_s:g} s in "
+                                   f"{workers} worker processes, which were stopped: "
+                                   f"{sorted(futures[f] for f in waiting)}")
+            for future in done:
+                try:
+                    note(*future.result())
+                except BrokenProcessPool as error:
+                    unfinished = sorted(futures[f] for f in (waiting | done) if futures[f] not in records)
+                    raise RuntimeError(f"run_jobs: a worker process died (killed or crashed); runs left "
+                                       f"unfinished: {unfinished}") from error
+    except BaseException:
+        _stop_workers(pool)
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     return records
+
+
+def _stop_workers(pool) -> None:
+    """End a process pool's workers now (a pool's own shutdown waits for their running jobs)."""
+    kill = getattr(pool, "kill_workers", None)  # Python >= 3.14
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    if kill is not None:
+        kill()
+    else:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+    for process in processes:
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join(10)

@@ -33,9 +33,12 @@ def cached_run(out_dir: Path, key: str, compute: Callable[[], dict[str, Any]]) -
 
 
 def write_result(out_dir: Path, result: dict[str, Any], markdown: str) -> Path:
-    (out_dir / "result.json").write_text(json.dumps(result, indent=1))
+    """result.json and report.md, each replaced atomically (an interrupt leaves the old or the new)."""
+    from routeformer.train.progress import write_text_atomic
+
+    write_text_atomic(out_dir / "result.json", json.dumps(result, indent=1))
     report = out_dir / "report.md"
-    report.write_text(markdown)
+    write_text_atomic(report, markdown)
     return report
 
 

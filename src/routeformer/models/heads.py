@@ -48,8 +48,12 @@ class TokenPredictor(nn.Module):
     def forward(
         self, tokens: Tensor, labels: Tensor | None = None, *, mask: Tensor | None = None,
         positions: Tensor | None = None, logits_at_labels: bool = False, cache: DecodeCache | None = None,
+        documents: Tensor | None = None,
     ) -> ModelOutput:
         """`labels[b, t]` is the target for position t (already shifted); -100 is ignored.
+        `documents`: packed sequences (document ids [B, T], see Transformer.forward); the label of
+        a document's last token (the next document's first) should be -100 so that the loss is the
+        documents' own (data/documents.py's batches do so).
         `cache`: incremental decoding — `tokens` continue the stream the cache has seen
         (models/cache.py); the logits equal those rows of the parallel pass over the whole stream.
 
@@ -57,7 +61,8 @@ class TokenPredictor(nn.Module):
         those logits flattened [N, V] (in label order): tasks with sparse labels, such as
         associative recall, skip the largest matmul of the model elsewhere.
         """
-        result = self.backbone(tokens, mask=mask, positions=positions, cache=cache)
+        extra = {} if documents is None else {"documents": documents}
+        result = self.backbone(tokens, mask=mask, positions=positions, cache=cache, **extra)
         if logits_at_labels:
             if labels is None:
                 raise ValueError("logits_at_labels=True needs labels")
@@ -74,6 +79,13 @@ class TokenPredictor(nn.Module):
         return ModelOutput(logits, loss, result.aux_loss, result.stats)
 
 
+def left_aligned(tokens: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The rows of a padded batch with their real tokens moved to the right end, in order, and the
+    pads before them: (tokens, mask) in left-padded layout."""
+    order = mask.long().argsort(dim=1, stable=True)  # pads (0) first, real tokens (1) after, in order
+    return tokens.gather(1, order), mask.gather(1, order)
+
+
 class CausalLM(TokenPredictor):
     """Next-token language model with tied input/output embeddings."""
 
@@ -86,16 +98,19 @@ class CausalLM(TokenPredictor):
     def generate(
         self, tokens: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
         top_k: int | None = None, generator: torch.Generator | None = None, use_cache: bool | None = None,
-        output_logits: bool = False,
+        mask: Tensor | None = None, output_logits: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Sample `max_new_tokens` tokens after `tokens` [B, T]; with `output_logits`, also return the
-        fp32 logits each new token was sampled from, [B, max_new_tokens, vocab].
+        """Sample `max_new_tokens` tokens after `tokens` [B, T]; returns [B, T + max_new_tokens], and
+        with `output_logits` also the fp32 logits each new token was sampled from [B, new, vocab].
+
+        `mask` (bool [B, T], True = real token) lets the prompts be padded — left, right or
+        anywhere: each row generates what its real tokens generate alone (new tokens are appended
+        after the whole padded row and are all real).
 
         With a cache (`use_cache=True`, or None = whenever it can), the prompt is read once and each
-        new token costs one step against the cached keys/values/state; every registered mechanism
-        has one (`routeformer.models.cache.CACHED_MECHANISMS`; meta only with a fixed
-        position_scale). Keys/values are allocated once for prompt + new tokens. The cache keeps the
-        whole stream (rotary positions keep counting past model.max_seq_len; learned positions
+        new token costs one step against the cached keys/values/state (every registered mechanism:
+        models/cache.py; keys/values are allocated once for prompt + new tokens); a padded batch keeps one state per row (models/ragged.py). The cache keeps
+        the whole stream (rotary positions keep counting past model.max_seq_len; learned positions
         cannot, so there the cache needs prompt + new tokens <= model.max_seq_len). Without a cache,
         the context, cropped to model.max_seq_len, is re-read at every step.
         """
@@ -105,6 +120,15 @@ class CausalLM(TokenPredictor):
             raise ValueError(f"top_k must be a positive integer or None; got {top_k!r}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0; got {max_new_tokens!r}")
+        if mask is not None:
+            if mask.shape != tokens.shape:
+                raise ValueError(f"mask must have the prompt's shape {tuple(tokens.shape)}; "
+                                 f"got {tuple(mask.shape)}")
+            mask = mask.to(device=tokens.device, dtype=torch.bool)
+            if not bool(mask.any(1).all()):
+                raise ValueError("mask: every prompt needs at least one real token")
+            if bool(mask.all()):
+                mask = None
         fits = (self.config.positions != "learned"
                 or tokens.shape[1] + max_new_tokens <= self.config.max_seq_len)
         can_cache = self.backbone.supports_cache() and fits
@@ -118,16 +142,30 @@ class CausalLM(TokenPredictor):
         self.eval()
         # The stream's length is known: each layer's keys/values are allocated once, never grown.
         cache = DecodeCache(reserve=tokens.shape[1] + max_new_tokens) if use_cache else None
-        step_input, step_logits = tokens, []
+        step_input, step_mask, step_logits = tokens, mask, []
+        # Without a cache a padded context is re-read with its pads moved to the left, so that
+        # windows over token indices (local, meta's window) reach real tokens only, as alone.
+        context, real = (tokens, None) if mask is None else left_aligned(tokens, mask)
         for _ in range(max_new_tokens):
-            if cache is None:
-                logits = self(tokens[:, -self.config.max_seq_len:]).logits[:, -1].float()
+            if cache is not None:
+                logits, rows_real = self(step_input, cache=cache, mask=step_mask).logits, step_mask
+            elif real is None:
+                logits, rows_real = self(context[:, -self.config.max_seq_len:]).logits, None
             else:
-                logits = self(step_input, cache=cache).logits[:, -1].float()
-            step_logits.append(logits)
-            next_token = self._sample(logits, temperature, top_k, generator)
+                window, rows_real = context[:, -self.config.max_seq_len:], real[:, -self.config.max_seq_len:]
+                positions = (rows_real.long().cumsum(1) - 1).clamp_min(0)  # as each row alone
+                logits = self(window, mask=rows_real, positions=positions).logits
+                rows_real = None  # left-aligned: the last column is every row's last real token
+            # The next token follows each row's last real token.
+            row_logits = (logits[:, -1] if rows_real is None
+                          else logits[torch.arange(len(logits)), rows_real.long().cumsum(1).argmax(1)])
+            step_logits.append(row_logits.float())
+            next_token = self._sample(row_logits.float(), temperature, top_k, generator)
             tokens = torch.cat([tokens, next_token], dim=1)
-            step_input = next_token
+            context = torch.cat([context, next_token], dim=1)
+            if real is not None:
+                real = torch.cat([real, torch.ones_like(next_token, dtype=torch.bool)], dim=1)
+            step_input, step_mask = next_token, None
         self.train(was_training)
         if output_logits:
             empty = tokens.new_zeros(tokens.shape[0], 0, self.config.vocab_size, dtype=torch.float32)

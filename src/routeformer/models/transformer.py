@@ -14,6 +14,8 @@ from routeformer.attention import build_attention
 from routeformer.attention.base import AttentionOutput
 from routeformer.models.cache import DecodeCache, cached_description
 from routeformer.models.config import ModelConfig
+from routeformer.models.ragged import decode_rows, is_ragged, ragged_positions, start_ragged
+from routeformer.ops.documents import check_documents, document_positions
 
 
 @dataclass
@@ -50,9 +52,15 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, h: Tensor, mask: Tensor | None, positions: Tensor, meta_mask: Tensor | None = None,
-                cache: dict | None = None):
+                cache: dict | None = None, documents: Tensor | None = None):
         extra = {"meta_mask": meta_mask} if getattr(self.attention, "reads_meta_mask", False) else {}
-        if cache is not None:  # incremental decoding: the layer reads and extends its cache
+        if documents is not None:
+            extra["documents"] = documents
+        if cache is not None and is_ragged(cache):  # a padded batch: each row decodes on its own state
+            real = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device) if mask is None else mask
+            out = decode_rows(self.attention, self.attention_norm(h), real, positions, cache, **extra)
+            result = AttentionOutput(out, h.new_zeros(()), {})
+        elif cache is not None:  # incremental decoding: the layer reads and extends its cache
             out = self.attention.decode(self.attention_norm(h), positions=positions, cache=cache, **extra)
             result = AttentionOutput(out, h.new_zeros(()), {})
         else:
@@ -78,20 +86,36 @@ class Transformer(nn.Module):
     def forward(
         self, tokens: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None,
         inputs_embeds: Tensor | None = None, meta_mask: Tensor | None = None,
-        cache: DecodeCache | None = None,
+        cache: DecodeCache | None = None, documents: Tensor | None = None,
     ) -> BackboneOutput:
         """tokens long [B, T] (or `inputs_embeds` [B, T, D]) -> hidden states and aux loss.
 
         `meta_mask` [B, T] marks meta-tokens; by default, where tokens == config.meta_token_id.
         `cache`: incremental decoding (see models/cache.py): these T tokens follow the
         `cache.length` tokens already seen, and the hidden states equal the parallel pass's rows.
+        With a cache, `mask` marks which of the T new tokens are real: a padded first call makes
+        every row keep its own state (models/ragged.py), and each row then continues as it would
+        alone; positions count each row's real tokens.
+        `documents`: packed sequences, document ids [B, T] nondecreasing per row
+        (ops/documents.py): no layer attends across documents and positions (default) restart at
+        0 in each document, so every document's hidden states are those it gets alone.
         """
         h = self.token_embedding(tokens) if inputs_embeds is None else inputs_embeds
         batch, length, _ = h.shape
         offset = 0
+        if documents is not None:
+            if cache is not None:
+                raise ValueError("documents: packed sequences are for training and prefill, "
+                                 "not cached decoding")
+            check_documents(documents, batch, length)
+            if positions is None:
+                positions = document_positions(documents)
         if cache is not None:
-            self.check_cache(cache, mask)
+            mask = self.check_cache(cache, mask, batch, h.device)
             offset = cache.length
+        if positions is None and cache is not None and is_ragged(cache.layers[0]):
+            real = torch.ones(batch, length, dtype=torch.bool, device=h.device) if mask is None else mask
+            positions = ragged_positions(cache.layers[0], real)
         if positions is None:
             positions = torch.arange(offset, offset + length, device=h.device).expand(batch, length)
         if meta_mask is None and self.config.meta_token_id is not None and inputs_embeds is None:
@@ -116,7 +140,7 @@ class Transformer(nn.Module):
         stats = []
         for index, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache.layers[index]
-            h, result = block(h, mask, layer_positions, meta_mask, layer_cache)
+            h, result = block(h, mask, layer_positions, meta_mask, layer_cache, documents)
             aux_loss = aux_loss + result.aux_loss
             stats.append(result.stats)
         if cache is not None:
@@ -127,18 +151,34 @@ class Transformer(nn.Module):
         """Whether every layer can decode incrementally (CausalLM.generate's cached path)."""
         return all(block.attention.supports_cache for block in self.blocks)
 
-    def check_cache(self, cache: DecodeCache, mask: Tensor | None) -> None:
+    def check_cache(self, cache: DecodeCache, mask: Tensor | None, batch: int,
+                    device: torch.device) -> Tensor | None:
+        """Checks the cache (filling an empty one) and returns the padding mask to decode with:
+        None when every token is real and the cache is shared by the batch."""
         if not self.supports_cache():
             missing = sorted({type(block.attention).__name__ for block in self.blocks
                               if not block.attention.supports_cache})
             raise ValueError(f"cache: layers {missing} have no cached decoding; the mechanisms with one are "
                              f"{cached_description()}")
-        if mask is not None:
-            raise ValueError("cache: cached decoding takes no padding mask (every token is real)")
         if not cache.layers:
-            cache.layers.extend(({"reserve": cache.reserve} if cache.reserve else {}) for _ in self.blocks)
+            cache.layers.extend({} for _ in self.blocks)
         elif len(cache.layers) != len(self.blocks):
             raise ValueError(f"cache holds {len(cache.layers)} layers; this model has {len(self.blocks)}")
+        if mask is not None:
+            mask = mask.to(torch.bool)
+            if bool(mask.all()):
+                mask = None
+        if mask is not None and not is_ragged(cache.layers[0]):
+            if cache.length:
+                raise ValueError("cache: padding after an unpadded start; pass the padding mask with the "
+                                 "first (prompt) call, which gives every row its own state")
+            for state in cache.layers:
+                start_ragged(state, batch, device)
+        if cache.reserve and not cache.length:  # the stream length generate announces (ops/decode)
+            for state in cache.layers:
+                for target in state["rows"] if is_ragged(state) else [state]:
+                    target.setdefault("reserve", cache.reserve)
+        return mask
 
 
 def init_weights(module: nn.Module) -> None:

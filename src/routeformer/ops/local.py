@@ -10,7 +10,8 @@ With b = window that is the block and its neighbour(s). Time and memory O(T·(wi
 Native path (CPU, float32 / bfloat16 / float16, no explicit `block`, kernels on): the C kernel of
 ops/native/local.py scores only each query's exact band (give or take five keys), flash-style
 forward and backward, bf16 with bf16 pair products; time O(T·window·d), memory O(T·d + window·d).
-The blockwise path is its fallback and runs everywhere else.
+The blockwise path is its fallback and runs everywhere else, and for packed `documents` (the
+window cut at document boundaries by one more term of its band mask).
 Reference: the dense T×T score matrix with the band mask.
 """
 
@@ -22,6 +23,7 @@ from torch import Tensor
 
 from routeformer.ops._checks import check_positive, check_qkv
 from routeformer.ops.block_attention import blockwise_sdpa
+from routeformer.ops.documents import check_documents
 from routeformer.ops.flops import dense_attention_flops
 from routeformer.ops.full import masked_attention_reference
 from routeformer.ops.native import native_kernels
@@ -73,16 +75,22 @@ def _band(window: int, block: int, span: int, causal: bool, device: torch.device
 def local_attention(
     q: Tensor, k: Tensor, v: Tensor, *, window: int, mask: Tensor | None = None,
     causal: bool = False, scale: float | None = None, block: int | None = None,
+    documents: Tensor | None = None,
 ) -> Tensor:
     """Blockwise sliding-window softmax attention; see the module docstring.
 
     `block` is the query block length of the blockwise path (default: `window`, capped at 128 —
     smaller blocks score fewer keys outside the window, larger ones make bigger, more efficient
     matrix products); passing one selects that path even where the C kernel could run.
+    `documents` (int [B, T], nondecreasing per row; ops/documents.py): packed sequences, a query
+    reads only the keys of its window that lie in its own document (the blockwise path, with the
+    document test folded into its band mask: still O(T·(window + b)) memory).
     """
     check_qkv(q, k, v, mask, causal=True)  # a window needs queries and keys on one axis
     check_positive("window", window)
-    if block is None and (native := _native_local(q, k, v, mask)) is not None:
+    if documents is not None:
+        check_documents(documents, q.shape[0], q.shape[2])
+    if block is None and documents is None and (native := _native_local(q, k, v, mask)) is not None:
         return native(q, k, v, mask, window, causal, scale)
     block = default_block(window) if block is None else block
     check_positive("block", block)
@@ -96,11 +104,19 @@ def local_attention(
         valid = F.pad(valid, (0, pad), value=False)
     key_valid = _neighbour_blocks(valid, block, span, causal, fill=False)  # [B, N, slots]
     band = _band(window, block, span, causal, q.device)
+    allowed = band & key_valid[:, None, :, None, :]  # [B, 1, N, b, slots]
+    if documents is not None:
+        documents = documents.long()
+        if pad:
+            documents = F.pad(documents, (0, pad), value=-1)
+        key_documents = _neighbour_blocks(documents, block, span, causal, fill=-1)  # [B, N, slots]
+        query_documents = documents.view(batch, blocks, block)
+        allowed = allowed & (query_documents[:, None, :, :, None] == key_documents[:, None, :, None, :])
     out = blockwise_sdpa(
         q.reshape(batch, heads, blocks, block, -1),
         _neighbour_blocks(k, block, span, causal),
         _neighbour_blocks(v, block, span, causal),
-        band & key_valid[:, None, :, None, :],  # [B, 1, N, b, slots]
+        allowed,
         scale,
     )
     return out.reshape(batch, heads, blocks * block, -1)[:, :, :length]
@@ -145,14 +161,17 @@ def local_band(length: int, window: int, causal: bool, device: torch.device) -> 
 
 def local_attention_reference(
     q: Tensor, k: Tensor, v: Tensor, *, window: int, mask: Tensor | None = None,
-    causal: bool = False, scale: float | None = None,
+    causal: bool = False, scale: float | None = None, documents: Tensor | None = None,
 ) -> Tensor:
-    """The specification of `local_attention`: dense scores with a band mask."""
+    """The specification of `local_attention`: dense scores with a band mask (and, for packed
+    `documents`, a same-document mask)."""
     check_qkv(q, k, v, mask, causal=True)
     check_positive("window", window)
     batch, _, length, _ = q.shape
     valid = torch.ones(batch, length, dtype=torch.bool, device=q.device) if mask is None else mask
     allowed = local_band(length, window, causal, q.device)[None, None] & valid[:, None, None, :]
+    if documents is not None:
+        allowed = allowed & (documents[:, None, :, None] == documents[:, None, None, :])
     return masked_attention_reference(q, k, v, allowed, scale)
 
 

@@ -44,7 +44,10 @@ in the shared expert, and the real rows equal the unpadded sequence's. (With `gr
 fixes every token's window, so there the mask only excludes padded tokens from their windows.)
 
 Low precision: fp16/bf16 inputs are computed in fp32 (block-sized temporaries; scores, softmax,
-log-sum-exp merges) and the output cast back, so the MASKED constant never meets fp16.
+log-sum-exp merges) and the output cast back, so the MASKED constant never meets fp16. Under
+torch.autocast the op switches autocast off inside (its matmuls would otherwise run in bf16/fp16
+again, landmark scores and routing logits included: bidirectional MiTA under CPU bf16 autocast
+was 0.33 from fp32 in relative norm, and NaN in a layer); the output has the input's dtype.
 
 `mita_reference` builds the same key set per query as a dense [N, E + N] logit matrix (a key
 held by c routed experts gets log c added) and applies one plain softmax.
@@ -297,6 +300,11 @@ def mita_attention(
     pooling; mask: bool key padding [B, N] (True = real). An empty input (B = 0 or N = 0) gives
     an empty output.
     """
+    if torch.is_autocast_enabled(q.device.type):  # fp32 inside (see the module docstring)
+        with torch.autocast(q.device.type, enabled=False):
+            return mita_attention(q, k, v, landmarks=landmarks, topk=topk, route=route, shared=shared,
+                                  causal=causal, block=block, grid=grid, extra_tokens=extra_tokens,
+                                  mask=mask, scale=scale, pack=pack)
     check_qkv(q, k, v, mask, causal=True)  # MiTA is self-attention: as many queries as keys
     batch, heads, length, dim = q.shape
     check_mita_args(length if batch else 0, landmarks=landmarks, topk=topk, route=route, causal=causal,

@@ -95,6 +95,10 @@ def mita_decode(
 ) -> Tensor:
     """Outputs [B, H, t, e] of the new tokens q, k, v [B, H, t, d|e] of indices start.. of a stream
     whose earlier tokens `cache` holds (start with {}): the parallel causal op's rows."""
+    if torch.is_autocast_enabled(q.device.type):  # fp32 inside, as the parallel op (ops/mita.py)
+        with torch.autocast(q.device.type, enabled=False):
+            return mita_decode(q, k, v, start, cache, landmarks=landmarks, topk=topk, route=route,
+                               shared=shared, block=block, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if "block_q" not in cache:
         cache["block_q"] = q[:, :, :0]

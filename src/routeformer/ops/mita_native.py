@@ -18,10 +18,21 @@ import ctypes
 import torch
 from torch import Tensor
 
-from routeformer.ops.native import kernel, native_kernels, pointer, suffix
+from routeformer.ops.native import declare, kernel, native_kernels, pointer, suffix
 
 _INT, _PTR = ctypes.c_int64, ctypes.c_void_p
-_ARGTYPES = [*[_PTR] * 8, *[_INT] * 6, ctypes.c_double, _PTR, _PTR, ctypes.c_int]
+# The C boundary (native/mita_kernels.c), checked against the C prototypes by `kernel`:
+# q, shared_logits, landmark_values, landmark_ok, keys_t, values, key_ok, chosen, groups, length, experts,
+# width, dim, value_dim, scale, out, counts, threads
+declare(None, [*[_PTR] * 8, *[_INT] * 6, ctypes.c_double, _PTR, _PTR, ctypes.c_int],
+        "mita_route_f32", "mita_route_f64")
+# block, groups, keys, experts, offset, width, values, index, size, threads
+declare(None, [_PTR, *[_INT] * 5, _PTR, _PTR, _PTR, ctypes.c_int],
+        "mita_topk_update_f32", "mita_topk_update_f64")
+# rows, width, values, index, size
+declare(None, [_INT, _INT, _PTR, _PTR, _PTR], "mita_topk_finish_f32", "mita_topk_finish_f64")
+# logits, rows, experts, best, index, threads
+declare(None, [_PTR, _INT, _INT, _PTR, _PTR, ctypes.c_int], "mita_argmax_f32", "mita_argmax_f64")
 
 
 def _contiguous_or_none(t: Tensor | None) -> Tensor | None:
@@ -64,7 +75,7 @@ def single_route(
     chosen = torch.where(slot_valid, assignment, -1).contiguous()
     out = q.new_empty(batch, heads, length, value_dim)
     counts = torch.empty(groups * experts, dtype=torch.long)
-    function = kernel(f"mita_route_{suffix(q.dtype)}", None, _ARGTYPES)
+    function = kernel(f"mita_route_{suffix(q.dtype)}")
     function(pointer(queries), pointer(logits), pointer(values_hat), pointer(ok), pointer(keys_t),
              pointer(values), pointer(key_ok), pointer(chosen), groups, length, experts, width, dim,
              value_dim, float(scale), pointer(out), pointer(counts), torch.get_num_threads())
@@ -83,9 +94,8 @@ class StreamingTopK:
         self.index = torch.zeros(groups, experts, width, dtype=torch.long)
         self.size = torch.zeros(groups, experts, dtype=torch.long)
         name = suffix(like.dtype)
-        self._update = kernel(f"mita_topk_update_{name}", None,
-                              [_PTR, *[_INT] * 5, _PTR, _PTR, _PTR, ctypes.c_int])
-        self._finish = kernel(f"mita_topk_finish_{name}", None, [_INT, _INT, _PTR, _PTR, _PTR])
+        self._update = kernel(f"mita_topk_update_{name}")
+        self._finish = kernel(f"mita_topk_finish_{name}")
 
     @classmethod
     def make(cls, like: Tensor, groups: int, experts: int, width: int) -> StreamingTopK | None:
@@ -120,8 +130,7 @@ def route_by_maximum(logits: Tensor) -> tuple[Tensor, Tensor] | None:
     flat = logits.contiguous().view(-1, logits.shape[-1])
     best = flat.new_empty(flat.shape[0])
     index = torch.empty(flat.shape[0], dtype=torch.long)
-    function = kernel(f"mita_argmax_{suffix(logits.dtype)}", None,
-                      [_PTR, _INT, _INT, _PTR, _PTR, ctypes.c_int])
+    function = kernel(f"mita_argmax_{suffix(logits.dtype)}")
     function(pointer(flat), flat.shape[0], flat.shape[1], pointer(best), pointer(index),
              torch.get_num_threads())
     shape = (*logits.shape[:-1], 1)

@@ -19,7 +19,8 @@ aside, as `<name>.corrupt`) any corrupt file it passes.
 
 The public readers, for code outside training (an exporter, an evaluation script):
 `load_checkpoint(path) -> dict` (the state) and `load_trained_model(path) -> (model, vocab,
-config)`; both take a run directory or a checkpoint file.
+config)`; both take a run directory or a checkpoint file. `choose_checkpoint(path)` also says which
+file (and so which step) a run directory gave, and whether a newer one was unreadable.
 """
 
 from __future__ import annotations
@@ -186,15 +187,43 @@ def remove_checkpoints(directory: str | Path) -> int:
     return len(files)
 
 
+def choose_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any], str | None]:
+    """(file, state, what is newer but unreadable) for a run directory or a checkpoint file.
+
+    For a directory, the file is its newest intact checkpoint; the third item is None when that is
+    the run's newest checkpoint, else a line naming the newer ones that are corrupt (including those
+    an earlier resume moved aside as `*.corrupt`). Nothing is moved; corrupt files are printed (stderr)
+only when none is intact (CheckpointError)."""
+    path = Path(path)
+    if not path.is_dir():
+        return path, load_checkpoint(path), None
+    unreadable: list[str] = []
+    try:
+        chosen, state = latest_checkpoint(path, report=unreadable.append, quarantine=False)
+    except CheckpointError:
+        for message in unreadable:
+            _print_warning(message)
+        raise
+    written = chosen.stat().st_mtime
+    moved = sorted(path.glob("checkpoint*.corrupt"))
+    unreadable += [f"{file.name} (moved aside as corrupt)" for file in moved
+                   if file.stat().st_mtime > written]
+    return chosen, state, "; ".join(unreadable) or None
+
+
 def load_trained_model(path: str | Path):
     """(CausalLM in eval mode, tokeniser, RunConfig) from a `routeformer train` run directory or
     checkpoint file. The tokeniser is the run's own (CharVocab or BPETokenizer, data/tokenizers.py),
     rebuilt from the checkpoint: `tokeniser.encode(text)` gives the model's input ids."""
+    return trained_model(load_checkpoint(path))
+
+
+def trained_model(state: dict[str, Any]):
+    """(CausalLM in eval mode, tokeniser, RunConfig) from a checkpoint's state."""
     from routeformer.data.tokenizers import tokenizer_from_dict
     from routeformer.models.heads import CausalLM
     from routeformer.train.config import RunConfig
 
-    state = load_checkpoint(path)
     config = RunConfig.from_dict(state["config"])
     model = CausalLM(config.model)
     model.load_state_dict(state["model"])

@@ -32,6 +32,10 @@ class DataConfig:
     # Meta-tokens: the fraction of each window's slots that hold an injected `_PAUSE_` (training and
     # evaluation; no loss on predicting one). 0 = none. See data/meta_tokens.py.
     meta_density: float = 0.0
+    # Packed documents: a document is a paragraph (text up to a blank line); training windows carry
+    # document ids, no attention crosses a paragraph boundary and no loss is taken across one
+    # (data/documents.py). Evaluation stays on plain windows. Off by default.
+    pack_documents: bool = False
 
 
 @dataclass
@@ -88,6 +92,9 @@ class RunConfig:
         from routeformer.data.meta_tokens import check_density
 
         check_density("data.meta_density", self.data.meta_density)
+        if self.data.pack_documents and self.data.meta_density > 0:
+            raise ValueError("data.pack_documents with data.meta_density > 0 is not supported; "
+                             "use one of them")
         if self.train.final_eval_tokens is not None:
             check_positive("train.final_eval_tokens", self.train.final_eval_tokens)
         if not self.train.lr > 0:

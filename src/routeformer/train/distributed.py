@@ -15,6 +15,10 @@ run resumed on the same number of processes continues bit-identically to one nev
 A rank the checkpoint has no state for (more processes than before, or a checkpoint whose
 interrupted ranks could not be reached) is reseeded, and the run says so.
 
+Waits: `$ROUTEFORMER_DIST_TIMEOUT_S` bounds the rendezvous and every collective (`collective_timeout`;
+unset: PyTorch's default, 30 min for gloo); a rank that waits longer fails with an error naming the
+operation instead of waiting on a rank that died or took another path. The tests set 60 s.
+
 DistributedDataParallel searches for parameters without gradient after every backward only when
 the model needs it (`needs_unused_parameter_search`): that search costs a graph traversal per
 step, and the mechanisms that always use every parameter skip it.
@@ -65,10 +69,28 @@ def init_distributed(device: str) -> DistributedContext:
 
     initialised_here = not dist.is_initialized()
     if initialised_here:
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=collective_timeout())
     cpu_group = dist.new_group(backend="gloo", timeout=RNG_GATHER_TIMEOUT)
     return DistributedContext(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")),
                               initialised_here, cpu_group)
+
+
+def collective_timeout() -> datetime.timedelta | None:
+    """How long a rank waits for the others (rendezvous and every collective) before it fails with
+    an error naming the operation: `$ROUTEFORMER_DIST_TIMEOUT_S` seconds, else PyTorch's default
+    (None; 30 min for gloo). Rank 0 evaluates alone while the others wait at their next collective,
+    so a run whose evaluations are long needs the default; tests set a short one so that a
+    mismatched collective fails instead of hanging."""
+    value = os.environ.get("ROUTEFORMER_DIST_TIMEOUT_S")
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"ROUTEFORMER_DIST_TIMEOUT_S must be a positive number of seconds; got {value!r}")
+    return datetime.timedelta(seconds=seconds)
 
 
 def resolve_device(device: str, context: DistributedContext) -> torch.device:
@@ -103,6 +125,17 @@ def mean_over_ranks(value: Tensor, context: DistributedContext) -> Tensor:
     reduced = value.detach().clone()
     dist.all_reduce(reduced)
     return reduced / context.world_size
+
+
+def any_rank(flag: bool, context: DistributedContext) -> bool:
+    """Whether `flag` is set on any rank (every rank must call it); the flag itself on one process."""
+    if not context.enabled:
+        return flag
+    import torch.distributed as dist
+
+    value = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=context.cpu_group)
+    return bool(value.item() > 0)
 
 
 def needs_unused_parameter_search(mechanisms: Iterable[str]) -> bool:

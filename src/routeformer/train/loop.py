@@ -7,7 +7,10 @@ intact one (unless `resume=False`, which deletes them); the resumed run is bit-i
 that was never interrupted, because the checkpoint carries the model, optimizer, step, tokeniser
 and the state of every random generator the loop uses (every rank's, under torchrun). Resuming
 with a changed config: see train/resume.py. A step with a non-finite loss or gradient is skipped
-(train/guard.py).
+(train/guard.py). Ctrl-C stops the run at the next step boundary and saves a checkpoint there, the
+same one a periodic checkpoint at that step would be (train/interrupts.py); a second Ctrl-C stops
+at once, keeping the last checkpoint. A run that already finished is not trained or evaluated
+again: its recorded final evaluation is returned.
 
 The text is `data.path` (a local file or folder) or the `data.corpus` spec (data/corpora.py),
 tokenised by `data.tokenizer` (characters, or a BPE tokenizer.json: data/tokenizers.py) through the
@@ -32,6 +35,7 @@ import torch
 
 from routeformer.data.batches import random_batch
 from routeformer.data.corpora import load_data
+from routeformer.data.documents import DOCUMENT_SEPARATOR, document_starts, packed_random_batch
 from routeformer.data.meta_tokens import inject_into_batch, real_tokens_per_window
 from routeformer.data.token_cache import tokenise_corpus
 from routeformer.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_from_dict
@@ -41,6 +45,7 @@ from routeformer.train.checkpoint import save_rotating
 from routeformer.train.config import RunConfig
 from routeformer.train.distributed import (
     DistributedContext,
+    any_rank,
     check_shardable,
     finish_distributed,
     gather_rng_states,
@@ -53,6 +58,12 @@ from routeformer.train.distributed import (
 )
 from routeformer.train.evaluate import evaluate_lm
 from routeformer.train.guard import NonFiniteGuard
+from routeformer.train.interrupts import (
+    DeferredInterrupts,
+    InterruptedMidStep,
+    RunInterrupted,
+    interrupted_message,
+)
 from routeformer.train.logging import RunLog
 from routeformer.train.optim import apply_optimizer_settings, build_optimizer, weight_decay_groups
 from routeformer.train.precision import autocast, check_precision, gradient_scaler
@@ -63,6 +74,7 @@ from routeformer.train.resume import (
     config_changes,
     describe,
     find_resume_state,
+    recorded_final,
     write_config,
 )
 from routeformer.train.schedule import learning_rate
@@ -88,8 +100,9 @@ def train(
 ) -> TrainResult:
     """Train a CausalLM (character-level by default) as `config` says; see the module docstring.
 
-    `after_step(step)` is called after each optimizer step (tests use it to interrupt a run).
-    A KeyboardInterrupt saves a checkpoint at the last completed step before propagating.
+    `after_step(step)` is called after each step, at its boundary (tests use it to interrupt a run).
+    A KeyboardInterrupt (Ctrl-C: at the next step boundary) saves a checkpoint at the last completed
+    step before propagating.
     Under torchrun, only rank 0 returns a `final_eval` (the others return None).
     """
     context = init_distributed(config.train.device)
@@ -128,6 +141,8 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
     changes = config_changes(state["config"], config.to_dict()) if state else {}
     check_changes(changes, out_dir, start)
     train_ids, val_ids = tokenise_corpus(corpus, vocab)
+    starts = (document_starts(train_ids, vocab.encode(DOCUMENT_SEPARATOR)) if config.data.pack_documents
+              else None)
 
     torch.manual_seed(config.train.seed)
     model = CausalLM(config.model).to(device)
@@ -144,6 +159,13 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
         reseeded = restore_rank_rng(state["rng"], context, device, config.train.seed, start)
         if reseeded:
             notice(f"warning: {reseeded}")
+        finished = recorded_final(out_dir, start) if start >= config.train.steps else None
+        if finished is not None:  # nothing to train, nothing to write: no second "final" record
+            notice(f"{str(out_dir)!r} already finished at step {start} (final validation bpc "
+                   f"{finished.get('bpc', float('nan')):.4f}, recorded in metrics.jsonl); nothing to do "
+                   "(raise train.steps to train on)")
+            return TrainResult(start, finished if context.is_main else None, model, vocab, out_dir, 0.0,
+                               state.get("guard", {}).get("skipped", 0))
     elif context.rank:  # ranks other than 0 draw their own dropout / routing samples
         torch.manual_seed(config.train.seed + context.rank)
     trained = model
@@ -194,6 +216,7 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
             "rng": rng,
             "vocab": vocab.to_dict(),
             "config": config.to_dict(),
+            "guard": {"skipped": guard.skipped, "consecutive": guard.consecutive},
         }, keep=config.train.keep_checkpoints)
 
     def skipped(step: int, message: str) -> None:
@@ -204,22 +227,34 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
     settings = config.train
     guard = NonFiniteGuard(settings.max_nonfinite_steps, warn=skipped,
                            all_ranks=lambda flag: mean_over_ranks(flag, context))
+    if state and "guard" in state:
+        guard.skipped, guard.consecutive = state["guard"]["skipped"], state["guard"]["consecutive"]
     meta_eval = {"meta_density": density, "meta_id": vocab.pause_id} if density > 0 else {}
     fp16 = settings.precision == "fp16"
     step = start
     began = time.perf_counter()
     model.train()
+    interrupts = DeferredInterrupts(agree=lambda flag: any_rank(flag, context)).install()
+    at_boundary = True  # the state is that of a finished step: what a checkpoint may hold
     try:
         while step < settings.steps:
+            interrupts.check()  # a Ctrl-C stops here, between steps
+            at_boundary = False
             rate = learning_rate(step, lr=settings.lr, warmup_steps=settings.warmup_steps,
                                  total_steps=settings.steps, min_lr_ratio=settings.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = rate
-            inputs, labels = training_batch(train_ids, settings.batch_size, config.data.seq_len, density,
-                                            vocab, data_generator)
+            packed = {}
+            if starts is not None:  # data.pack_documents: windows with document ids (data/documents.py)
+                inputs, labels, documents = packed_random_batch(train_ids, starts, settings.batch_size,
+                                                                config.data.seq_len, data_generator)
+                packed["documents"] = local_shard(documents, context).to(device)
+            else:
+                inputs, labels = training_batch(train_ids, settings.batch_size, config.data.seq_len, density,
+                                                vocab, data_generator)
             inputs, labels = local_shard(inputs, context).to(device), local_shard(labels, context).to(device)
             with autocast(settings.precision, device):
-                result = trained(inputs, labels)
+                result = trained(inputs, labels, **packed)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(result.total_loss).backward()
             scaler.unscale_(optimizer)
@@ -239,19 +274,30 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
             elif fp16:
                 scaler.update()
             if step % settings.checkpoint_every == 0 or step == settings.steps:
-                checkpoint(step)
+                with interrupts.critical():
+                    checkpoint(step)
+            at_boundary = True
             if after_step is not None:
                 after_step(step)
-    except KeyboardInterrupt:
-        checkpoint(step)
-        say(f"interrupted: checkpoint saved at step {step}; run again to resume")
-        raise
+        interrupts.check()  # a Ctrl-C in the last step stops before the final evaluation
+    except KeyboardInterrupt as interrupt:
+        if at_boundary and not isinstance(interrupt, InterruptedMidStep):
+            with interrupts.critical(raise_after=False):
+                checkpoint(step)
+        message = interrupted_message(step, last_saved) if context.is_main else ""
+        raise RunInterrupted(message) from None
+    finally:
+        interrupts.restore()
     train_seconds = time.perf_counter() - began
     if not context.is_main:
         return TrainResult(step, None, model, vocab, out_dir, train_seconds, guard.skipped)
 
-    final = evaluate_lm(model, val_ids, seq_len=config.data.seq_len, batch_size=settings.batch_size,
-                        max_tokens=settings.final_eval_tokens, **meta_eval)
+    try:
+        final = evaluate_lm(model, val_ids, seq_len=config.data.seq_len, batch_size=settings.batch_size,
+                            max_tokens=settings.final_eval_tokens, **meta_eval)
+    except KeyboardInterrupt:
+        raise RunInterrupted(f"interrupted in the final evaluation; the run is saved at step {step}: "
+                             "run again to finish it") from None
     log.write({"step": step, "final": True, **{f"val_{k}": v for k, v in final.items()}})
     log.close()
     say(f"final validation ({final['tokens']:,} chars): loss {final['loss']:.4f} nats, "

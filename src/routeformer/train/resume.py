@@ -7,6 +7,11 @@ data it was trained on, or the seed would make the resumed run a different run; 
 with one line naming each change (use `--fresh` or another out_dir). `config.yaml` always holds
 the config the run continues with; the one it replaces is kept beside it as
 `config.before-step<N>.yaml` (N: the step the run continues from, 0 for a fresh start).
+
+Nothing a rerun finds is lost: a directory that holds an earlier run's metrics or checkpoints but
+no intact checkpoint refuses to start without `--fresh` (CheckpointError, one line), and a run
+that already finished is not finished again (`recorded_final`: its final evaluation is read back
+from metrics.jsonl, nothing is written).
 """
 
 from __future__ import annotations
@@ -17,8 +22,14 @@ from typing import Any
 
 import yaml
 
-from routeformer.train.checkpoint import checkpoint_files, latest_checkpoint, remove_checkpoints
+from routeformer.train.checkpoint import (
+    CheckpointError,
+    checkpoint_files,
+    latest_checkpoint,
+    remove_checkpoints,
+)
 from routeformer.train.config import RunConfig
+from routeformer.train.progress import read_records, write_text_atomic
 
 # Changes a resumed run may take: everything in `train` but the seed, plus these.
 _ACCEPTED_OUTSIDE_TRAIN = ("model.dropout", "data.seq_len")
@@ -44,12 +55,37 @@ def find_resume_state(out_dir: Path, *, resume: bool, is_main: bool,
             report(f"fresh start: removed {removed} checkpoint(s) of the earlier run in {str(out_dir)!r}")
         return None
     if not checkpoint_files(out_dir):
+        left = earlier_run(out_dir)
+        if left:
+            raise CheckpointError(
+                f"{str(out_dir)!r} holds {left} but no intact checkpoint to resume from; not starting over "
+                "in it: use --fresh to start over (its metrics.jsonl is then replaced), or another out_dir")
         return None
     path, state = latest_checkpoint(out_dir, report=lambda message: report(f"warning: {message}"),
                                     quarantine=is_main)
     if path.name != "checkpoint.pt":
         report(f"resuming from {str(path)!r} (step {state['step']}), the newest intact checkpoint")
     return state
+
+
+def earlier_run(out_dir: Path) -> str:
+    """What an earlier run left in `out_dir` that a fresh start would replace ('' when nothing)."""
+    found = []
+    records = [record for record in read_records(out_dir / "metrics.jsonl") if "step" in record]
+    if records:
+        found.append(f"metrics.jsonl of an earlier run (up to step {max(r['step'] for r in records)})")
+    corrupt = sorted(path.name for path in out_dir.glob("checkpoint*.corrupt"))
+    if corrupt:
+        found.append(f"corrupt checkpoint(s) {', '.join(corrupt)}")
+    return " and ".join(found)
+
+
+def recorded_final(out_dir: Path, step: int) -> dict[str, Any] | None:
+    """The final evaluation metrics.jsonl records at `step` ({"loss": ..., "bpc": ...}), or None."""
+    for record in reversed(read_records(out_dir / "metrics.jsonl")):
+        if record.get("final") and record.get("step") == step:
+            return {key[len("val_"):]: value for key, value in record.items() if key.startswith("val_")}
+    return None
 
 
 def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -99,8 +135,8 @@ def write_config(out_dir: Path, config: RunConfig, *, step: int) -> Path | None:
     path = out_dir / "config.yaml"
     text = yaml.safe_dump(config.to_dict(), sort_keys=False)
     kept = None
-    if path.is_file() and path.read_text() != text:
+    if path.is_file() and path.read_text() != text:  # copied, then replaced: config.yaml never missing
         kept = out_dir / f"config.before-step{step}.yaml"
-        path.replace(kept)
-    path.write_text(text)
+        write_text_atomic(kept, path.read_text())
+    write_text_atomic(path, text)
     return kept

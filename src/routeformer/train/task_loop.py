@@ -89,7 +89,7 @@ def training_checkpoints(directory: str | Path, key: str) -> list[Path]:
 
 
 def _resume(path: Path, config: TaskTrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
-            generator: torch.Generator) -> tuple[int, TaskHistory]:
+            generator: torch.Generator, guard: NonFiniteGuard) -> tuple[int, TaskHistory]:
     """(first step to run, history so far) from the checkpoint at `path`, restored in place."""
     state = load_checkpoint(path)
     if state["config"] != asdict(config):
@@ -99,6 +99,8 @@ def _resume(path: Path, config: TaskTrainConfig, model: nn.Module, optimizer: to
     optimizer.load_state_dict(state["optimizer"])
     generator.set_state(state["rng"]["batches"])
     torch.set_rng_state(state["rng"]["torch"])
+    if "guard" in state:  # skipped updates so far, and in a row (the divergence limit counts on)
+        guard.skipped, guard.consecutive = state["guard"]["skipped"], state["guard"]["consecutive"]
     return state["step"] + 1, TaskHistory(**state["history"])
 
 
@@ -128,15 +130,15 @@ def train_task(
     history, first_step = TaskHistory(), 1
     resumable = _RESUMABLE.get()
     checkpoint = None if resumable is None else resumable.next_path()
+    guard = NonFiniteGuard(MAX_NONFINITE_STEPS, warn=lambda step, message: _warn(message))
     if checkpoint is not None and checkpoint.exists():
         try:
-            first_step, history = _resume(checkpoint, config, model, optimizer, generator)
+            first_step, history = _resume(checkpoint, config, model, optimizer, generator, guard)
             if log:
                 log(f"resumed from {checkpoint.name} after step {first_step - 1}")
         except CheckpointError as error:  # nothing was restored: the call starts over
             os.replace(checkpoint, checkpoint.with_name(checkpoint.name + ".corrupt"))
             _warn(f"{error}; moved aside, this run starts over")
-    guard = NonFiniteGuard(MAX_NONFINITE_STEPS, warn=lambda step, message: _warn(message))
     began = time.perf_counter()
     for step in range(first_step, config.steps + 1):
         rate = learning_rate(step - 1, lr=config.lr, warmup_steps=config.warmup_steps,
@@ -166,6 +168,7 @@ def train_task(
                     "config": asdict(config), "step": step, "history": asdict(history),
                     "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "rng": {"batches": generator.get_state(), "torch": torch.get_rng_state()},
+                    "guard": {"skipped": guard.skipped, "consecutive": guard.consecutive},
                 })
             began = time.perf_counter()
     history.final = history.evals[-1]

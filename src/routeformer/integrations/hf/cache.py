@@ -7,9 +7,10 @@ positions and build masks. A routeformer layer keeps its own decoding state (all
 a `RouteformerCacheLayer` in its slot of that cache and stores the state there. transformers' own
 bookkeeping (sequence length, mask sizes, beam reordering) then reads the right numbers.
 
-A cache that cannot continue exactly (filled in training mode, from a padded batch, or by a
-mechanism without cached decoding) is marked unusable with the reason: reading it again raises a
-one-line ValueError that says to pass `use_cache=False`, never a silently wrong continuation.
+A padded batch keeps one state per row (models/ragged.py). A cache that cannot continue exactly
+(filled in training mode, or by a mechanism without cached decoding) is marked unusable with the
+reason: reading it again raises a one-line ValueError that says to pass `use_cache=False`, never
+a silently wrong continuation.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from routeformer.models.ragged import is_ragged, select_rows
 
 
 class RouteformerCacheLayer(CacheLayerMixin):
@@ -73,13 +76,25 @@ class RouteformerCacheLayer(CacheLayerMixin):
         self.state = {key: function(value) if isinstance(value, Tensor) and value.dim() > 0 else value
                       for key, value in self.state.items()}
 
+    def _select_rows(self, index: Tensor) -> None:
+        # A padded batch keeps one state per row (models/ragged.py): pick the rows' states.
+        select_rows(self.state, index)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if is_ragged(self.state):
+            return self._select_rows(beam_idx)
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        if is_ragged(self.state):
+            rows = len(self.state["rows"])
+            return self._select_rows(torch.arange(rows).repeat_interleave(repeats))
         self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: Tensor) -> None:
+        if is_ragged(self.state):
+            rows = torch.arange(len(self.state["rows"]))
+            return self._select_rows(rows[indices.cpu()] if isinstance(indices, Tensor) else rows[indices])
         self._map_batch(lambda t: t[indices])
 
 

@@ -15,7 +15,7 @@ returned alone as `aux_loss`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -25,9 +25,11 @@ from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from routeformer.integrations.hf.cache import cache_layer, check_usable
+from routeformer.integrations.hf.compat import passed_cache, refuse_untested_cache, untested_reason
 from routeformer.models.cache import DecodeCache
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import IGNORE_INDEX, CausalLM
+from routeformer.models.ragged import is_ragged
 from routeformer.models.transformer import Block, init_weights
 
 # ModelConfig's fields a causal LM uses (num_classes and pooling belong to the classifier head).
@@ -73,6 +75,10 @@ class RouteformerConfig(PreTrainedConfig):
             raise ValueError("RouteformerConfig: model.causal must be True (a causal LM)")
         values = config.to_dict()
         return cls(**{name: values[name] for name in MODEL_FIELDS}, **kwargs)
+
+
+# The output's cache field: `cache` from transformers 5.24 on, `past_key_values` before.
+CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} else "past_key_values"
 
 
 @dataclass
@@ -133,21 +139,24 @@ class RouteformerForCausalLM(PreTrainedModel, GenerationMixin):
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, past_key_values: Any = None,
                 inputs_embeds: Tensor | None = None, labels: Tensor | None = None,
-                use_cache: bool | None = None, logits_to_keep: int = 0,
+                use_cache: bool | None = None, logits_to_keep: int = 0, cache: Any = None,
                 **kwargs: Any) -> RouteformerCausalLMOutput:
         """transformers' causal-LM call. `attention_mask` [B, past+T] (1 = real token);
-        `past_key_values` a transformers Cache that routeformer's decode caches live in."""
+        `cache` (transformers >= 5.24; `past_key_values` before) a transformers Cache that
+        routeformer's decode caches live in."""
+        past_key_values = passed_cache((), kwargs, past_key_values, cache)
         tokens = input_ids
         if (tokens is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         shape_source = tokens if tokens is not None else inputs_embeds
         batch, length = shape_source.shape[:2]
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and past_key_values is None:
+        if use_cache and past_key_values is None and untested_reason() is None:
             from transformers import DynamicCache
             past_key_values = DynamicCache()
         if not use_cache:
             past_key_values = None
+        refuse_untested_cache(past_key_values)
         blocks = self.model.backbone.blocks
         layers = None
         if past_key_values is not None:
@@ -166,9 +175,11 @@ class RouteformerForCausalLM(PreTrainedModel, GenerationMixin):
         if layers is not None:
             for layer in layers:
                 check_usable(layer)
-            reason = self._cannot_decode(real)
+            reason = self._cannot_decode()
             if reason is None:
                 decode = DecodeCache(length=past, layers=[layer.state for layer in layers])
+                if real is not None or is_ragged(layers[0].state):
+                    positions = None  # a padded batch: each row counts its own real tokens (ragged.py)
             elif past:
                 raise ValueError(f"cached generation cannot continue exactly: {reason}; pass use_cache=False")
             else:
@@ -187,10 +198,10 @@ class RouteformerForCausalLM(PreTrainedModel, GenerationMixin):
             task_loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                         ignore_index=IGNORE_INDEX)
             loss = task_loss + result.aux_loss
-        return RouteformerCausalLMOutput(loss=loss, logits=logits, past_key_values=past_key_values,
-                                         aux_loss=result.aux_loss)
+        return RouteformerCausalLMOutput(loss=loss, logits=logits, aux_loss=result.aux_loss,
+                                         **{CACHE_FIELD: past_key_values})
 
-    def _cannot_decode(self, real: Tensor | None) -> str | None:
+    def _cannot_decode(self) -> str | None:
         backbone = self.model.backbone
         if not backbone.supports_cache():
             names = sorted({type(block.attention).__name__ for block in backbone.blocks
@@ -198,7 +209,5 @@ class RouteformerForCausalLM(PreTrainedModel, GenerationMixin):
             return f"layers {names} have no cached decoding"
         if self.training:
             return "the cache was filled in training mode (aux losses and routing noise need the full pass)"
-        if real is not None:
-            return "the batch has padding (routeformer decode caches hold real tokens only)"
         return None
 

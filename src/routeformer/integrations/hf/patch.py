@@ -38,6 +38,8 @@ from torch import Tensor, nn
 
 from routeformer.attention import build_attention
 from routeformer.integrations.hf.cache import cache_layer, check_usable
+from routeformer.integrations.hf.compat import passed_cache, refuse_untested_cache, untested_reason
+from routeformer.models.ragged import decode_rows, is_ragged, ragged_positions, start_ragged
 
 
 class RouteformerAttention(nn.Module):
@@ -45,9 +47,10 @@ class RouteformerAttention(nn.Module):
 
     With `past_key_values` (use_cache=True) the layer decodes incrementally with routeformer's own
     decode cache, kept in its slot of transformers' cache (integrations/hf/cache.py): exactly the
-    function of the uncached pass. A prompt the cache cannot continue from exactly (a padded batch,
-    training mode, a mechanism without cached decoding) is still answered exactly, and the next
-    cached step raises a ValueError saying to pass use_cache=False.
+    function of the uncached pass. A padded (left- or right-padded) prompt batch keeps one state per
+    row, and each row generates what its prompt generates alone. A prompt the cache cannot continue
+    from exactly (training mode, a mechanism without cached decoding) is still answered exactly,
+    and the next cached step raises a ValueError saying to pass use_cache=False.
     """
 
     def __init__(self, layer: nn.Module, layer_index: int, mechanism: str) -> None:
@@ -59,10 +62,13 @@ class RouteformerAttention(nn.Module):
         self.last_stats: dict[str, Tensor] = {}
 
     def forward(self, hidden_states: Tensor, *args: Any, attention_mask: Tensor | None = None,
-                position_ids: Tensor | None = None, past_key_values: Any = None,
+                position_ids: Tensor | None = None, past_key_values: Any = None, cache: Any = None,
                 **kwargs: Any) -> tuple[Tensor, None]:
+        # transformers >= 5.24 passes the cache as `cache`, earlier releases as `past_key_values`.
+        transformers_cache = passed_cache(args, kwargs, past_key_values, cache)
+        refuse_untested_cache(transformers_cache)
         batch, length, _ = hidden_states.shape
-        cache = None if past_key_values is None else cache_layer(past_key_values, self.layer_index)
+        cache = None if transformers_cache is None else cache_layer(transformers_cache, self.layer_index)
         past = 0 if cache is None else cache.length
         if position_ids is None:
             position_ids = torch.arange(past, past + length, device=hidden_states.device)
@@ -70,9 +76,9 @@ class RouteformerAttention(nn.Module):
         real = key_padding_mask(attention_mask, batch, length, past)
         if cache is not None:
             check_usable(cache)
-            reason = self._cannot_decode(real)
+            reason = self._cannot_decode()
             if reason is None:
-                out = self.layer.decode(hidden_states, positions=positions, cache=cache.state)
+                out = self._decode(hidden_states, positions, real, cache, past)
                 cache.length += length
                 self.last_aux_loss, self.last_stats = hidden_states.new_zeros(()), {}
                 return out, None
@@ -85,13 +91,28 @@ class RouteformerAttention(nn.Module):
         self.last_aux_loss, self.last_stats = result.aux_loss, result.stats
         return result.out, None
 
-    def _cannot_decode(self, real: Tensor | None) -> str | None:
+    def _decode(self, hidden_states: Tensor, positions: Tensor, real: Tensor | None, cache,
+                past: int) -> Tensor:
+        """One cached step. A padded prompt makes every row keep its own state (models/ragged.py),
+        each row then continuing as it would alone, with positions counted over its real tokens."""
+        new_real = None if real is None else real[:, past:]
+        if not is_ragged(cache.state):
+            if new_real is None:
+                return self.layer.decode(hidden_states, positions=positions, cache=cache.state)
+            if past:
+                raise ValueError("cached generation cannot continue exactly: padding after an unpadded "
+                                 "prompt; pass use_cache=False")
+            start_ragged(cache.state, hidden_states.shape[0], hidden_states.device)
+        if new_real is None:
+            new_real = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
+        positions = ragged_positions(cache.state, new_real)
+        return decode_rows(self.layer, hidden_states, new_real, positions, cache.state)
+
+    def _cannot_decode(self) -> str | None:
         if not self.layer.supports_cache:
             return f"routeformer mechanism {self.mechanism!r} has no cached decoding"
         if self.training:
             return "the cache was filled in training mode (aux losses and routing noise need the full pass)"
-        if real is not None:
-            return "the batch has padding (routeformer decode caches hold real tokens only)"
         return None
 
 
@@ -242,8 +263,9 @@ def patch_attention(model: nn.Module, mechanism: str, **options: Any) -> nn.Modu
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attribute, replacement)
     config.routeformer = {"mechanism": mechanism, "options": dict(options)}
-    if not routeformer_layers(model)[0].layer.supports_cache:
-        # Generation by default would stop at its second token with a ValueError; re-read instead.
+    if not routeformer_layers(model)[0].layer.supports_cache or untested_reason() is not None:
+        # Generation by default would stop with a ValueError (no cached decoding, or a transformers
+        # release outside the tested range: compat.py); re-read the context instead.
         config.use_cache = False
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.use_cache = False

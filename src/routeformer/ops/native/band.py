@@ -17,10 +17,27 @@ bfloat16/float16 inputs are computed in float32 and the results returned in the 
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import Tensor
 
-from routeformer.ops.native import compute_dtype, library, native_op, pointer, suffix, widened
+from routeformer.ops.native import compute_dtype, declare, kernel, native_op, pointer, suffix, widened
+
+_PTR, _INT, _I32, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+# The C boundary (band_kernels.c, expanding_kernels.c), each signature written once and checked
+# against the C prototypes by `kernel`:
+# q, k, v, layout, log_decay, horizon, positions, rows, queries, heads, length, dim, value_dim, scale,
+# out, threads
+declare(None, [*[_PTR] * 7, *[_INT] * 6, _F64, _PTR, _I32], "band_attend_f32", "band_attend_f64")
+# q, k, v, log_decay, horizon, out, grad_out, rows, length, dim, value_dim, scale, grad_q, grad_k,
+# grad_v, grad_log_decay, threads
+declare(None, [*[_PTR] * 7, *[_INT] * 4, _F64, *[_PTR] * 4, _I32],
+        "expanding_attend_backward_f32", "expanding_attend_backward_f64")
+# q, k, alpha, beta, rows, heads, length, dim, tol, max_iters, scale, horizon, steps, distance_sum,
+# counts, threads
+declare(None, [*[_PTR] * 4, *[_INT] * 4, _F64, _INT, _F64, *[_PTR] * 4, _I32],
+        "expanding_infer_f32", "expanding_infer_f64")
 
 
 def _band_forward(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, horizon: Tensor,
@@ -35,7 +52,7 @@ def _band_forward(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, horizon: T
     positions = None if positions is None else positions.contiguous()
     layout = torch.tensor([*k.stride()[:3], *v.stride()[:3]], dtype=torch.long)
     out = q.new_empty(rows, queries, v.shape[-1])
-    getattr(library(), f"band_attend_{suffix(work)}")(
+    kernel(f"band_attend_{suffix(work)}")(
         pointer(q), k.data_ptr(), v.data_ptr(), pointer(layout), pointer(log_decay), pointer(horizon),
         pointer(positions), rows, queries, k.shape[1], k.shape[2], dim, v.shape[-1], scale, pointer(out),
         torch.get_num_threads())
@@ -90,7 +107,7 @@ def band_attention_backward_op(q: Tensor, k: Tensor, v: Tensor, log_decay: Tenso
     grad_q, grad_log_decay = torch.empty_like(q), torch.empty_like(log_decay)
     grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
     horizon = horizon.contiguous()  # a name: a temporary would be freed before the call reads it
-    getattr(library(), f"expanding_attend_backward_{suffix(work)}")(
+    kernel(f"expanding_attend_backward_{suffix(work)}")(
         pointer(q), pointer(k), pointer(v), pointer(log_decay), pointer(horizon), pointer(out),
         pointer(grad_out), rows, length, dim, v.shape[-1], scale, pointer(grad_q), pointer(grad_k),
         pointer(grad_v), pointer(grad_log_decay), torch.get_num_threads())
@@ -143,7 +160,7 @@ def expanding_infer_op(q: Tensor, k: Tensor, alpha: Tensor, beta: Tensor, heads:
     steps = torch.empty_like(horizon)
     distance_sum = q.new_empty(rows, length)
     counts = torch.zeros(2, dtype=torch.long)
-    getattr(library(), f"expanding_infer_{suffix(work)}")(
+    kernel(f"expanding_infer_{suffix(work)}")(
         pointer(q), pointer(k), pointer(alpha), pointer(beta), rows, heads, length, dim, float(tol),
         max_iters, scale, pointer(horizon), pointer(steps), pointer(distance_sum), pointer(counts),
         torch.get_num_threads())

@@ -9,6 +9,11 @@
 #include <immintrin.h>
 #endif
 
+/* Name pasting for the fp32/fp64 template headers (*_impl.h, included once per type): RF_CAT(dot_, T_)
+ * is dot_float when T_ is float (the second level expands the arguments before pasting). */
+#define RF_CAT_(a, b) a##b
+#define RF_CAT(a, b) RF_CAT_(a, b)
+
 /* Ask for a row of `bytes` some iterations ahead: gathered or walked-back key and value rows are
  * spread over megabytes, and waiting for each one stalls the loop. */
 #define PREFETCH_AHEAD 8

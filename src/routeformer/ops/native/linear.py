@@ -21,7 +21,7 @@ import ctypes
 import torch
 from torch import Tensor
 
-from routeformer.ops.native import kernel, native_op, pointer
+from routeformer.ops.native import declare, kernel, native_op, pointer
 
 # Tokens per chunk of the kernels' sweeps (a multiple of 16: the chunk blocks are padded to 16
 # columns). 64 was fastest or tied among 32, 48, 64, 96, 128 at T = 16384, d = e = 64, fp32 and bf16
@@ -29,6 +29,15 @@ from routeformer.ops.native import kernel, native_op, pointer
 BLOCK = 64
 STORAGE = (torch.float32, torch.bfloat16)
 _INT, _PTR = ctypes.c_int64, ctypes.c_void_p
+# The C boundary (linear_kernels.c), checked against the C prototypes by `kernel`:
+# q, k, v, layout, keep, batch, heads, length, dim, value_dim, block, eps, bf16, out, den, states,
+# threads -> 0, or an error code (see _check)
+declare(_INT, [_PTR] * 5 + [_INT] * 6 + [ctypes.c_double, ctypes.c_int, *[_PTR] * 3, ctypes.c_int],
+        "causal_linear_forward")
+# q, k, v, layout, keep, out, den, states, grad_out, batch, heads, length, dim, value_dim, block, bf16,
+# dq, dk, dv, threads
+declare(_INT, [_PTR] * 9 + [_INT] * 6 + [ctypes.c_int, _PTR, _PTR, _PTR, ctypes.c_int],
+        "causal_linear_backward")
 
 
 def supported(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -76,8 +85,7 @@ def causal_linear(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, eps: flo
     states = fill(_states_shape(q, v) if save_states else (0,), dtype=torch.float32)
     # Bound to names: a temporary's memory would be freed before the call reads it.
     layout, keep = _layout(q, k, v), _mask_bytes(mask)
-    function = kernel("causal_linear_forward", _INT,
-                      [_PTR] * 5 + [_INT] * 6 + [ctypes.c_double, ctypes.c_int, *[_PTR] * 3, ctypes.c_int])
+    function = kernel("causal_linear_forward")
     _check(function(q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(layout), pointer(keep), batch, heads,
                     length, dim, v.shape[-1], BLOCK, eps, int(q.dtype == torch.bfloat16), pointer(out),
                     pointer(den), pointer(states) if save_states else None, torch.get_num_threads()))
@@ -103,8 +111,7 @@ def causal_linear_backward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
     batch, heads, length, dim = q.shape
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
     layout, keep = _layout(q, k, v), _mask_bytes(mask)
-    function = kernel("causal_linear_backward", _INT,
-                      [_PTR] * 9 + [_INT] * 6 + [ctypes.c_int, _PTR, _PTR, _PTR, ctypes.c_int])
+    function = kernel("causal_linear_backward")
     _check(function(q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(layout), pointer(keep), pointer(out),
                     pointer(den), pointer(states), pointer(grad_out), batch, heads, length, dim, v.shape[-1],
                     BLOCK, int(q.dtype == torch.bfloat16), pointer(dq), pointer(dk), pointer(dv),

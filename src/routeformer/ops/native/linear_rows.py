@@ -15,10 +15,18 @@ import ctypes
 import torch
 from torch import Tensor
 
-from routeformer.ops.native import compute_dtype, library, native_op, pointer, suffix
+from routeformer.ops.native import compute_dtype, declare, kernel, native_op, pointer, suffix
 
 _INT, _PTR = ctypes.c_int64, ctypes.c_void_p
-_FORWARD_ARGS = [*[_PTR] * 6, *[_INT] * 6, ctypes.c_double, _PTR, ctypes.c_int]  # both forward kernels
+# The C boundary (linear_rows_kernels.c), checked against the C prototypes by `kernel`:
+# queries, phi_k (or k), v, layout, positions, valid, rows, queries, heads, length, dim, value_dim, eps,
+# out, threads
+declare(None, [*[_PTR] * 6, *[_INT] * 6, ctypes.c_double, _PTR, ctypes.c_int],
+        "linear_rows_f32", "linear_rows_f64", "linear_rows_features_f32", "linear_rows_features_f64")
+# phi_q, phi_k, v, layout, positions, valid, out, grad_out, rows, queries, heads, length, dim,
+# value_dim, eps, grad_phi_q, grad_phi_k, grad_v, scratch, threads
+declare(None, [*[_PTR] * 8, *[_INT] * 6, ctypes.c_double, *[_PTR] * 4, ctypes.c_int],
+        "linear_rows_backward_f32", "linear_rows_backward_f64")
 
 
 def _inner_contiguous(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -43,9 +51,7 @@ def _rows_forward(name: str, queries: Tensor, k: Tensor, v: Tensor, positions: T
     out = queries.new_empty(rows, count, v.shape[-1])
     # Bound to names: a temporary's memory would be freed before the call reads it.
     valid, positions, layout = valid.to(torch.uint8).contiguous(), positions.contiguous(), _layout(k, v)
-    function = getattr(library(), f"{name}_{suffix(work)}")
-    function.restype, function.argtypes = None, _FORWARD_ARGS  # linear_rows_features_* is not in _declare
-    function(
+    kernel(f"{name}_{suffix(work)}")(
         pointer(queries), k.data_ptr(), v.data_ptr(), pointer(layout), pointer(positions), pointer(valid),
         rows, count, k.shape[1], k.shape[2], dim, v.shape[-1], eps, pointer(out), torch.get_num_threads())
     return out
@@ -80,7 +86,7 @@ def linear_rows_backward_op(phi_q: Tensor, phi_k: Tensor, v: Tensor, positions: 
     grad_v = v.new_empty(v.shape)
     scratch = phi_q.new_empty(rows, queries, value_dim + 1)  # g_num and g_den between the sweeps
     valid, positions, layout = valid.to(torch.uint8).contiguous(), positions.contiguous(), _layout(phi_k, v)
-    getattr(library(), f"linear_rows_backward_{suffix(work)}")(
+    kernel(f"linear_rows_backward_{suffix(work)}")(
         pointer(phi_q), phi_k.data_ptr(), v.data_ptr(), pointer(layout), pointer(positions), pointer(valid),
         pointer(out), pointer(grad_out), rows, queries,
         phi_k.shape[1], phi_k.shape[2], dim, value_dim, eps, pointer(grad_phi_q), pointer(grad_phi_k),

@@ -19,19 +19,23 @@ from functools import cache
 import torch
 from torch import Tensor
 
-from routeformer.ops.native import kernel, native_op, pointer
+from routeformer.ops.native import declare, kernel, native_op, pointer
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 _INT, _PTR = ctypes.c_int64, ctypes.c_void_p
+# The C boundary (local_kernels.c, local_backward_kernels.c), checked against the C prototypes by
+# `kernel`: q, k, v, valid, batch, heads, length, dim, before, after, scale, bf16, out, lse, threads
+declare(None, [*[_PTR] * 4, *[_INT] * 6, ctypes.c_double, ctypes.c_int, _PTR, _PTR, ctypes.c_int],
+        "local_attend")
+# q, k, v, valid, out, lse, grad_out, (the 6 sizes), scale, bf16, grad_q, grad_k, grad_v, threads
+declare(None, [*[_PTR] * 7, *[_INT] * 6, ctypes.c_double, ctypes.c_int, *[_PTR] * 3, ctypes.c_int],
+        "local_attend_backward")
+declare(ctypes.c_int, [], "local_attend_available", "local_pairs_available")
 
 
 @cache
 def _functions() -> tuple:
-    forward = kernel("local_attend", None, [*[_PTR] * 4, *[_INT] * 6, ctypes.c_double, ctypes.c_int,
-                                            _PTR, _PTR, ctypes.c_int])
-    backward = kernel("local_attend_backward", None, [*[_PTR] * 7, *[_INT] * 6, ctypes.c_double,
-                                                      ctypes.c_int, *[_PTR] * 3, ctypes.c_int])
-    return forward, backward
+    return kernel("local_attend"), kernel("local_attend_backward")
 
 
 @torch.compiler.assume_constant_result
@@ -44,7 +48,7 @@ def local_kernel_available() -> bool:
 
 @cache
 def _built_with_avx512() -> bool:
-    return bool(kernel("local_attend_available", ctypes.c_int, [])())
+    return bool(kernel("local_attend_available")())
 
 
 def _bytes(valid: Tensor | None) -> Tensor | None:

@@ -7,10 +7,17 @@ are computed in float32 and returned in their dtype.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import Tensor
 
-from routeformer.ops.native import compute_dtype, library, native_op, pointer, suffix
+from routeformer.ops.native import compute_dtype, declare, kernel, native_op, pointer, suffix
+
+_PTR, _INT = ctypes.c_void_p, ctypes.c_int64
+# x, layout, cos_half, sin_half, rows, batch, heads, count, table_length, dim, sign, out, threads
+# (rotary_kernels.c; checked against the C prototype by `kernel`)
+declare(None, [*[_PTR] * 5, *[_INT] * 5, ctypes.c_double, _PTR, ctypes.c_int], "rotary_f32", "rotary_f64")
 
 
 @native_op("rotary")
@@ -24,7 +31,7 @@ def rotary_op(x: Tensor, cos_half: Tensor, sin_half: Tensor, rows: Tensor | None
     batch, heads, count, dim = x.shape
     layout = torch.tensor(x.stride()[:3], dtype=torch.long)
     out = x.new_empty(x.shape)
-    getattr(library(), f"rotary_{suffix(work)}")(
+    kernel(f"rotary_{suffix(work)}")(
         x.data_ptr(), pointer(layout), pointer(cos_half), pointer(sin_half), pointer(rows), batch, heads,
         count, cos_half.shape[1], dim, sign, pointer(out), torch.get_num_threads())
     return out.to(dtype)

@@ -26,7 +26,27 @@ import torch
 from torch import Tensor
 
 from routeformer.ops import native as _native
-from routeformer.ops.native import compute_dtype, library, native_op, pointer, suffix, widened
+from routeformer.ops.native import compute_dtype, declare, kernel, native_op, pointer, suffix, widened
+
+_PTR, _INT, _I32, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+# The C boundary of topk_kernels.c, topk_speculative_kernels.c and topk_bf16_attention_kernels.c, each
+# signature written once (checked against the C prototypes by `kernel`):
+# queries, keys_t, key_mask, rows, heads, length, num_keys, stride, dim, slots, causal, local_window,
+# global_tokens, newest_first, index, valid, threads -> keys scored
+declare(_INT, [_PTR, _PTR, _PTR, *[_INT] * 7, _I32, _INT, _INT, _I32, _PTR, _PTR, _I32],
+        "route_topk_f32", "route_topk_f64")
+# queries, keys, bf16, key_mask, rows, heads, length, num_keys, dim, slots, causal, local_window,
+# global_tokens, index, valid, threads -> 0, or < 0 when the kernel cannot serve
+declare(_INT, [_PTR, _PTR, _I32, _PTR, *[_INT] * 6, _I32, _INT, _INT, _PTR, _PTR, _I32], "route_topk_spec")
+declare(_INT, [], "route_topk_spec_available", "route_topk_spec_query_tile", "route_topk_spec_refuted")
+# q, k, v, index, valid, batch, heads, length, keys, dim, value_dim, slots, index strides (2), scale,
+# out, lse, threads
+declare(None, [*[_PTR] * 5, *[_INT] * 9, _F64, _PTR, _PTR, _I32],
+        "routed_attention_f32", "routed_attention_f64", "routed_attention_bf16")
+# q, k, v, index, valid, out, lse, grad_out, (the 9 sizes and strides), scale, grad_q, grad_k, grad_v, threads
+declare(None, [*[_PTR] * 8, *[_INT] * 9, _F64, _PTR, _PTR, _PTR, _I32],
+        "routed_attention_backward_f32", "routed_attention_backward_f64", "routed_attention_backward_bf16")
+declare(_INT, [], "routed_attention_bf16_max_dim")
 
 
 def kernel_layout(index: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -47,7 +67,7 @@ def route_topk_op(queries: Tensor, keys_t: Tensor, key_mask: Tensor | None, head
     forced keys first in a row, invalid slots point at key 0. `newest_first` scans the keys from
     the newest (for scores that grow with the key position; see topk_kernels.c): the same set."""
     batch, routes, length, dim = queries.shape
-    tile = int(_native.library().route_topk_chunk())  # a query, not a kernel call
+    tile = int(_native.kernel("route_topk_chunk")())  # a query, not a kernel call
     if keys_t.shape[-1] != tile or keys_t.shape[2] * tile < num_keys:
         # the kernel reads whole tiles: a narrower one would be read past its end
         raise ValueError(f"route_topk: keys_t must hold tiles of {tile} keys covering num_keys={num_keys}; "
@@ -57,7 +77,7 @@ def route_topk_op(queries: Tensor, keys_t: Tensor, key_mask: Tensor | None, head
     index = torch.empty(batch, routes, length, slots, dtype=torch.long, device=queries.device)
     valid = torch.empty(batch, routes, length, slots, dtype=torch.bool, device=queries.device)
     stride = keys_t.shape[2] * keys_t.shape[4]
-    getattr(library(), f"route_topk_{suffix(queries.dtype)}")(
+    kernel(f"route_topk_{suffix(queries.dtype)}")(
         pointer(queries), pointer(keys_t), pointer(mask), batch * routes, heads, length, num_keys, stride,
         dim, slots, int(causal), local_window, global_tokens, int(newest_first), pointer(index),
         valid.data_ptr(), torch.get_num_threads())
@@ -71,10 +91,6 @@ def _route_topk_fake(queries, keys_t, key_mask, heads, num_keys, slots, causal, 
     return queries.new_empty(shape, dtype=torch.long), queries.new_empty(shape, dtype=torch.bool)
 
 
-_PTR, _INT = ctypes.c_void_p, ctypes.c_int64
-_SPEC_ARGS = [_PTR, _PTR, ctypes.c_int, _PTR, *[_INT] * 6, ctypes.c_int, _INT, _INT, _PTR, _PTR, ctypes.c_int]
-
-
 @torch.compiler.assume_constant_result  # traced as a constant: no ctypes call inside a graph
 def speculative_query_tile() -> int:
     """Queries per tile of the speculative routing kernel (topk_speculative_kernels.c), 0 when
@@ -84,10 +100,8 @@ def speculative_query_tile() -> int:
 
 @cache
 def _speculative_query_tile() -> int:
-    loaded = _native.library()  # (not this module's `library`, which tests count as kernel calls)
-    for name in ("route_topk_spec_available", "route_topk_spec_query_tile"):
-        getattr(loaded, name).restype = ctypes.c_int64
-    return int(loaded.route_topk_spec_query_tile()) if loaded.route_topk_spec_available() else 0
+    query = _native.kernel  # (not this module's `kernel`, which tests count as kernel calls)
+    return int(query("route_topk_spec_query_tile")()) if query("route_topk_spec_available")() else 0
 
 
 @native_op("route_topk_rows")
@@ -105,9 +119,7 @@ def route_topk_rows_op(queries: Tensor, keys: Tensor, key_mask: Tensor | None, h
     mask = None if key_mask is None else key_mask.to(torch.uint8).contiguous()
     index = torch.empty(batch, routes, length, slots, dtype=torch.long, device=queries.device)
     valid = torch.empty(batch, routes, length, slots, dtype=torch.bool, device=queries.device)
-    function = library().route_topk_spec
-    function.restype, function.argtypes = ctypes.c_int64, _SPEC_ARGS
-    done = function(
+    done = kernel("route_topk_spec")(
         pointer(queries), pointer(keys), int(queries.dtype == torch.bfloat16), pointer(mask), batch * routes,
         heads, length, keys.shape[2], dim, slots, int(causal), local_window, global_tokens, pointer(index),
         valid.data_ptr(), torch.get_num_threads())
@@ -159,8 +171,6 @@ def _floor_sum(n: int, m: int, a: int, b: int) -> int:
 
 # -- attention over the routed keys ---------------------------------------------------------------
 BF16_MAX_DIM = 512  # head dims the bf16 kernels (topk_bf16_attention_kernels.c) hold on the stack
-_BF16_FORWARD_ARGS = [*[_PTR] * 5, *[_INT] * 9, ctypes.c_double, _PTR, _PTR, ctypes.c_int]
-_BF16_BACKWARD_ARGS = [*[_PTR] * 8, *[_INT] * 9, ctypes.c_double, _PTR, _PTR, _PTR, ctypes.c_int]
 
 
 def reads_bf16(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -168,12 +178,6 @@ def reads_bf16(q: Tensor, k: Tensor, v: Tensor) -> bool:
     dims <= BF16_MAX_DIM."""
     return (q.dtype == k.dtype == v.dtype == torch.bfloat16
             and max(q.shape[-1], v.shape[-1]) <= BF16_MAX_DIM)
-
-
-def _bf16_kernel(name: str, argtypes: list):
-    function = getattr(library(), name)
-    function.restype, function.argtypes = None, argtypes
-    return function
 
 
 @native_op("routed_attention")
@@ -188,7 +192,7 @@ def routed_attention_op(q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: T
         q, k, v = (t.contiguous() for t in (q, k, v))
         out = q.new_empty(batch, heads, length, v.shape[-1])
         lse = q.new_empty(batch, heads, length, dtype=torch.float32)
-        _bf16_kernel("routed_attention_bf16", _BF16_FORWARD_ARGS)(
+        kernel("routed_attention_bf16")(
             pointer(q), pointer(k), pointer(v), index.data_ptr(), valid.data_ptr(), batch, heads, length,
             k.shape[2], dim, v.shape[-1], index.shape[-1], index.stride(0), index.stride(1), scale,
             pointer(out), pointer(lse), torch.get_num_threads())
@@ -196,7 +200,7 @@ def routed_attention_op(q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: T
     q, k, v = (widened(t).contiguous() for t in (q, k, v))
     out = q.new_empty(batch, heads, length, v.shape[-1])
     lse = q.new_empty(batch, heads, length)
-    getattr(library(), f"routed_attention_{suffix(q.dtype)}")(
+    kernel(f"routed_attention_{suffix(q.dtype)}")(
         pointer(q), pointer(k), pointer(v), index.data_ptr(), valid.data_ptr(), batch, heads, length,
         k.shape[2], dim, v.shape[-1], index.shape[-1], index.stride(0), index.stride(1), scale,
         pointer(out), pointer(lse), torch.get_num_threads())
@@ -224,7 +228,7 @@ def routed_attention_backward_op(
         lse = lse.float().contiguous()
         grad_q = torch.empty(q.shape, dtype=torch.float32)  # fp32 accumulators, narrowed below
         grad_k, grad_v = torch.zeros(k.shape, dtype=torch.float32), torch.zeros(v.shape, dtype=torch.float32)
-        _bf16_kernel("routed_attention_backward_bf16", _BF16_BACKWARD_ARGS)(
+        kernel("routed_attention_backward_bf16")(
             *(pointer(t) for t in (q, k, v)), index.data_ptr(), valid.data_ptr(), pointer(out), pointer(lse),
             pointer(grad_out), batch, heads, length, k.shape[2], dim, v.shape[-1], index.shape[-1],
             index.stride(0), index.stride(1), scale, pointer(grad_q), pointer(grad_k), pointer(grad_v),
@@ -234,7 +238,7 @@ def routed_attention_backward_op(
     q, k, v, out, grad_out = (widened(t).contiguous() for t in (q, k, v, out, grad_out))
     lse = lse.to(work).contiguous()
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    getattr(library(), f"routed_attention_backward_{suffix(work)}")(
+    kernel(f"routed_attention_backward_{suffix(work)}")(
         pointer(q), pointer(k), pointer(v), index.data_ptr(), valid.data_ptr(), pointer(out), pointer(lse),
         pointer(grad_out), batch, heads, length, k.shape[2], dim, v.shape[-1], index.shape[-1],
         index.stride(0), index.stride(1), scale, pointer(grad_q), pointer(grad_k), pointer(grad_v),

@@ -1,0 +1,38 @@
+"""run_jobs' worker processes (spawned): two runs finish in two workers; the wait is bounded —
+past `timeout_s` the workers are stopped and a TimeoutError names the unfinished runs (issue 37)."""
+
+import multiprocessing
+import time
+
+import pytest
+
+from routeformer.experiments.jobs import Job, TaskSetup, run_jobs
+
+
+def tiny_jobs(count: int) -> list[Job]:
+    setup = TaskSetup(options={}, steps=2, batch_size=4, lr=1e-3, warmup_steps=1, evals=1,
+                      validation_sequences=8, test_sequences=8)
+    task_options = {"seq_len": 16, "pairs": 2, "vocab_size": 16}
+    return [Job(key=f"mqar-full-s{seed}", task="mqar", task_options=task_options, mechanism="full",
+                options={},
+                seed=seed, setup=setup) for seed in range(count)]
+
+
+def test_two_runs_finish_in_two_spawned_workers(tmp_path):
+    lines = []
+    records = run_jobs(tmp_path, tiny_jobs(2), workers=2, progress=lines.append, timeout_s=240)
+    assert sorted(records) == ["mqar-full-s0", "mqar-full-s1"]
+    assert all("error" not in record for record in records.values()), records
+    assert sorted((tmp_path / "runs").glob("*.json")) and len(lines) == 2
+    assert multiprocessing.active_children() == []  # the pool's workers are gone
+
+
+def test_the_wait_for_the_workers_is_bounded(tmp_path):
+    """0.5 s is less than a spawned worker needs to import torch: the runs cannot finish."""
+    began = time.monotonic()
+    unfinished = r"2 run\(s\) unfinished after 0.5 s .*'mqar-full-s0', 'mqar-full-s1'"
+    with pytest.raises(TimeoutError, match=unfinished):
+        run_jobs(tmp_path, tiny_jobs(2), workers=2, progress=lambda line: None, timeout_s=0.5)
+    assert time.monotonic() - began < 60  # stopped, not waited for
+    assert multiprocessing.active_children() == []
+    assert not list((tmp_path / "runs").glob("*.json"))

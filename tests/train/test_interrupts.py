@@ -1,0 +1,162 @@
+"""Ctrl-C (a real SIGINT) at any moment of a run: the resumed run equals one never interrupted, bit
+for bit (metrics.jsonl and weights), and the command ends with one line.
+
+In-process, the SIGINT is sent by the process to itself from inside the step, deterministically:
+while a batch is drawn, between backward and the update (gradients accumulated, not applied), right
+after an evaluation, while a checkpoint is written, and a second Ctrl-C inside a step. One test
+sends a SIGINT to a real `routeformer train` subprocess, one while it starts up."""
+
+import importlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from routeformer.cli import resolve_config
+from routeformer.train import load_config, train
+from routeformer.train.checkpoint import load_checkpoint
+from routeformer.train.interrupts import RunInterrupted
+from tests.train.runs import quick_config
+from tests.train.test_training import assert_same_parameters
+
+loop = importlib.import_module("routeformer.train.loop")
+SPEED = ("tokens_per_s", "peak_mem_mib")  # measurements of the machine, not of the run
+
+
+def records(run):
+    return [{k: v for k, v in json.loads(line).items() if k not in SPEED}
+            for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The 12-step run (dropout 0.1, evaluations at 6 and 12, checkpoints at 5, 10, 12), never stopped."""
+    run = tmp_path_factory.mktemp("whole") / "run"
+    return run, train(quick_config(run), quiet=True)
+
+
+def sigint_on_call(target, call, *, before=False, times=1):
+    """`target` wrapped so that its `call`-th call sends this process `times` SIGINTs, after the
+    call returned (or before it began, with `before`)."""
+    count = {"n": 0}
+
+    def send():
+        for _ in range(times):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def wrapped(*args, **kwargs):
+        count["n"] += 1
+        if before and count["n"] == call:
+            send()
+        result = target(*args, **kwargs)
+        if not before and count["n"] == call:
+            send()
+        return result
+    return wrapped
+
+
+# where: (what is patched, on which call, SIGINT before the call, SIGINTs, step the checkpoint holds)
+WHERE = {
+    "drawing the first batch": ("training_batch", 1, False, 1, 1),
+    "drawing batch 4": ("training_batch", 4, False, 1, 4),
+    "after backward, before the update": ("clip_grad_norm_", 3, False, 1, 3),
+    "right after the evaluation at step 6": ("evaluate_lm", 1, False, 1, 6),
+    "writing the checkpoint at step 5": ("save_rotating", 1, True, 1, 5),
+    "drawing the last batch (before the final evaluation)": ("training_batch", 12, False, 1, 12),
+    "twice inside step 8": ("training_batch", 8, False, 2, 5),  # stops at once: step 5's checkpoint
+}
+
+
+@pytest.mark.parametrize("where", list(WHERE))
+def test_a_sigint_anywhere_resumes_bit_exactly(whole, tmp_path, monkeypatch, where):
+    name, call, before, times, saved_step = WHERE[where]
+    whole_run, uninterrupted = whole
+    owner = torch.nn.utils if name == "clip_grad_norm_" else loop
+    monkeypatch.setattr(owner, name, sigint_on_call(getattr(owner, name), call, before=before, times=times))
+    run = tmp_path / "run"
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(RunInterrupted) as caught:
+        train(quick_config(run), quiet=True)
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGINT) is handler  # the run put the handler back
+    if times == 2:
+        assert str(caught.value) == "interrupted inside a step, not saved; run again to resume from step 5"
+    else:
+        assert str(caught.value) == f"interrupted: checkpoint saved at step {saved_step}; run again to resume"
+    assert load_checkpoint(run)["step"] == saved_step
+    resumed = train(quick_config(run), quiet=True)
+    assert_same_parameters(uninterrupted.model, resumed.model)
+    assert resumed.final_eval == uninterrupted.final_eval
+    assert records(run) == records(whole_run)
+
+
+def _default_sigint():  # a child of a shell that ignores SIGINT would inherit the ignoring
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _lines(stream, into):
+    for line in stream:
+        into.put(line)
+    into.put(None)
+
+
+def test_a_real_sigint_to_the_command_resumes_bit_exactly(tmp_path):
+    run = tmp_path / "run"
+    args = ["--steps", "40", "--eval_every", "8", "--eval_tokens", "512", "--final_eval_tokens", "1024",
+            "--log_every", "1", "--checkpoint_every", "15", "--model.dropout", "0.1"]
+    child = subprocess.Popen([sys.executable, "-m", "routeformer.cli", "train", "--config", "tiny", *args,
+                              "--out_dir", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, preexec_fn=_default_sigint)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_lines, args=(child.stderr, lines), daemon=True).start()
+    seen, deadline = [], time.monotonic() + 180
+    try:  # wait for the progress line of step 3 (training under way), then Ctrl-C
+        while not any(line.startswith("step 3/") for line in seen):
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
+            assert line is not None, f"the run ended before reaching step 3: {''.join(seen)}"
+            seen.append(line)
+        child.send_signal(signal.SIGINT)
+        status = child.wait(timeout=120)
+    except (queue.Empty, subprocess.TimeoutExpired):
+        child.kill()
+        pytest.fail(f"waited for `routeformer train` to reach step 3 and stop on SIGINT: {''.join(seen)}")
+    rest = []
+    while (line := lines.get(timeout=30)) is not None:
+        rest.append(line)
+    assert status == 130, "".join(seen + rest)
+    assert "Traceback" not in "".join(rest)
+    assert rest[-1].startswith("routeformer: interrupted: checkpoint saved at step "), rest
+    stopped = load_checkpoint(run)["step"]
+    assert 3 <= stopped < 40
+    config = lambda out: load_config(resolve_config("tiny"), [*args, "--out_dir", str(out)])  # noqa: E731
+    resumed = train(config(run), quiet=True)
+    uninterrupted = train(config(tmp_path / "whole"), quiet=True)
+    assert_same_parameters(uninterrupted.model, resumed.model)
+    assert records(run) == records(tmp_path / "whole")
+
+
+def test_a_sigint_while_the_command_starts_is_one_line_and_changes_nothing(whole, tmp_path):
+    import shutil
+
+    run = shutil.copytree(whole[0], tmp_path / "run")
+    before = {path.name: path.read_bytes() for path in run.iterdir()}
+    child = subprocess.Popen([sys.executable, "-m", "routeformer.cli", "train", *["--config", "tiny"],
+                              "--out_dir", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, preexec_fn=_default_sigint)
+    time.sleep(1.0)  # importing torch and routeformer
+    child.send_signal(signal.SIGINT)
+    try:
+        out, err = child.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        pytest.fail("waited for `routeformer train` to stop on a SIGINT sent while it started")
+    assert child.returncode == 130 and out == "", err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("routeformer: interrupted"), err
+    assert {path.name: path.read_bytes() for path in run.iterdir()} == before
