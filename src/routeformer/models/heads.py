@@ -109,7 +109,8 @@ class CausalLM(TokenPredictor):
 
         With a cache (`use_cache=True`, or None = whenever it can), the prompt is read once and each
         new token costs one step against the cached keys/values/state (every registered mechanism:
-        models/cache.py; keys/values are allocated once for prompt + new tokens); a padded batch keeps one state per row (models/ragged.py). The cache keeps
+        models/cache.py; keys/values are allocated once for prompt + new tokens); a padded batch
+        keeps one state per row (models/ragged.py). The cache keeps
         the whole stream (rotary positions keep counting past model.max_seq_len; learned positions
         cannot, so there the cache needs prompt + new tokens <= model.max_seq_len). Without a cache,
         the context, cropped to model.max_seq_len, is re-read at every step.
