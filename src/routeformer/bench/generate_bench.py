@@ -167,7 +167,7 @@ def _state_live_bytes(state) -> int:
     return _live_bytes(state)
 
 
-def _decode_model(mechanism: str, max_len: int, dim: int, depth: int, heads: int,
+def decode_model(mechanism: str, max_len: int, dim: int, depth: int, heads: int,
                   options: dict) -> CausalLM:
     torch.manual_seed(0)
     name = "full" if mechanism == CONCATENATING else mechanism
@@ -216,7 +216,7 @@ def bench_decode(
                           for state in full["cache"].layers]
                 runs[name] = {**full, "cache": DecodeCache(length=full["cache"].length, layers=layers)}
                 continue
-            model = _decode_model(name, context + new_tokens + memory_steps + 1, dim, depth, heads, options)
+            model = decode_model(name, context + new_tokens + memory_steps + 1, dim, depth, heads, options)
             cache = DecodeCache(reserve=context + new_tokens + memory_steps + 1)
             started = time.perf_counter()
             logits = model(prompt, cache=cache).logits[:, -1]
@@ -355,7 +355,7 @@ def bench_across_contexts(
     runs = {}
     for context in contexts:
         prompt = torch.randint(2, 256, (1, context), generator=torch.Generator().manual_seed(0))
-        model = _decode_model(mechanism, context + new_tokens + 1, dim, depth, heads, options)
+        model = decode_model(mechanism, context + new_tokens + 1, dim, depth, heads, options)
         cache = DecodeCache(reserve=context + new_tokens + 1)
         runs[context] = [model, cache, model(prompt, cache=cache).logits[:, -1].argmax(-1, keepdim=True)]
 
