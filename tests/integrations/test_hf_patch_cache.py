@@ -21,14 +21,14 @@ MECHANISMS = MECHANISMS | {"meta_tokens": {}}
 CACHED = tuple(MECHANISMS)
 
 
-# Prompts of 24 tokens and 20 new ones: transformers 5.24's drift showed from the 5th new token on,
+# Prompts of 24 tokens and 24 new ones: transformers 5.24's drift showed from the 5th new token on,
 # and a later drift would pass a short test unseen.
 def prompt(batch=2, length=24, seed=3):
     # token 0 is the pad id generate is given: a prompt without it has no inferred padding
     return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def greedy(model, ids, use_cache, new=20):
+def greedy(model, ids, use_cache, new=24):
     # no_repeat_ngram_size=1 keeps a random tiny model from repeating one token; raw logits compared too.
     out = model.generate(ids, max_new_tokens=new, do_sample=False, use_cache=use_cache, pad_token_id=0,
                          no_repeat_ngram_size=1, output_logits=True, return_dict_in_generate=True)
@@ -57,7 +57,7 @@ def test_a_mechanism_without_cached_decoding_refuses_the_cache(monkeypatch):
     with pytest.raises(ValueError, match="local.*pass use_cache=False"):
         greedy(model, ids, use_cache=True)
     assert not model.config.use_cache  # default generation re-reads the context
-    assert torch.equal(model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0,
+    assert torch.equal(model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0,
                                       no_repeat_ngram_size=1), tokens)
 
 
