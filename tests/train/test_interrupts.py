@@ -167,6 +167,8 @@ def test_a_sigint_while_the_command_starts_is_one_line_and_changes_nothing(whole
     except subprocess.TimeoutExpired:
         child.kill()
         pytest.fail("waited for `routeformer train` to stop on a SIGINT sent while it started")
-    assert child.returncode == 130 and out == "", err
+    # 130, or ended by the SIGINT itself (-2: Python re-raises an interrupt that arrives while it
+    # finishes the exit); a shell reports both as 130. Either way: one line, no traceback.
+    assert child.returncode in (130, -signal.SIGINT) and out == "", err
     assert len(err.strip().splitlines()) == 1 and err.startswith("routeformer: interrupted"), err
     assert {path.name: path.read_bytes() for path in run.iterdir()} == before
