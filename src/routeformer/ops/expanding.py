@@ -602,6 +602,54 @@ def expanding_attention(
     )
 
 
+class WindowInference:
+    """The per-query state of the window inference that the reference and cached decoding
+    (ops/expanding_decode.py) both run: steps taken, Σ E[δ] (geometric update) or the last E[δ]
+    (mean field), convergence and the last horizon. `alpha_start`, `beta_start` [B, H, T] are the
+    prior's parameters (detached: no gradient flows through the inference steps)."""
+
+    def __init__(self, alpha_start: Tensor, beta_start: Tensor, dtype: torch.dtype, *, mean_field: bool,
+                 tol: float, context: Tensor, max_iters: int) -> None:
+        self.alpha_start, self.beta_start, self.dtype = alpha_start, beta_start, dtype
+        self.mean_field, self.tol, self.context, self.max_iters = mean_field, tol, context, max_iters
+        shape, device = alpha_start.shape, alpha_start.device
+        self.steps = torch.zeros(shape, dtype=torch.long, device=device)
+        self.distance_sum = torch.zeros(shape, dtype=dtype, device=device)
+        self.last_mean = torch.zeros_like(self.distance_sum)  # mean field: E[δ] of the last step
+        self.previous = torch.zeros_like(self.steps)
+        self.converged = torch.zeros(shape, dtype=torch.bool, device=device)
+
+    def propose(self, step: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(horizon, stop, log decay) of inference step `step` from the state so far."""
+        if self.mean_field:
+            decay = _mean_field_log_decay(self.alpha_start + (self.steps > 0).to(self.dtype),
+                                          self.beta_start + self.last_mean)
+            return (_mean_field_horizon(decay, self.tol, self.context),
+                    self.converged | (step == self.max_iters - 1), decay)
+        alpha_t, beta_t = self.alpha_start + self.steps, self.beta_start + self.distance_sum
+        horizon = geometric_horizon(alpha_t, beta_t, self.tol, self.context)
+        return horizon, _stop_now(step, self.max_iters, horizon, self.previous, self.context), \
+            _log_decay(alpha_t, beta_t)
+
+    def advance(self, new_horizon: Tensor, going_on: Tensor, mean: Tensor) -> None:
+        """Take the step for the queries `going_on`, whose window gave E[δ] = `mean`."""
+        if self.mean_field:
+            self.converged = going_on & (self.steps > 0) & _mean_field_converged(mean, self.last_mean)
+            self.last_mean = torch.where(going_on, mean, self.last_mean)
+        else:
+            self.distance_sum += torch.where(going_on, mean, 0.0)
+        self.steps += going_on.long()
+        self.previous = new_horizon
+
+    def final_log_decay(self, alpha_start: Tensor, beta_start: Tensor) -> Tensor:
+        """The posterior's log decay after the steps taken, from `alpha_start`, `beta_start` (the
+        reference passes them undetached: the final pass is where α, β learn)."""
+        if self.mean_field:
+            return _mean_field_log_decay(alpha_start + (self.steps > 0).to(self.dtype),
+                                         beta_start + self.last_mean)
+        return _log_decay(alpha_start + self.steps, beta_start + self.distance_sum)
+
+
 def expanding_attention_reference(
     q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, *, tol: float = 0.01,
     max_iters: int = 8, mask: Tensor | None = None, causal: bool = True, scale: float | None = None,
@@ -625,43 +673,22 @@ def expanding_attention_reference(
     scores = q @ k.transpose(-1, -2)
     alpha_start = alpha.view(1, heads, 1).expand(batch, heads, length)
     beta_start = beta.view(1, heads, 1).expand(batch, heads, length)
-    steps = torch.zeros(batch, heads, length, dtype=torch.long)
-    distance_sum = torch.zeros(batch, heads, length, dtype=scores.dtype)
-    horizon = torch.ones_like(steps)
-    previous = torch.zeros_like(steps)
+    inference = WindowInference(alpha_start.detach(), beta_start.detach(), scores.dtype,
+                                mean_field=update == "mean_field", tol=tol, context=context,
+                                max_iters=max_iters)
+    horizon = torch.ones_like(inference.steps)
     # Padded queries take no inference step: their window stays the prior's.
     active = key_valid[:, :, 0, :].expand(batch, heads, length).clone()
-    mean_field = update == "mean_field"
-    last_mean = torch.zeros_like(distance_sum)  # mean_field: E[δ] of the last step
-    converged = torch.zeros_like(active)
     with torch.no_grad():
         for step in range(max_iters):
-            if mean_field:
-                step_decay = _mean_field_log_decay(alpha_start.detach() + (steps > 0).to(scores.dtype),
-                                                   beta_start.detach() + last_mean)
-                new_horizon = _mean_field_horizon(step_decay, tol, context)
-                stop = converged | (step == max_iters - 1)
-            else:
-                alpha_t, beta_t = alpha_start.detach() + steps, beta_start.detach() + distance_sum
-                new_horizon = geometric_horizon(alpha_t, beta_t, tol, context)
-                stop = _stop_now(step, max_iters, new_horizon, previous, context)
-                step_decay = _log_decay(alpha_t, beta_t)
+            new_horizon, stop, step_decay = inference.propose(step)
             horizon = torch.where(active | (step == 0), new_horizon, horizon)
             probs = _softmax_rows(_masked_logits(scores, distance, key_valid, horizon, step_decay, scale,
                                                  causal))
             lengths = distance if causal else distance.abs()
             going_on = active & ~stop
-            mean = (probs * lengths.to(probs.dtype)).sum(-1)
-            if mean_field:
-                converged = going_on & (steps > 0) & _mean_field_converged(mean, last_mean)
-                last_mean = torch.where(going_on, mean, last_mean)
-            else:
-                distance_sum += torch.where(going_on, mean, 0.0)
-            steps += going_on.long()
-            previous, active = new_horizon, going_on
-    if mean_field:
-        log_decay = _mean_field_log_decay(alpha_start + (steps > 0).to(scores.dtype), beta_start + last_mean)
-    else:
-        log_decay = _log_decay(alpha_start + steps, beta_start + distance_sum)
+            inference.advance(new_horizon, going_on, (probs * lengths.to(probs.dtype)).sum(-1))
+            active = going_on
+    log_decay = inference.final_log_decay(alpha_start, beta_start)
     probs = _softmax_rows(_masked_logits(scores, distance, key_valid, horizon, log_decay, scale, causal))
-    return probs @ v, horizon, steps + 1
+    return probs @ v, horizon, inference.steps + 1

@@ -23,15 +23,10 @@ import torch
 from torch import Tensor
 
 from routeformer.ops.expanding import (
-    _log_decay,
+    WindowInference,
     _masked_logits,
-    _mean_field_converged,
-    _mean_field_horizon,
-    _mean_field_log_decay,
     _softmax_rows,
-    _stop_now,
     check_expanding_options,
-    geometric_horizon,
 )
 
 
@@ -72,42 +67,21 @@ def expanding_decode(
     key_valid = torch.ones((), dtype=torch.bool, device=q.device)
     alpha_start = alpha.detach().to(work).view(1, heads, 1).expand(batch, heads, length)
     beta_start = beta.detach().to(work).view(1, heads, 1).expand(batch, heads, length)
-    steps = torch.zeros(batch, heads, length, dtype=torch.long, device=q.device)
-    distance_sum = torch.zeros(batch, heads, length, dtype=work, device=q.device)
-    horizon = torch.ones_like(steps)
-    previous = torch.zeros_like(steps)
-    active = torch.ones_like(steps, dtype=torch.bool)
-    mean_field = update == "mean_field"
-    last_mean = torch.zeros_like(distance_sum)
-    converged = torch.zeros_like(active)
+    inference = WindowInference(alpha_start, beta_start, work, mean_field=update == "mean_field", tol=tol,
+                                context=context, max_iters=max_iters)
+    horizon = torch.ones_like(inference.steps)
+    active = torch.ones_like(inference.converged)
     for step in range(max_iters):
-        if mean_field:
-            step_decay = _mean_field_log_decay(alpha_start + (steps > 0).to(work), beta_start + last_mean)
-            new_horizon = _mean_field_horizon(step_decay, tol, context)
-            stop = converged | (step == max_iters - 1)
-        else:
-            alpha_t, beta_t = alpha_start + steps, beta_start + distance_sum
-            new_horizon = geometric_horizon(alpha_t, beta_t, tol, context)
-            stop = _stop_now(step, max_iters, new_horizon, previous, context)
-            step_decay = _log_decay(alpha_t, beta_t)
+        new_horizon, stop, step_decay = inference.propose(step)
         horizon = torch.where(active | (step == 0), new_horizon, horizon)
         cover(int((query_index - horizon + 1).min()))
         probs = _softmax_rows(_masked_logits(scores, distance, key_valid, horizon, step_decay, scale, True))
         going_on = active & ~stop
-        mean = (probs * distance.to(probs.dtype)).sum(-1)
-        if mean_field:
-            converged = going_on & (steps > 0) & _mean_field_converged(mean, last_mean)
-            last_mean = torch.where(going_on, mean, last_mean)
-        else:
-            distance_sum += torch.where(going_on, mean, 0.0)
-        steps += going_on.long()
-        previous, active = new_horizon, going_on
+        inference.advance(new_horizon, going_on, (probs * distance.to(probs.dtype)).sum(-1))
+        active = going_on
         if not bool(active.any()):  # nothing changes in the remaining steps
             break
-    if mean_field:
-        log_decay = _mean_field_log_decay(alpha_start + (steps > 0).to(work), beta_start + last_mean)
-    else:
-        log_decay = _log_decay(alpha_start + steps, beta_start + distance_sum)
+    log_decay = inference.final_log_decay(alpha_start, beta_start)
     probs = _softmax_rows(_masked_logits(scores, distance, key_valid, horizon, log_decay, scale, True))
     if stats is not None:
         stats["scored_keys"] = num_keys - scored_from
