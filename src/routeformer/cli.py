@@ -1,6 +1,6 @@
 """The `routeformer` command.
 
-    routeformer compare [--quick] [--mechanisms NAME ...] [--tasks lm mqar listops] [--corpus SPEC]
+    routeformer compare [--quick | --long] [--mechanisms NAME ...] [--tasks lm mqar listops] [--corpus SPEC]
                         [--seeds N] [--workers N] [--out DIR] [--no-bench]
     routeformer train [--config NAME|PATH] [--fresh] [--key value ...]
     routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N]
@@ -93,15 +93,43 @@ def command_compare(args: argparse.Namespace) -> int:
     from routeformer.experiments.compare import run_compare
 
     try:
-        report = run_compare(args.out, mechanisms=args.mechanisms, tasks=args.tasks, quick=args.quick,
-                             corpus=args.corpus, bench=not args.no_bench, seeds=args.seeds,
-                             workers=args.workers)
+        if args.long:
+            report = _compare_long(args)
+        else:
+            report = run_compare(args.out or "runs/compare", mechanisms=args.mechanisms, tasks=args.tasks,
+                                 quick=args.quick, corpus=args.corpus or "pydoc", bench=not args.no_bench,
+                                 seeds=args.seeds, workers=args.workers)
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume", file=sys.stderr)
         return 130
     print(report.read_text())
     print(f"wrote {report.parent}/ (report.md, result.json, PNGs)")
     return 0
+
+
+def _compare_long(args: argparse.Namespace):
+    """`compare --long`: the long budget (experiments/compare_long.py)."""
+    from dataclasses import replace
+
+    from routeformer.experiments.compare_long import LONG, check_long_selection
+    from routeformer.experiments.compare_long_report import run_compare_long
+
+    if args.quick:
+        raise ValueError("--quick and --long: choose one budget")
+    if args.no_bench:
+        raise ValueError("--no-bench: --long has no layer benchmark (its costs are measured at the task lengths)")
+    if args.seeds is not None and (args.seeds < 1):
+        raise ValueError(f"--seeds must be a positive integer; got {args.seeds}")
+    mechanisms, tasks = check_long_selection(args.mechanisms, args.tasks)
+    budget = LONG if args.seeds is None else replace(LONG, seeds=args.seeds)
+    command = "routeformer compare --long" + "".join([
+        f" --tasks {' '.join(args.tasks)}" if args.tasks else "",
+        f" --mechanisms {' '.join(args.mechanisms)}" if args.mechanisms else "",
+        f" --seeds {args.seeds}" if args.seeds is not None else "",
+        f" --corpus {args.corpus}" if args.corpus else ""])
+    out = args.out or "runs/compare-long"
+    return run_compare_long(budget, out, mechanisms=mechanisms, tasks=tasks, seeds=budget.seeds,
+                            workers=args.workers, corpus=args.corpus, command=command)
 
 
 def command_train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -411,6 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "kept: run it again to resume.")
     compare.add_argument("--quick", action="store_true",
                          help="the quick budget (about 10 minutes on 2 cores; a subset of mechanisms)")
+    compare.add_argument("--long", action="store_true",
+                         help="the long budget: recall at T=512 and a char LM at T=1024, evaluated at 1x/2x/4x, "
+                              "with costs at the same lengths (about 2 hours on 2 cores; writes runs/compare-long)")
     compare.add_argument("--mechanisms", nargs="+", default=None,
                          help="subset of `routeformer list` (default: the budget's selection)")
     compare.add_argument("--tasks", nargs="+", default=None,
@@ -418,9 +449,11 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--seeds", type=int, default=None, help="seeds per mechanism (default: 3)")
     compare.add_argument("--workers", type=int, default=2,
                          help="training processes, one thread each (default: 2)")
-    compare.add_argument("--corpus", default="pydoc",
-                         help="LM corpus (default: the embedded pydoc; wikitext2 for WikiText-2 text)")
-    compare.add_argument("--out", default="runs/compare", help="output directory (default: runs/compare)")
+    compare.add_argument("--corpus", default=None,
+                         help="LM corpus (default: the embedded pydoc; with --long, tinyshakespeare when a local "
+                              "copy exists; wikitext2 for WikiText-2 text)")
+    compare.add_argument("--out", default=None,
+                         help="output directory (default: runs/compare, with --long runs/compare-long)")
     compare.add_argument("--no-bench", action="store_true", help="skip the layer time/memory benchmark")
 
     train = commands.add_parser(

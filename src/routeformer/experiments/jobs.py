@@ -76,7 +76,8 @@ def _with_total(line: str, steps: int) -> str:
     return f"{head}/{steps} {rest}" if head.startswith("step=") else line
 
 
-def _run_one(out: Path, job: Job, threads: int | None) -> tuple[str, dict[str, Any]]:
+def _run_one(out: Path, job: Any, threads: int | None,
+             train: Callable[[Any], dict[str, Any]] = train_job) -> tuple[str, dict[str, Any]]:
     """The job's record; a job that raises gives {"error": ...} (not stored: a re-run retries it), so
     one broken mechanism costs its own runs, not the whole sweep."""
     import torch
@@ -84,13 +85,14 @@ def _run_one(out: Path, job: Job, threads: int | None) -> tuple[str, dict[str, A
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return job.key, cached_run(out, job.key, lambda: train_job(job))
+        return job.key, cached_run(out, job.key, lambda: train(job))
     except Exception as error:  # noqa: BLE001 - reported per job, the others go on
         return job.key, {"error": f"{type(error).__name__}: {error}", "quality": float("nan")}
 
 
 def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str], None],
-             timeout_s: float | None = None) -> dict[str, dict]:
+             timeout_s: float | None = None, train: Callable[[Any], dict[str, Any]] = train_job,
+             ) -> dict[str, dict]:
     """Every job's record, by key. Finished jobs are read from `out/runs/`; the others run in
     `workers` spawned processes (or in this one when workers == 1).
 
@@ -99,7 +101,8 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
     TimeoutError names the unfinished runs. A worker that dies (killed, out of memory) stops the
     sweep with a RuntimeError naming the runs it left; so does an interrupt (Ctrl-C), after
     stopping the workers instead of waiting for their runs. Finished runs are stored either way,
-    and a re-run resumes after them."""
+    and a re-run resumes after them. `train(job)` makes a job's record (a module-level function:
+    worker processes import it); compare's default trains `job` once and tests it."""
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer; got {workers!r}")
     began = time.perf_counter()
@@ -120,7 +123,7 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
             pending.append(job)
     if workers == 1 or len(pending) <= 1:
         for job in pending:
-            note(*_run_one(out, job, None))
+            note(*_run_one(out, job, None, train))
         return records
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -130,7 +133,7 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
     context = multiprocessing.get_context("spawn")
     pool = ProcessPoolExecutor(min(workers, len(pending)), mp_context=context)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    futures = {pool.submit(_run_one, out, job, 1): job.key for job in pending}
+    futures = {pool.submit(_run_one, out, job, 1, train): job.key for job in pending}
     waiting = set(futures)
     try:
         while waiting:
