@@ -27,12 +27,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.common import log
-from routeformer.experiments.compare_bench import BENCH_OPTIONS  # noqa: F401  (bench compile reads it)
 from routeformer.experiments.compare_costs import measure_task_costs
 from routeformer.experiments.compare_report import task_floor, write_compare_report
-from routeformer.experiments.jobs import Job, TaskSetup, run_jobs
-from routeformer.experiments.report import cached_run
+from routeformer.experiments.jobs import Job, TaskSetup, cached_run, log, run_jobs
 from routeformer.train.on_task import ModelSpec
 
 TASKS = ("lm", "mqar", "listops")
@@ -196,7 +193,7 @@ def run_compare(
     bench_rows, bench_key = [], f"{budget.name}-bench-{'-'.join(mechanisms)}"
     kept_bench = not bench and (out / "runs" / f"{bench_key}.json").is_file()
     if bench:
-        from routeformer.experiments.compare_bench import bench_layers
+        from routeformer.bench.layers_bench import bench_layers
 
         log(f"compare: layer benchmark at T = {list(budget.bench_lengths)}")
         bench_rows = cached_run(out, bench_key, lambda: {

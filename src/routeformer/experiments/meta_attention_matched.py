@@ -27,10 +27,8 @@ from typing import Any
 
 import torch
 
-from routeformer.experiments.common import log
-from routeformer.experiments.jobs import TaskSetup
+from routeformer.experiments.jobs import TaskSetup, cached_run, log
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import cached_run
 from routeformer.train.on_task import ModelSpec
 
 META_VARIANTS = {

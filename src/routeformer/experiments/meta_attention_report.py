@@ -14,6 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from routeformer.experiments.report import format_mean_sd as mean_sd
 from routeformer.experiments.report import line_plot, markdown_table, provenance, write_result
 
 COSTS = (1.0, 0.15, 0.30)  # the preprint's expert costs c = (full, linear, local)
@@ -29,12 +30,6 @@ PAPER_TABLE4 = [("Uniform (baseline)", "33%", "33%", "33%", "0.483× (−52%)"),
                 ("Phase 1 Empirical (est.)", "~25%", "~50%", "~25%", "~0.36× (−64%)"),
                 ("Optimistic", "20%", "50%", "30%", "0.362× (−64%)")]
 PAPER_SHARES = [(1 / 3, 1 / 3, 1 / 3), (0.50, 0.25, 0.25), (0.25, 0.50, 0.25), (0.20, 0.50, 0.30)]
-
-
-def mean_sd(values: list[float], digits: int = 3) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f} (1 seed)"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def _at(run: dict[str, Any], seq_len: int, mode: str = "soft") -> dict[str, Any]:

@@ -1,9 +1,8 @@
-"""MiTA experiments (issue 4): `routeformer reproduce mita-{digits-vit,lm,speed}`; `mita-listops` (with
-the budget-at-inference and swap evaluations) runs on the shared tasks layer (experiments/mita_tasks.py).
+"""MiTA experiments: `routeformer reproduce mita-{digits-vit,speed}`; `mita-listops` (with the
+budget-at-inference and swap evaluations) runs on the shared tasks layer (experiments/mita_tasks.py).
 
 - mita-digits-vit: a small ViT on scikit-learn's 8×8 digits (64 patches + CLS) and upsampled to
   16×16 (256 + CLS): full, linear, agent, route-only and MiTA at equal budget, 3 seeds.
-- mita-lm: the causal variant in a char-level LM (ours; the paper has none).
 - mita-speed: `bench_mita` (non-causal and causal MiTA vs SDPA up to N = 262144).
 Every training run is cached under out_dir/runs (a killed experiment resumes after its finished
 runs).
@@ -18,9 +17,9 @@ from typing import Any
 import torch
 
 from routeformer.data.digits import NUM_CLASSES, ImageSplit, load_digits
-from routeformer.experiments.common import lm_comparison, log, run_key
+from routeformer.experiments.jobs import cached_run, log, run_key
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import cached_run, line_plot, markdown_table, provenance, write_result
+from routeformer.experiments.report import line_plot, markdown_table, mean_sd, provenance, write_result
 from routeformer.models.config import ModelConfig
 from routeformer.models.vit import VisionConfig, ViT
 from routeformer.train.task_loop import TaskTrainConfig, train_task
@@ -77,10 +76,6 @@ def train_vit(mechanism: str, options: dict[str, Any], size: int, seed: int, ste
     return model, record
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
 @register_experiment("mita-digits-vit", "ViT on 8x8 / 16x16 digits: full, linear, agent, route-only, "
                      "MiTA; accuracy and attention FLOPs, 3 seeds")
 def digits_vit(out_dir: Path, quick: bool) -> Path:
@@ -98,7 +93,7 @@ def digits_vit(out_dir: Path, quick: bool) -> Path:
                 records.setdefault((size, name), []).append(record)
     rows = []
     for (size, name), runs in records.items():
-        accuracy, spread = _mean_std([100 * run["accuracy"] for run in runs])
+        accuracy, spread = mean_sd([100 * run["accuracy"] for run in runs])
         flops = runs[0]["attention_flops_per_image"]
         full_flops = records[(size, "full")][0]["attention_flops_per_image"]
         seconds = statistics.mean(run["train_seconds"] for run in runs)
@@ -117,7 +112,7 @@ def digits_vit(out_dir: Path, quick: bool) -> Path:
         provenance(f"routeformer reproduce mita-digits-vit{' --quick' if quick else ''}"),
         f"ViT ({shape}), patch size 1, CLS token, learned positions; 1438 train / 359 test images "
         f"(seeded split); AdamW lr 2e-3, batch 64, {steps} steps per size; seeds {seeds} "
-        "(mean ± std). Attention FLOPs: executed, all layers, per image (`stats['flops']`). "
+        "(mean ± sd). Attention FLOPs: executed, all layers, per image (`stats['flops']`). "
         "agent = MiTA with k = 0; route-only = MiTA without the shared expert.",
         markdown_table(["image (tokens)", "mechanism", "test accuracy %", "attention MFLOPs/image",
                         "vs full", "train s"], rows),
@@ -153,27 +148,3 @@ def speed(out_dir: Path, quick: bool) -> Path:
     ])
     (out_dir / "speed.json").write_text(json.dumps(rows_as_dicts(rows), indent=1))
     return write_result(out_dir, {"rows": rows_as_dicts(rows)}, markdown)
-
-
-LM_VARIANTS = {
-    "full": ("full", {}),
-    "local(w=64)": ("local", {"window": 64}),
-    # Blocks of 512/m tokens, all earlier landmarks in the window: the layout these results were
-    # measured with (before the causal layer streamed, blocks were N/m long at every N).
-    "mita-causal(m=8,k=32)": ("mita", {"landmarks": 8, "block": 64, "topk": 32}),
-    "mita-causal(m=16,k=32)": ("mita", {"landmarks": 16, "block": 32, "topk": 32}),
-}
-
-
-@register_experiment("mita-lm", "char-level LM on WikiText-2 text at T=512: causal MiTA vs full vs local")
-def lm(out_dir: Path, quick: bool) -> Path:
-    steps = 60 if quick else 300
-    return lm_comparison(
-        out_dir, "mita-lm", LM_VARIANTS, steps, quick=quick,
-        title="# mita-lm: the causal variant on a character-level LM at T = 512",
-        description=f"Model: 2 layers, D=128, 4 heads, rotary positions; {steps} steps of batch 16 x 512, "
-        "AdamW lr 3e-3, one seed; bits per character on the evaluation split. Causal MiTA with m "
-        "landmarks runs blocks of 512/m tokens (block option) with a window of m landmarks, i.e. "
-        "every earlier block at T = 512: each query reads the landmarks and one routed expert of "
-        "earlier blocks plus its own block exactly. The paper has no causal variant and no "
-        "language-model result.")

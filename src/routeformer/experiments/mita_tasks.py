@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 
-from routeformer.experiments.common import log
-from routeformer.experiments.compare_report import mean_sd, separated, task_floor
-from routeformer.experiments.jobs import TaskSetup
+from routeformer.experiments.compare_report import separated, task_floor
+from routeformer.experiments.jobs import TaskSetup, cached_run, log
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import cached_run, markdown_table, provenance, write_result
+from routeformer.experiments.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.train.on_task import ModelSpec, build_task_model, evaluate_on_task, train_on_task
 from routeformer.train.task_loop import TaskTrainConfig
 

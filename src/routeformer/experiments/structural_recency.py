@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.data.structural import StructuralTask, recency_batch
-from routeformer.experiments.common import log, run_key
+from routeformer.experiments.jobs import cached_run, log, run_key
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import cached_run, markdown_table, provenance, write_result
-from routeformer.experiments.structural_multihop import mean_sd
+from routeformer.experiments.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.experiments.structural_toys import EXPANDING_BLOCK, run_recency_model, zero_prediction_mse
 
 # name -> (mechanism, layer options)

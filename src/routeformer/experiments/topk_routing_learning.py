@@ -24,12 +24,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.common import log
 from routeformer.experiments.compare import QUICK
-from routeformer.experiments.compare_report import mean_sd, separated, task_floor
-from routeformer.experiments.jobs import Job, TaskSetup, run_jobs
+from routeformer.experiments.compare_report import separated, task_floor
+from routeformer.experiments.jobs import Job, TaskSetup, cached_run, log, run_jobs
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import cached_run, markdown_table, provenance, write_result
+from routeformer.experiments.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.train.on_task import ModelSpec
 
 LEARNING = ("distill", "score_bias", "none")
