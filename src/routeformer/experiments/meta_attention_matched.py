@@ -1,5 +1,5 @@
 """`routeformer reproduce meta-attention-matched`: the Meta-Attention ablation redone on the shared
-`lm` task (issue 27) — one change per ablation, a parameter-matched `full`, 3 seeds.
+`lm` task — one change per ablation, a parameter-matched `full`, 3 seeds.
 
 Variants (every other option equal; "β̂" is the posterior concentration, see attention/meta.py):
 - bayesian:     β̂ = β + δ, loss + KL[Dir(β̂) ‖ Dir(β)]   (the preprint's model)

@@ -1,6 +1,6 @@
 """`routeformer reproduce meta-tokens-recall | meta-tokens-ablations | meta-tokens-finetune`:
-"Language Modeling with Learned Meta-Tokens" (arXiv 2509.16278) redone on the shared recall tasks
-(issue 27). Each run is one `RecallRun` (experiments/meta_tokens_runs.py); runs are stored under
+"Language Modeling with Learned Meta-Tokens" (arXiv 2509.16278) redone on the shared recall tasks.
+Each run is one `RecallRun` (experiments/meta_tokens_runs.py); runs are stored under
 `<out>/../meta-tokens-runs/` and shared by the three experiments (the same run is trained once).
 
 - meta-tokens-recall: list recall, segment counting, parity and copying; `plain` (no `_PAUSE_`,

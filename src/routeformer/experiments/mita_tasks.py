@@ -1,4 +1,4 @@
-"""MiTA on the shared ListOps task (issue 27): `routeformer reproduce mita-listops`.
+"""MiTA on the shared ListOps task: `routeformer reproduce mita-listops`.
 
 One setup, LISTOPS below: the `listops` task (bidirectional, LRA's grammar) at a length
 where plain attention clears the task's shortcut rules at this budget, the compare backbone

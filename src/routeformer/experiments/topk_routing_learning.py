@@ -1,4 +1,4 @@
-"""`routeformer reproduce topk-routing-learning`: how top-k's router should learn (issue 27, item 5).
+"""`routeformer reproduce topk-routing-learning`: how top-k's router should learn.
 
 A hard top-K passes no gradient to the routing projections, so `routing_learning` picks the signal:
 "distill" (KL to the attention over the routed set), "score_bias" (straight-through: the routing
