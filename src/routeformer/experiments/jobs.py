@@ -87,15 +87,15 @@ def train_job(job: Job) -> dict[str, Any]:
     train = TaskTrainConfig(steps=setup.steps, batch_size=setup.batch_size, lr=setup.lr,
                             warmup_steps=setup.warmup_steps, eval_every=max(1, setup.steps // setup.evals),
                             seed=job.seed)
-    log(f"  {job.key}: started ({setup.steps} steps)")
+    say(f"  {job.key}: started ({setup.steps} steps)")
     record = train_on_task(task, job.mechanism, job.options, seed=job.seed, train=train, spec=job.spec,
                            validation_sequences=setup.validation_sequences,
                            test_sequences=setup.test_sequences,
-                           log=lambda line: log(f"  {job.key}: {_with_total(line, setup.steps)}"))
+                           log=lambda line: say(f"  {job.key}: {_with_total(line, setup.steps)}"))
     return {**record, "task_name": job.task, "task_options": job.task_options}
 
 
-def log(line: str) -> None:
+def say(line: str) -> None:
     """A progress line on stderr, flushed at once (worker processes share the terminal)."""
     print(line, file=sys.stderr, flush=True)
 

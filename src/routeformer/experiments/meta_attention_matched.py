@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from routeformer.experiments.jobs import TaskSetup, cached_run, log
+from routeformer.experiments.jobs import TaskSetup, cached_run, say
 from routeformer.experiments.registry import register_experiment
 from routeformer.train.on_task import ModelSpec
 
@@ -158,7 +158,7 @@ def run_matched(out_dir: Path, budget: MatchedBudget, command: str) -> Path:
         for seed in range(budget.seeds):  # seed-major: an interrupted run leaves whole seeds done
             for name in variants(budget):
                 key = f"{name}-seed{seed}"
-                log(f"meta-attention-matched: {key}")
+                say(f"meta-attention-matched: {key}")
                 runs.setdefault(name, []).append(
                     cached_run(out_dir, key, lambda name=name, seed=seed: train_variant(budget, name, seed)))
     finally:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.jobs import cached_run, log
+from routeformer.experiments.jobs import cached_run, say
 from routeformer.experiments.meta_tokens_runs import (
     LENGTH_FACTORS,
     RecallRun,
@@ -90,7 +90,7 @@ def base_run(task: str, variant: str, seed: int, s: Settings, **changes) -> Reca
 def train(out_dir: Path, run: RecallRun) -> dict[str, Any]:
     key = run_key(run)
     return cached_run(_runs_dir(out_dir), key,
-                      lambda: train_recall(run, log=lambda line: log(f"{key}: {line}")))
+                      lambda: train_recall(run, log=lambda line: say(f"{key}: {line}")))
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -211,7 +211,7 @@ def run_finetune(out_dir: Path, quick: bool) -> Path:
             pretrained[path.stem] = cached_run(
                 _runs_dir(out_dir), f"pretrain-{path.stem}",
                 lambda seed=seed, path=path, steps=steps: pretrain_body(
-                    path, seed, steps, spec, log=lambda line: log(f"pretrain {path.stem}: {line}")))
+                    path, seed, steps, spec, log=lambda line: say(f"pretrain {path.stem}: {line}")))
             if not path.exists():  # the record was kept but the weights were removed: train again
                 pretrained[path.stem] = pretrain_body(path, seed, steps, spec)
     rows, results = [], {}

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from routeformer.data.digits import NUM_CLASSES, ImageSplit, load_digits
-from routeformer.experiments.jobs import cached_run, log, run_key
+from routeformer.experiments.jobs import cached_run, run_key, say
 from routeformer.experiments.registry import register_experiment
 from routeformer.experiments.report import line_plot, markdown_table, mean_sd, provenance, write_result
 from routeformer.models.config import ModelConfig
@@ -70,7 +70,7 @@ def train_vit(mechanism: str, options: dict[str, Any], size: int, seed: int, ste
     config = TaskTrainConfig(steps=steps, batch_size=64, lr=2e-3, warmup_steps=steps // 10,
                              weight_decay=0.05, eval_every=max(1, steps // 4), seed=seed)
     history = train_task(model, make_batch, lambda m: vit_accuracy(m, test_split), config,
-                         log=lambda line: log(f"  {line}"))
+                         log=lambda line: say(f"  {line}"))
     record = {"mechanism": mechanism, "options": options, "size": size, "seed": seed, "steps": steps,
               "train_seconds": history.train_seconds, "history": history.evals, **history.final}
     return model, record
@@ -87,7 +87,7 @@ def digits_vit(out_dir: Path, quick: bool) -> Path:
         for name, (mechanism, options) in vit_variants().items():
             for seed in seeds:
                 key = run_key(f"S{size}-{name}-seed{seed}")
-                log(f"mita-digits-vit: {key}")
+                say(f"mita-digits-vit: {key}")
                 record = cached_run(out_dir, key, lambda m=mechanism, o=options, s=size, sd=seed:
                                     train_vit(m, o, s, sd, steps[s])[1])
                 records.setdefault((size, name), []).append(record)
@@ -134,7 +134,7 @@ def speed(out_dir: Path, quick: bool) -> Path:
     from routeformer.bench.ops_bench import TABLE_HEADER, format_row, rows_as_dicts
 
     lengths = [1024, 4096] if quick else [4096, 16384, 65536, 262144]
-    rows = bench_mita(lengths, repeats=2 if quick else 3, progress=lambda line: log(line))
+    rows = bench_mita(lengths, repeats=2 if quick else 3, progress=lambda line: say(line))
     markdown = "\n\n".join([
         "# mita-speed: MiTA (m = k = 64) against SDPA",
         provenance(f"routeformer reproduce mita-speed{' --quick' if quick else ''}"),

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from routeformer.experiments.compare_report import separated, task_floor
-from routeformer.experiments.jobs import TaskSetup, cached_run, log
+from routeformer.experiments.jobs import TaskSetup, cached_run, say
 from routeformer.experiments.registry import register_experiment
 from routeformer.experiments.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.train.on_task import ModelSpec, build_task_model, evaluate_on_task, train_on_task
@@ -123,7 +123,7 @@ def listops_run(out: Path, name: str, mechanism: str, options: dict[str, Any], s
                              validation_sequences=setup.validation_sequences,
                              test_sequences=setup.test_sequences,
                              after_training=_after_training(task, setup, mechanism, options))
-    log(f"  {key}")
+    say(f"  {key}")
     return cached_run(out, key, compute)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.experiments.compare import options_for
-from routeformer.experiments.jobs import Job, TaskSetup, log, run_jobs
+from routeformer.experiments.jobs import Job, TaskSetup, run_jobs, say
 from routeformer.experiments.registry import register_experiment
 from routeformer.experiments.report import line_plot, markdown_table, mean_sd, provenance, write_result
 from routeformer.train.on_task import ModelSpec
@@ -54,8 +54,8 @@ def mqar_sweep(out_dir: Path, quick: bool, workers: int = 2) -> Path:
     grid = QUICK_GRID if quick else FULL_GRID
     mechanisms = list(grid["mechanisms"] or [m for m in list_attentions() if m != "meta_tokens"])
     jobs = sweep_jobs(grid, mechanisms)
-    log(f"mqar-sweep: {len(jobs)} runs")
-    records = run_jobs(out_dir, jobs, workers, log)
+    say(f"mqar-sweep: {len(jobs)} runs")
+    records = run_jobs(out_dir, jobs, workers, say)
     cells: dict[tuple[int, int, str], dict[int, list[float]]] = {}
     for job in jobs:
         key = (job.task_options["seq_len"], job.task_options["pairs"], job.mechanism)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.data.structural import StructuralTask, chain_batch
-from routeformer.experiments.jobs import cached_run, log, run_key
+from routeformer.experiments.jobs import cached_run, run_key, say
 from routeformer.experiments.registry import register_experiment
 from routeformer.experiments.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.experiments.structural_toys import TEST_SEQUENCES, run_multihop_model, zero_prediction_mse
@@ -50,7 +50,7 @@ def chain_study(out_dir: Path, setup: str, task: StructuralTask, *, steps: int, 
         for lr in lrs:
             for seed in seeds:
                 key = run_key(f"{setup}-{name}-lr{lr:g}-steps{steps}-seed{seed}".replace(" ", ""))
-                log(f"structural-multihop: {key}")
+                say(f"structural-multihop: {key}")
                 runs.setdefault((name, lr), []).append(cached_run(
                     out_dir, key, lambda name=name, lr=lr, seed=seed: run_multihop_model(
                         name, task, steps, seed, lr=lr, evals=10)))

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.jobs import cached_run, log, run_key
+from routeformer.experiments.jobs import cached_run, run_key, say
 from routeformer.experiments.registry import register_experiment
 from routeformer.experiments.report import line_plot, markdown_table, mean_sd, provenance, write_result
 from routeformer.train.task_loop import TaskTrainConfig
@@ -26,7 +26,7 @@ def speed(out_dir: Path, quick: bool) -> Path:
     lengths = [1024, 4096] if quick else [1024, 4096, 16384, 65536]
     repeats = 3
     rows = bench_ops(lengths, repeats=repeats, ops=topk_op_table(1, 4, 16, 64), backward_up_to=16384,
-                     progress=log)
+                     progress=say)
     default = "topk(K=64,r=16)"  # the default implementation (native kernels where available)
     crossover = next((row.length for row in rows if row.impl == default and row.forward_speedup > 1.0),
                      None)
@@ -79,7 +79,7 @@ def _seeded_variants(
                 task, mechanism, options, seed=seed, train=train_for(seed), spec=spec,  # noqa: B023
                 test_sequences=test_sequences))
             values.append(record["test"][metric])
-            log(f"{name} seed {seed}: test {metric} {values[-1]:.4f}")
+            say(f"{name} seed {seed}: test {metric} {values[-1]:.4f}")
         mean, spread = mean_sd(values)
         result[name] = {metric: values, "mean": mean, "sd": spread}
         rows.append([name, f"{mean:.3f} ± {spread:.3f}", ", ".join(f"{v:.3f}" for v in values)])
