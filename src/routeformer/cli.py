@@ -321,8 +321,8 @@ def _bench_generate(args: argparse.Namespace) -> int:
 def _bench_compile(args: argparse.Namespace) -> int:
     from routeformer.attention import list_attentions
     from routeformer.bench.compile_bench import HEADER, bench_compile, format_row
-    from routeformer.experiments.compare import BENCH_OPTIONS
-    from routeformer.experiments.report import provenance
+    from routeformer.bench.layers_bench import BENCH_OPTIONS
+    from routeformer.bench.tables_and_plots import provenance
 
     registered = list(list_attentions())
     unknown = [name for name in args.mechanisms or [] if name not in registered]

@@ -14,7 +14,6 @@ from routeformer.experiments.structural_recency import (
     position_only_floor,
     recency_study,
 )
-from routeformer.experiments.structural_speed import time_against_local
 from routeformer.experiments.structural_toys import AttentionFreeRegressor
 from routeformer.experiments.structural_update import update_table
 
@@ -82,15 +81,6 @@ def test_recency_study_rows(tmp_path):
     assert rows[0]["parameters"] < rows[1]["parameters"]
     assert rows[1]["last_query_window"] >= 1
     assert rows[0]["position_only_floor"] < rows[0]["zero_prediction_mse"]
-
-
-def test_speed_record_times_local_with_expanding_mean_window():
-    record = time_against_local(128, 1.0, 9.0, repeats=1, heads=2, head_dim=8, with_multihop=True)
-    assert record["mean_window"] >= 1 and record["max_window"] >= record["mean_window"]
-    for mode in ("forward", "forward+backward"):
-        assert record[mode]["expanding_over_local_median"] > 0
-        assert len(record[mode]["expanding_over_local_per_round"]) == 1
-        assert record[mode]["multihop_over_sdpa_median"] > 0
 
 
 def test_update_table_shows_both_updates():

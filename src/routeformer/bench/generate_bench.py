@@ -273,7 +273,7 @@ def command_generate(args) -> int:
     import os
     from pathlib import Path
 
-    from routeformer.experiments.report import provenance
+    from routeformer.bench.tables_and_plots import provenance
     from routeformer.models.cache import CACHED_MECHANISMS
 
     if args.reread:

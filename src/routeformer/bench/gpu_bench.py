@@ -1,5 +1,5 @@
 """`routeformer bench gpu`: the routed ops on a CUDA GPU against SDPA's flash backend and
-FlexAttention (issue 29), bf16, causal, forward and forward+backward time and peak memory.
+FlexAttention, bf16, causal, forward and forward+backward time and peak memory.
 
 Rows per length T (B, H, d from the command line):
 - `sdpa flash`: `scaled_dot_product_attention` restricted to the flash backend (the baseline;

@@ -3,7 +3,7 @@ paper's dense-mask implementation.
 
 Each sequence gets meta-tokens at `density` (seeded, uniform positions, as pre-training injects
 them). The packed op's timing includes finding and packing the meta positions, as the layer pays
-it on every call. Target (issue 6): at most 1.03× causal SDPA at T = 4096, density 0.1.
+it on every call. Target: at most 1.03× causal SDPA at T = 4096, density 0.1.
 """
 
 from __future__ import annotations

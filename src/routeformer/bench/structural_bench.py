@@ -4,18 +4,30 @@ multihop runs two hops (P V + P (P V)). expanding's cost depends on the windows 
 settles on, so it is timed at two priors — Beta(1, 9) (starting window 44) and Beta(1, 99)
 (starting window 459) — on random q, k, v, and `expanding_windows` reports the mean final window
 each one reached at every length. Causal, fp32.
+
+`time_against_local` times expanding against its real competitor, `local` attention with the same
+mean window (a sliding window reading as many keys on average does the same attention work without
+any inference), with SDPA for reference; `routeformer reproduce structural-speed` reports it.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from routeformer.bench.ops_bench import forward_backward_call, forward_call
+from routeformer.bench.timing import round_times
 from routeformer.ops import expanding_attention, multihop_attention
+from routeformer.ops.local import local_attention
 
 EXPANDING_PRIORS = {"expanding(Beta(1,9))": (1.0, 9.0), "expanding(Beta(1,99))": (1.0, 99.0)}
+# Full attention (and multihop) is timed against local for reference up to this length only: at
+# T = 16384 a causal SDPA forward+backward takes seconds on one thread.
+SDPA_UP_TO = 4096
 
 
 def _prior(heads: int, alpha: float, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,3 +77,46 @@ def format_window_row(record: dict) -> str:
     return (f"| {record['length']} | {record['impl']} | {record['window_mean']:.1f} | "
             f"{record['window_max']:.0f} | {record['window_mean_over_T']:.4f} | "
             f"{record['iterations_mean']:.2f} | {record['score_pairs_vs_full']:.4f} |")
+
+
+def time_against_local(length: int, alpha: float, beta: float, *, repeats: int, heads: int = 4,
+                       head_dim: int = 64, with_multihop: bool = False) -> dict[str, Any]:
+    """Mean final window of expanding at this prior, and expanding / local(same mean window) / SDPA
+    times, forward and forward+backward (and multihop's, two hops, with `with_multihop`): `repeats`
+    alternating rounds after two warm-up rounds, the median of the per-round ratios expanding /
+    local (a noisy neighbour slows a whole round, so a round's ratio is steadier than a ratio of
+    medians) and the medians of the times. Random q, k, v seeded by the length."""
+    gen = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(1, heads, length, head_dim, generator=gen) for _ in range(3))
+    prior = (torch.full((heads,), alpha), torch.full((heads,), beta))
+    with torch.no_grad():
+        result = expanding_attention(q, k, v, *prior)
+    window = max(1, round(float(result.horizon.float().mean())))
+    ops = {
+        "expanding": lambda q, k, v: expanding_attention(q, k, v, *prior).out,
+        "local": lambda q, k, v: local_attention(q, k, v, window=window, causal=True),
+    }
+    if length <= SDPA_UP_TO:
+        ops["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if with_multihop and length <= SDPA_UP_TO:
+        ops["multihop"] = lambda q, k, v: multihop_attention(q, k, v, hops=2, causal=True)
+    record: dict[str, Any] = {"length": length, "prior": [alpha, beta], "mean_window": window,
+                              "max_window": int(result.horizon.max()),
+                              "iterations_mean": float(result.iterations.float().mean())}
+    leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
+    modes = (("forward", forward_call, (q, k, v)), ("forward+backward", forward_backward_call, leaves))
+    for mode, wrap, inputs in modes:
+        times = round_times({name: wrap(op, inputs) for name, op in ops.items()}, repeats, warmup=2)
+        ratios = [e / loc for e, loc in zip(times["expanding"], times["local"], strict=True)]
+        record[mode] = {
+            "median_seconds": {name: statistics.median(values) for name, values in times.items()},
+            "expanding_over_local_per_round": ratios,
+            "expanding_over_local_median": statistics.median(ratios),
+        }
+        if "sdpa" in times:
+            record[mode]["expanding_over_sdpa_median"] = statistics.median(
+                e / s for e, s in zip(times["expanding"], times["sdpa"], strict=True))
+        if "multihop" in times:
+            record[mode]["multihop_over_sdpa_median"] = statistics.median(
+                m / s for m, s in zip(times["multihop"], times["sdpa"], strict=True))
+    return record

@@ -27,12 +27,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.common import log
-from routeformer.experiments.compare_bench import BENCH_OPTIONS  # noqa: F401  (bench compile reads it)
 from routeformer.experiments.compare_costs import measure_task_costs
 from routeformer.experiments.compare_report import task_floor, write_compare_report
-from routeformer.experiments.jobs import Job, TaskSetup, run_jobs
-from routeformer.experiments.report import cached_run
+from routeformer.experiments.jobs import Job, TaskSetup, cached_run, run_jobs, say
 from routeformer.train.on_task import ModelSpec
 
 TASKS = ("lm", "mqar", "listops")
@@ -165,9 +162,9 @@ def run_compare(
     out.mkdir(parents=True, exist_ok=True)
     jobs = compare_jobs(tasks, mechanisms, budget, corpus)
     began = time.perf_counter()
-    log(f"compare ({budget.name}): {len(jobs)} runs = {len(tasks)} tasks x {len(mechanisms)} mechanisms x "
+    say(f"compare ({budget.name}): {len(jobs)} runs = {len(tasks)} tasks x {len(mechanisms)} mechanisms x "
         f"{budget.seeds} seeds, {workers} worker process(es)")
-    records = run_jobs(out, jobs, workers, log)
+    records = run_jobs(out, jobs, workers, say)
     by_task: dict[str, dict[str, list[dict[str, Any]]]] = {task: {} for task in tasks}
     failed: dict[str, dict[str, str]] = {task: {} for task in tasks}
     for job in jobs:
@@ -187,7 +184,7 @@ def run_compare(
                 costs[m] = measure_task_costs(task, m, setup, budget.spec, budget.repeats,
                                               task_options(task, m, setup), options_for)
             except Exception as error:  # noqa: BLE001 - a cost we could not measure is shown as "-"
-                log(f"  costs of {m} on {task} not measured: {type(error).__name__}: {error}")
+                say(f"  costs of {m} on {task} not measured: {type(error).__name__}: {error}")
                 costs[m] = {}
         return costs
 
@@ -196,15 +193,15 @@ def run_compare(
     bench_rows, bench_key = [], f"{budget.name}-bench-{'-'.join(mechanisms)}"
     kept_bench = not bench and (out / "runs" / f"{bench_key}.json").is_file()
     if bench:
-        from routeformer.experiments.compare_bench import bench_layers
+        from routeformer.bench.layers_bench import bench_layers
 
-        log(f"compare: layer benchmark at T = {list(budget.bench_lengths)}")
+        say(f"compare: layer benchmark at T = {list(budget.bench_lengths)}")
         bench_rows = cached_run(out, bench_key, lambda: {
             "rows": bench_layers(mechanisms, budget.bench_lengths, budget.repeats)})["rows"]
     elif kept_bench:  # --no-bench: what an earlier invocation measured stays in the report
         bench_rows = json.loads((out / "runs" / f"{bench_key}.json").read_text())["rows"]
-        log("compare: --no-bench; the report keeps the layer benchmark an earlier invocation measured")
-    log(f"compare: done in {time.perf_counter() - began:.0f} s")
+        say("compare: --no-bench; the report keeps the layer benchmark an earlier invocation measured")
+    say(f"compare: done in {time.perf_counter() - began:.0f} s")
     default_mechanisms = check_selection(None, None, budget)[0]
     command = "routeformer compare" + "".join([
         " --quick" if quick else "",

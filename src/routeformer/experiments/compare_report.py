@@ -10,14 +10,10 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.report import line_plot, markdown_table, provenance, scatter_plot, write_result
+from routeformer.bench.layers_bench import layer_bench_section
+from routeformer.experiments.report import markdown_table, mean_sd, provenance, scatter_plot, write_result
 
 SEPARATION_SDS = 3.0
-
-
-def mean_sd(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for a single value)."""
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
 def separated(a: tuple[float, float], b: tuple[float, float], sds: float = SEPARATION_SDS) -> bool:
@@ -142,7 +138,7 @@ def write_compare_report(
                      reference=("best floor", task_summary["best_floor"]))
     if bench_rows:
         summary["bench"] = bench_rows
-        sections += _bench_section(out, bench_rows)
+        sections += layer_bench_section(out, bench_rows)
         if bench_from_earlier:
             summary["bench_from_earlier_invocation"] = True
             sections.append("(Measured by an earlier invocation; this one ran with `--no-bench`.)")
@@ -191,25 +187,3 @@ def _task_section(task: str, setup: Any, summary: dict[str, Any], runs: dict[str
         lines.append("`meta_tokens` trains on windows with `_PAUSE_` injected at density 0.1, so it reads "
                      "10% fewer characters per window than the others (no loss on meta-tokens).")
     return lines
-
-
-def _bench_section(out: Path, bench_rows: list[dict[str, Any]]) -> list[str]:
-    mechanisms = list(dict.fromkeys(row["mechanism"] for row in bench_rows))
-    for key, name, ylabel in (("fwd_bwd_ms", "bench_time.png", "forward + backward ms"),
-                              ("fwd_bwd_peak_mib", "bench_memory.png", "peak MiB (forward + backward)")):
-        line_plot(out / name, {m: ([r["T"] for r in bench_rows if r["mechanism"] == m],
-                                   [r[key] or 0.0 for r in bench_rows if r["mechanism"] == m])
-                               for m in mechanisms},
-                  xlabel="T", ylabel=ylabel, title=f"layer {ylabel} vs T (D=256, 4 heads, B=1)",
-                  logx=True, logy=key == "fwd_bwd_ms")
-    return ["## Layer time and memory vs T", (
-        "Causal layers (projections included), D=256, 4 heads, B=1; local and Meta-Attention windows 256, "
-        "top-k 64 keys, MiTA 64 landmarks of 64 keys, meta-token density 0.1; speed-up = `full` (SDPA) "
-        "time / the mechanism's time in the same rounds (> 1: faster than full); forward in eval mode "
-        "without gradients, forward + backward in train mode."),
-        markdown_table(["T", "mechanism", "forward ms", "speed-up vs full", "fwd+bwd ms", "speed-up vs full",
-                        "peak MiB"],
-                       [[r["T"], r["mechanism"], r["forward_ms"], 1 / r["forward_vs_full"], r["fwd_bwd_ms"],
-                         1 / r["fwd_bwd_vs_full"], "-" if r["fwd_bwd_peak_mib"] is None
-                         else r["fwd_bwd_peak_mib"]] for r in bench_rows]),
-        "Plots: `bench_time.png`, `bench_memory.png`."]

@@ -1,4 +1,7 @@
-"""Training runs as independent jobs: one (task, mechanism, options, seed, budget, backbone) each,
+"""The experiments' runner. `cached_run` stores each finished run as JSON (resume after a kill);
+`Job`/`run_jobs` train (task, mechanism, options, seed) runs in worker processes.
+
+Training runs as independent jobs: one (task, mechanism, options, seed, budget, backbone) each,
 stored as JSON when finished (so an interrupted sweep resumes after its finished runs, and inside a
 run after its last evaluation), run in worker processes with one thread each — tiny models use one
 core better than two, so two processes train twice as many models on a 2-core machine.
@@ -10,6 +13,7 @@ the sweep prints a line as each run finishes (`[3/24] key: quality (elapsed)`)."
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -17,8 +21,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.report import cached_run
 from routeformer.train.on_task import ModelSpec
+
+
+def cached_run(out_dir: Path, key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Return the stored record of run `key`, or compute and store it (atomically): a killed
+    experiment picks up after its last finished run, and within the unfinished run after the last
+    evaluation of its `train_task` calls (`train.task_loop.resumable_training`); those checkpoints
+    are deleted once the record is stored."""
+    from routeformer.train.task_loop import resumable_training, training_checkpoints
+
+    runs = out_dir / "runs"
+    path = runs / f"{key}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    with resumable_training(runs, key):
+        record = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(record, indent=1))
+    os.replace(partial, path)
+    for checkpoint in training_checkpoints(runs, key):
+        checkpoint.unlink()
+    return record
+
+
+def run_key(name: str) -> str:
+    """A file-name-safe key for a variant name: "topk(K=32,distill)" -> "topk-K32-distill"."""
+    return name.replace(",", "-").replace("=", "").replace("(", "-").replace(")", "")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """`routeformer reproduce meta-attention-matched`: the Meta-Attention ablation redone on the shared
-`lm` task (issue 27) — one change per ablation, a parameter-matched `full`, 3 seeds.
+`lm` task — one change per ablation, a parameter-matched `full`, 3 seeds.
 
 Variants (every other option equal; "β̂" is the posterior concentration, see attention/meta.py):
 - bayesian:     β̂ = β + δ, loss + KL[Dir(β̂) ‖ Dir(β)]   (the preprint's model)
@@ -27,10 +27,8 @@ from typing import Any
 
 import torch
 
-from routeformer.experiments.common import log
-from routeformer.experiments.jobs import TaskSetup
+from routeformer.experiments.jobs import TaskSetup, cached_run, say
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import cached_run
 from routeformer.train.on_task import ModelSpec
 
 META_VARIANTS = {
@@ -160,7 +158,7 @@ def run_matched(out_dir: Path, budget: MatchedBudget, command: str) -> Path:
         for seed in range(budget.seeds):  # seed-major: an interrupted run leaves whole seeds done
             for name in variants(budget):
                 key = f"{name}-seed{seed}"
-                log(f"meta-attention-matched: {key}")
+                say(f"meta-attention-matched: {key}")
                 runs.setdefault(name, []).append(
                     cached_run(out_dir, key, lambda name=name, seed=seed: train_variant(budget, name, seed)))
     finally:

@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.report import line_plot, markdown_table, provenance, write_result
+from routeformer.experiments.report import format_mean_sd, line_plot, markdown_table, provenance, write_result
 
 COSTS = (1.0, 0.15, 0.30)  # the preprint's expert costs c = (full, linear, local)
 EXPERTS = ("full", "linear", "local")
@@ -29,12 +29,6 @@ PAPER_TABLE4 = [("Uniform (baseline)", "33%", "33%", "33%", "0.483× (−52%)"),
                 ("Phase 1 Empirical (est.)", "~25%", "~50%", "~25%", "~0.36× (−64%)"),
                 ("Optimistic", "20%", "50%", "30%", "0.362× (−64%)")]
 PAPER_SHARES = [(1 / 3, 1 / 3, 1 / 3), (0.50, 0.25, 0.25), (0.25, 0.50, 0.25), (0.20, 0.50, 0.30)]
-
-
-def mean_sd(values: list[float], digits: int = 3) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f} (1 seed)"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def _at(run: dict[str, Any], seq_len: int, mode: str = "soft") -> dict[str, Any]:
@@ -88,9 +82,9 @@ def summarise(runs: dict[str, list[dict]], lengths: list[int]) -> dict[str, Any]
 
 def _routing_cells(entry: dict[str, Any]) -> list[str]:
     routing = entry["routing@train"]
-    return [mean_sd(routing["routing_entropy_pct"], 1),
-            mean_sd([100 * c for c in routing["projected_cost"]], 1),
-            mean_sd(routing["kl"], 3), mean_sd(routing["weight_full"], 3)]
+    return [format_mean_sd(routing["routing_entropy_pct"], 1),
+            format_mean_sd([100 * c for c in routing["projected_cost"]], 1),
+            format_mean_sd(routing["kl"], 3), format_mean_sd(routing["weight_full"], 3)]
 
 
 def write_matched_report(out_dir: Path, runs: dict[str, list[dict]], budget, command: str) -> Path:
@@ -107,10 +101,10 @@ def write_matched_report(out_dir: Path, runs: dict[str, list[dict]], budget, com
     table3 = []
     for name in runs:
         entry = variants[name]
-        row = [name, mean_sd(entry["test_bpc"]), mean_sd(entry[f"loss@{train_len}"]),
-               mean_sd(entry[f"gap_vs_{REFERENCE}@{train_len}"])]
+        row = [name, format_mean_sd(entry["test_bpc"]), format_mean_sd(entry[f"loss@{train_len}"]),
+               format_mean_sd(entry[f"gap_vs_{REFERENCE}@{train_len}"])]
         ratio = entry.get("ppl_ratio_vs_non-bayesian")
-        row.append(mean_sd(ratio) if ratio else "—")
+        row.append(format_mean_sd(ratio) if ratio else "—")
         row += _routing_cells(entry) if name in META else ["—"] * 4
         row.append(PAPER_TABLE3.get(name, "—"))
         table3.append(row)
@@ -120,7 +114,8 @@ def write_matched_report(out_dir: Path, runs: dict[str, list[dict]], budget, com
         entry = variants[name]
         row = [name]
         for seq_len in lengths:
-            row += [mean_sd(entry[f"loss@{seq_len}"]), mean_sd(entry[f"gap_vs_{REFERENCE}@{seq_len}"])]
+            row += [format_mean_sd(entry[f"loss@{seq_len}"]),
+                    format_mean_sd(entry[f"gap_vs_{REFERENCE}@{seq_len}"])]
         length_rows.append(row)
     length_header = ["variant"] + [h for s in lengths for h in (f"loss @ {s}", f"Δ vs {REFERENCE} @ {s}")]
 
@@ -131,8 +126,9 @@ def write_matched_report(out_dir: Path, runs: dict[str, list[dict]], budget, com
                 continue
             c = variants[name][f"criterion@{seq_len}"]
             shares = [statistics.mean(x[i] for x in variants[name]["hard_shares@train"]) for i in range(3)]
-            rows.append([name, mean_sd(variants[name][f"hard_loss@{seq_len}"]), mean_sd(c["loss_gap_nats"]),
-                         mean_sd([100 * s for s in c["flops_saving"]], 1),
+            rows.append([name, format_mean_sd(variants[name][f"hard_loss@{seq_len}"]),
+                         format_mean_sd(c["loss_gap_nats"]),
+                         format_mean_sd([100 * s for s in c["flops_saving"]], 1),
                          " / ".join(f"{100 * s:.0f}" for s in shares) if seq_len == train_len else "",
                          f"{c['seeds_met']} of {c['seeds']}"])
         return rows
@@ -149,8 +145,8 @@ def write_matched_report(out_dir: Path, runs: dict[str, list[dict]], budget, com
         shares = variants[name]["hard_shares@train"]
         cost_model = [sum(p * c for p, c in zip(s, COSTS, strict=True)) for s in shares]
         saving = variants[name][f"criterion@{train_len}"]["flops_saving"]
-        measured4.append([name, *[mean_sd([100 * s[i] for s in shares], 1) for i in range(3)],
-                          mean_sd(cost_model), mean_sd([1 - s for s in saving])])
+        measured4.append([name, *[format_mean_sd([100 * s[i] for s in shares], 1) for i in range(3)],
+                          format_mean_sd(cost_model), format_mean_sd([1 - s for s in saving])])
 
     title = f"trained at T={train_len}; soft routing; mean of {len(seeds)} seeds"
     plot = line_plot(out_dir / "loss_vs_length.png",

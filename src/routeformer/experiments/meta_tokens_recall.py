@@ -1,6 +1,6 @@
 """`routeformer reproduce meta-tokens-recall | meta-tokens-ablations | meta-tokens-finetune`:
-"Language Modeling with Learned Meta-Tokens" (arXiv 2509.16278) redone on the shared recall tasks
-(issue 27). Each run is one `RecallRun` (experiments/meta_tokens_runs.py); runs are stored under
+"Language Modeling with Learned Meta-Tokens" (arXiv 2509.16278) redone on the shared recall tasks.
+Each run is one `RecallRun` (experiments/meta_tokens_runs.py); runs are stored under
 `<out>/../meta-tokens-runs/` and shared by the three experiments (the same run is trained once).
 
 - meta-tokens-recall: list recall, segment counting, parity and copying; `plain` (no `_PAUSE_`,
@@ -20,12 +20,11 @@ trained for a few hundred steps on a loaded 2-core CPU — a check of direction,
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.common import log
+from routeformer.experiments.jobs import cached_run, say
 from routeformer.experiments.meta_tokens_runs import (
     LENGTH_FACTORS,
     RecallRun,
@@ -34,7 +33,13 @@ from routeformer.experiments.meta_tokens_runs import (
     train_recall,
 )
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import cached_run, markdown_table, provenance, write_result
+from routeformer.experiments.report import (
+    format_mean_sd,
+    markdown_table,
+    mean_sd,
+    provenance,
+    write_result,
+)
 
 # Task settings, small enough for a loaded 2-core machine (docs/results/meta_tokens.md says which
 # ones the `plain` baseline lifts above its floor). Copying first: it carries the ablations and the
@@ -85,13 +90,7 @@ def base_run(task: str, variant: str, seed: int, s: Settings, **changes) -> Reca
 def train(out_dir: Path, run: RecallRun) -> dict[str, Any]:
     key = run_key(run)
     return cached_run(_runs_dir(out_dir), key,
-                      lambda: train_recall(run, log=lambda line: log(f"{key}: {line}")))
-
-
-def mean_sd(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.3f} (1 seed)"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+                      lambda: train_recall(run, log=lambda line: say(f"{key}: {line}")))
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -100,15 +99,15 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     for factor in LENGTH_FACTORS:
         for split in ("validation", "test"):
             values = [r[f"{split}_{factor}x"] for r in records]
-            out[f"{split}_{factor}x"] = {"values": values, "mean": statistics.mean(values),
-                                         "sd": statistics.stdev(values) if len(values) > 1 else 0.0}
+            mean, sd = mean_sd(values)
+            out[f"{split}_{factor}x"] = {"values": values, "mean": mean, "sd": sd}
     return out
 
 
 def _row(label: str, stats: dict[str, Any]) -> list[Any]:
     def cell(key: str) -> str:
         values = stats[key]["values"]
-        return mean_sd(values)
+        return format_mean_sd(values)
     return [label, "/".join(str(p) for p in stats["parameters"]), cell("validation_1x"), cell("test_1x"),
             cell("validation_2x"), cell("test_2x")]
 
@@ -212,7 +211,7 @@ def run_finetune(out_dir: Path, quick: bool) -> Path:
             pretrained[path.stem] = cached_run(
                 _runs_dir(out_dir), f"pretrain-{path.stem}",
                 lambda seed=seed, path=path, steps=steps: pretrain_body(
-                    path, seed, steps, spec, log=lambda line: log(f"pretrain {path.stem}: {line}")))
+                    path, seed, steps, spec, log=lambda line: say(f"pretrain {path.stem}: {line}")))
             if not path.exists():  # the record was kept but the weights were removed: train again
                 pretrained[path.stem] = pretrain_body(path, seed, steps, spec)
     rows, results = [], {}
@@ -231,8 +230,8 @@ def run_finetune(out_dir: Path, quick: bool) -> Path:
             rows.append(_row(label, results[label]))
     line, results["floors"] = _floor_line(base_run(ABLATION_TASK, "plain", 0, s),
                                           next(iter(results.values()))["seq_len"])
-    bits = {steps: mean_sd([pretrained[f"lm-full-s{seed}-{steps}"]["validation_history"][-1]["bits_per_char"]
-                            for seed in s.seeds]) for steps in s.pretrain_steps}
+    bits = {steps: format_mean_sd([pretrained[f"lm-full-s{seed}-{steps}"]["validation_history"][-1]
+                                   ["bits_per_char"] for seed in s.seeds]) for steps in s.pretrain_steps}
     command = "routeformer reproduce meta-tokens-finetune" + (" --quick" if quick else "")
     markdown = "\n".join([
         "# meta-tokens-finetune", "", provenance(command), "", _setup_line(s), "",

@@ -1,4 +1,4 @@
-"""One training run of the meta-tokens reproduction (issue 27) on the shared recall tasks.
+"""One training run of the meta-tokens reproduction on the shared recall tasks.
 
 A run trains a small causal model (ModelSpec's backbone with rotary positions) on one recall task
 of `routeformer.tasks` in one of these variants, which differ one thing at a time:

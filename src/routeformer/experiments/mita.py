@@ -1,9 +1,8 @@
-"""MiTA experiments (issue 4): `routeformer reproduce mita-{digits-vit,lm,speed}`; `mita-listops` (with
-the budget-at-inference and swap evaluations) runs on the shared tasks layer (experiments/mita_tasks.py).
+"""MiTA experiments: `routeformer reproduce mita-{digits-vit,speed}`; `mita-listops` (with the
+budget-at-inference and swap evaluations) runs on the shared tasks layer (experiments/mita_tasks.py).
 
 - mita-digits-vit: a small ViT on scikit-learn's 8×8 digits (64 patches + CLS) and upsampled to
   16×16 (256 + CLS): full, linear, agent, route-only and MiTA at equal budget, 3 seeds.
-- mita-lm: the causal variant in a char-level LM (ours; the paper has none).
 - mita-speed: `bench_mita` (non-causal and causal MiTA vs SDPA up to N = 262144).
 Every training run is cached under out_dir/runs (a killed experiment resumes after its finished
 runs).
@@ -18,9 +17,9 @@ from typing import Any
 import torch
 
 from routeformer.data.digits import NUM_CLASSES, ImageSplit, load_digits
-from routeformer.experiments.common import lm_comparison, log, run_key
+from routeformer.experiments.jobs import cached_run, run_key, say
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import cached_run, line_plot, markdown_table, provenance, write_result
+from routeformer.experiments.report import line_plot, markdown_table, mean_sd, provenance, write_result
 from routeformer.models.config import ModelConfig
 from routeformer.models.vit import VisionConfig, ViT
 from routeformer.train.task_loop import TaskTrainConfig, train_task
@@ -71,14 +70,10 @@ def train_vit(mechanism: str, options: dict[str, Any], size: int, seed: int, ste
     config = TaskTrainConfig(steps=steps, batch_size=64, lr=2e-3, warmup_steps=steps // 10,
                              weight_decay=0.05, eval_every=max(1, steps // 4), seed=seed)
     history = train_task(model, make_batch, lambda m: vit_accuracy(m, test_split), config,
-                         log=lambda line: log(f"  {line}"))
+                         log=lambda line: say(f"  {line}"))
     record = {"mechanism": mechanism, "options": options, "size": size, "seed": seed, "steps": steps,
               "train_seconds": history.train_seconds, "history": history.evals, **history.final}
     return model, record
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
 @register_experiment("mita-digits-vit", "ViT on 8x8 / 16x16 digits: full, linear, agent, route-only, "
@@ -92,13 +87,13 @@ def digits_vit(out_dir: Path, quick: bool) -> Path:
         for name, (mechanism, options) in vit_variants().items():
             for seed in seeds:
                 key = run_key(f"S{size}-{name}-seed{seed}")
-                log(f"mita-digits-vit: {key}")
+                say(f"mita-digits-vit: {key}")
                 record = cached_run(out_dir, key, lambda m=mechanism, o=options, s=size, sd=seed:
                                     train_vit(m, o, s, sd, steps[s])[1])
                 records.setdefault((size, name), []).append(record)
     rows = []
     for (size, name), runs in records.items():
-        accuracy, spread = _mean_std([100 * run["accuracy"] for run in runs])
+        accuracy, spread = mean_sd([100 * run["accuracy"] for run in runs])
         flops = runs[0]["attention_flops_per_image"]
         full_flops = records[(size, "full")][0]["attention_flops_per_image"]
         seconds = statistics.mean(run["train_seconds"] for run in runs)
@@ -117,7 +112,7 @@ def digits_vit(out_dir: Path, quick: bool) -> Path:
         provenance(f"routeformer reproduce mita-digits-vit{' --quick' if quick else ''}"),
         f"ViT ({shape}), patch size 1, CLS token, learned positions; 1438 train / 359 test images "
         f"(seeded split); AdamW lr 2e-3, batch 64, {steps} steps per size; seeds {seeds} "
-        "(mean ± std). Attention FLOPs: executed, all layers, per image (`stats['flops']`). "
+        "(mean ± sd). Attention FLOPs: executed, all layers, per image (`stats['flops']`). "
         "agent = MiTA with k = 0; route-only = MiTA without the shared expert.",
         markdown_table(["image (tokens)", "mechanism", "test accuracy %", "attention MFLOPs/image",
                         "vs full", "train s"], rows),
@@ -139,7 +134,7 @@ def speed(out_dir: Path, quick: bool) -> Path:
     from routeformer.bench.ops_bench import TABLE_HEADER, format_row, rows_as_dicts
 
     lengths = [1024, 4096] if quick else [4096, 16384, 65536, 262144]
-    rows = bench_mita(lengths, repeats=2 if quick else 3, progress=lambda line: log(line))
+    rows = bench_mita(lengths, repeats=2 if quick else 3, progress=lambda line: say(line))
     markdown = "\n\n".join([
         "# mita-speed: MiTA (m = k = 64) against SDPA",
         provenance(f"routeformer reproduce mita-speed{' --quick' if quick else ''}"),
@@ -153,27 +148,3 @@ def speed(out_dir: Path, quick: bool) -> Path:
     ])
     (out_dir / "speed.json").write_text(json.dumps(rows_as_dicts(rows), indent=1))
     return write_result(out_dir, {"rows": rows_as_dicts(rows)}, markdown)
-
-
-LM_VARIANTS = {
-    "full": ("full", {}),
-    "local(w=64)": ("local", {"window": 64}),
-    # Blocks of 512/m tokens, all earlier landmarks in the window: the layout these results were
-    # measured with (before the causal layer streamed, blocks were N/m long at every N).
-    "mita-causal(m=8,k=32)": ("mita", {"landmarks": 8, "block": 64, "topk": 32}),
-    "mita-causal(m=16,k=32)": ("mita", {"landmarks": 16, "block": 32, "topk": 32}),
-}
-
-
-@register_experiment("mita-lm", "char-level LM on WikiText-2 text at T=512: causal MiTA vs full vs local")
-def lm(out_dir: Path, quick: bool) -> Path:
-    steps = 60 if quick else 300
-    return lm_comparison(
-        out_dir, "mita-lm", LM_VARIANTS, steps, quick=quick,
-        title="# mita-lm: the causal variant on a character-level LM at T = 512",
-        description=f"Model: 2 layers, D=128, 4 heads, rotary positions; {steps} steps of batch 16 x 512, "
-        "AdamW lr 3e-3, one seed; bits per character on the evaluation split. Causal MiTA with m "
-        "landmarks runs blocks of 512/m tokens (block option) with a window of m landmarks, i.e. "
-        "every earlier block at T = 512: each query reads the landmarks and one routed expert of "
-        "earlier blocks plus its own block exactly. The paper has no causal variant and no "
-        "language-model result.")

@@ -1,4 +1,4 @@
-"""MiTA on the shared ListOps task (issue 27): `routeformer reproduce mita-listops`.
+"""MiTA on the shared ListOps task: `routeformer reproduce mita-listops`.
 
 One setup, LISTOPS below: the `listops` task (bidirectional, LRA's grammar) at a length
 where plain attention clears the task's shortcut rules at this budget, the compare backbone
@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 
-from routeformer.experiments.common import log
-from routeformer.experiments.compare_report import mean_sd, separated, task_floor
-from routeformer.experiments.jobs import TaskSetup
+from routeformer.experiments.compare_report import separated, task_floor
+from routeformer.experiments.jobs import TaskSetup, cached_run, say
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import cached_run, markdown_table, provenance, write_result
+from routeformer.experiments.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.train.on_task import ModelSpec, build_task_model, evaluate_on_task, train_on_task
 from routeformer.train.task_loop import TaskTrainConfig
 
@@ -124,7 +123,7 @@ def listops_run(out: Path, name: str, mechanism: str, options: dict[str, Any], s
                              validation_sequences=setup.validation_sequences,
                              test_sequences=setup.test_sequences,
                              after_training=_after_training(task, setup, mechanism, options))
-    log(f"  {key}")
+    say(f"  {key}")
     return cached_run(out, key, compute)
 
 

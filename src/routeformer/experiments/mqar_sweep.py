@@ -12,15 +12,13 @@ picture, not a result: one seed separates nothing).
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.common import log
 from routeformer.experiments.compare import options_for
-from routeformer.experiments.jobs import Job, TaskSetup, run_jobs
+from routeformer.experiments.jobs import Job, TaskSetup, run_jobs, say
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import line_plot, markdown_table, provenance, write_result
+from routeformer.experiments.report import line_plot, markdown_table, mean_sd, provenance, write_result
 from routeformer.train.on_task import ModelSpec
 
 FULL_GRID = {"lengths": (64, 128, 256), "pairs": (4, 8, 16), "widths": (32, 64, 128), "seeds": 3,
@@ -56,8 +54,8 @@ def mqar_sweep(out_dir: Path, quick: bool, workers: int = 2) -> Path:
     grid = QUICK_GRID if quick else FULL_GRID
     mechanisms = list(grid["mechanisms"] or [m for m in list_attentions() if m != "meta_tokens"])
     jobs = sweep_jobs(grid, mechanisms)
-    log(f"mqar-sweep: {len(jobs)} runs")
-    records = run_jobs(out_dir, jobs, workers, log)
+    say(f"mqar-sweep: {len(jobs)} runs")
+    records = run_jobs(out_dir, jobs, workers, say)
     cells: dict[tuple[int, int, str], dict[int, list[float]]] = {}
     for job in jobs:
         key = (job.task_options["seq_len"], job.task_options["pairs"], job.mechanism)
@@ -65,8 +63,7 @@ def mqar_sweep(out_dir: Path, quick: bool, workers: int = 2) -> Path:
     rows = []
     for (length, pairs, mechanism), by_width in cells.items():
         for width, values in by_width.items():
-            sd = statistics.stdev(values) if len(values) > 1 else 0.0
-            rows.append([length, pairs, mechanism, width, statistics.fmean(values), sd, len(values)])
+            rows.append([length, pairs, mechanism, width, *mean_sd(values), len(values)])
     for length, pairs in sorted({(r[0], r[1]) for r in rows}):
         line_plot(out_dir / f"mqar_T{length}_N{pairs}.png",
                   {m: ([r[3] for r in rows if r[:3] == [length, pairs, m]],

@@ -1,4 +1,4 @@
-"""Reproduced paper results, by name: `routeformer reproduce NAME` (see DESIGN.md).
+"""Reproduced paper results, by name: `routeformer reproduce NAME` (see docs/design.md).
 
 An experiment is a function `run(out_dir: Path, quick: bool) -> Path` that writes `result.json`,
 `report.md` (the paper's numbers beside ours) and PNG plots under `out_dir`, and returns the
@@ -36,12 +36,17 @@ def _load_all() -> None:
     # Importing the modules registers their experiments.
     from routeformer.experiments import (  # noqa: F401
         meta_attention,
-        meta_tokens,
+        meta_attention_matched,
+        meta_tokens_recall,
         mita,
         mita_tasks,
         mqar_sweep,
-        structural,
+        structural_multihop,
+        structural_recency,
+        structural_speed,
+        structural_update,
         topk,
+        topk_routing_learning,
     )
 
 

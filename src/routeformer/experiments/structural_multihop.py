@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.data.structural import StructuralTask, chain_batch
-from routeformer.experiments.common import log, run_key
+from routeformer.experiments.jobs import cached_run, run_key, say
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import cached_run, markdown_table, provenance, write_result
+from routeformer.experiments.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.experiments.structural_toys import TEST_SEQUENCES, run_multihop_model, zero_prediction_mse
 
 SELECTION_RULE = ("For each (task, model), the learning rate with the lowest validation MSE at the last "
@@ -34,11 +34,6 @@ CHAIN_SETUPS: dict[str, StructuralTask] = {
     "nilpotent, noise 1": StructuralTask(length=16, dim=32, rank=16, target_dim=4, noise=1.0,
                                          nilpotent=True),
 }
-
-
-def mean_sd(values: list[float]) -> tuple[float, float]:
-    """(mean, sample sd); sd 0 for a single value."""
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
 def gap_closed(one_layer: float, two_layers: float, multihop: float) -> float:
@@ -55,7 +50,7 @@ def chain_study(out_dir: Path, setup: str, task: StructuralTask, *, steps: int, 
         for lr in lrs:
             for seed in seeds:
                 key = run_key(f"{setup}-{name}-lr{lr:g}-steps{steps}-seed{seed}".replace(" ", ""))
-                log(f"structural-multihop: {key}")
+                say(f"structural-multihop: {key}")
                 runs.setdefault((name, lr), []).append(cached_run(
                     out_dir, key, lambda name=name, lr=lr, seed=seed: run_multihop_model(
                         name, task, steps, seed, lr=lr, evals=10)))

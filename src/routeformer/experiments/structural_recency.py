@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.data.structural import StructuralTask, recency_batch
-from routeformer.experiments.common import log, run_key
+from routeformer.experiments.jobs import cached_run, run_key, say
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import cached_run, markdown_table, provenance, write_result
-from routeformer.experiments.structural_multihop import mean_sd
+from routeformer.experiments.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.experiments.structural_toys import EXPANDING_BLOCK, run_recency_model, zero_prediction_mse
 
 # name -> (mechanism, layer options)
@@ -73,7 +72,7 @@ def recency_study(out_dir: Path, *, length: int, dim: int, recencies: list[float
             for seed in seeds:
                 key = run_key(f"T{length}-d{dim}-recency{recency:g}-{name}-steps{steps}-seed{seed}")
                 key = key.replace(" ", "")
-                log(f"structural-recency: {key}")
+                say(f"structural-recency: {key}")
                 def train(mechanism=mechanism, options=options, seed=seed, task=task) -> dict[str, Any]:
                     return run_recency_model(mechanism, task, steps, seed, lr=LR, options=options,
                                              test_sequences=test_sequences, evals=5)

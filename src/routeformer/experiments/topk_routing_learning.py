@@ -1,4 +1,4 @@
-"""`routeformer reproduce topk-routing-learning`: how top-k's router should learn (issue 27, item 5).
+"""`routeformer reproduce topk-routing-learning`: how top-k's router should learn.
 
 A hard top-K passes no gradient to the routing projections, so `routing_learning` picks the signal:
 "distill" (KL to the attention over the routed set), "score_bias" (straight-through: the routing
@@ -24,12 +24,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.common import log
 from routeformer.experiments.compare import QUICK
-from routeformer.experiments.compare_report import mean_sd, separated, task_floor
-from routeformer.experiments.jobs import Job, TaskSetup, run_jobs
+from routeformer.experiments.compare_report import separated, task_floor
+from routeformer.experiments.jobs import Job, TaskSetup, cached_run, run_jobs, say
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import cached_run, markdown_table, provenance, write_result
+from routeformer.experiments.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.train.on_task import ModelSpec
 
 LEARNING = ("distill", "score_bias", "none")
@@ -138,8 +137,8 @@ def task_section(task: str, setup: TaskSetup, rows: dict[str, dict[str, Any]], f
 def routing_learning(out_dir: Path, quick: bool, workers: int = 1) -> Path:
     setups, seeds, spec = plan(quick)
     jobs = jobs_for(setups, seeds, spec)
-    log(f"topk-routing-learning: {len(jobs)} runs, {workers} worker(s)")
-    records = run_jobs(out_dir, jobs, workers, log)
+    say(f"topk-routing-learning: {len(jobs)} runs, {workers} worker(s)")
+    records = run_jobs(out_dir, jobs, workers, say)
     failed = {key: r["error"] for key, r in records.items() if "error" in r}
     if failed:
         raise RuntimeError(f"runs failed (re-run to retry them): {failed}")
