@@ -239,8 +239,8 @@ LONG = LongBudget(
             Stage({"seq_len": 128}, steps=150, batch_size=32, lr=3e-3, warmup_steps=30),
             Stage({}, steps=200, batch_size=16, lr=3e-3, warmup_steps=20))),
         "lm": LongSetup({"seq_len": 1024}, stages=(
-            Stage({"seq_len": 128}, steps=600, batch_size=64, lr=3e-3, warmup_steps=60),
-            Stage({}, steps=150, batch_size=8, lr=1e-3, warmup_steps=15))),
+            Stage({"seq_len": 128}, steps=400, batch_size=32, lr=3e-3, warmup_steps=40),
+            Stage({}, steps=100, batch_size=8, lr=1e-3, warmup_steps=10))),
     },
     spec=ModelSpec(dim=64, depth=2, heads=2, mlp_ratio=2.0, positions="rotary"),
 )

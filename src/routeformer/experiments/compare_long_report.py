@@ -10,13 +10,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.common import log
 from routeformer.experiments.compare_long import (
     EVAL_MULTIPLES, LONG_MECHANISMS, LongSetup, long_jobs, measure_long_costs, train_long_job,
 )
-from routeformer.experiments.compare_report import mean_sd, separated, task_floor
-from routeformer.experiments.jobs import run_jobs
-from routeformer.experiments.report import cached_run, markdown_table, provenance, scatter_plot, write_result
+from routeformer.experiments.compare_report import separated, task_floor
+from routeformer.experiments.jobs import cached_run, run_jobs, say
+from routeformer.experiments.report import markdown_table, mean_sd, provenance, scatter_plot, write_result
 from routeformer.train.on_task import ModelSpec
 
 
@@ -42,9 +41,9 @@ def run_compare_long(budget: Any, out_dir: str | Path = "runs/compare-long", *, 
     setups = {task: budget.tasks[task] for task in tasks}
     jobs = long_jobs(setups, mechanisms, seeds, budget.spec, corpus)
     began = time.perf_counter()
-    log(f"compare --long: {len(jobs)} runs ({', '.join(tasks)}; {len(mechanisms)} mechanisms; {seeds} seeds), "
+    say(f"compare --long: {len(jobs)} runs ({', '.join(tasks)}; {len(mechanisms)} mechanisms; {seeds} seeds), "
         f"{workers} worker process(es); LM corpus {corpus}")
-    records = run_jobs(out, jobs, workers, log, train=train_long_job)
+    records = run_jobs(out, jobs, workers, say, train=train_long_job)
     train_elapsed = time.perf_counter() - began
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {task: {} for task in tasks}
     failed = {}
@@ -63,12 +62,12 @@ def run_compare_long(budget: Any, out_dir: str | Path = "runs/compare-long", *, 
             floors[(task, length)] = cached_run(out, f"long-{task}-floor-{length}", lambda t=task, L=length, s=setup:
                                                 task_floor(t, {**s.options, "seq_len": L}))
         for mechanism in runs[task]:
-            log(f"compare --long: costs of {mechanism} on {task} (alternating with full)")
+            say(f"compare --long: costs of {mechanism} on {task} (alternating with full)")
             costs[(task, mechanism)] = cached_run(
                 out, f"long-{task}-costs-{mechanism}", lambda t=task, m=mechanism, s=setup: measure_long_costs(
                     t, m, s, budget.spec, lambda name, t=t: options_of.get((t, name), s.options), budget.repeats))
     elapsed = time.perf_counter() - began
-    log(f"compare --long: done in {elapsed:.0f} s ({train_elapsed:.0f} s training)")
+    say(f"compare --long: done in {elapsed:.0f} s ({train_elapsed:.0f} s training)")
     return write_long_report(out, runs, floors, costs, budget, setups, command, elapsed, workers, failed)
 
 

@@ -107,7 +107,7 @@ def _with_total(line: str, steps: int) -> str:
 
 
 def _run_one(out: Path, job: Any, threads: int | None,
-             train: Callable[[Any], dict[str, Any]] = train_job) -> tuple[str, dict[str, Any]]:
+             train: Callable[[Any], dict[str, Any]] | None = None) -> tuple[str, dict[str, Any]]:
     """The job's record; a job that raises gives {"error": ...} (not stored: a re-run retries it), so
     one broken mechanism costs its own runs, not the whole sweep."""
     import torch
@@ -115,13 +115,13 @@ def _run_one(out: Path, job: Any, threads: int | None,
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return job.key, cached_run(out, job.key, lambda: train(job))
+        return job.key, cached_run(out, job.key, lambda: (train or train_job)(job))
     except Exception as error:  # noqa: BLE001 - reported per job, the others go on
         return job.key, {"error": f"{type(error).__name__}: {error}", "quality": float("nan")}
 
 
 def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str], None],
-             timeout_s: float | None = None, train: Callable[[Any], dict[str, Any]] = train_job,
+             timeout_s: float | None = None, train: Callable[[Any], dict[str, Any]] | None = None,
              ) -> dict[str, dict]:
     """Every job's record, by key. Finished jobs are read from `out/runs/`; the others run in
     `workers` spawned processes (or in this one when workers == 1).
@@ -132,7 +132,7 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
     sweep with a RuntimeError naming the runs it left; so does an interrupt (Ctrl-C), after
     stopping the workers instead of waiting for their runs. Finished runs are stored either way,
     and a re-run resumes after them. `train(job)` makes a job's record (a module-level function:
-    worker processes import it); compare's default trains `job` once and tests it."""
+    worker processes import it); None: `train_job` (train once, test once)."""
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer; got {workers!r}")
     began = time.perf_counter()
