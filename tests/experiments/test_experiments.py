@@ -64,8 +64,8 @@ def test_structural_experiments_are_registered():
 
 
 def test_structural_toy_runs_train_and_report():
-    from routeformer.data.structural import StructuralTask
     from routeformer.experiments.structural import run_multihop_model, run_recency_model
+    from routeformer.tasks.structural import StructuralTask
 
     chain = run_multihop_model("multihop x1", StructuralTask(length=8, dim=8, rank=2), steps=2, seed=0)
     assert len(chain["history"]) == 2 and chain["final"]["test_loss"] > 0
@@ -152,7 +152,6 @@ def test_meta_token_experiments_run_at_toy_size_and_share_their_models(tmp_path,
 
 
 def test_answer_accuracy_and_attention_entropy_measure_what_they_say():
-    from routeformer.data.recall_tasks import ANSWER, RecallTask, recall_batch
     from routeformer.experiments.meta_tokens import (
         RecallModelSpec,
         answer_accuracy,
@@ -160,6 +159,7 @@ def test_answer_accuracy_and_attention_entropy_measure_what_they_say():
         caching_similarity,
     )
     from routeformer.models.heads import CausalLM
+    from routeformer.tasks.recall_sequences import ANSWER, RecallTask, recall_batch
 
     spec = RecallModelSpec("list_recall", True)
     torch.manual_seed(0)

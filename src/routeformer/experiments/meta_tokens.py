@@ -7,7 +7,7 @@ re-run (docs/results/meta_tokens.md). They now build the current `meta_tokens` l
 sequential layout), not the parallel one their stored results came from.
 
 Small GPT-style models (2 layers, D = 64, 4 heads) trained from scratch on the recall tasks of
-data/recall_tasks.py — the paper fine-tunes GPT-2 124M, which cannot be downloaded here.
+tasks/recall_sequences.py — the paper fine-tunes GPT-2 124M, which cannot be downloaded here.
 
 - meta-tokens-tasks: per task, a model without meta-tokens (`full`, sequences without `_PAUSE_`)
   and one with (`meta_tokens`, `_PAUSE_` closing every segment), 3 seeds: test accuracy at the
@@ -39,20 +39,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from routeformer.data.recall_tasks import (
-    ANSWER,
-    PAUSE,
-    TASKS,
-    VOCAB_SIZE,
-    RecallTask,
-    recall_batch,
-    split_generator,
-)
 from routeformer.experiments.common import log
 from routeformer.experiments.registry import register_experiment
 from routeformer.experiments.report import cached_run, line_plot, markdown_table, provenance, write_result
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import IGNORE_INDEX, CausalLM
+from routeformer.tasks.recall import recall_split_batch
+from routeformer.tasks.recall_sequences import ANSWER, PAUSE, TASKS, VOCAB_SIZE, RecallTask
 from routeformer.train.task_loop import TaskTrainConfig, train_task
 
 TEST_SEQUENCES = 512
@@ -108,9 +101,9 @@ def trained_model(cache: Path, spec: RecallModelSpec) -> tuple[CausalLM, dict[st
         model.load_state_dict(torch.load(weights, weights_only=True))
         return model.eval(), json.loads(record_path.read_text())
     task = spec.recall_task()
-    test = recall_batch(task, TEST_SEQUENCES, split_generator("test", spec.seed))
+    test = recall_split_batch(task, TEST_SEQUENCES, torch.Generator().manual_seed(spec.seed), "test")
     history = train_task(
-        model, lambda batch, gen: recall_batch(task, batch, gen),
+        model, lambda batch, gen: recall_split_batch(task, batch, gen, "train"),
         lambda m: {"accuracy": answer_accuracy(m, *test)},
         TaskTrainConfig(steps=spec.steps, batch_size=32, lr=3e-3, warmup_steps=100,
                         eval_every=max(1, spec.steps // 5), seed=spec.seed),
@@ -199,7 +192,8 @@ def run_tasks(out_dir: Path, quick: bool) -> Path:
 
 def length_accuracy(model: CausalLM, spec: RecallModelSpec, factor: float, zero: bool) -> float:
     task = spec.recall_task(factor)
-    inputs, labels = recall_batch(task, TEST_SEQUENCES, split_generator("test", spec.seed))
+    test_stream = torch.Generator().manual_seed(spec.seed)
+    inputs, labels = recall_split_batch(task, TEST_SEQUENCES, test_stream, "test")
     previous = model.config.zero_meta_positions_eval
     if spec.meta:
         model.config.zero_meta_positions_eval = zero
@@ -272,7 +266,8 @@ def _probe_models(out_dir: Path, quick: bool, *, meta: bool
     for task in tasks:
         spec = RecallModelSpec(task, meta, steps=steps)
         model, _ = trained_model(_cache_dir(out_dir), spec)
-        inputs, _ = recall_batch(spec.recall_task(), PROBE_SEQUENCES, split_generator("test", 0))
+        probes = torch.Generator().manual_seed(0)
+        inputs, _ = recall_split_batch(spec.recall_task(), PROBE_SEQUENCES, probes, "test")
         yield task, spec, model, inputs
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from routeformer.data.structural import StructuralTask, recency_batch
 from routeformer.experiments import (  # noqa: F401 (importing registers their experiments)
     structural_multihop,
     structural_recency,
@@ -37,6 +36,7 @@ from routeformer.experiments.structural_toys import (  # noqa: F401 (the public 
     run_recency_model,
     zero_prediction_mse,
 )
+from routeformer.tasks.structural import StructuralTask, recency_batch
 
 # -- expanding --------------------------------------------------------------------------------------
 EXPANDING_CONTEXT = 128

@@ -24,10 +24,10 @@ from torch import Tensor
 
 from routeformer.data.batches import random_batch
 from routeformer.data.corpora import load_corpus
-from routeformer.data.meta_tokens import check_density, inject_into_batch, real_tokens_per_window
 from routeformer.data.vocab import CharVocab
 from routeformer.ops._checks import check_positive
 from routeformer.tasks.base import Task, check_batch_size
+from routeformer.tasks.meta_tokens import check_density, inject_into_batch, real_tokens_per_window
 from routeformer.tasks.registry import register_task
 from routeformer.tasks.splits import check_split
 

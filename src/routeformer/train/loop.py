@@ -36,11 +36,11 @@ import torch
 from routeformer.data.batches import random_batch
 from routeformer.data.corpora import load_data
 from routeformer.data.documents import DOCUMENT_SEPARATOR, document_starts, packed_random_batch
-from routeformer.data.meta_tokens import inject_into_batch, real_tokens_per_window
 from routeformer.data.token_cache import tokenise_corpus
 from routeformer.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_from_dict
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import CausalLM
+from routeformer.tasks.meta_tokens import inject_into_batch, real_tokens_per_window
 from routeformer.train.checkpoint import save_rotating
 from routeformer.train.config import RunConfig
 from routeformer.train.distributed import (
