@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from routeformer.attention import build_attention
-from routeformer.data.meta_tokens import meta_positions
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import CausalLM
 from routeformer.ops.full import full_attention_reference
 from routeformer.ops.meta_tokens import meta_token_attention_reference
+from routeformer.tasks.meta_tokens import meta_positions
 
 DIM, HEADS, T = 16, 2, 21
 

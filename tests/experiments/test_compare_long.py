@@ -11,25 +11,61 @@ from routeformer.experiments.compare_long import LongBudget, LongSetup, Stage, c
 from routeformer.experiments.compare_long_report import paired_delta, run_compare_long
 from routeformer.train.on_task import ModelSpec
 
-RECORD_FIELDS = {"task", "seq_len", "train_seq_len", "mechanism", "seed", "quality", "params",
-                 "train_ms_per_step", "infer_ms_per_seq", "attention_flops", "peak_mib"}
+RECORD_FIELDS = {
+    "task",
+    "seq_len",
+    "train_seq_len",
+    "mechanism",
+    "seed",
+    "quality",
+    "params",
+    "train_ms_per_step",
+    "infer_ms_per_seq",
+    "attention_flops",
+    "peak_mib",
+}
 
 
 def toy_budget():
-    return LongBudget(tasks={
-        "mqar": LongSetup({"seq_len": 32, "pairs": 4, "vocab_size": 16}, stages=(
-            Stage({"seq_len": 16, "pairs": 2}, steps=2, batch_size=4, lr=1e-3, warmup_steps=1),
-            Stage({}, steps=2, batch_size=4, lr=1e-3, warmup_steps=1)),
-            evals_per_stage=1, validation_sequences=8, test_tokens=256, cost_batch=2),
-        "lm": LongSetup({"seq_len": 32}, stages=(Stage({}, steps=2, batch_size=4, lr=1e-3, warmup_steps=1),),
-                        evals_per_stage=1, validation_sequences=8, test_tokens=256, cost_batch=2)},
-        spec=ModelSpec(dim=16, depth=1, heads=2, positions="rotary"), seeds=2, repeats=1)
+    return LongBudget(
+        tasks={
+            "mqar": LongSetup(
+                {"seq_len": 32, "pairs": 4, "vocab_size": 16},
+                stages=(
+                    Stage({"seq_len": 16, "pairs": 2}, steps=2, batch_size=4, lr=1e-3, warmup_steps=1),
+                    Stage({}, steps=2, batch_size=4, lr=1e-3, warmup_steps=1),
+                ),
+                evals_per_stage=1,
+                validation_sequences=8,
+                test_tokens=256,
+                cost_batch=2,
+            ),
+            "lm": LongSetup(
+                {"seq_len": 32},
+                stages=(Stage({}, steps=2, batch_size=4, lr=1e-3, warmup_steps=1),),
+                evals_per_stage=1,
+                validation_sequences=8,
+                test_tokens=256,
+                cost_batch=2,
+            ),
+        },
+        spec=ModelSpec(dim=16, depth=1, heads=2, positions="rotary"),
+        seeds=2,
+        repeats=1,
+    )
 
 
 def test_toy_long_compare_reports_every_length_and_resumes(tmp_path, monkeypatch):
     out = tmp_path / "long"
-    report = run_compare_long(toy_budget(), out, mechanisms=["full", "local", "meta_tokens"],
-                              tasks=["mqar", "lm"], seeds=2, workers=1, corpus="pydoc")
+    report = run_compare_long(
+        toy_budget(),
+        out,
+        mechanisms=["full", "local", "meta_tokens"],
+        tasks=["mqar", "lm"],
+        seeds=2,
+        workers=1,
+        corpus="pydoc",
+    )
     result = json.loads((out / "result.json").read_text())
     records = result["records"]
     assert all(RECORD_FIELDS <= set(record) for record in records)
@@ -41,15 +77,28 @@ def test_toy_long_compare_reports_every_length_and_resumes(tmp_path, monkeypatch
     assert mqar["32"]["full"]["train_time_vs_full"] == pytest.approx(1.0)
     assert mqar["32"]["full"]["delta_mean"] == 0.0
     for length, rows in mqar.items():  # the paired Δ is the mean of per-seed differences
-        full = {r["seed"]: r["quality"]["value"] for r in records
-                if r["task"] == "mqar" and r["mechanism"] == "full" and r["seq_len"] == int(length)}
-        local = [r["quality"]["value"] - full[r["seed"]] for r in records
-                 if r["task"] == "mqar" and r["mechanism"] == "local" and r["seq_len"] == int(length)]
+        full = {
+            r["seed"]: r["quality"]["value"]
+            for r in records
+            if r["task"] == "mqar" and r["mechanism"] == "full" and r["seq_len"] == int(length)
+        }
+        local = [
+            r["quality"]["value"] - full[r["seed"]]
+            for r in records
+            if r["task"] == "mqar" and r["mechanism"] == "local" and r["seq_len"] == int(length)
+        ]
         assert rows["local"]["delta_mean"] == pytest.approx(sum(local) / 2)
         assert rows["local"]["infer_time_vs_full"] > 0 and rows["local"]["attention_flops"] > 0
     text = report.read_text()
-    for heading in ("## mqar (trained at T = 32)", "### mqar at T = 128 (4x", "## lm", "Stages: 2 steps of batch 4 "
-                    "on seq_len=16, pairs=2", "Δ vs full", "train time / full", "shortcut rules"):
+    for heading in (
+        "## mqar (trained at T = 32)",
+        "### mqar at T = 128 (4x",
+        "## lm",
+        "Stages: 2 steps of batch 4 on seq_len=16, pairs=2",
+        "Δ vs full",
+        "train time / full",
+        "shortcut rules",
+    ):
         assert heading in text
     assert (out / "pareto_mqar.png").exists() or "matplotlib" not in str(report)
 
@@ -58,8 +107,15 @@ def test_toy_long_compare_reports_every_length_and_resumes(tmp_path, monkeypatch
 
     monkeypatch.setattr(compare_long_report, "train_long_job", must_not_run)
     monkeypatch.setattr(compare_long_report, "measure_long_costs", must_not_run)
-    run_compare_long(toy_budget(), out, mechanisms=["full", "local", "meta_tokens"], tasks=["mqar", "lm"],
-                     seeds=2, workers=1, corpus="pydoc")
+    run_compare_long(
+        toy_budget(),
+        out,
+        mechanisms=["full", "local", "meta_tokens"],
+        tasks=["mqar", "lm"],
+        seeds=2,
+        workers=1,
+        corpus="pydoc",
+    )
     assert json.loads((out / "result.json").read_text())["records"] == records
 
 
@@ -67,11 +123,22 @@ def test_stages_train_one_model_on_each_stage_task():
     from routeformer.experiments.compare_long import LongJob, train_long_job
 
     setup = toy_budget().tasks["mqar"]
-    record = train_long_job(LongJob("k", "mqar", setup.options, "full", {}, 0, setup,
-                                    ModelSpec(dim=16, depth=1, heads=2, positions="rotary")))
+    record = train_long_job(
+        LongJob(
+            "k",
+            "mqar",
+            setup.options,
+            "full",
+            {},
+            0,
+            setup,
+            ModelSpec(dim=16, depth=1, heads=2, positions="rotary"),
+        )
+    )
     assert [v["task"] for v in record["validation"]] == [
         "mqar(seq_len=16, pairs=2, vocab_size=16, spacing=uniform)",
-        "mqar(seq_len=32, pairs=4, vocab_size=16, spacing=uniform)"]
+        "mqar(seq_len=32, pairs=4, vocab_size=16, spacing=uniform)",
+    ]
     assert set(record["tests"]) == {"32", "64", "128"}
     assert record["quality"] == record["tests"]["32"]["accuracy"]
 
@@ -79,8 +146,11 @@ def test_stages_train_one_model_on_each_stage_task():
 def test_paired_delta_pairs_by_seed():
     def rec(seed, value):
         return {"seed": seed, "tests": {"8": {"accuracy": value}}}
+
     assert paired_delta([rec(1, 0.5), rec(0, 0.2)], [rec(0, 0.1), rec(1, 0.3)], "8", "accuracy") == (
-        pytest.approx(0.15), pytest.approx(0.0707106781))
+        pytest.approx(0.15),
+        pytest.approx(0.0707106781),
+    )
 
 
 def test_long_selection_and_cli_errors(tmp_path, capsys):
@@ -97,4 +167,6 @@ def test_the_long_budget_trains_at_long_lengths():
     budget = compare_long.LONG
     assert budget.tasks["mqar"].seq_len >= 512 and budget.tasks["lm"].seq_len >= 1024
     assert budget.seeds >= 3 and budget.tasks["mqar"].stages[-1].options == {}
-    assert {"full", "linear", "local", "topk", "mita", "meta", "meta_tokens", "expanding"} <= set(budget.mechanisms)
+    assert {"full", "linear", "local", "topk", "mita", "meta", "meta_tokens", "expanding"} <= set(
+        budget.mechanisms
+    )

@@ -55,8 +55,8 @@ def test_structural_experiments_are_registered():
 
 
 def test_structural_toy_runs_train_and_report():
-    from routeformer.data.structural import StructuralTask
     from routeformer.experiments.structural_toys import run_multihop_model, run_recency_model
+    from routeformer.tasks.structural import StructuralTask
 
     chain = run_multihop_model("multihop x1", StructuralTask(length=8, dim=8, rank=2), steps=2, seed=0)
     assert len(chain["history"]) == 2 and chain["final"]["test_loss"] > 0

@@ -6,7 +6,6 @@ import statistics
 import pytest
 import torch
 
-from routeformer.data.structural import StructuralTask, StructuralWeights, recency_batch
 from routeformer.experiments.registry import list_experiments
 from routeformer.experiments.structural_multihop import chain_study, gap_closed
 from routeformer.experiments.structural_recency import (
@@ -16,6 +15,7 @@ from routeformer.experiments.structural_recency import (
 )
 from routeformer.experiments.structural_toys import AttentionFreeRegressor
 from routeformer.experiments.structural_update import update_table
+from routeformer.tasks.structural import StructuralTask, StructuralWeights, recency_batch
 
 
 def test_the_new_experiments_are_registered():

@@ -26,7 +26,7 @@ and meta-token for `combine="gated"` (ours: lets a head switch the meta path off
 
 Which tokens are meta-tokens: the backbone passes `meta_mask` [B, T] (True at `_PAUSE_`, from
 `ModelConfig.meta_token_id`). Called without one, the layer is plain causal attention. Positions at
-meta-tokens: see data/meta_tokens.py (`meta_positions`: keep, skip, or the paper's zeroing, which
+meta-tokens: see tasks/meta_tokens.py (`meta_positions`: keep, skip, or the paper's zeroing, which
 breaks shift invariance).
 """
 

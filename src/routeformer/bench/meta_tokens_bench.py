@@ -13,12 +13,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from routeformer.data.meta_tokens import random_meta_slots
 from routeformer.ops.meta_tokens import (
     meta_token_attention,
     meta_token_attention_dense_mask,
     pack_meta_positions,
 )
+from routeformer.tasks.meta_tokens import random_meta_slots
 
 
 def random_meta_mask(batch: int, length: int, density: float, seed: int = 0) -> torch.Tensor:

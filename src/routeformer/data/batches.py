@@ -7,6 +7,10 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+# The label of a position whose prediction takes no loss (PyTorch's cross_entropy default). Defined
+# here, the lowest layer that writes such labels; models, tasks and training import it.
+IGNORE_INDEX = -100
+
 
 def random_batch(
     ids: Tensor, batch_size: int, seq_len: int, generator: torch.Generator

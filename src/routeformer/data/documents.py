@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from routeformer.data.batches import IGNORE_INDEX
+
 DOCUMENT_SEPARATOR = "\n\n"
-IGNORE_INDEX = -100
 
 
 def document_starts(ids: Tensor, separator_ids: Tensor) -> Tensor:

@@ -12,7 +12,7 @@
 Both kinds offer the same small interface (`encode`, `decode`, `len`, `pause_id`, `to_dict`) and
 travel inside every checkpoint as plain JSON (`to_dict`), so a checkpoint decodes its own ids
 without the original file. A BPE model gets the meta-token `_PAUSE_` added as a special token when
-it has none (data/meta_tokens.py needs its id). The `tokenizers` package is optional
+it has none (tasks/meta_tokens.py needs its id). The `tokenizers` package is optional
 (`pip install 'routeformer[tokenizers]'`); nothing is downloaded.
 """
 

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 UNKNOWN = "<unk>"
-# The meta-token of "Language Modeling with Learned Meta-Tokens" (see data/meta_tokens.py).
+# The meta-token of "Language Modeling with Learned Meta-Tokens" (see tasks/meta_tokens.py).
 PAUSE = "_PAUSE_"
 # Reserved special tokens come first, so their ids are stable across corpora.
 SPECIAL_TOKENS = (UNKNOWN, PAUSE)

@@ -39,6 +39,7 @@ EVAL_MULTIPLES = (2, 4)  # evaluated (forward only) at these multiples of the tr
 class Stage:
     """A curriculum stage: `steps` steps of batch `batch_size` on the task built with `options`
     overriding the training setup's (e.g. a shorter seq_len, fewer MQAR pairs; {}: the task itself)."""
+
     options: dict[str, Any]
     steps: int
     batch_size: int
@@ -49,6 +50,7 @@ class Stage:
 @dataclass(frozen=True)
 class LongSetup:
     """One task of the long budget: what `build_task` gets at the training length, its stages."""
+
     options: dict[str, Any]
     stages: tuple[Stage, ...]
     evals_per_stage: int = 2
@@ -63,10 +65,15 @@ class LongSetup:
     def as_task_setup(self) -> TaskSetup:
         """The last stage as compare's TaskSetup (task_options and the report read it)."""
         last = self.stages[-1]
-        return TaskSetup(self.options, steps=sum(s.steps for s in self.stages), batch_size=last.batch_size,
-                         lr=last.lr, warmup_steps=last.warmup_steps,
-                         validation_sequences=self.validation_sequences,
-                         test_sequences=self.test_tokens // self.seq_len)
+        return TaskSetup(
+            self.options,
+            steps=sum(s.steps for s in self.stages),
+            batch_size=last.batch_size,
+            lr=last.lr,
+            warmup_steps=last.warmup_steps,
+            validation_sequences=self.validation_sequences,
+            test_sequences=self.test_tokens // self.seq_len,
+        )
 
 
 @dataclass(frozen=True)
@@ -100,14 +107,23 @@ def train_long_job(job: LongJob) -> dict[str, Any]:
     for index, stage in enumerate(job.setup.stages):
         stage_task = build_task(job.task, **{**job.task_options, **stage.options})
         length = stage_task.seq_len
-        config = TaskTrainConfig(steps=stage.steps, batch_size=stage.batch_size, lr=stage.lr,
-                                 warmup_steps=stage.warmup_steps, seed=job.seed,
-                                 eval_every=max(1, stage.steps // job.setup.evals_per_stage))
+        config = TaskTrainConfig(
+            steps=stage.steps,
+            batch_size=stage.batch_size,
+            lr=stage.lr,
+            warmup_steps=stage.warmup_steps,
+            seed=job.seed,
+            eval_every=max(1, stage.steps // job.setup.evals_per_stage),
+        )
         sequences = max(8, job.setup.validation_sequences * task.seq_len // length)
         history = train_task(
-            model, lambda batch_size, generator, t=stage_task: t.batch(batch_size, generator, "train"),
-            lambda m, t=stage_task: evaluate_on_task(m, t, "validation", sequences), config,
-            forward=forward, log=lambda line, d=done, T=length: say(f"  {job.key}: T={T} {_progress(line, d, total)}"))
+            model,
+            lambda batch_size, generator, t=stage_task: t.batch(batch_size, generator, "train"),
+            lambda m, t=stage_task: evaluate_on_task(m, t, "validation", sequences),
+            config,
+            forward=forward,
+            log=lambda line, d=done, T=length: say(f"  {job.key}: T={T} {_progress(line, d, total)}"),
+        )
         validation += [{**record, "stage": index, "task": stage_task.describe()} for record in history.evals]
         train_seconds += history.train_seconds
         done += stage.steps
@@ -116,13 +132,25 @@ def train_long_job(job: LongJob) -> dict[str, Any]:
         length = task.seq_len * multiple
         eval_task = build_task(job.task, **{**job.task_options, "seq_len": length})
         began = time.perf_counter()
-        tests[str(length)] = {**evaluate_on_task(model, eval_task, "test", max(4, job.setup.test_tokens // length)),
-                              "seconds": time.perf_counter() - began}
-    return {"task": task.describe(), "task_name": job.task, "task_options": job.task_options,
-            "mechanism": job.mechanism, "options": job.options, "seed": job.seed, "model": asdict(job.spec),
-            "stages": [asdict(stage) for stage in job.setup.stages], "parameters": parameter_count(model),
-            "validation": validation, "tests": tests, "quality": tests[str(task.seq_len)][task.metric],
-            "train_seconds": train_seconds}
+        tests[str(length)] = {
+            **evaluate_on_task(model, eval_task, "test", max(4, job.setup.test_tokens // length)),
+            "seconds": time.perf_counter() - began,
+        }
+    return {
+        "task": task.describe(),
+        "task_name": job.task,
+        "task_options": job.task_options,
+        "mechanism": job.mechanism,
+        "options": job.options,
+        "seed": job.seed,
+        "model": asdict(job.spec),
+        "stages": [asdict(stage) for stage in job.setup.stages],
+        "parameters": parameter_count(model),
+        "validation": validation,
+        "tests": tests,
+        "quality": tests[str(task.seq_len)][task.metric],
+        "train_seconds": train_seconds,
+    }
 
 
 def _progress(line: str, done: int, total: int) -> str:
@@ -133,26 +161,49 @@ def _progress(line: str, done: int, total: int) -> str:
     return f"{head} ({done + int(head[5:])}/{total}) {rest}"
 
 
-def long_jobs(tasks: dict[str, LongSetup], mechanisms: list[str], seeds: int, spec: ModelSpec,
-              corpus: str) -> list[LongJob]:
+def long_jobs(
+    tasks: dict[str, LongSetup], mechanisms: list[str], seeds: int, spec: ModelSpec, corpus: str
+) -> list[LongJob]:
     """One job per (task, mechanism, seed); meta_tokens on the LM only (it needs injected tokens)."""
     jobs = []
     for task, setup in tasks.items():
         options = {**setup.options, "corpus": corpus} if task == "lm" else dict(setup.options)
-        setup = LongSetup(options, setup.stages, setup.evals_per_stage, setup.validation_sequences,
-                          setup.test_tokens, setup.cost_batch)
+        setup = LongSetup(
+            options,
+            setup.stages,
+            setup.evals_per_stage,
+            setup.validation_sequences,
+            setup.test_tokens,
+            setup.cost_batch,
+        )
         for mechanism in mechanisms:
             if task != "lm" and mechanism == "meta_tokens":
                 continue
             built = task_options(task, mechanism, setup.as_task_setup())
             for seed in range(seeds):
-                jobs.append(LongJob(f"long-{task}-{mechanism}-seed{seed}", task, built, mechanism,
-                                    options_for(mechanism, setup.seq_len), seed, setup, spec))
+                jobs.append(
+                    LongJob(
+                        f"long-{task}-{mechanism}-seed{seed}",
+                        task,
+                        built,
+                        mechanism,
+                        options_for(mechanism, setup.seq_len),
+                        seed,
+                        setup,
+                        spec,
+                    )
+                )
     return jobs
 
 
-def measure_long_costs(task_name: str, mechanism: str, setup: LongSetup, spec: ModelSpec,
-                       task_options_of: Callable[[str], dict[str, Any]], repeats: int) -> dict[str, Any]:
+def measure_long_costs(
+    task_name: str,
+    mechanism: str,
+    setup: LongSetup,
+    spec: ModelSpec,
+    task_options_of: Callable[[str], dict[str, Any]],
+    repeats: int,
+) -> dict[str, Any]:
     """Training-step and inference time of `mechanism` and of `full`, alternating in the same rounds
     (one thread, as training ran), at T (training) and at T, 2T, 4T (inference per sequence); the
     ratio is the median of the per-round ratios; peak memory of one training step at T."""
@@ -179,13 +230,17 @@ def measure_long_costs(task_name: str, mechanism: str, setup: LongSetup, spec: M
                 models[name].zero_grad(set_to_none=True)
                 inputs, labels = data[name]
                 models[name](inputs, labels, logits_at_labels=True).total_loss.backward()
+
             return run
 
         rounds = round_times({name: step(name) for name in names}, repeats, warmup=1)
-        costs: dict[str, Any] = {"train_ms_per_step": 1000 * _median(rounds[mechanism]),
-                                 "full_train_ms_per_step": 1000 * _median(rounds["full"]),
-                                 "train_time_vs_full": ratio_quartiles(rounds[mechanism], rounds["full"])[1],
-                                 "peak_mib": peak_memory_mib(step(mechanism)), "inference": {}}
+        costs: dict[str, Any] = {
+            "train_ms_per_step": 1000 * _median(rounds[mechanism]),
+            "full_train_ms_per_step": 1000 * _median(rounds["full"]),
+            "train_time_vs_full": ratio_quartiles(rounds[mechanism], rounds["full"])[1],
+            "peak_mib": peak_memory_mib(step(mechanism)),
+            "inference": {},
+        }
         for multiple in (1, *EVAL_MULTIPLES):
             length = setup.seq_len * multiple
             inputs = {}
@@ -198,13 +253,15 @@ def measure_long_costs(task_name: str, mechanism: str, setup: LongSetup, spec: M
                     models[name].eval()
                     with torch.no_grad():
                         models[name](inputs[name])
+
                 return run
 
             rounds = round_times({name: infer(name) for name in names}, repeats, warmup=1)
             costs["inference"][str(length)] = {
                 "infer_ms_per_seq": 1000 * _median(rounds[mechanism]) / setup.cost_batch,
                 "full_infer_ms_per_seq": 1000 * _median(rounds["full"]) / setup.cost_batch,
-                "infer_time_vs_full": ratio_quartiles(rounds[mechanism], rounds["full"])[1]}
+                "infer_time_vs_full": ratio_quartiles(rounds[mechanism], rounds["full"])[1],
+            }
     finally:
         torch.set_num_threads(threads)
     return costs
@@ -234,20 +291,30 @@ class LongBudget:
 # their key than a T/4 window reaches.
 LONG = LongBudget(
     tasks={
-        "mqar": LongSetup({"seq_len": 512, "pairs": 7, "vocab_size": 16}, stages=(
-            Stage({"seq_len": 32, "pairs": 4}, steps=600, batch_size=64, lr=3e-3, warmup_steps=200),
-            Stage({"seq_len": 128}, steps=150, batch_size=32, lr=3e-3, warmup_steps=30),
-            Stage({}, steps=200, batch_size=16, lr=3e-3, warmup_steps=20))),
-        "lm": LongSetup({"seq_len": 1024}, stages=(
-            Stage({"seq_len": 128}, steps=400, batch_size=32, lr=3e-3, warmup_steps=40),
-            Stage({}, steps=100, batch_size=8, lr=1e-3, warmup_steps=10))),
+        "mqar": LongSetup(
+            {"seq_len": 512, "pairs": 7, "vocab_size": 16},
+            stages=(
+                Stage({"seq_len": 32, "pairs": 4}, steps=600, batch_size=64, lr=3e-3, warmup_steps=200),
+                Stage({"seq_len": 128}, steps=150, batch_size=32, lr=3e-3, warmup_steps=30),
+                Stage({}, steps=200, batch_size=16, lr=3e-3, warmup_steps=20),
+            ),
+        ),
+        "lm": LongSetup(
+            {"seq_len": 1024},
+            stages=(
+                Stage({"seq_len": 128}, steps=400, batch_size=32, lr=3e-3, warmup_steps=40),
+                Stage({}, steps=100, batch_size=8, lr=1e-3, warmup_steps=10),
+            ),
+        ),
     },
     spec=ModelSpec(dim=64, depth=2, heads=2, mlp_ratio=2.0, positions="rotary"),
 )
 LONG_TASKS = tuple(LONG.tasks)
 
 
-def check_long_selection(mechanisms: list[str] | None, tasks: list[str] | None) -> tuple[list[str], list[str]]:
+def check_long_selection(
+    mechanisms: list[str] | None, tasks: list[str] | None
+) -> tuple[list[str], list[str]]:
     """--mechanisms / --tasks for the long budget; None = its defaults. `full` always runs first
     (every ratio and Δ is against it)."""
     from routeformer.attention import list_attentions

@@ -11,7 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.experiments.compare_long import (
-    EVAL_MULTIPLES, LONG_MECHANISMS, LongSetup, long_jobs, measure_long_costs, train_long_job,
+    EVAL_MULTIPLES,
+    LongSetup,
+    long_jobs,
+    measure_long_costs,
+    train_long_job,
 )
 from routeformer.experiments.compare_report import separated, task_floor
 from routeformer.experiments.jobs import cached_run, run_jobs, say
@@ -31,9 +35,17 @@ def default_corpus() -> str:
         return "pydoc"
 
 
-def run_compare_long(budget: Any, out_dir: str | Path = "runs/compare-long", *, mechanisms: list[str],
-                     tasks: list[str], seeds: int, workers: int = 2, corpus: str | None = None,
-                     command: str = "routeformer compare --long") -> Path:
+def run_compare_long(
+    budget: Any,
+    out_dir: str | Path = "runs/compare-long",
+    *,
+    mechanisms: list[str],
+    tasks: list[str],
+    seeds: int,
+    workers: int = 2,
+    corpus: str | None = None,
+    command: str = "routeformer compare --long",
+) -> Path:
     """Train, test and time every (task, mechanism, seed) of `budget`; returns report.md's path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -41,8 +53,10 @@ def run_compare_long(budget: Any, out_dir: str | Path = "runs/compare-long", *, 
     setups = {task: budget.tasks[task] for task in tasks}
     jobs = long_jobs(setups, mechanisms, seeds, budget.spec, corpus)
     began = time.perf_counter()
-    say(f"compare --long: {len(jobs)} runs ({', '.join(tasks)}; {len(mechanisms)} mechanisms; {seeds} seeds), "
-        f"{workers} worker process(es); LM corpus {corpus}")
+    say(
+        f"compare --long: {len(jobs)} runs ({', '.join(tasks)}; {len(mechanisms)} mechanisms; {seeds} seeds), "
+        f"{workers} worker process(es); LM corpus {corpus}"
+    )
     records = run_jobs(out, jobs, workers, say, train=train_long_job)
     train_elapsed = time.perf_counter() - began
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {task: {} for task in tasks}
@@ -59,13 +73,25 @@ def run_compare_long(budget: Any, out_dir: str | Path = "runs/compare-long", *, 
         setup = next(job.setup for job in jobs if job.task == task)
         for multiple in (1, *EVAL_MULTIPLES):
             length = setup.seq_len * multiple
-            floors[(task, length)] = cached_run(out, f"long-{task}-floor-{length}", lambda t=task, L=length, s=setup:
-                                                task_floor(t, {**s.options, "seq_len": L}))
+            floors[(task, length)] = cached_run(
+                out,
+                f"long-{task}-floor-{length}",
+                lambda t=task, L=length, s=setup: task_floor(t, {**s.options, "seq_len": L}),
+            )
         for mechanism in runs[task]:
             say(f"compare --long: costs of {mechanism} on {task} (alternating with full)")
             costs[(task, mechanism)] = cached_run(
-                out, f"long-{task}-costs-{mechanism}", lambda t=task, m=mechanism, s=setup: measure_long_costs(
-                    t, m, s, budget.spec, lambda name, t=t: options_of.get((t, name), s.options), budget.repeats))
+                out,
+                f"long-{task}-costs-{mechanism}",
+                lambda t=task, m=mechanism, s=setup: measure_long_costs(
+                    t,
+                    m,
+                    s,
+                    budget.spec,
+                    lambda name, t=t: options_of.get((t, name), s.options),
+                    budget.repeats,
+                ),
+            )
     elapsed = time.perf_counter() - began
     say(f"compare --long: done in {elapsed:.0f} s ({train_elapsed:.0f} s training)")
     return write_long_report(out, runs, floors, costs, budget, setups, command, elapsed, workers, failed)
@@ -82,15 +108,26 @@ def flat_records(runs: dict[str, dict[str, list[dict[str, Any]]]], costs: dict, 
                 for length, test in record["tests"].items():
                     floor = floors[(task, int(length))]
                     inference = cost["inference"][length]
-                    rows.append({
-                        "task": task, "seq_len": int(length), "train_seq_len": train_len, "mechanism": mechanism,
-                        "seed": record["seed"],
-                        "quality": {"name": floor["metric"], "higher_is_better": floor["higher_is_better"],
-                                    "value": test[floor["metric"]]},
-                        "params": record["parameters"], "train_ms_per_step": cost["train_ms_per_step"],
-                        "infer_ms_per_seq": inference["infer_ms_per_seq"],
-                        "attention_flops": test["attention_flops_per_token"] * int(length),
-                        "peak_mib": cost["peak_mib"], "train_seconds": record["train_seconds"]})
+                    rows.append(
+                        {
+                            "task": task,
+                            "seq_len": int(length),
+                            "train_seq_len": train_len,
+                            "mechanism": mechanism,
+                            "seed": record["seed"],
+                            "quality": {
+                                "name": floor["metric"],
+                                "higher_is_better": floor["higher_is_better"],
+                                "value": test[floor["metric"]],
+                            },
+                            "params": record["parameters"],
+                            "train_ms_per_step": cost["train_ms_per_step"],
+                            "infer_ms_per_seq": inference["infer_ms_per_seq"],
+                            "attention_flops": test["attention_flops_per_token"] * int(length),
+                            "peak_mib": cost["peak_mib"],
+                            "train_seconds": record["train_seconds"],
+                        }
+                    )
     return rows
 
 
@@ -101,8 +138,18 @@ def paired_delta(records: list[dict], full: list[dict], length: str, metric: str
     return mean_sd(deltas) if deltas else (float("nan"), float("nan"))
 
 
-def write_long_report(out: Path, runs: dict, floors: dict, costs: dict, budget: Any, setups: dict[str, LongSetup],
-                      command: str, elapsed: float, workers: int, failed: dict[str, str]) -> Path:
+def write_long_report(
+    out: Path,
+    runs: dict,
+    floors: dict,
+    costs: dict,
+    budget: Any,
+    setups: dict[str, LongSetup],
+    command: str,
+    elapsed: float,
+    workers: int,
+    failed: dict[str, str],
+) -> Path:
     spec: ModelSpec = budget.spec
     sections = [
         "# routeformer compare --long: quality and cost where routing pays",
@@ -124,9 +171,13 @@ def write_long_report(out: Path, runs: dict, floors: dict, costs: dict, budget: 
     summary: dict[str, Any] = {"command": command, "elapsed_seconds": elapsed, "tasks": {}, "failed": failed}
     for task, by_mechanism in runs.items():
         setup = setups[task]
-        stages = "; ".join(f"{s.steps} steps of batch {s.batch_size} on " + (", ".join(
-            f"{k}={v}" for k, v in s.options.items()) or "the task itself") + f" (lr {s.lr:g}, {s.warmup_steps} "
-            "warm-up)" for s in setup.stages)
+        stages = "; ".join(
+            f"{s.steps} steps of batch {s.batch_size} on "
+            + (", ".join(f"{k}={v}" for k, v in s.options.items()) or "the task itself")
+            + f" (lr {s.lr:g}, {s.warmup_steps} "
+            "warm-up)"
+            for s in setup.stages
+        )
         sections += [f"## {task} (trained at T = {setup.seq_len})", f"Stages: {stages}."]
         summary["tasks"][task] = {}
         for multiple in (1, *EVAL_MULTIPLES):
@@ -134,17 +185,28 @@ def write_long_report(out: Path, runs: dict, floors: dict, costs: dict, budget: 
             rows, table = _length_rows(by_mechanism, costs, floors[(task, int(length))], task, length)
             summary["tasks"][task][length] = rows
             sections += _length_section(task, length, multiple, rows, table, floors[(task, int(length))])
-        points = {m: (r["train_ms_per_step"], r["quality_mean"]) for m, r in summary["tasks"][task][
-            str(setup.seq_len)].items()}
+        points = {
+            m: (r["train_ms_per_step"], r["quality_mean"])
+            for m, r in summary["tasks"][task][str(setup.seq_len)].items()
+        }
         floor = floors[(task, setup.seq_len)]
-        scatter_plot(out / f"pareto_{task}.png", points, set(), xlabel="training ms per step at T (one thread)",
-                     ylabel=floor["metric"], title=f"{task} at T={setup.seq_len}: quality (mean ± sd) vs step time",
-                     errors={m: r["quality_sd"] for m, r in summary["tasks"][task][str(setup.seq_len)].items()},
-                     reference=("best shortcut / chance", _best_floor(floor)))
+        scatter_plot(
+            out / f"pareto_{task}.png",
+            points,
+            set(),
+            xlabel="training ms per step at T (one thread)",
+            ylabel=floor["metric"],
+            title=f"{task} at T={setup.seq_len}: quality (mean ± sd) vs step time",
+            errors={m: r["quality_sd"] for m, r in summary["tasks"][task][str(setup.seq_len)].items()},
+            reference=("best shortcut / chance", _best_floor(floor)),
+        )
         sections.append(f"Plot: `pareto_{task}.png` (quality at T against training time per step).")
     if failed:
-        sections.append("Failed runs (left out; a re-run retries them): " + "; ".join(
-            f"{key}: {error}" for key, error in failed.items()) + ".")
+        sections.append(
+            "Failed runs (left out; a re-run retries them): "
+            + "; ".join(f"{key}: {error}" for key, error in failed.items())
+            + "."
+        )
     summary["records"] = flat_records(runs, costs, floors)
     return write_result(out, summary, "\n\n".join(sections) + "\n")
 
@@ -164,25 +226,54 @@ def _length_rows(by_mechanism: dict, costs: dict, floor: dict, task: str, length
         delta = paired_delta(records, full, length, metric) if full and mechanism != "full" else (0.0, 0.0)
         cost = costs[(task, mechanism)]
         inference = cost["inference"][length]
-        flops = statistics.fmean(r["tests"][length]["attention_flops_per_token"] for r in records) * int(length)
-        full_flops = statistics.fmean(r["tests"][length]["attention_flops_per_token"] for r in full) * int(
-            length) if full else None
-        beats = len(values) > 1 and separated((mean, sd), (best, 0.0)) and (mean > best if higher else mean < best)
-        row = {"quality_mean": mean, "quality_sd": sd, "qualities": values, "delta_mean": delta[0],
-               "delta_sd": delta[1], "delta_separated": mechanism != "full" and len(values) > 1
-               and abs(delta[0]) > 3 * delta[1], "beats_floor": beats, "params": records[0]["parameters"],
-               "train_ms_per_step": cost["train_ms_per_step"], "train_time_vs_full": cost["train_time_vs_full"],
-               "infer_ms_per_seq": inference["infer_ms_per_seq"],
-               "infer_time_vs_full": inference["infer_time_vs_full"], "attention_flops": flops,
-               "flops_vs_full": flops / full_flops if full_flops else None, "peak_mib": cost["peak_mib"]}
+        flops = statistics.fmean(r["tests"][length]["attention_flops_per_token"] for r in records) * int(
+            length
+        )
+        full_flops = (
+            statistics.fmean(r["tests"][length]["attention_flops_per_token"] for r in full) * int(length)
+            if full
+            else None
+        )
+        beats = (
+            len(values) > 1
+            and separated((mean, sd), (best, 0.0))
+            and (mean > best if higher else mean < best)
+        )
+        row = {
+            "quality_mean": mean,
+            "quality_sd": sd,
+            "qualities": values,
+            "delta_mean": delta[0],
+            "delta_sd": delta[1],
+            "delta_separated": mechanism != "full" and len(values) > 1 and abs(delta[0]) > 3 * delta[1],
+            "beats_floor": beats,
+            "params": records[0]["parameters"],
+            "train_ms_per_step": cost["train_ms_per_step"],
+            "train_time_vs_full": cost["train_time_vs_full"],
+            "infer_ms_per_seq": inference["infer_ms_per_seq"],
+            "infer_time_vs_full": inference["infer_time_vs_full"],
+            "attention_flops": flops,
+            "flops_vs_full": flops / full_flops if full_flops else None,
+            "peak_mib": cost["peak_mib"],
+        }
         rows[mechanism] = row
-        table.append([mechanism, row["params"], f"{mean:.4f} ± {sd:.4f}", "yes" if beats else "no",
-                      "—" if mechanism == "full" else f"{delta[0]:+.4f} ± {delta[1]:.4f}"
-                      + (" *" if row["delta_separated"] else ""),
-                      f"{row['train_time_vs_full']:.2f}", f"{row['infer_time_vs_full']:.2f}",
-                      "-" if row["flops_vs_full"] is None else f"{row['flops_vs_full']:.2f}",
-                      f"{row['train_ms_per_step']:.0f}", f"{row['infer_ms_per_seq']:.1f}",
-                      "-" if row["peak_mib"] is None else f"{row['peak_mib']:.0f}"])
+        table.append(
+            [
+                mechanism,
+                row["params"],
+                f"{mean:.4f} ± {sd:.4f}",
+                "yes" if beats else "no",
+                "—"
+                if mechanism == "full"
+                else f"{delta[0]:+.4f} ± {delta[1]:.4f}" + (" *" if row["delta_separated"] else ""),
+                f"{row['train_time_vs_full']:.2f}",
+                f"{row['infer_time_vs_full']:.2f}",
+                "-" if row["flops_vs_full"] is None else f"{row['flops_vs_full']:.2f}",
+                f"{row['train_ms_per_step']:.0f}",
+                f"{row['infer_ms_per_seq']:.1f}",
+                "-" if row["peak_mib"] is None else f"{row['peak_mib']:.0f}",
+            ]
+        )
     return rows, table
 
 
@@ -193,7 +284,20 @@ def _length_section(task: str, length: str, multiple: int, rows: dict, table: li
     return [
         f"### {task} at T = {length} ({where})",
         f"Floor: chance {floor['chance']:.4f}; shortcut rules on the test split: {baselines}.",
-        markdown_table(["mechanism", "params", f"{metric} (mean ± sd)", "beats floor by > 3 sd",
-                        "Δ vs full (± sd; * > 3 sd)", "train time / full (at T)", "inference time / full",
-                        "attention FLOPs / full", "train ms/step (at T)", "inference ms/seq", "peak MiB (train)"],
-                       table)]
+        markdown_table(
+            [
+                "mechanism",
+                "params",
+                f"{metric} (mean ± sd)",
+                "beats floor by > 3 sd",
+                "Δ vs full (± sd; * > 3 sd)",
+                "train time / full (at T)",
+                "inference time / full",
+                "attention FLOPs / full",
+                "train ms/step (at T)",
+                "inference ms/seq",
+                "peak MiB (train)",
+            ],
+            table,
+        ),
+    ]

@@ -10,7 +10,7 @@ of `routeformer.tasks` in one of these variants, which differ one thing at a tim
 - `meta_parallel`: the earlier form (shared Q/K/V, parallel to the standard attention).
 
 Positions (`positions`): "keep" (every token at its place), "skip" (meta-tokens do not advance the
-counter; data/meta_tokens.py), or "zero" (the paper's: rotary angle 0 at meta-tokens, in training
+counter; tasks/meta_tokens.py), or "zero" (the paper's: rotary angle 0 at meta-tokens, in training
 and evaluation). Every variant trained with the same seed sees the same sequences: batches are
 drawn from the task with `_PAUSE_` and the `plain` variant reads them with the `_PAUSE_` columns
 removed. (Drawing from the task without `_PAUSE_` would not do: the train/validation/test split is a
@@ -35,12 +35,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from routeformer.data.meta_tokens import meta_positions
-from routeformer.data.recall_tasks import PAUSE
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import CausalLM
 from routeformer.tasks import build_task
 from routeformer.tasks.base import IGNORE_INDEX, Task
+from routeformer.tasks.meta_tokens import meta_positions
+from routeformer.tasks.recall_sequences import PAUSE
 from routeformer.train.on_task import ModelSpec, parameter_count
 from routeformer.train.task_loop import TaskTrainConfig, train_task
 

@@ -3,7 +3,7 @@
 The paper's Figure 3 task (x2 = W_r x1 + ε, y = W_y x1, x1 at a geometric distance before x2) can
 be solved without attention: with a full-rank W_r, y is a linear function of the last node. Our
 earlier "reproduced" verdict on it showed nothing about attention. This run uses the keyed form
-(`StructuralTask(keyed=True)`, data/structural.py): x2 only keys x1 by half of its features and y
+(`StructuralTask(keyed=True)`, tasks/structural.py): x2 only keys x1 by half of its features and y
 reads the other half, so y is independent of the last node.
 
 Models (one layer, model dim = d, same seeds = same task weights and batches for every model):
@@ -24,11 +24,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from routeformer.data.structural import StructuralTask, recency_batch
 from routeformer.experiments.jobs import cached_run, run_key, say
 from routeformer.experiments.registry import register_experiment
 from routeformer.experiments.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.experiments.structural_toys import EXPANDING_BLOCK, run_recency_model, zero_prediction_mse
+from routeformer.tasks.structural import StructuralTask, recency_batch
 
 # name -> (mechanism, layer options)
 RECENCY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {

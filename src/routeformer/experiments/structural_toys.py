@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from routeformer.data.structural import StructuralTask, StructuralWeights, chain_batch, recency_batch
 from routeformer.models.heads import ModelOutput
 from routeformer.models.regressor import SequenceRegressor
 from routeformer.ops.multihop import multihop_attention_reference, path_settings
+from routeformer.tasks.structural import StructuralTask, StructuralWeights, chain_batch, recency_batch
 from routeformer.train.task_loop import TaskTrainConfig, layer_stat, train_task
 
 TEST_SEQUENCES = 2048

@@ -30,7 +30,7 @@ class ModelConfig:
     dropout: float = 0.0
     causal: bool = True
     tie_embeddings: bool = True
-    # Meta-tokens (data/meta_tokens.py): the `_PAUSE_` id, whose positions the backbone hands to
+    # Meta-tokens (tasks/meta_tokens.py): the `_PAUSE_` id, whose positions the backbone hands to
     # layers that read them (meta_tokens); None = no meta-tokens. The zero_* switches drop the
     # positional encoding at meta positions (learned: no position embedding added; rotary: identity
     # rotation) in training and in evaluation, independently; flip them on a built model's config.

@@ -8,11 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from routeformer.data.batches import IGNORE_INDEX
 from routeformer.models.cache import DecodeCache, cached_description
 from routeformer.models.config import ModelConfig
 from routeformer.models.transformer import Transformer
-
-IGNORE_INDEX = -100
 
 
 @dataclass

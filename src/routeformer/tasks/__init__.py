@@ -5,6 +5,11 @@
     task.chance, task.baselines()   # the floor any model result is compared with
 
 `list_tasks()` names them all with their options. Tasks know nothing of models.
+
+Every task generator lives here with its shortcut baselines and hash splits (tasks/splits.py):
+listops, recall (recall_sequences.py: the sequence formats), mqar, previous_token, lm, plus
+meta-token injection (meta_tokens.py) and the structural regression toys (structural.py);
+data/ holds only corpora, tokenizers, vocabularies, token caches and batching.
 """
 
 from routeformer.tasks.base import IGNORE_INDEX, Task

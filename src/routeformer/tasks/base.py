@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from routeformer.data.batches import IGNORE_INDEX
 from routeformer.tasks.splits import SPLITS, check_split, keep_split
 
-IGNORE_INDEX = -100
 BASELINE_SEQUENCES = 2048  # the fixed sample every baseline is measured on
 BASELINE_SEED = 12345
 

@@ -1,8 +1,18 @@
-"""ListOps (Long Range Arena's grammar, `data/listops.py`) as a bidirectional task.
+"""ListOps (Long Range Arena): our own generator of its published grammar, and the task built on it.
 
-A sequence is `?` followed by the expression in prefix form, right-padded to `seq_len`; the label
-at position 0 (the `?`) is the expression's value as a digit token, every other label is -100.
-The model reads the whole sequence (non-causal) and answers at `?`.
+The grammar. A sequence is a nested expression in prefix form, e.g. `[MAX 2 9 [MIN 4 7 ] 0 ]`,
+whose value (0-9) is the label. Operators: MAX, MIN, MED (the median, rounded down to an integer as
+`int(numpy.median)` does), SM (sum mod 10). As in LRA's generator: a node below `max_depth`
+becomes an operator with probability `operator_probability` (else a digit), an operator takes
+2..`max_args` arguments, and trees are drawn until their token count lies in
+[min_length, max_length] (LRA: depth <= 10, <= 10 arguments, 500..2000 tokens).
+Token ids: 0 padding, 1-10 the digits 0-9, 11-14 the operators, 15 the closing bracket; 16 is
+reserved for the meta-token `_PAUSE_` (never generated; a model that reads meta-tokens uses
+VOCAB_SIZE_WITH_PAUSE). `pad_batch` right-pads examples with a bool mask (True = real token).
+
+The task (`build_task("listops")`, bidirectional). A sequence is `?` followed by the expression,
+right-padded to `seq_len`; the label at position 0 (the `?`) is the expression's value as a digit
+token, every other label is -100. The model reads the whole sequence (non-causal) and answers at `?`.
 
 Like LRA, the task is a fixed pool of expressions (`pool` of them, drawn once per process for
 given options and cached), so batches cost an index and a copy, not a Python tree walk. Pool
@@ -16,29 +26,115 @@ outermost operator applied to every digit (flat) or to its direct digit argument
 
 from __future__ import annotations
 
+import random
 from collections import Counter
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from routeformer.data.listops import (
-    CLOSE,
-    DIGIT_BASE,
-    OPERATOR_BASE,
-    OPERATORS,
-    PAD,
-    VOCAB_SIZE,
-    ListOpsConfig,
-    evaluate_tree,
-    generate_listops,
-)
 from routeformer.ops._checks import check_positive
 from routeformer.tasks.base import IGNORE_INDEX, Rule, Task, check_batch_size
 from routeformer.tasks.registry import register_task
 from routeformer.tasks.splits import SPLITS, keep_split
 
+PAD = 0
+OPERATORS = ("MAX", "MIN", "MED", "SM")
+DIGIT_BASE = 1
+OPERATOR_BASE = 11
+CLOSE = 15
+VOCAB_SIZE = 16
+PAUSE = VOCAB_SIZE  # the meta-token `_PAUSE_` (tasks/meta_tokens.py)
+VOCAB_SIZE_WITH_PAUSE = VOCAB_SIZE + 1
+NUM_CLASSES = 10
+
+
+@dataclass(frozen=True)
+class ListOpsConfig:
+    min_length: int = 500
+    max_length: int = 2000
+    max_depth: int = 10
+    max_args: int = 10
+    operator_probability: float = 0.25
+
+    def __post_init__(self) -> None:
+        for name in ("min_length", "max_length", "max_depth"):
+            check_positive(name, getattr(self, name))
+        if self.max_length < self.min_length:
+            raise ValueError(f"max_length ({self.max_length}) must be >= min_length ({self.min_length})")
+        if not isinstance(self.max_args, int) or self.max_args < 2:
+            raise ValueError(f"max_args must be an integer >= 2; got {self.max_args!r}")
+        if not 0.0 < self.operator_probability < 1.0:
+            raise ValueError(f"operator_probability must be in (0, 1); got {self.operator_probability!r}")
+
+
+def evaluate_tree(tree) -> int:
+    """The value of a tree: an int leaf, or (operator, [subtrees])."""
+    if isinstance(tree, int):
+        return tree
+    operator, children = tree
+    values = sorted(evaluate_tree(child) for child in children)
+    if operator == "MAX":
+        return values[-1]
+    if operator == "MIN":
+        return values[0]
+    if operator == "SM":
+        return sum(values) % 10
+    middle = len(values) // 2  # MED: numpy's median of the values, truncated to int
+    return values[middle] if len(values) % 2 else int((values[middle - 1] + values[middle]) / 2)
+
+
+def tree_tokens(tree) -> list[int]:
+    if isinstance(tree, int):
+        return [DIGIT_BASE + tree]
+    operator, children = tree
+    tokens = [OPERATOR_BASE + OPERATORS.index(operator)]
+    for child in children:
+        tokens += tree_tokens(child)
+    return tokens + [CLOSE]
+
+
+def decode(tokens: list[int]) -> str:
+    names = {CLOSE: "]", **{OPERATOR_BASE + i: "[" + op for i, op in enumerate(OPERATORS)},
+             **{DIGIT_BASE + d: str(d) for d in range(10)}}
+    return " ".join(names[t] for t in tokens if t != PAD)
+
+
+def _random_tree(rng: random.Random, config: ListOpsConfig, depth: int = 1):
+    if depth >= config.max_depth or rng.random() >= config.operator_probability:
+        return rng.randrange(10)
+    arguments = rng.randint(2, config.max_args)
+    return (rng.choice(OPERATORS), [_random_tree(rng, config, depth + 1) for _ in range(arguments)])
+
+
+def generate_listops(count: int, config: ListOpsConfig, seed: int) -> list[tuple[list[int], int]]:
+    """`count` (tokens, label) examples whose length lies in the configured range (seeded)."""
+    check_positive("count", count)
+    rng = random.Random(seed)
+    examples = []
+    while len(examples) < count:
+        tree = _random_tree(rng, config)
+        if isinstance(tree, int):
+            continue
+        tokens = tree_tokens(tree)
+        if config.min_length <= len(tokens) <= config.max_length:
+            examples.append((tokens, evaluate_tree(tree)))
+    return examples
+
+
+def pad_batch(examples: list[tuple[list[int], int]]) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (tokens long [B, T], mask bool [B, T], labels long [B]), T = the longest example."""
+    length = max(len(tokens) for tokens, _ in examples)
+    tokens = torch.full((len(examples), length), PAD, dtype=torch.long)
+    for row, (sequence, _) in enumerate(examples):
+        tokens[row, : len(sequence)] = torch.tensor(sequence)
+    labels = torch.tensor([label for _, label in examples])
+    return tokens, tokens != PAD, labels
+
+
+# -- the task ------------------------------------------------------------------------------------
 QUESTION = VOCAB_SIZE + 1  # after the reserved _PAUSE_ id (VOCAB_SIZE)
 
 

@@ -8,6 +8,10 @@ report on the other). The metric is bits per character (lower is better).
 pre-training of "Language Modeling with Learned Meta-Tokens"): windows then hold fewer real
 characters, no loss is taken on predicting a meta-token, and `meta_token_id` names its id.
 
+`lm_windows` draws the training windows of every language model in routeformer: this task's and
+those of `routeformer train` (train/loop.py, on its own corpus and tokenizer), so both train on the
+same kind of batch from the same generator calls.
+
 `chance` is the input-blind uniform guess, log2(V) bits; the baselines are n-gram models fitted on
 the training text (add-one smoothing), which ignore everything but the last n-1 characters: what
 attention is for.
@@ -24,10 +28,10 @@ from torch import Tensor
 
 from routeformer.data.batches import random_batch
 from routeformer.data.corpora import load_corpus
-from routeformer.data.meta_tokens import check_density, inject_into_batch, real_tokens_per_window
 from routeformer.data.vocab import CharVocab
 from routeformer.ops._checks import check_positive
 from routeformer.tasks.base import Task, check_batch_size
+from routeformer.tasks.meta_tokens import check_density, inject_into_batch, real_tokens_per_window
 from routeformer.tasks.registry import register_task
 from routeformer.tasks.splits import check_split
 
@@ -40,6 +44,17 @@ def _encoded(corpus: str) -> tuple[str, CharVocab, Tensor, Tensor, Tensor]:
     held_out = vocab.encode(text.val)
     half = len(held_out) // 2
     return text.name, vocab, vocab.encode(text.train), held_out[:half], held_out[half:]
+
+
+def lm_windows(ids: Tensor, batch_size: int, seq_len: int, generator: torch.Generator, *,
+               meta_density: float = 0.0, meta_id: int | None = None) -> tuple[Tensor, Tensor]:
+    """`batch_size` random windows of `seq_len` slots from the token stream `ids` (inputs, next-token
+    labels); with `meta_density` > 0, meta-tokens `meta_id` injected (no loss on predicting one)."""
+    if meta_density == 0:
+        return random_batch(ids, batch_size, seq_len, generator)
+    inputs, labels = random_batch(ids, batch_size, real_tokens_per_window(seq_len, meta_density), generator)
+    return inject_into_batch(inputs, labels, seq_len, meta_id=meta_id, density=meta_density,
+                             generator=generator)
 
 
 @register_task("lm")
@@ -76,7 +91,8 @@ class CharLM(Task):
     ) -> tuple[Tensor, Tensor]:
         """Random windows of the split's text (the splits are disjoint stretches of the corpus)."""
         check_batch_size(batch_size)
-        return self._inject(*random_batch(self.ids(split), batch_size, self._real, generator), generator)
+        return lm_windows(self.ids(split), batch_size, self.seq_len, generator,
+                          meta_density=self.meta_density, meta_id=self.meta_token_id)
 
     def fixed_sample(self, split: str, sequences: int, seed: int = 0) -> tuple[Tensor, Tensor]:
         """The first `sequences` non-overlapping windows of the split (all it has, if fewer)."""

@@ -1,5 +1,5 @@
 """The recall tasks of "Language Modeling with Learned Meta-Tokens" (Shah et al., 2025) as tasks:
-`list_recall`, `segment_counting`, `parity`, `copying` (formats in `data/recall_tasks.py`).
+`list_recall`, `segment_counting`, `parity`, `copying` (formats in `tasks/recall_sequences.py`).
 
 No question is asked twice in a sequence (the earlier version drew questions with replacement, so
 a copy rule answered repeated questions from the visible earlier answer: 0.66 on parity).
@@ -7,6 +7,9 @@ a copy rule answered repeated questions from the visible earlier answer: 0.66 on
 `chance` is the best input-blind guess (list recall and copying 1/64; counting the mode of the
 Binomial(n, 1/4) count; parity 1/2). The shortcut rules ignore what is asked: which segment (its
 key), or, for copying, which segment is marked; one more repeats the previous answer.
+
+`recall_split_batch(spec, count, generator, split)` draws the sequences of any `RecallTask` spec
+(meta-tokens included) from one hash split, as the registered tasks do.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from routeformer.data.recall_tasks import (
+from routeformer.tasks.base import IGNORE_INDEX, Rule, Task
+from routeformer.tasks.recall_sequences import (
     COUNTING_SYMBOLS,
     ITEM_BASE,
     ITEMS,
@@ -26,7 +30,6 @@ from routeformer.data.recall_tasks import (
     RecallTask,
     recall_batch,
 )
-from routeformer.tasks.base import IGNORE_INDEX, Rule, Task
 from routeformer.tasks.registry import register_task
 
 
@@ -37,9 +40,20 @@ class _RecallTaskBase(Task):
     def __init__(
         self, segments: int = 8, segment_length: int = 4, queries: int = 4, meta: bool = False,
     ) -> None:
-        self.spec = RecallTask(self.task_name, segments=segments, segment_length=segment_length,
-                               queries=queries, meta=meta)
-        self.name, self.vocab_size, self.seq_len = self.task_name, VOCAB_SIZE, self.spec.seq_len
+        self._use(RecallTask(self.task_name, segments=segments, segment_length=segment_length,
+                             queries=queries, meta=meta))
+
+    @classmethod
+    def from_spec(cls, spec: RecallTask) -> _RecallTaskBase:
+        """The task of any `RecallTask` spec, even one the constructor's options cannot express
+        (copying with several queries)."""
+        task = cls.__new__(cls)
+        task._use(spec)
+        return task
+
+    def _use(self, spec: RecallTask) -> None:
+        self.spec = spec
+        self.name, self.vocab_size, self.seq_len = self.task_name, VOCAB_SIZE, spec.seq_len
 
     def options(self) -> dict[str, Any]:
         spec = self.spec
@@ -181,3 +195,13 @@ class Copying(_RecallTaskBase):
             return rule
 
         return {"copy the last segment": copy_segment(-1), "copy the first segment": copy_segment(0)}
+
+
+_TASK_CLASSES = {cls.task_name: cls for cls in (ListRecall, SegmentCounting, Parity, Copying)}
+
+
+def recall_split_batch(spec: RecallTask, count: int, generator: torch.Generator,
+                       split: str) -> tuple[Tensor, Tensor]:
+    """`count` sequences of `spec` that belong to `split` ("train", "validation" or "test"; the
+    hash splits of tasks/splits.py), drawn from `generator`."""
+    return _TASK_CLASSES[spec.name].from_spec(spec).batch(count, generator, split)

@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from routeformer.train import checkpoint_format
+from routeformer.train.checkpoint_format import decode as decode_payload
+from routeformer.train.checkpoint_format import encode as encode_payload
 
 CHECKPOINT_NAME = "checkpoint.pt"
 _MAGIC = b"ROUTEFORMER-CHECKPOINT 2 sha256="
@@ -59,7 +60,7 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
 
     if "model" in state:
         check_finite_weights(state["model"], where=f"checkpoint {str(path)!r}")
-    payload = checkpoint_format.encode(state)
+    payload = encode_payload(state)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
@@ -91,7 +92,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
                                       f"{len(data):,} bytes)")
             if magic == _MAGIC:
                 try:
-                    return checkpoint_format.decode(payload)
+                    return decode_payload(payload)
                 except Exception as error:  # checksum intact: written by something else
                     raise CheckpointError(f"checkpoint {str(path)!r} cannot be read: {error}") from None
             return _load_pickled(path, payload)

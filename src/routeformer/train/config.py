@@ -30,7 +30,7 @@ class DataConfig:
     tokenizer: str = "char"
     seq_len: int = 128
     # Meta-tokens: the fraction of each window's slots that hold an injected `_PAUSE_` (training and
-    # evaluation; no loss on predicting one). 0 = none. See data/meta_tokens.py.
+    # evaluation; no loss on predicting one). 0 = none. See tasks/meta_tokens.py.
     meta_density: float = 0.0
     # Packed documents: a document is a paragraph (text up to a blank line); training windows carry
     # document ids, no attention crosses a paragraph boundary and no loss is taken across one
@@ -89,7 +89,7 @@ class RunConfig:
                      "max_nonfinite_steps", "keep_checkpoints"):
             check_positive(f"train.{name}", getattr(self.train, name))
         check_positive("data.seq_len", self.data.seq_len)
-        from routeformer.data.meta_tokens import check_density
+        from routeformer.tasks.meta_tokens import check_density
 
         check_density("data.meta_density", self.data.meta_density)
         if self.data.pack_documents and self.data.meta_density > 0:

@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 
 from routeformer.data.batches import sequential_batches
-from routeformer.data.meta_tokens import inject_into_batch, real_tokens_per_window
 from routeformer.models.heads import IGNORE_INDEX, CausalLM
+from routeformer.tasks.meta_tokens import inject_into_batch, real_tokens_per_window
 
 
 @torch.no_grad()

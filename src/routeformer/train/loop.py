@@ -1,4 +1,7 @@
-"""The training loop: AdamW, warmup + cosine, clipping, periodic eval, exact resume.
+"""`routeformer train`: a language model trained in a run directory, with periodic evaluation and
+exact resume. The steps themselves are the one loop of train/steps.py (AdamW, warmup + cosine,
+clipping, the non-finite guard), the loop every task run shares; the windows are the LM task's
+(`tasks.lm.lm_windows`).
 
 A run lives in `config.out_dir`: `config.yaml`, `metrics.jsonl`, `checkpoint.pt` and the previous
 `train.keep_checkpoints - 1` checkpoints (`checkpoint.1.pt`, ...; checksummed, written atomically:
@@ -22,25 +25,23 @@ Under `torchrun` the same loop runs DistributedDataParallel (see train/distribut
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TrainResult", "build_optimizer", "train", "training_batch", "weight_decay_groups"]
+__all__ = ["TrainResult", "train", "training_batch"]
 
 import torch
 
-from routeformer.data.batches import random_batch
 from routeformer.data.corpora import load_data
 from routeformer.data.documents import DOCUMENT_SEPARATOR, document_starts, packed_random_batch
-from routeformer.data.meta_tokens import inject_into_batch, real_tokens_per_window
 from routeformer.data.token_cache import tokenise_corpus
 from routeformer.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_from_dict
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import CausalLM
+from routeformer.tasks.lm import lm_windows
 from routeformer.train.checkpoint import save_rotating
 from routeformer.train.config import RunConfig
 from routeformer.train.distributed import (
@@ -65,7 +66,7 @@ from routeformer.train.interrupts import (
     interrupted_message,
 )
 from routeformer.train.logging import RunLog
-from routeformer.train.optim import apply_optimizer_settings, build_optimizer, weight_decay_groups
+from routeformer.train.optim import apply_optimizer_settings, build_optimizer
 from routeformer.train.precision import autocast, check_precision, gradient_scaler
 from routeformer.train.progress import Progress, peak_memory_mib
 from routeformer.train.resume import (
@@ -77,7 +78,7 @@ from routeformer.train.resume import (
     recorded_final,
     write_config,
 )
-from routeformer.train.schedule import learning_rate
+from routeformer.train.steps import Schedule, StepResult, StepState, capture_state, restore_state, run_steps
 
 
 @dataclass
@@ -144,18 +145,25 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
     starts = (document_starts(train_ids, vocab.encode(DOCUMENT_SEPARATOR)) if config.data.pack_documents
               else None)
 
-    torch.manual_seed(config.train.seed)
+    settings = config.train
+    torch.manual_seed(settings.seed)
     model = CausalLM(config.model).to(device)
-    optimizer = build_optimizer(model, config)
-    scaler = gradient_scaler(config.train.precision, device)
-    data_generator = torch.Generator().manual_seed(config.train.seed)
+    betas = (settings.beta1, settings.beta2)
+    optimizer = build_optimizer(model, lr=settings.lr, weight_decay=settings.weight_decay, betas=betas)
+    scaler = gradient_scaler(settings.precision, device)
+    data_generator = torch.Generator().manual_seed(settings.seed)
+    log = None  # rank 0 alone writes the run directory (opened below)
+
+    def skipped(step: int, message: str) -> None:
+        notice(f"warning: {message}")
+        if log is not None:
+            log.write({"step": step, "skipped": message})
+
+    guard = NonFiniteGuard(settings.max_nonfinite_steps, warn=skipped,
+                           all_ranks=lambda flag: mean_over_ranks(flag, context))
     if state:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        apply_optimizer_settings(optimizer, config)
-        if state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        data_generator.set_state(state["rng"]["data"])
+        restore_state(state, model, optimizer, data_generator, guard, scaler)
+        apply_optimizer_settings(optimizer, weight_decay=settings.weight_decay, betas=betas)
         reseeded = restore_rank_rng(state["rng"], context, device, config.train.seed, start)
         if reseeded:
             notice(f"warning: {reseeded}")
@@ -165,7 +173,7 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
                    f"{finished.get('bpc', float('nan')):.4f}, recorded in metrics.jsonl); nothing to do "
                    "(raise train.steps to train on)")
             return TrainResult(start, finished if context.is_main else None, model, vocab, out_dir, 0.0,
-                               state.get("guard", {}).get("skipped", 0))
+                               guard.skipped)
     elif context.rank:  # ranks other than 0 draw their own dropout / routing samples
         torch.manual_seed(config.train.seed + context.rank)
     trained = model
@@ -176,7 +184,6 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
         search = needs_unused_parameter_search(config.model.layer_attention())
         trained = DistributedDataParallel(model, find_unused_parameters=search)
 
-    log = None  # rank 0 alone writes the run directory
     if context.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         kept = write_config(out_dir, config, step=start)
@@ -205,89 +212,56 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
         last_saved = step
         if not context.is_main:
             return
-        rng = {"data": data_generator.get_state(), "torch": torch.get_rng_state()}
+        saved = capture_state(step, model, optimizer, data_generator, guard, scaler=scaler.state_dict(),
+                              vocab=vocab.to_dict(), config=config.to_dict())
         if rank_states is not None:
-            rng["ranks"] = rank_states
-        save_rotating(out_dir, {
-            "step": step,
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict(),
-            "rng": rng,
-            "vocab": vocab.to_dict(),
-            "config": config.to_dict(),
-            "guard": {"skipped": guard.skipped, "consecutive": guard.consecutive},
-        }, keep=config.train.keep_checkpoints)
+            saved["rng"]["ranks"] = rank_states
+        save_rotating(out_dir, saved, keep=settings.keep_checkpoints)
 
-    def skipped(step: int, message: str) -> None:
-        notice(f"warning: {message}")
-        if log is not None:
-            log.write({"step": step, "skipped": message})
-
-    settings = config.train
-    guard = NonFiniteGuard(settings.max_nonfinite_steps, warn=skipped,
-                           all_ranks=lambda flag: mean_over_ranks(flag, context))
-    if state and "guard" in state:
-        guard.skipped, guard.consecutive = state["guard"]["skipped"], state["guard"]["consecutive"]
     meta_eval = {"meta_density": density, "meta_id": vocab.pause_id} if density > 0 else {}
-    fp16 = settings.precision == "fp16"
-    step = start
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        packed = {}
+        if starts is not None:  # data.pack_documents: windows with document ids (data/documents.py)
+            inputs, labels, documents = packed_random_batch(train_ids, starts, settings.batch_size,
+                                                            config.data.seq_len, data_generator)
+            packed["documents"] = local_shard(documents, context).to(device)
+        else:
+            inputs, labels = training_batch(train_ids, settings.batch_size, config.data.seq_len, density,
+                                            vocab, data_generator)
+        return local_shard(inputs, context).to(device), local_shard(labels, context).to(device), packed
+
+    def after_update(result: StepResult) -> None:
+        _after_update(result.step, settings, result.output, result.rate, result.grad_norm,
+                      result.inputs.numel() * context.world_size, log, progress, quiet, context, device,
+                      lambda: evaluate_lm(model, val_ids, seq_len=config.data.seq_len,
+                                          batch_size=settings.batch_size, max_tokens=settings.eval_tokens,
+                                          **meta_eval))
+
+    def periodic_checkpoint(result: StepResult) -> None:
+        if result.step % settings.checkpoint_every == 0 or result.step == settings.steps:
+            with interrupts.critical():
+                checkpoint(result.step)
+
+    schedule = Schedule(steps=settings.steps, lr=settings.lr, warmup_steps=settings.warmup_steps,
+                        min_lr_ratio=settings.min_lr_ratio, grad_clip=settings.grad_clip)
+    position = StepState(start)
     began = time.perf_counter()
-    model.train()
     interrupts = DeferredInterrupts(agree=lambda flag: any_rank(flag, context)).install()
-    at_boundary = True  # the state is that of a finished step: what a checkpoint may hold
     try:
-        while step < settings.steps:
-            interrupts.check()  # a Ctrl-C stops here, between steps
-            at_boundary = False
-            rate = learning_rate(step, lr=settings.lr, warmup_steps=settings.warmup_steps,
-                                 total_steps=settings.steps, min_lr_ratio=settings.min_lr_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = rate
-            packed = {}
-            if starts is not None:  # data.pack_documents: windows with document ids (data/documents.py)
-                inputs, labels, documents = packed_random_batch(train_ids, starts, settings.batch_size,
-                                                                config.data.seq_len, data_generator)
-                packed["documents"] = local_shard(documents, context).to(device)
-            else:
-                inputs, labels = training_batch(train_ids, settings.batch_size, config.data.seq_len, density,
-                                                vocab, data_generator)
-            inputs, labels = local_shard(inputs, context).to(device), local_shard(labels, context).to(device)
-            with autocast(settings.precision, device):
-                result = trained(inputs, labels, **packed)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(result.total_loss).backward()
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                model.parameters(), settings.grad_clip if settings.grad_clip > 0 else math.inf
-            )
-            step += 1
-            # fp16: overflowing gradients are the scaler's to skip (it then lowers its scale).
-            if guard.allows(step, result.total_loss, 0.0 if fp16 else grad_norm):
-                scaler.step(optimizer)
-                scaler.update()
-                _after_update(step, settings, result, rate, grad_norm, inputs.numel() * context.world_size,
-                              log, progress, quiet, context, device,
-                              lambda: evaluate_lm(model, val_ids, seq_len=config.data.seq_len,
-                                                  batch_size=settings.batch_size,
-                                                  max_tokens=settings.eval_tokens, **meta_eval))
-            elif fp16:
-                scaler.update()
-            if step % settings.checkpoint_every == 0 or step == settings.steps:
-                with interrupts.critical():
-                    checkpoint(step)
-            at_boundary = True
-            if after_step is not None:
-                after_step(step)
-        interrupts.check()  # a Ctrl-C in the last step stops before the final evaluation
+        run_steps(model, optimizer, schedule, guard, position, next_batch,
+                  lambda inputs, labels, packed: trained(inputs, labels, **packed), scaler=scaler,
+                  autocast=lambda: autocast(settings.precision, device), on_update=after_update,
+                  on_step_end=periodic_checkpoint, after_step=after_step, interrupts=interrupts)
     except KeyboardInterrupt as interrupt:
-        if at_boundary and not isinstance(interrupt, InterruptedMidStep):
+        if position.at_boundary and not isinstance(interrupt, InterruptedMidStep):
             with interrupts.critical(raise_after=False):
-                checkpoint(step)
-        message = interrupted_message(step, last_saved) if context.is_main else ""
+                checkpoint(position.step)
+        message = interrupted_message(position.step, last_saved) if context.is_main else ""
         raise RunInterrupted(message) from None
     finally:
         interrupts.restore()
+    step = position.step
     train_seconds = time.perf_counter() - began
     if not context.is_main:
         return TrainResult(step, None, model, vocab, out_dir, train_seconds, guard.skipped)
@@ -310,12 +284,9 @@ def training_batch(
     ids: torch.Tensor, batch_size: int, seq_len: int, meta_density: float, vocab: Tokenizer,
     generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random windows of seq_len slots; with meta_density > 0, meta-tokens injected (no loss on them)."""
-    if meta_density == 0:
-        return random_batch(ids, batch_size, seq_len, generator)
-    inputs, labels = random_batch(ids, batch_size, real_tokens_per_window(seq_len, meta_density), generator)
-    return inject_into_batch(inputs, labels, seq_len, meta_id=vocab.pause_id, density=meta_density,
-                             generator=generator)
+    """The LM task's random windows (tasks/lm.py); with meta_density > 0, meta-tokens injected."""
+    meta_id = vocab.pause_id if meta_density > 0 else None  # a tokenizer may have no meta-token
+    return lm_windows(ids, batch_size, seq_len, generator, meta_density=meta_density, meta_id=meta_id)
 
 
 def _after_update(

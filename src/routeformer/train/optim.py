@@ -1,12 +1,10 @@
-"""The optimizer of the training loops: AdamW with weight decay on matrices only."""
+"""The optimizer of every training run: AdamW with weight decay on matrices only."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-
-from routeformer.train.config import RunConfig
 
 
 def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -18,16 +16,17 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dic
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float,
+                    betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (see `weight_decay_groups`)."""
-    groups = weight_decay_groups(model, config.train.weight_decay)
-    return torch.optim.AdamW(groups, lr=config.train.lr, betas=(config.train.beta1, config.train.beta2))
+    return torch.optim.AdamW(weight_decay_groups(model, weight_decay), lr=lr, betas=betas)
 
 
-def apply_optimizer_settings(optimizer: torch.optim.AdamW, config: RunConfig) -> None:
-    """Set betas and weight decay from `config` on an optimizer restored from a checkpoint (its
-    saved groups carry the old values; a resumed run with new ones must use them)."""
+def apply_optimizer_settings(optimizer: torch.optim.AdamW, *, weight_decay: float,
+                             betas: tuple[float, float]) -> None:
+    """Set betas and weight decay on an optimizer restored from a checkpoint (its saved groups
+    carry the old values; a resumed run with new ones must use them)."""
     decay, no_decay = optimizer.param_groups
-    decay["weight_decay"], no_decay["weight_decay"] = config.train.weight_decay, 0.0
+    decay["weight_decay"], no_decay["weight_decay"] = weight_decay, 0.0
     for group in optimizer.param_groups:
-        group["betas"] = (config.train.beta1, config.train.beta2)
+        group["betas"] = betas

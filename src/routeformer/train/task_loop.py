@@ -1,15 +1,16 @@
-"""A short training loop for synthetic tasks (recall, counting, ...): AdamW, warmup + cosine,
-clipping, periodic evaluation.
+"""Training on task batches (recall, counting, MQAR, ...): `train_task`, the entry point of compare
+and the paper experiments. It runs the one loop of train/steps.py (AdamW, warmup + cosine,
+clipping, the non-finite guard) with periodic evaluation.
 
 Resuming: inside `resumable_training(directory, key)` (which `experiments.report.cached_run` opens
-around every run) each `train_task` call writes a checkpoint at every evaluation — model,
-optimizer, step, history, the batch generator's and torch's RNG states — to
-`<directory>/<key>.train<n>.pt`, n counting the calls in the block, and a later call with the same
-n resumes from it: an interrupted experiment re-runs nothing but the steps after its last
-evaluation, and ends with the same weights and history as an uninterrupted one. A finished call
-resumes as finished (its final weights loaded), so a run that trains several models in turn
-skips the finished ones. Outside such a block nothing is written. A corrupt checkpoint is reported,
-moved aside (`.corrupt`) and the call starts over.
+around every run) each `train_task` call writes a checkpoint at every evaluation — the state of
+`steps.capture_state` (model, optimizer, step, the batch generator's and torch's RNG states) plus
+the config and history — to `<directory>/<key>.train<n>.pt`, n counting the calls in the block,
+and a later call with the same n resumes from it: an interrupted experiment re-runs nothing but
+the steps after its last evaluation, and ends with the same weights and history as an
+uninterrupted one. A finished call resumes as finished (its final weights loaded), so a run that
+trains several models in turn skips the finished ones. Outside such a block nothing is written. A
+corrupt checkpoint is reported, moved aside (`.corrupt`) and the call starts over.
 
 A step with a non-finite loss or gradient is skipped; MAX_NONFINITE_STEPS in a row stop the run
 (train/guard.py).
@@ -33,10 +34,11 @@ from torch import Tensor, nn
 
 from routeformer.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from routeformer.train.guard import NonFiniteGuard
-from routeformer.train.optim import weight_decay_groups
-from routeformer.train.schedule import learning_rate
+from routeformer.train.optim import build_optimizer
+from routeformer.train.steps import Schedule, StepResult, StepState, capture_state, restore_state, run_steps
 
 MAX_NONFINITE_STEPS = 10  # a module constant, not a config field: checkpoints compare configs
+MIN_LR_RATIO = 0.1  # the cosine decays to lr · 0.1
 
 
 @dataclass
@@ -90,18 +92,14 @@ def training_checkpoints(directory: str | Path, key: str) -> list[Path]:
 
 def _resume(path: Path, config: TaskTrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
             generator: torch.Generator, guard: NonFiniteGuard) -> tuple[int, TaskHistory]:
-    """(first step to run, history so far) from the checkpoint at `path`, restored in place."""
+    """(completed steps, history so far) from the checkpoint at `path`, restored in place."""
     state = load_checkpoint(path)
     if state["config"] != asdict(config):
         raise ValueError(f"checkpoint {str(path)!r} was written with another training config "
                          f"({state['config']}, now {asdict(config)}); delete it to start this run afresh")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    generator.set_state(state["rng"]["batches"])
+    step = restore_state(state, model, optimizer, generator, guard)
     torch.set_rng_state(state["rng"]["torch"])
-    if "guard" in state:  # skipped updates so far, and in a row (the divergence limit counts on)
-        guard.skipped, guard.consecutive = state["guard"]["skipped"], state["guard"]["consecutive"]
-    return state["step"] + 1, TaskHistory(**state["history"])
+    return step, TaskHistory(**state["history"])
 
 
 def _warn(message: str) -> None:
@@ -126,50 +124,44 @@ def train_task(
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
     forward = forward or (lambda m, inputs, labels: m(inputs, labels))
-    optimizer = torch.optim.AdamW(weight_decay_groups(model, config.weight_decay), lr=config.lr)
-    history, first_step = TaskHistory(), 1
+    optimizer = build_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
+    history, state = TaskHistory(), StepState(0)
     resumable = _RESUMABLE.get()
     checkpoint = None if resumable is None else resumable.next_path()
     guard = NonFiniteGuard(MAX_NONFINITE_STEPS, warn=lambda step, message: _warn(message))
     if checkpoint is not None and checkpoint.exists():
         try:
-            first_step, history = _resume(checkpoint, config, model, optimizer, generator, guard)
+            state.step, history = _resume(checkpoint, config, model, optimizer, generator, guard)
             if log:
-                log(f"resumed from {checkpoint.name} after step {first_step - 1}")
+                log(f"resumed from {checkpoint.name} after step {state.step}")
         except CheckpointError as error:  # nothing was restored: the call starts over
             os.replace(checkpoint, checkpoint.with_name(checkpoint.name + ".corrupt"))
             _warn(f"{error}; moved aside, this run starts over")
     began = time.perf_counter()
-    for step in range(first_step, config.steps + 1):
-        rate = learning_rate(step - 1, lr=config.lr, warmup_steps=config.warmup_steps,
-                             total_steps=config.steps, min_lr_ratio=0.1)
-        for group in optimizer.param_groups:
-            group["lr"] = rate
-        model.train()
-        inputs, labels = make_batch(config.batch_size, generator)
-        result = forward(model, inputs, labels)
-        optimizer.zero_grad(set_to_none=True)
-        result.total_loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), config.grad_clip if config.grad_clip > 0 else float("inf"))
-        if guard.allows(step, result.total_loss, grad_norm):
-            optimizer.step()
-        if step % config.eval_every == 0 or step == config.steps:
-            history.train_seconds += time.perf_counter() - began
-            model.eval()  # the step loop puts it back in train mode
-            record = {"step": step, "train_loss": result.loss.item(),
-                      "aux_loss": result.aux_loss.item(), **evaluate(model)}
-            history.evals.append(record)
-            if log:
-                log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                             for k, v in record.items()))
-            if checkpoint is not None:  # after evaluating: the RNG state includes what it drew
-                save_checkpoint(checkpoint, {
-                    "config": asdict(config), "step": step, "history": asdict(history),
-                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "rng": {"batches": generator.get_state(), "torch": torch.get_rng_state()},
-                    "guard": {"skipped": guard.skipped, "consecutive": guard.consecutive},
-                })
-            began = time.perf_counter()
+
+    def evaluate_now(result: StepResult) -> None:
+        nonlocal began
+        step = result.step
+        if step % config.eval_every and step != config.steps:
+            return
+        history.train_seconds += time.perf_counter() - began
+        model.eval()  # the step loop puts it back in train mode
+        output = result.output
+        record = {"step": step, "train_loss": output.loss.item(), "aux_loss": output.aux_loss.item(),
+                  **evaluate(model)}
+        history.evals.append(record)
+        if log:
+            log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+        if checkpoint is not None:  # after evaluating: the RNG state includes what it drew
+            save_checkpoint(checkpoint, capture_state(step, model, optimizer, generator, guard,
+                                                      config=asdict(config), history=asdict(history)))
+        began = time.perf_counter()
+
+    schedule = Schedule(steps=config.steps, lr=config.lr, warmup_steps=config.warmup_steps,
+                        min_lr_ratio=MIN_LR_RATIO, grad_clip=config.grad_clip)
+    run_steps(model, optimizer, schedule, guard, state,
+              lambda: (*make_batch(config.batch_size, generator), {}),
+              lambda inputs, labels, extra: forward(model, inputs, labels),
+              on_step_end=evaluate_now)
     history.final = history.evals[-1]
     return history

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from routeformer.models.heads import IGNORE_INDEX
+from routeformer.data.batches import IGNORE_INDEX
 
 DEFAULT_DENSITY = 0.1
 

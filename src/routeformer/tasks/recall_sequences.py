@@ -1,5 +1,6 @@
-"""The synthetic recall tasks of "Language Modeling with Learned Meta-Tokens" (Shah et al., 2025):
-List Recall, Segment Counting, Parity and Copying, seeded, with disjoint train/test streams.
+"""The sequences of the synthetic recall tasks of "Language Modeling with Learned Meta-Tokens" (Shah
+et al., 2025): List Recall, Segment Counting, Parity and Copying, seeded. The tasks built on them,
+with their shortcut baselines and hash splits, are in tasks/recall.py.
 
 Every task is a sequence of `segments` segments followed by `queries` distinct questions (never the
 same question twice: its answer would be visible the second time); with `meta=True`
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from routeformer.models.heads import IGNORE_INDEX
+from routeformer.data.batches import IGNORE_INDEX
 from routeformer.ops._checks import check_positive
 
 PAD, PAUSE, OPEN, CLOSE, QUERY, ANSWER, MARK_OPEN, MARK_CLOSE = range(8)
@@ -155,24 +156,3 @@ def _sequences(task: RecallTask, batch: int, generator: torch.Generator) -> tupl
     answer[:, body.shape[1]:] = last_of_question.repeat(task.queries)
     return tokens, answer
 
-
-def split_generator(split: str, seed: int) -> torch.Generator:
-    """The random stream of a split: "train" and "test" never share a seed."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test'; got {split!r}")
-    return torch.Generator().manual_seed(2 * seed + (split == "test"))
-
-
-def decode(ids) -> str:
-    """Readable tokens, e.g. 'K3 [ a7 a1 ] _PAUSE_ ? K3 #0 = a7'."""
-    words = []
-    for token in map(int, ids):
-        if token < NUMBER_BASE:
-            words.append(SPECIAL_NAMES[token])
-        elif token < KEY_BASE:
-            words.append(f"#{token - NUMBER_BASE}")
-        elif token < ITEM_BASE:
-            words.append(f"K{token - KEY_BASE}")
-        else:
-            words.append(f"a{token - ITEM_BASE}")
-    return " ".join(words)

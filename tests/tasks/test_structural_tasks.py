@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from routeformer.data.structural import StructuralTask, StructuralWeights, chain_batch, recency_batch
+from routeformer.tasks.structural import StructuralTask, StructuralWeights, chain_batch, recency_batch
 
 
 def test_chain_batch_hides_x0_x1_and_puts_x2_last():

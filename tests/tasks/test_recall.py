@@ -1,9 +1,13 @@
-"""The recall tasks of the meta-tokens paper: formats, answers, meta-token placement, splits."""
+"""The recall tasks of the meta-tokens paper: the sequences (formats, answers, meta-token placement,
+hash splits) and the tasks built on them (distinct questions, true chance, rules checked
+independently)."""
 
 import pytest
 import torch
 
-from routeformer.data.recall_tasks import (
+from routeformer.tasks import IGNORE_INDEX, build_task, split_of
+from routeformer.tasks.recall import recall_split_batch
+from routeformer.tasks.recall_sequences import (
     ANSWER,
     CLOSE,
     ITEM_BASE,
@@ -17,7 +21,6 @@ from routeformer.data.recall_tasks import (
     TASKS,
     RecallTask,
     recall_batch,
-    split_generator,
 )
 
 
@@ -90,11 +93,13 @@ def test_pause_closes_segments_and_longer_tasks_reuse_the_vocabulary():
 
 def test_splits_are_seeded_and_disjoint_streams():
     task = RecallTask("parity")
-    a = recall_batch(task, 4, split_generator("train", 0))[0]
-    b = recall_batch(task, 4, split_generator("train", 0))[0]
-    c = recall_batch(task, 4, split_generator("test", 0))[0]
+    a = recall_split_batch(task, 4, torch.Generator().manual_seed(0), "train")[0]
+    b = recall_split_batch(task, 4, torch.Generator().manual_seed(0), "train")[0]
+    c = recall_split_batch(task, 4, torch.Generator().manual_seed(0), "test")[0]
     torch.testing.assert_close(a, b)
     assert not torch.equal(a, c)
+    # disjoint by construction: every sequence drawn for a split hashes to that split
+    assert set(split_of(a)) == {"train"} and set(split_of(c)) == {"test"}
 
 
 def test_bad_task_settings_are_rejected():
@@ -105,4 +110,66 @@ def test_bad_task_settings_are_rejected():
     with pytest.raises(ValueError, match="segment_length"):
         RecallTask(segment_length=32)
     with pytest.raises(ValueError, match="split"):
-        split_generator("validation", 0)
+        recall_split_batch(RecallTask("parity"), 4, torch.Generator().manual_seed(0), "dev")
+
+
+# -- the registered tasks --------------------------------------------------------------------------
+
+
+def questions(row: list[int], arity: int) -> list[tuple[int, ...]]:
+    """The (key, detail...) of every "? ... =" question in a token row."""
+    found = []
+    for start, token in enumerate(row):
+        if token == QUERY and ANSWER in row[start:]:
+            end = row.index(ANSWER, start)
+            found.append(tuple(row[start + 1:end]))
+    return found
+
+
+@pytest.mark.parametrize("name, arity", [("list_recall", 2), ("segment_counting", 2), ("parity", 1)])
+def test_no_question_is_asked_twice(name, arity):
+    task = build_task(name, segments=4, segment_length=3, queries=4)
+    inputs, _ = task.batch(512, torch.Generator().manual_seed(0))
+    for row in inputs.tolist():
+        asked = questions(row, arity)
+        assert len(asked) >= 3 and len(asked) == len(set(asked))
+
+
+def test_parity_asks_every_segment_once_when_queries_equal_segments():
+    task = build_task("parity", segments=4, queries=4)
+    with pytest.raises(ValueError, match="queries must be <= 4"):
+        build_task("parity", segments=4, queries=5)
+    # with as many questions as segments, every answer is fresh: the copy rule sits at chance
+    assert abs(task.baselines(2048)["repeat the previous answer"] - 0.5) < 0.03
+    assert task.chance == 0.5
+
+
+def test_previous_answer_rule_matches_an_independent_implementation():
+    task = build_task("parity", segments=8, queries=6)
+    inputs, labels = task.fixed_sample("test", 512, seed=12345)
+    correct = total = 0
+    for row, label_row in zip(inputs.tolist(), labels.tolist(), strict=True):
+        previous = None
+        for t, label in enumerate(label_row):
+            if label == IGNORE_INDEX:
+                continue
+            guess = NUMBER_BASE if previous is None else previous
+            correct += guess == label
+            total += 1
+            previous = row[t + 1] if t + 1 < len(row) else None
+    assert task.baselines(512)["repeat the previous answer"] == pytest.approx(correct / total)
+
+
+def test_counting_chance_is_the_binomial_mode():
+    task = build_task("segment_counting", segment_length=4)
+    assert task.chance == pytest.approx(4 * 0.25 * 0.75**3)  # P(count = 1)
+    _, labels = task.batch(4096, torch.Generator().manual_seed(1))
+    answers = labels[labels != IGNORE_INDEX] - NUMBER_BASE
+    assert float((answers == 1).float().mean()) == pytest.approx(task.chance, abs=0.03)
+
+
+def test_copying_rules_copy_one_segment():
+    task = build_task("copying", segments=4, segment_length=3)
+    assert all(abs(value - (1 / 4 + 3 / 4 / 64)) < 0.04 for value in task.baselines(2048).values())
+    with pytest.raises(ValueError, match="queries must be 1"):
+        build_task("copying", queries=2)

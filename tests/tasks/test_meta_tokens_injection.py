@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from routeformer.data.meta_tokens import inject_meta_tokens, meta_count, real_tokens_per_window
 from routeformer.data.vocab import PAUSE, CharVocab
+from routeformer.tasks.meta_tokens import inject_meta_tokens, meta_count, real_tokens_per_window
 
 META = 0
 
@@ -70,8 +70,8 @@ def test_char_vocab_reserves_pause_and_old_vocabularies_keep_their_ids():
 
 
 def test_task_vocabularies_reserve_a_pause_id_their_data_never_uses():
-    from routeformer.data import listops, recall_tasks
-    from routeformer.tasks import build_task
+    from routeformer.tasks import build_task, listops
+    from routeformer.tasks import recall_sequences as recall_tasks
 
     mqar = build_task("mqar", seq_len=64, pairs=8, vocab_size=64)
     inputs, _ = mqar.batch(8, torch.Generator().manual_seed(0))
