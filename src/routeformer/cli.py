@@ -117,7 +117,7 @@ def _compare_long(args: argparse.Namespace):
     if args.quick:
         raise ValueError("--quick and --long: choose one budget")
     if args.no_bench:
-        raise ValueError("--no-bench: --long has no layer benchmark (its costs are measured at the task lengths)")
+        raise ValueError("--no-bench: --long has no layer benchmark (it measures costs at the task lengths)")
     if args.seeds is not None and (args.seeds < 1):
         raise ValueError(f"--seeds must be a positive integer; got {args.seeds}")
     mechanisms, tasks = check_long_selection(args.mechanisms, args.tasks)
@@ -440,8 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--quick", action="store_true",
                          help="the quick budget (about 10 minutes on 2 cores; a subset of mechanisms)")
     compare.add_argument("--long", action="store_true",
-                         help="the long budget: recall at T=512 and a char LM at T=1024, evaluated at 1x/2x/4x, "
-                              "with costs at the same lengths (about 2 hours on 2 cores; writes runs/compare-long)")
+                         help="the long budget: recall at T=512 and a char LM at T=1024, evaluated at "
+                              "1x/2x/4x, with costs at the same lengths (under 2 hours on 2 cores)")
     compare.add_argument("--mechanisms", nargs="+", default=None,
                          help="subset of `routeformer list` (default: the budget's selection)")
     compare.add_argument("--tasks", nargs="+", default=None,
@@ -450,8 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--workers", type=int, default=2,
                          help="training processes, one thread each (default: 2)")
     compare.add_argument("--corpus", default=None,
-                         help="LM corpus (default: the embedded pydoc; with --long, tinyshakespeare when a local "
-                              "copy exists; wikitext2 for WikiText-2 text)")
+                         help="LM corpus (default: the embedded pydoc; with --long, tinyshakespeare when "
+                              "a local copy exists; wikitext2 for WikiText-2 text)")
     compare.add_argument("--out", default=None,
                          help="output directory (default: runs/compare, with --long runs/compare-long)")
     compare.add_argument("--no-bench", action="store_true", help="skip the layer time/memory benchmark")

@@ -119,7 +119,7 @@ def train_long_job(job: LongJob) -> dict[str, Any]:
         history = train_task(
             model,
             lambda batch_size, generator, t=stage_task: t.batch(batch_size, generator, "train"),
-            lambda m, t=stage_task: evaluate_on_task(m, t, "validation", sequences),
+            lambda m, t=stage_task, n=sequences: evaluate_on_task(m, t, "validation", n),
             config,
             forward=forward,
             log=lambda line, d=done, T=length: say(f"  {job.key}: T={T} {_progress(line, d, total)}"),
@@ -243,16 +243,16 @@ def measure_long_costs(
         }
         for multiple in (1, *EVAL_MULTIPLES):
             length = setup.seq_len * multiple
-            inputs = {}
+            batches = {}
             for name in names:
                 longer = build_task(task_name, **{**task_options_of(name), "seq_len": length})
-                inputs[name] = longer.batch(setup.cost_batch, torch.Generator().manual_seed(2), "test")[0]
+                batches[name] = longer.batch(setup.cost_batch, torch.Generator().manual_seed(2), "test")[0]
 
-            def infer(name: str) -> Callable[[], None]:
+            def infer(name: str, batches=batches) -> Callable[[], None]:
                 def run() -> None:
                     models[name].eval()
                     with torch.no_grad():
-                        models[name](inputs[name])
+                        models[name](batches[name])
 
                 return run
 

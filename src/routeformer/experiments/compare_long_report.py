@@ -17,7 +17,7 @@ from routeformer.experiments.compare_long import (
     measure_long_costs,
     train_long_job,
 )
-from routeformer.experiments.compare_report import separated, task_floor
+from routeformer.experiments.compare_report import pareto_front, separated, task_floor
 from routeformer.experiments.jobs import cached_run, run_jobs, say
 from routeformer.experiments.report import markdown_table, mean_sd, provenance, scatter_plot, write_result
 from routeformer.train.on_task import ModelSpec
@@ -54,8 +54,8 @@ def run_compare_long(
     jobs = long_jobs(setups, mechanisms, seeds, budget.spec, corpus)
     began = time.perf_counter()
     say(
-        f"compare --long: {len(jobs)} runs ({', '.join(tasks)}; {len(mechanisms)} mechanisms; {seeds} seeds), "
-        f"{workers} worker process(es); LM corpus {corpus}"
+        f"compare --long: {len(jobs)} runs ({', '.join(tasks)}; {len(mechanisms)} mechanisms; "
+        f"{seeds} seeds), {workers} worker process(es); LM corpus {corpus}"
     )
     records = run_jobs(out, jobs, workers, say, train=train_long_job)
     train_elapsed = time.perf_counter() - began
@@ -158,9 +158,9 @@ def write_long_report(
         "earlier invocation are not re-timed).",
         f"One backbone for every mechanism ({spec.depth} layers, D={spec.dim}, {spec.heads} heads, MLP ratio "
         f"{spec.mlp_ratio}, {spec.positions} positions); per seed every mechanism sees the same batches. "
-        "Training follows a curriculum (stages below: shorter, easier versions of the task first; AdamW's warm-up and cosine decay restart per "
-        "stage); mechanism options are those of the training length T throughout (local window T/4, top-k "
-        "T/8 keys, MiTA T/8 landmarks of T/8 keys in causal blocks of T/8, Meta-Attention's local expert "
+        "Training follows a curriculum (stages below: shorter, easier versions of the task first; "
+        "AdamW's warm-up and cosine decay restart per stage); mechanism options are those of the "
+        "training length T throughout (local window T/4, top-k T/8 keys, MiTA T/8 landmarks of T/8 keys in causal blocks of T/8, Meta-Attention's local expert "
         "T/4, meta-token density 0.1 on the LM). Quality on the test split (the setups were chosen on "
         "validation), mean ± sd over seeds; Δ vs full: mean ± sd over seeds of the per-seed difference. "
         "2T and 4T: the trained model evaluated forward only on longer test sequences. Costs: medians of "
@@ -179,28 +179,35 @@ def write_long_report(
             for s in setup.stages
         )
         sections += [f"## {task} (trained at T = {setup.seq_len})", f"Stages: {stages}."]
-        summary["tasks"][task] = {}
+        summary["tasks"][task], details = {}, []
         for multiple in (1, *EVAL_MULTIPLES):
             length = str(setup.seq_len * multiple)
             rows, table = _length_rows(by_mechanism, costs, floors[(task, int(length))], task, length)
             summary["tasks"][task][length] = rows
-            sections += _length_section(task, length, multiple, rows, table, floors[(task, int(length))])
+            details += _length_section(task, length, multiple, rows, table, floors[(task, int(length))])
+        sections += _pays_section(task, summary["tasks"][task], floors[(task, setup.seq_len)]) + details
         points = {
             m: (r["train_ms_per_step"], r["quality_mean"])
             for m, r in summary["tasks"][task][str(setup.seq_len)].items()
         }
         floor = floors[(task, setup.seq_len)]
+        front = pareto_front(
+            {m: (ms, q) for m, (ms, q) in points.items()}, floors[(task, setup.seq_len)]["higher_is_better"]
+        )
         scatter_plot(
             out / f"pareto_{task}.png",
             points,
-            set(),
+            front,
             xlabel="training ms per step at T (one thread)",
             ylabel=floor["metric"],
             title=f"{task} at T={setup.seq_len}: quality (mean ± sd) vs step time",
             errors={m: r["quality_sd"] for m, r in summary["tasks"][task][str(setup.seq_len)].items()},
             reference=("best shortcut / chance", _best_floor(floor)),
         )
-        sections.append(f"Plot: `pareto_{task}.png` (quality at T against training time per step).")
+        sections.append(
+            f"Plot: `pareto_{task}.png` (quality at T against training time per step; filled: "
+            "the Pareto front)."
+        )
     if failed:
         sections.append(
             "Failed runs (left out; a re-run retries them): "
@@ -300,4 +307,55 @@ def _length_section(task: str, length: str, multiple: int, rows: dict, table: li
             ],
             table,
         ),
+    ]
+
+
+STRETCH_MARGIN = 0.02  # the issue's bar: within 0.02 accuracy / bits per char of full ...
+STRETCH_SPEEDUP = 2.0  # ... at >= 2x less training time per step at that length
+
+
+def _pays_section(task: str, by_length: dict[str, dict], floor: dict[str, Any]) -> list[str]:
+    """The "where routing pays" table: per mechanism, Δ vs full at every length beside the time
+    ratios measured in the same run, and which mechanisms meet the stretch bar at T."""
+    lengths = list(by_length)
+    train_length = lengths[0]
+    higher = floor["higher_is_better"]
+    table = []
+    for mechanism, row in by_length[train_length].items():
+        cells = [mechanism]
+        for length in lengths:
+            r = by_length[length][mechanism]
+            cells.append(
+                "—"
+                if mechanism == "full"
+                else f"{r['delta_mean']:+.3f} ± {r['delta_sd']:.3f}" + (" *" if r["delta_separated"] else "")
+            )
+        cells.append(f"{row['train_time_vs_full']:.2f}")
+        cells += [f"{by_length[length][mechanism]['infer_time_vs_full']:.2f}" for length in lengths]
+        table.append(cells)
+    meets = [
+        m
+        for m, r in by_length[train_length].items()
+        if m != "full"
+        and (r["delta_mean"] >= -STRETCH_MARGIN if higher else r["delta_mean"] <= STRETCH_MARGIN)
+        and r["train_time_vs_full"] <= 1 / STRETCH_SPEEDUP
+    ]
+    direction = "higher" if higher else "lower"
+    return [
+        f"### Where routing pays ({task}): quality Δ vs full and time ratios, same run",
+        f"Δ: {floor['metric']} minus full's ({direction} is better), mean ± sd over seeds of the per-seed "
+        "difference; * beyond 3 sd. Time ratios: the mechanism's time / full's in the same rounds (< 1: "
+        "cheaper).",
+        markdown_table(
+            [
+                "mechanism",
+                *[f"Δ at T={length}" for length in lengths],
+                f"train time / full (T={train_length})",
+                *[f"inference time / full (T={length})" for length in lengths],
+            ],
+            table,
+        ),
+        f"Stretch bar (within {STRETCH_MARGIN} of full at ≥ {STRETCH_SPEEDUP:g}x less training time per "
+        f"step, at T={train_length}): "
+        + (", ".join(meets) + " meet it." if meets else "no mechanism meets it."),
     ]
