@@ -1,4 +1,4 @@
-"""Bounded waits for tests that start processes (issue 37: the suite can never hang). Each helper
+"""Bounded waits for tests that start processes (the suite can never hang). Each helper
 fails the test with a message naming what it waited for, after stopping what it started — a
 subprocess together with its own children (torchrun's ranks), or every spawned rank."""
 

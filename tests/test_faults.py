@@ -1,4 +1,4 @@
-"""Nothing a user has is overwritten or dropped by a rerun: one test per fault (issue 37, item 5).
+"""Nothing a user has is overwritten or dropped by a rerun: one test per fault.
 
 | fault                                               | what the rerun must do                          |
 |-----------------------------------------------------|-------------------------------------------------|

@@ -264,7 +264,7 @@ def command_bench(args: argparse.Namespace) -> int:
         return _bench_generate(args)
     if args.suite == "mita":
         return _bench_mita(args, settings)
-    if args.suite == "gpu":  # the Triton kernels on CUDA vs SDPA flash and FlexAttention (issue 29)
+    if args.suite == "gpu":  # the Triton kernels on CUDA vs SDPA flash and FlexAttention
         from routeformer.bench.gpu_bench import command_gpu
 
         return command_gpu(args)

@@ -1,5 +1,5 @@
 """run_jobs' worker processes (spawned): two runs finish in two workers; the wait is bounded —
-past `timeout_s` the workers are stopped and a TimeoutError names the unfinished runs (issue 37)."""
+past `timeout_s` the workers are stopped and a TimeoutError names the unfinished runs."""
 
 import multiprocessing
 import time

@@ -1,4 +1,4 @@
-"""meta-attention-matched (issue 27): the variants change one thing each, full-matched matches meta's
+"""meta-attention-matched: the variants change one thing each, full-matched matches meta's
 parameter count, the criterion and paired differences are computed as stated, and a toy run writes
 its report end to end."""
 

@@ -1,4 +1,4 @@
-"""The meta-tokens experiments of issue 27 at toy size: they run, share their runs, and report
+"""The meta-tokens experiments at toy size: they run, share their runs, and report
 what they measured (accuracies at 1x and 2x, chance and floors, parameters)."""
 
 import json

@@ -21,7 +21,7 @@ from routeformer.train.distributed import (
 )
 from tests.bounded import rank_watchdog, run_bounded, spawn_ranks
 
-# Every wait here is bounded (issue 37): a rank waits at most RANK_TIMEOUT_S for the others (gloo
+# Every wait here is bounded: a rank waits at most RANK_TIMEOUT_S for the others (gloo
 # then raises, naming the collective), and a test at most SPAWN_TIMEOUT_S for its ranks.
 RANK_TIMEOUT_S = "60"
 SPAWN_TIMEOUT_S = 280

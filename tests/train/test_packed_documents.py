@@ -1,4 +1,4 @@
-"""`routeformer train` with data.pack_documents: windows carry paragraph ids (issue 40)."""
+"""`routeformer train` with data.pack_documents: windows carry paragraph ids."""
 
 from __future__ import annotations
 
