@@ -303,7 +303,7 @@ LONG = LongBudget(
             {"seq_len": 1024},
             stages=(
                 Stage({"seq_len": 128}, steps=250, batch_size=32, lr=3e-3, warmup_steps=25),
-                Stage({}, steps=100, batch_size=8, lr=1e-3, warmup_steps=10),
+                Stage({}, steps=60, batch_size=8, lr=1e-3, warmup_steps=6),
             ),
         ),
     },
