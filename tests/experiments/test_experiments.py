@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from routeformer.experiments.jobs import cached_run
 from routeformer.experiments.registry import list_experiments, run_experiment
-from routeformer.experiments.report import markdown_table
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import CausalLM
+from routeformer.runner.jobs import cached_run
+from routeformer.runner.report import markdown_table
 
 
 def test_registry_lists_the_topk_experiments_and_rejects_unknown_names(tmp_path):

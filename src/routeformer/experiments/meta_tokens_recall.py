@@ -24,7 +24,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.jobs import cached_run, say
 from routeformer.experiments.meta_tokens_runs import (
     LENGTH_FACTORS,
     RecallRun,
@@ -33,7 +32,8 @@ from routeformer.experiments.meta_tokens_runs import (
     train_recall,
 )
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import (
+from routeformer.runner.jobs import cached_run, say
+from routeformer.runner.report import (
     format_mean_sd,
     markdown_table,
     mean_sd,
