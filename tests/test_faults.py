@@ -117,8 +117,8 @@ def test_half_a_metrics_line_is_dropped_on_resume(run):
 
 
 def test_compare_without_the_bench_keeps_the_earlier_bench_and_wall_time(tmp_path):
-    from routeformer.experiments.compare import run_compare
-    from tests.experiments.test_compare import toy_budget
+    from routeformer.compare.run import run_compare
+    from tests.compare.test_compare import toy_budget
 
     out = tmp_path / "compare"
     selection = dict(mechanisms=["full"], tasks=["mqar"], budget=toy_budget(seeds=1), workers=1)

@@ -90,7 +90,7 @@ def resolve_config(name_or_path: str) -> Path:
 
 
 def command_compare(args: argparse.Namespace) -> int:
-    from routeformer.experiments.compare import run_compare
+    from routeformer.compare.run import run_compare
 
     try:
         if args.long:
@@ -108,11 +108,11 @@ def command_compare(args: argparse.Namespace) -> int:
 
 
 def _compare_long(args: argparse.Namespace):
-    """`compare --long`: the long budget (experiments/compare_long.py)."""
+    """`compare --long`: the long budget (compare/long_budget.py)."""
     from dataclasses import replace
 
-    from routeformer.experiments.compare_long import LONG, check_long_selection
-    from routeformer.experiments.compare_long_report import run_compare_long
+    from routeformer.compare.long_budget import LONG, check_long_selection
+    from routeformer.compare.long_run import run_compare_long
 
     if args.quick:
         raise ValueError("--quick and --long: choose one budget")

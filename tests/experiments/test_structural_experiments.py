@@ -1,5 +1,5 @@
-"""The structural-inference experiments at toy size: the selection rule, the attention-free
-baselines, the floors, and the timing and update tables."""
+"""The structural-inference experiments at toy size: the selection rule, the floors, and the
+timing and update tables."""
 
 import statistics
 
@@ -13,7 +13,6 @@ from routeformer.experiments.structural_recency import (
     position_only_floor,
     recency_study,
 )
-from routeformer.experiments.structural_toys import AttentionFreeRegressor
 from routeformer.experiments.structural_update import update_table
 from routeformer.tasks.structural import StructuralTask, StructuralWeights, recency_batch
 
@@ -24,10 +23,10 @@ def test_the_new_experiments_are_registered():
 
 
 def test_chain_study_picks_the_lr_on_validation_and_reports_test(tmp_path, monkeypatch):
-    import routeformer.experiments.structural_toys as toys
+    from routeformer.train import on_structural
 
-    monkeypatch.setattr(toys, "VALIDATION_SEQUENCES", 64)
-    monkeypatch.setattr(toys, "TEST_SEQUENCES", 64)
+    monkeypatch.setattr(on_structural, "VALIDATION_SEQUENCES", 64)
+    monkeypatch.setattr(on_structural, "TEST_SEQUENCES", 64)
     task = StructuralTask(length=6, dim=8, rank=2, target_dim=2, noise=1.0, nilpotent=True)
     study = chain_study(tmp_path, "toy", task, steps=6, seeds=[0, 1], lrs=[1e-3, 3e-2])
     for model in study["models"].values():
@@ -40,23 +39,6 @@ def test_chain_study_picks_the_lr_on_validation_and_reports_test(tmp_path, monke
     assert gap_closed(1.0, 0.5, 0.6) == pytest.approx(0.8)
     # A second call reads every run from the cache: same numbers.
     assert chain_study(tmp_path, "toy", task, steps=6, seeds=[0, 1], lrs=[1e-3, 3e-2]) == study
-
-
-def test_attention_free_models_cannot_see_beyond_their_mixer():
-    torch.manual_seed(0)
-    x = torch.randn(3, 10, 4)
-    changed = x.clone()
-    changed[:, :-1] += torch.randn(3, 9, 4)
-    none = AttentionFreeRegressor("none", 4, 4, 2, length=10)
-    torch.testing.assert_close(none(x).logits, none(changed).logits)  # the last node only
-    mixer = AttentionFreeRegressor("position-only", 4, 4, 2, length=10)
-    with torch.no_grad():
-        mixer.distance_logits.zero_()  # uniform over the causal prefix: the mean of all positions
-        hidden = mixer.embed(x)
-        expected = mixer.readout(hidden[:, -1] + mixer.out_proj(mixer.value(hidden).mean(dim=1)))
-        torch.testing.assert_close(mixer(x).logits, expected)
-    with pytest.raises(ValueError, match="mixer must be one of"):
-        AttentionFreeRegressor("conv", 4, 4, 2, length=10)
 
 
 def test_position_only_floor_matches_the_best_fixed_mix():

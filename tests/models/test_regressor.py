@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from routeformer.models.regressor import SequenceRegressor
+from routeformer.models.regressor import AttentionFreeRegressor, SequenceRegressor
 
 
 @pytest.mark.parametrize("mechanisms", [["full"], ["full", "full"], ["multihop"], ["expanding"]])
@@ -36,3 +36,20 @@ def test_regressor_bad_arguments_raise():
         SequenceRegressor(["full"], 4, 0, 1)
     with pytest.raises(ValueError, match="unknown attention"):
         SequenceRegressor(["nope"], 4, 4, 1)
+
+
+def test_attention_free_models_cannot_see_beyond_their_mixer():
+    torch.manual_seed(0)
+    x = torch.randn(3, 10, 4)
+    changed = x.clone()
+    changed[:, :-1] += torch.randn(3, 9, 4)
+    none = AttentionFreeRegressor("none", 4, 4, 2, length=10)
+    torch.testing.assert_close(none(x).logits, none(changed).logits)  # the last node only
+    mixer = AttentionFreeRegressor("position-only", 4, 4, 2, length=10)
+    with torch.no_grad():
+        mixer.distance_logits.zero_()  # uniform over the causal prefix: the mean of all positions
+        hidden = mixer.embed(x)
+        expected = mixer.readout(hidden[:, -1] + mixer.out_proj(mixer.value(hidden).mean(dim=1)))
+        torch.testing.assert_close(mixer(x).logits, expected)
+    with pytest.raises(ValueError, match="mixer must be one of"):
+        AttentionFreeRegressor("conv", 4, 4, 2, length=10)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from routeformer.experiments.jobs import cached_run
+from routeformer.runner.jobs import cached_run
 from routeformer.train.task_loop import (
     TaskTrainConfig,
     resumable_training,

@@ -12,9 +12,9 @@ import torch
 
 from routeformer.attention.meta import MetaAttention
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import format_mean_sd, markdown_table, provenance, write_result
 from routeformer.models.transformer import init_weights
 from routeformer.ops.dirichlet import dirichlet_kl, log_multivariate_beta
+from routeformer.runner.report import format_mean_sd, markdown_table, provenance, write_result
 
 PAPER_TABLE2 = {"weight_full": 0.209, "weight_linear": 0.406, "weight_local": 0.385,
                 "mean_weight_entropy": 1.06, "kl": 3.42}

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from routeformer.experiments.jobs import TaskSetup, cached_run, say
 from routeformer.experiments.registry import register_experiment
+from routeformer.runner.jobs import TaskSetup, cached_run, say
 from routeformer.train.on_task import ModelSpec
 
 META_VARIANTS = {

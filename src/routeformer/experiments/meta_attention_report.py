@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.report import format_mean_sd, line_plot, markdown_table, provenance, write_result
+from routeformer.runner.report import format_mean_sd, line_plot, markdown_table, provenance, write_result
 
 COSTS = (1.0, 0.15, 0.30)  # the preprint's expert costs c = (full, linear, local)
 EXPERTS = ("full", "linear", "local")

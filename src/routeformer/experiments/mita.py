@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from routeformer.data.digits import NUM_CLASSES, ImageSplit, load_digits
-from routeformer.experiments.jobs import cached_run, run_key, say
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import line_plot, markdown_table, mean_sd, provenance, write_result
 from routeformer.models.config import ModelConfig
 from routeformer.models.vit import VisionConfig, ViT
+from routeformer.runner.jobs import cached_run, run_key, say
+from routeformer.runner.report import line_plot, markdown_table, mean_sd, provenance, write_result
 from routeformer.train.task_loop import TaskTrainConfig, train_task
 
 VIT_SHAPE = {"dim": 64, "depth": 2, "heads": 4, "mlp_ratio": 2.0}

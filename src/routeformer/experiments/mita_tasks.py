@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from routeformer.experiments.compare_report import separated, task_floor
-from routeformer.experiments.jobs import TaskSetup, cached_run, say
+from routeformer.compare.report import separated, task_floor
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import markdown_table, mean_sd, provenance, write_result
+from routeformer.runner.jobs import TaskSetup, cached_run, say
+from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.train.on_task import ModelSpec, build_task_model, evaluate_on_task, train_on_task
 from routeformer.train.task_loop import TaskTrainConfig
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.compare import options_for
-from routeformer.experiments.jobs import Job, TaskSetup, run_jobs, say
+from routeformer.compare.budgets import options_for
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import line_plot, markdown_table, mean_sd, provenance, write_result
+from routeformer.runner.jobs import Job, TaskSetup, run_jobs, say
+from routeformer.runner.report import line_plot, markdown_table, mean_sd, provenance, write_result
 from routeformer.train.on_task import ModelSpec
 
 FULL_GRID = {"lengths": (64, 128, 256), "pairs": (4, 8, 16), "widths": (32, 64, 128), "seeds": 3,

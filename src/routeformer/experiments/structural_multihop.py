@@ -20,11 +20,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.jobs import cached_run, run_key, say
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import markdown_table, mean_sd, provenance, write_result
-from routeformer.experiments.structural_toys import TEST_SEQUENCES, run_multihop_model, zero_prediction_mse
-from routeformer.tasks.structural import StructuralTask, chain_batch
+from routeformer.runner.jobs import cached_run, run_key, say
+from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result
+from routeformer.tasks.structural import TEST_SEQUENCES, StructuralTask, chain_batch, zero_prediction_mse
+from routeformer.train.on_structural import run_multihop_model
 
 SELECTION_RULE = ("For each (task, model), the learning rate with the lowest validation MSE at the last "
                   "step, averaged over the seeds; test MSE is then read at that rate only.")

@@ -14,7 +14,7 @@ import torch
 
 from routeformer.bench.structural_bench import time_against_local
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import markdown_table, provenance, write_result
+from routeformer.runner.report import markdown_table, provenance, write_result
 
 PRIORS = {"Beta(1, 9)": (1.0, 9.0), "Beta(1, 99)": (1.0, 99.0)}
 

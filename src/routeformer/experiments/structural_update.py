@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import markdown_table, provenance, write_result
 from routeformer.ops.expanding import UPDATES, expanding_attention_reference
+from routeformer.runner.report import markdown_table, provenance, write_result
 
 CAPS = [4, 8, 16, 64]
 UNCAPPED = 256

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.jobs import cached_run, run_key, say
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import line_plot, markdown_table, mean_sd, provenance, write_result
+from routeformer.runner.jobs import cached_run, run_key, say
+from routeformer.runner.report import line_plot, markdown_table, mean_sd, provenance, write_result
 from routeformer.train.task_loop import TaskTrainConfig
 
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.compare import QUICK
-from routeformer.experiments.compare_report import separated, task_floor
-from routeformer.experiments.jobs import Job, TaskSetup, cached_run, run_jobs, say
+from routeformer.compare.budgets import QUICK
+from routeformer.compare.report import separated, task_floor
 from routeformer.experiments.registry import register_experiment
-from routeformer.experiments.report import markdown_table, mean_sd, provenance, write_result
+from routeformer.runner.jobs import Job, TaskSetup, cached_run, run_jobs, say
+from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.train.on_task import ModelSpec
 
 LEARNING = ("distill", "score_bias", "none")

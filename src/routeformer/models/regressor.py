@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -56,3 +57,44 @@ class SequenceRegressor(nn.Module):
         prediction = self.readout(hidden[:, -1])
         loss = None if target is None else F.mse_loss(prediction, target)
         return ModelOutput(logits=prediction, loss=loss, aux_loss=aux, stats=stats)
+
+
+ATTENTION_FREE = ("none", "position-only")
+
+
+class AttentionFreeRegressor(nn.Module):
+    """SequenceRegressor's model with its attention layer replaced by an attention-free mixer:
+    embedding -> mixer added to the residual stream -> linear read-out at the last position.
+
+    - "none": no mixer; the read-out sees the last node only (the model with attention removed).
+    - "position-only": a content-blind causal mixer, out_t = W_o Σ_δ softmax(w)_δ W_v h_{t-δ}
+      with one learned logit w_δ per distance (softmax over the distances a position can reach):
+      the best any rule that weights positions by distance alone can do (a fixed recency profile).
+    """
+
+    def __init__(self, mixer: str, input_dim: int, model_dim: int, target_dim: int, length: int) -> None:
+        super().__init__()
+        if mixer not in ATTENTION_FREE:
+            raise ValueError(f"mixer must be one of {ATTENTION_FREE}; got {mixer!r}")
+        self.mixer = mixer
+        self.embed = nn.Linear(input_dim, model_dim)
+        self.readout = nn.Linear(model_dim, target_dim)
+        if mixer == "position-only":
+            self.distance_logits = nn.Parameter(torch.zeros(length))
+            self.value = nn.Linear(model_dim, model_dim, bias=False)
+            self.out_proj = nn.Linear(model_dim, model_dim, bias=False)
+
+    def forward(self, x: Tensor, target: Tensor | None = None) -> ModelOutput:
+        hidden = self.embed(x)
+        if self.mixer == "position-only":
+            length = x.shape[1]
+            if length > self.distance_logits.shape[0]:
+                raise ValueError(f"x has {length} positions; the mixer was built for at most "
+                                 f"{self.distance_logits.shape[0]}")
+            position = torch.arange(length, device=x.device)
+            distance = position[:, None] - position[None, :]
+            logits = self.distance_logits[distance.clamp(min=0)].masked_fill(distance < 0, float("-inf"))
+            hidden = hidden + self.out_proj(logits.softmax(dim=-1) @ self.value(hidden))
+        prediction = self.readout(hidden[:, -1])
+        loss = None if target is None else F.mse_loss(prediction, target)
+        return ModelOutput(logits=prediction, loss=loss, aux_loss=hidden.new_zeros(()), stats=[])

@@ -32,6 +32,10 @@ from torch import Tensor
 
 from routeformer.ops._checks import check_positive
 
+# A run's held-out sequences: validation (chosen on) and test (measured once), each drawn from
+# its own seed so that no training batch repeats them (see `held_out`).
+TEST_SEQUENCES = 2048
+
 
 @dataclass
 class StructuralTask:
@@ -133,3 +137,19 @@ def recency_batch(
         last[:, half:] = torch.randn(batch, task.dim - half, generator=gen)
     x[:, -1] = last
     return x, x1 @ weights.readout.T, distance
+
+
+def held_out(task: StructuralTask, make_batch, seed: int, split: str, sequences: int):
+    """(x, y, extra) of the `split` ("validation" or "test") sequences of run `seed`."""
+    if split not in ("validation", "test"):
+        raise ValueError(f"split must be 'validation' or 'test'; got {split!r}")
+    weights = StructuralWeights.sample(task, seed=1000 + seed)
+    offset = 3000 if split == "validation" else 2000
+    return make_batch(task, weights, sequences, torch.Generator().manual_seed(offset + seed))
+
+
+def zero_prediction_mse(
+    task: StructuralTask, make_batch, seed: int, sequences: int = TEST_SEQUENCES
+) -> float:
+    """Test MSE of always predicting 0 (the scale a model's test MSE should be read against)."""
+    return float(held_out(task, make_batch, seed, "test", sequences)[1].square().mean())

@@ -2,7 +2,7 @@
 and the paper experiments. It runs the one loop of train/steps.py (AdamW, warmup + cosine,
 clipping, the non-finite guard) with periodic evaluation.
 
-Resuming: inside `resumable_training(directory, key)` (which `experiments.report.cached_run` opens
+Resuming: inside `resumable_training(directory, key)` (which `runner.jobs.cached_run` opens
 around every run) each `train_task` call writes a checkpoint at every evaluation — the state of
 `steps.capture_state` (model, optimizer, step, the batch generator's and torch's RNG states) plus
 the config and history — to `<directory>/<key>.train<n>.pt`, n counting the calls in the block,

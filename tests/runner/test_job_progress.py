@@ -1,6 +1,6 @@
 """compare's runs report their progress while they train, not only when they finish."""
 
-from routeformer.experiments.jobs import Job, TaskSetup, train_job
+from routeformer.runner.jobs import Job, TaskSetup, train_job
 
 
 def test_a_run_says_when_it_starts_and_at_each_evaluation(capsys):

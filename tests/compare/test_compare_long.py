@@ -6,9 +6,10 @@ import json
 import pytest
 
 from routeformer.cli import main
-from routeformer.experiments import compare_long, compare_long_report
-from routeformer.experiments.compare_long import LongBudget, LongSetup, Stage, check_long_selection
-from routeformer.experiments.compare_long_report import paired_delta, run_compare_long
+from routeformer.compare import long_budget, long_run
+from routeformer.compare.long_budget import LongBudget, LongSetup, Stage, check_long_selection
+from routeformer.compare.long_report import paired_delta
+from routeformer.compare.long_run import run_compare_long
 from routeformer.train.on_task import ModelSpec
 
 RECORD_FIELDS = {
@@ -105,8 +106,8 @@ def test_toy_long_compare_reports_every_length_and_resumes(tmp_path, monkeypatch
     def must_not_run(*args, **kwargs):
         raise AssertionError("a finished run was run again")
 
-    monkeypatch.setattr(compare_long_report, "train_long_job", must_not_run)
-    monkeypatch.setattr(compare_long_report, "measure_long_costs", must_not_run)
+    monkeypatch.setattr(long_run, "train_long_job", must_not_run)
+    monkeypatch.setattr(long_run, "measure_long_costs", must_not_run)
     run_compare_long(
         toy_budget(),
         out,
@@ -120,7 +121,7 @@ def test_toy_long_compare_reports_every_length_and_resumes(tmp_path, monkeypatch
 
 
 def test_stages_train_one_model_on_each_stage_task():
-    from routeformer.experiments.compare_long import LongJob, train_long_job
+    from routeformer.compare.long_jobs import LongJob, train_long_job
 
     setup = toy_budget().tasks["mqar"]
     record = train_long_job(
@@ -164,7 +165,7 @@ def test_long_selection_and_cli_errors(tmp_path, capsys):
 
 
 def test_the_long_budget_trains_at_long_lengths():
-    budget = compare_long.LONG
+    budget = long_budget.LONG
     assert budget.tasks["mqar"].seq_len >= 512 and budget.tasks["lm"].seq_len >= 1024
     assert budget.seeds >= 3 and budget.tasks["mqar"].stages[-1].options == {}
     assert {"full", "linear", "local", "topk", "mita", "meta", "meta_tokens", "expanding"} <= set(

@@ -1,100 +1,18 @@
-"""Run `routeformer compare --long` and write its report: per task and evaluated length, quality
-(mean ± sd over seeds) beside chance and the shortcut rules, the paired difference from `full`
-(per seed: every mechanism saw the same batches), and the cost ratios measured in the same run —
-the "where routing pays" table; result.json holds one record per (task, length, mechanism, seed)."""
+"""The report of `routeformer compare --long`: per task and evaluated length, quality (mean ± sd over
+seeds) beside chance and the shortcut rules, the paired difference from `full` (per seed: every
+mechanism saw the same batches), and the cost ratios measured in the same run — the "where routing
+pays" table; result.json holds one record per (task, length, mechanism, seed)."""
 
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.compare_long import (
-    EVAL_MULTIPLES,
-    LongSetup,
-    long_jobs,
-    measure_long_costs,
-    train_long_job,
-)
-from routeformer.experiments.compare_report import pareto_front, separated, task_floor
-from routeformer.experiments.jobs import cached_run, run_jobs, say
-from routeformer.experiments.report import markdown_table, mean_sd, provenance, scatter_plot, write_result
+from routeformer.compare.long_budget import EVAL_MULTIPLES, LongSetup
+from routeformer.compare.report import pareto_front, separated
+from routeformer.runner.report import markdown_table, mean_sd, provenance, scatter_plot, write_result
 from routeformer.train.on_task import ModelSpec
-
-
-def default_corpus() -> str:
-    """Tiny Shakespeare where a local copy exists (../shared/data, ROUTEFORMER_DATA_DIR), else the
-    embedded corpus: the long compare never downloads."""
-    from routeformer.data.corpora import load_corpus
-
-    try:
-        load_corpus("tinyshakespeare")
-        return "tinyshakespeare"
-    except (OSError, ValueError):
-        return "pydoc"
-
-
-def run_compare_long(
-    budget: Any,
-    out_dir: str | Path = "runs/compare-long",
-    *,
-    mechanisms: list[str],
-    tasks: list[str],
-    seeds: int,
-    workers: int = 2,
-    corpus: str | None = None,
-    command: str = "routeformer compare --long",
-) -> Path:
-    """Train, test and time every (task, mechanism, seed) of `budget`; returns report.md's path."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    corpus = corpus or default_corpus()
-    setups = {task: budget.tasks[task] for task in tasks}
-    jobs = long_jobs(setups, mechanisms, seeds, budget.spec, corpus)
-    began = time.perf_counter()
-    say(
-        f"compare --long: {len(jobs)} runs ({', '.join(tasks)}; {len(mechanisms)} mechanisms; "
-        f"{seeds} seeds), {workers} worker process(es); LM corpus {corpus}"
-    )
-    records = run_jobs(out, jobs, workers, say, train=train_long_job)
-    train_elapsed = time.perf_counter() - began
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {task: {} for task in tasks}
-    failed = {}
-    for job in jobs:
-        record = records[job.key]
-        if "error" in record:
-            failed[job.key] = record["error"]
-        else:
-            runs[job.task].setdefault(job.mechanism, []).append(record)
-    options_of = {(job.task, job.mechanism): job.task_options for job in jobs}
-    floors, costs = {}, {}
-    for task in tasks:
-        setup = next(job.setup for job in jobs if job.task == task)
-        for multiple in (1, *EVAL_MULTIPLES):
-            length = setup.seq_len * multiple
-            floors[(task, length)] = cached_run(
-                out,
-                f"long-{task}-floor-{length}",
-                lambda t=task, L=length, s=setup: task_floor(t, {**s.options, "seq_len": L}),
-            )
-        for mechanism in runs[task]:
-            say(f"compare --long: costs of {mechanism} on {task} (alternating with full)")
-            costs[(task, mechanism)] = cached_run(
-                out,
-                f"long-{task}-costs-{mechanism}",
-                lambda t=task, m=mechanism, s=setup: measure_long_costs(
-                    t,
-                    m,
-                    s,
-                    budget.spec,
-                    lambda name, t=t: options_of.get((t, name), s.options),
-                    budget.repeats,
-                ),
-            )
-    elapsed = time.perf_counter() - began
-    say(f"compare --long: done in {elapsed:.0f} s ({train_elapsed:.0f} s training)")
-    return write_long_report(out, runs, floors, costs, budget, setups, command, elapsed, workers, failed)
 
 
 def flat_records(runs: dict[str, dict[str, list[dict[str, Any]]]], costs: dict, floors: dict) -> list[dict]:

@@ -1,4 +1,4 @@
-"""One training run of the structural-inference toy problems (Singh & Buckley, NeurIPS 2023).
+"""Train one model on a structural-inference toy problem (Singh & Buckley, NeurIPS 2023).
 
 Shared by `structural_multihop` (the two-hop chain, paper Figure 2) and `structural_recency`
 (the recency task, Figure 3). Every run follows the same protocol:
@@ -8,6 +8,9 @@ Shared by `structural_multihop` (the two-hop chain, paper Figure 2) and `structu
 - validation MSE is measured during training on held-out sequences (seed 3000 + seed), which is
   what any setup (learning rate, ...) is chosen on;
 - test MSE is measured once, at the end, on other held-out sequences (seed 2000 + seed).
+
+The held-out draws and the zero-prediction floor are the task's (tasks/structural.py); the
+attention-free baselines are models (models/regressor.py).
 """
 
 from __future__ import annotations
@@ -15,16 +18,21 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from routeformer.models.heads import ModelOutput
-from routeformer.models.regressor import SequenceRegressor
+from routeformer.models.regressor import ATTENTION_FREE, AttentionFreeRegressor, SequenceRegressor
 from routeformer.ops.multihop import multihop_attention_reference, path_settings
-from routeformer.tasks.structural import StructuralTask, StructuralWeights, chain_batch, recency_batch
+from routeformer.tasks.structural import (
+    TEST_SEQUENCES,
+    StructuralTask,
+    StructuralWeights,
+    chain_batch,
+    held_out,
+    recency_batch,
+)
+from routeformer.train.on_task import parameter_count
 from routeformer.train.task_loop import TaskTrainConfig, layer_stat, train_task
 
-TEST_SEQUENCES = 2048
 VALIDATION_SEQUENCES = 1024
 EXPANDING_BLOCK = 8
 RECENCY_TEST = 512  # held-out sequences per evaluation (expanding's inference loop is per call)
@@ -39,66 +47,6 @@ MULTIHOP_MODELS: dict[str, tuple[list[str], dict[str, Any]]] = {
     "multihop x1 (authors form)": (["multihop"], {"form": "authors"}),
 }
 
-
-ATTENTION_FREE = ("none", "position-only")
-
-
-class AttentionFreeRegressor(nn.Module):
-    """SequenceRegressor's model with its attention layer replaced by an attention-free mixer:
-    embedding -> mixer added to the residual stream -> linear read-out at the last position.
-
-    - "none": no mixer; the read-out sees the last node only (the model with attention removed).
-    - "position-only": a content-blind causal mixer, out_t = W_o Σ_δ softmax(w)_δ W_v h_{t-δ}
-      with one learned logit w_δ per distance (softmax over the distances a position can reach):
-      the best any rule that weights positions by distance alone can do (a fixed recency profile).
-    """
-
-    def __init__(self, mixer: str, input_dim: int, model_dim: int, target_dim: int, length: int) -> None:
-        super().__init__()
-        if mixer not in ATTENTION_FREE:
-            raise ValueError(f"mixer must be one of {ATTENTION_FREE}; got {mixer!r}")
-        self.mixer = mixer
-        self.embed = nn.Linear(input_dim, model_dim)
-        self.readout = nn.Linear(model_dim, target_dim)
-        if mixer == "position-only":
-            self.distance_logits = nn.Parameter(torch.zeros(length))
-            self.value = nn.Linear(model_dim, model_dim, bias=False)
-            self.out_proj = nn.Linear(model_dim, model_dim, bias=False)
-
-    def forward(self, x: Tensor, target: Tensor | None = None) -> ModelOutput:
-        hidden = self.embed(x)
-        if self.mixer == "position-only":
-            length = x.shape[1]
-            if length > self.distance_logits.shape[0]:
-                raise ValueError(f"x has {length} positions; the mixer was built for at most "
-                                 f"{self.distance_logits.shape[0]}")
-            position = torch.arange(length, device=x.device)
-            distance = position[:, None] - position[None, :]
-            logits = self.distance_logits[distance.clamp(min=0)].masked_fill(distance < 0, float("-inf"))
-            hidden = hidden + self.out_proj(logits.softmax(dim=-1) @ self.value(hidden))
-        prediction = self.readout(hidden[:, -1])
-        loss = None if target is None else F.mse_loss(prediction, target)
-        return ModelOutput(logits=prediction, loss=loss, aux_loss=hidden.new_zeros(()), stats=[])
-
-
-def parameter_count(model) -> int:
-    return sum(parameter.numel() for parameter in model.parameters())
-
-
-def held_out(task: StructuralTask, make_batch, seed: int, split: str, sequences: int):
-    """(x, y, extra) of the `split` ("validation" or "test") sequences of run `seed`."""
-    if split not in ("validation", "test"):
-        raise ValueError(f"split must be 'validation' or 'test'; got {split!r}")
-    weights = StructuralWeights.sample(task, seed=1000 + seed)
-    offset = 3000 if split == "validation" else 2000
-    return make_batch(task, weights, sequences, torch.Generator().manual_seed(offset + seed))
-
-
-def zero_prediction_mse(
-    task: StructuralTask, make_batch, seed: int, sequences: int = TEST_SEQUENCES
-) -> float:
-    """Test MSE of always predicting 0 (the scale a model's test MSE should be read against)."""
-    return float(held_out(task, make_batch, seed, "test", sequences)[1].square().mean())
 
 
 def _attention_matrix(layer, hidden: Tensor) -> Tensor:

@@ -5,11 +5,7 @@ schedule and, per seed, the same batches (the batch stream depends on the seed o
 attention layers differ. Quality is the task's metric on its test split, reported as mean ± sd
 over the seeds beside the task's chance level and the measured accuracy of its shortcut rules.
 
-Length-dependent budgets (the only options that differ from a mechanism's defaults): local
-windows T/4, top-k T/8 keys, MiTA T/8 landmarks of T/8 keys (causal: blocks of T/8),
-Meta-Attention's local expert T/4.
-`meta_tokens` needs injected meta-tokens: it runs on the LM only, whose windows then carry
-`_PAUSE_` at density 0.1 (so it reads 10% fewer characters per window: stated in the report).
+The budgets (QUICK, FULL) and the options each mechanism gets are in compare/budgets.py.
 
 Runs are independent jobs (task, mechanism, seed): they run in `workers` processes with one
 thread each (tiny models use one core better than two), each stored as JSON when it finishes, so a
@@ -18,112 +14,29 @@ time, inference time and peak memory are measured afterwards in this process, on
 another on an idle machine, on a freshly initialised model.
 """
 
+
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from routeformer.experiments.compare_costs import measure_task_costs
-from routeformer.experiments.compare_report import task_floor, write_compare_report
-from routeformer.experiments.jobs import Job, TaskSetup, cached_run, run_jobs, say
-from routeformer.train.on_task import ModelSpec
-
-TASKS = ("lm", "mqar", "listops")
-LM_ONLY = ("meta_tokens",)  # mechanisms that need injected meta-tokens
-META_DENSITY = 0.1
-
-
-@dataclass(frozen=True)
-class CompareBudget:
-    name: str
-    tasks: dict[str, TaskSetup]
-    seeds: int = 3
-    spec: ModelSpec = field(default_factory=ModelSpec)
-    mechanisms: tuple[str, ...] | None = None  # the default selection; None = every registered one
-    bench_lengths: tuple[int, ...] = (1024, 4096)
-    repeats: int = 5
-
-
-# Quick: the setups below were chosen on validation accuracy of `full` (seeds 0-2), never on the
-# test numbers the report shows. MQAR: plain attention learns it through a phase transition whose
-# timing varies by seed; at T = 32 with 4 pairs it came within 600 steps for every seed only with a
-# small vocabulary (16: 7 keys, 8 values) and a long warm-up (200 steps); with vocabulary 32 or a
-# 50-100-step warm-up, seeds 1-2 stayed at 1/pairs. ListOps: T = 32 holds the short expressions
-# (mean 14 tokens), half the cost of T = 64 at the same rule baselines. The mechanisms are the
-# subset that fits in 10 minutes on 2 cores (see README).
-QUICK = CompareBudget(
-    "quick",
-    tasks={
-        "lm": TaskSetup({"corpus": "pydoc", "seq_len": 128}, steps=300, batch_size=32, lr=3e-3,
-                        warmup_steps=30, test_sequences=256),
-        "mqar": TaskSetup({"seq_len": 32, "pairs": 4, "vocab_size": 16}, steps=600, batch_size=64, lr=3e-3,
-                          warmup_steps=200),
-        "listops": TaskSetup({"seq_len": 32, "max_length": 31}, steps=1200, batch_size=64, lr=3e-3,
-                             warmup_steps=100),
-    },
-    spec=ModelSpec(dim=64, depth=2, heads=2, mlp_ratio=2.0, positions="rotary"),
-    # MiTA left out for time: with it the quick budget took 11.8 min on 2 idle cores (706 s in
-    # compare); `--mechanisms full linear local topk mita` runs it at the same setups.
-    mechanisms=("full", "linear", "local", "topk"),
-    bench_lengths=(1024, 4096), repeats=5,
+from routeformer.compare.budgets import (
+    FULL,
+    LM_ONLY,
+    QUICK,
+    TASKS,
+    CompareBudget,
+    check_selection,
+    options_for,
+    task_options,
 )
-FULL = CompareBudget(
-    "full",
-    tasks={
-        "lm": TaskSetup({"corpus": "pydoc", "seq_len": 256}, steps=1500, batch_size=32, lr=3e-3,
-                        warmup_steps=100, test_sequences=512),
-        "mqar": TaskSetup({"seq_len": 64, "pairs": 8, "vocab_size": 64}, steps=3000, batch_size=64, lr=3e-3,
-                          warmup_steps=200),
-        "listops": TaskSetup({"seq_len": 128, "max_length": 127, "max_depth": 4}, steps=2000, batch_size=64,
-                             lr=3e-3, warmup_steps=200),
-    },
-    spec=ModelSpec(dim=128, depth=2, heads=4, mlp_ratio=2.0, positions="rotary"),
-    bench_lengths=(1024, 4096, 16384), repeats=5,
-)
-
-
-def options_for(mechanism: str, seq_len: int) -> dict[str, Any]:
-    """The length-dependent budgets of the module docstring; every other option at its default."""
-    if mechanism in ("local", "meta"):  # meta: the window of its local expert
-        return {"window": max(1, seq_len // 4)}
-    if mechanism == "topk":
-        return {"topk": max(1, seq_len // 8)}
-    if mechanism == "mita":  # causal: blocks of T/8, every completed block's landmark read
-        budget = max(1, seq_len // 8)
-        return {"landmarks": budget, "topk": budget, "block": budget}
-    return {}
-
-
-def task_options(task: str, mechanism: str, setup: TaskSetup) -> dict[str, Any]:
-    """What `build_task` gets for `mechanism`: the setup's options (+ meta-tokens for meta_tokens)."""
-    if mechanism in LM_ONLY:
-        return {**setup.options, "meta_density": META_DENSITY}
-    return dict(setup.options)
-
-
-def check_selection(
-    mechanisms: Sequence[str] | None, tasks: Sequence[str] | None, budget: CompareBudget | None = None,
-) -> tuple[list[str], list[str]]:
-    """Validate --mechanisms / --tasks against the registry; None = the budget's default (all)."""
-    from routeformer.attention import list_attentions
-
-    registered = list(list_attentions())
-    default = list(budget.mechanisms) if budget is not None and budget.mechanisms else registered
-    mechanisms = list(mechanisms or sorted(default, key=lambda name: name != "full"))  # full first
-    tasks = list(tasks or TASKS)
-    unknown = [m for m in mechanisms if m not in registered]
-    if unknown:
-        raise ValueError(f"mechanisms: unknown {unknown}; registered: {registered}")
-    bad_tasks = [t for t in tasks if t not in TASKS]
-    if bad_tasks:
-        raise ValueError(f"tasks: unknown {bad_tasks}; valid: {list(TASKS)}")
-    if not mechanisms or not tasks:
-        raise ValueError("mechanisms and tasks must each name at least one")
-    return mechanisms, tasks
+from routeformer.compare.costs import measure_task_costs
+from routeformer.compare.report import task_floor, write_compare_report
+from routeformer.runner.jobs import Job, cached_run, run_jobs, say
 
 
 def compare_jobs(tasks: list[str], mechanisms: list[str], budget: CompareBudget, corpus: str) -> list[Job]:
@@ -212,9 +125,3 @@ def run_compare(
     return write_compare_report(out, by_task, floors, costs, bench_rows, budget, command,
                                 elapsed=time.perf_counter() - began, workers=workers, failed=failed,
                                 bench_from_earlier=kept_bench)
-
-
-def budget_summary(budget: CompareBudget) -> dict[str, Any]:
-    return {"name": budget.name, "seeds": budget.seeds, "model": asdict(budget.spec),
-            "tasks": {task: asdict(setup) for task, setup in budget.tasks.items()},
-            "bench_lengths": list(budget.bench_lengths), "repeats": budget.repeats}

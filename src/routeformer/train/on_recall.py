@@ -1,4 +1,5 @@
-"""One training run of the meta-tokens reproduction on the shared recall tasks.
+"""Train a causal model on a recall task, with or without meta-tokens: one run of the meta-tokens
+reproduction (experiments/meta_tokens_recall.py) on the shared recall tasks.
 
 A run trains a small causal model (ModelSpec's backbone with rotary positions) on one recall task
 of `routeformer.tasks` in one of these variants, which differ one thing at a time:

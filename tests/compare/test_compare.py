@@ -5,9 +5,13 @@ import json
 import pytest
 
 from routeformer.cli import main
-from routeformer.experiments import compare, jobs
-from routeformer.experiments.compare import CompareBudget, TaskSetup, check_selection, run_compare
-from routeformer.experiments.compare_report import mean_sd, pareto_front, separated
+from routeformer.compare import budgets, run
+from routeformer.compare.budgets import CompareBudget, check_selection
+from routeformer.compare.report import pareto_front, separated
+from routeformer.compare.run import run_compare
+from routeformer.runner import jobs
+from routeformer.runner.jobs import TaskSetup
+from routeformer.runner.report import mean_sd
 from routeformer.train.on_task import ModelSpec
 
 
@@ -26,7 +30,7 @@ def test_selection_is_checked_against_the_registry():
     mechanisms, tasks = check_selection(None, None)
     assert mechanisms[0] == "full" and {"topk", "meta", "meta_tokens"} <= set(mechanisms)
     assert tasks == ["lm", "mqar", "listops"]
-    assert check_selection(None, None, compare.QUICK)[0] == ["full", *[m for m in compare.QUICK.mechanisms
+    assert check_selection(None, None, budgets.QUICK)[0] == ["full", *[m for m in budgets.QUICK.mechanisms
                                                                         if m != "full"]]
     with pytest.raises(ValueError, match=r"mechanisms: unknown \['nope'\]; registered: "):
         check_selection(["full", "nope"], None)
@@ -45,9 +49,9 @@ def test_statistics_and_pareto_front():
 
 
 def test_options_scale_with_the_task_length():
-    assert compare.options_for("local", 128) == {"window": 32}
-    assert compare.options_for("topk", 32) == {"topk": 4}
-    assert compare.options_for("full", 32) == {}
+    assert budgets.options_for("local", 128) == {"window": 32}
+    assert budgets.options_for("topk", 32) == {"topk": 4}
+    assert budgets.options_for("full", 32) == {}
 
 
 def test_toy_compare_writes_the_report_and_resumes(tmp_path, monkeypatch):
@@ -79,7 +83,7 @@ def test_toy_compare_writes_the_report_and_resumes(tmp_path, monkeypatch):
         raise AssertionError("a finished run was run again")
 
     monkeypatch.setattr(jobs, "train_job", must_not_run)
-    monkeypatch.setattr(compare, "measure_task_costs", must_not_run)
+    monkeypatch.setattr(run, "measure_task_costs", must_not_run)
     run_compare(out, mechanisms=["full", "local", "meta_tokens"], budget=toy_budget(), workers=1)
 
 
@@ -108,22 +112,6 @@ def test_compare_cli_rejects_bad_input_in_one_line(tmp_path, capsys):
     assert "mechanisms: unknown ['nope']" in capsys.readouterr().err
     assert main(["compare", "--seeds", "0", "--out", str(tmp_path)]) == 2
     assert "seeds must be a positive integer" in capsys.readouterr().err
-
-
-def test_mqar_sweep_runs_a_toy_grid_and_resumes(tmp_path, monkeypatch):
-    from routeformer.experiments import mqar_sweep
-
-    toy = {"lengths": (16,), "pairs": (2, 8), "widths": (8, 16), "seeds": 2, "steps": 1,
-           "mechanisms": ("full", "local")}
-    monkeypatch.setattr(mqar_sweep, "QUICK_GRID", toy)
-    report = mqar_sweep.mqar_sweep(tmp_path, quick=True, workers=1)
-    result = json.loads((tmp_path / "result.json").read_text())
-    # pairs=8 needs T >= 32: skipped; 2 widths x 2 mechanisms remain, each with 2 seeds
-    assert {(r["width"], r["mechanism"], r["seeds"]) for r in result["rows"]} == {
-        (8, "full", 2), (16, "full", 2), (8, "local", 2), (16, "local", 2)}
-    assert "| 16 | 2 | full | 8 |" in report.read_text()
-    monkeypatch.setattr(jobs, "train_job", lambda job: pytest.fail("retrained"))
-    mqar_sweep.mqar_sweep(tmp_path, quick=True, workers=1)
 
 
 def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, monkeypatch):

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.bench.layers_bench import layer_bench_section
-from routeformer.experiments.report import markdown_table, mean_sd, provenance, scatter_plot, write_result
+from routeformer.compare.budgets import budget_summary
+from routeformer.runner.report import markdown_table, mean_sd, provenance, scatter_plot, write_result
 
 SEPARATION_SDS = 3.0
 
@@ -88,8 +89,6 @@ def write_compare_report(
 ) -> Path:
     """report.md + result.json in `out`. A rerun keeps the wall-clock times of the invocations that
     wrote the report before (result.json `invocations`, named in report.md)."""
-    from routeformer.experiments.compare import budget_summary
-
     earlier = earlier_invocations(out / "result.json")
     summary: dict[str, Any] = {"budget": budget_summary(budget), "elapsed_seconds": elapsed, "tasks": {},
                                "invocations": [*earlier, {"command": command, "elapsed_seconds": elapsed}]}

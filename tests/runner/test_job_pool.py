@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from routeformer.experiments.jobs import Job, TaskSetup, run_jobs
+from routeformer.runner.jobs import Job, TaskSetup, run_jobs
 
 
 def tiny_jobs(count: int) -> list[Job]:

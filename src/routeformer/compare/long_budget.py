@@ -1,0 +1,131 @@
+"""`routeformer compare --long`: quality and cost of every mechanism at lengths where routing pays.
+
+`compare --quick` trains at T = 32-128, where no routed layer saves anything; the layer benchmarks
+measure savings at 4k-64k, where no model was trained. This budget joins them: each task is trained
+at a long length T (an associative-recall task at T = 512, a character LM at T = 1024), evaluated on
+its test split at T and, forward only, at 2T and 4T (reported apart: the length-generalisation
+claims of the meta-token and expanding-attention papers), and each mechanism's cost is measured at
+the same lengths in the same report: training step time and inference time per sequence, both
+alternating with `full` in the same rounds, executed attention FLOPs, and peak memory.
+
+The machinery is compare's (runner/jobs.py): one job per (task, mechanism, seed), the same
+batches per seed for every mechanism, the same backbone, finished runs kept on disk (a killed run
+resumes after its last evaluation), chance and shortcut rules beside every number.
+
+Training follows a curriculum (`Stage`s): most steps on a short, easy version of the task, where
+attention learns what to look for cheaply, then the rest at T. The mechanism's length-dependent options
+(window T/4, top-k T/8, ...) are those of T throughout, so at the short stage a local window covers
+the whole sequence. Each stage restarts AdamW's schedule (warm-up and cosine decay).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from routeformer.runner.jobs import TaskSetup
+from routeformer.train.on_task import ModelSpec
+
+LONG_MECHANISMS = ("full", "linear", "local", "topk", "mita", "meta", "meta_tokens", "expanding")
+EVAL_MULTIPLES = (2, 4)  # evaluated (forward only) at these multiples of the training length
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A curriculum stage: `steps` steps of batch `batch_size` on the task built with `options`
+    overriding the training setup's (e.g. a shorter seq_len, fewer MQAR pairs; {}: the task itself)."""
+
+    options: dict[str, Any]
+    steps: int
+    batch_size: int
+    lr: float
+    warmup_steps: int
+
+
+@dataclass(frozen=True)
+class LongSetup:
+    """One task of the long budget: what `build_task` gets at the training length, its stages."""
+
+    options: dict[str, Any]
+    stages: tuple[Stage, ...]
+    evals_per_stage: int = 2
+    validation_sequences: int = 64
+    test_tokens: int = 262_144  # tokens of the test split evaluated at every length
+    cost_batch: int = 4  # sequences per inference call when timing
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.options["seq_len"])
+
+    def as_task_setup(self) -> TaskSetup:
+        """The last stage as compare's TaskSetup (task_options and the report read it)."""
+        last = self.stages[-1]
+        return TaskSetup(
+            self.options,
+            steps=sum(s.steps for s in self.stages),
+            batch_size=last.batch_size,
+            lr=last.lr,
+            warmup_steps=last.warmup_steps,
+            validation_sequences=self.validation_sequences,
+            test_sequences=self.test_tokens // self.seq_len,
+        )
+
+
+
+@dataclass(frozen=True)
+class LongBudget:
+    tasks: dict[str, LongSetup]
+    spec: ModelSpec
+    seeds: int = 3
+    mechanisms: tuple[str, ...] = LONG_MECHANISMS
+    repeats: int = 5
+
+
+# Chosen on validation (accuracy / bits per character of `full`), never on the test numbers the report
+# shows; the probes are listed in docs/results/compare/long/README.md. MQAR: attention learns it through
+# a phase transition that a small vocabulary and a long warm-up make reliable (compare --quick's setup,
+# stage 1); once learnt at T=32 the lookup carries to T=128 and T=512 within a few dozen steps, while a
+# model started at T=512, or with vocabulary 32-64, stayed at the key-blind level in the probes. Seven
+# pairs is what vocabulary 16 holds; queries sit uniformly over the context, so most are further from
+# their key than a T/4 window reaches.
+LONG = LongBudget(
+    tasks={
+        "mqar": LongSetup(
+            {"seq_len": 512, "pairs": 7, "vocab_size": 16},
+            stages=(
+                Stage({"seq_len": 32, "pairs": 4}, steps=600, batch_size=64, lr=3e-3, warmup_steps=200),
+                Stage({"seq_len": 128}, steps=150, batch_size=32, lr=3e-3, warmup_steps=30),
+                Stage({}, steps=200, batch_size=16, lr=3e-3, warmup_steps=20),
+            ),
+        ),
+        "lm": LongSetup(
+            {"seq_len": 1024},
+            stages=(
+                Stage({"seq_len": 128}, steps=250, batch_size=32, lr=3e-3, warmup_steps=25),
+                Stage({}, steps=60, batch_size=8, lr=1e-3, warmup_steps=6),
+            ),
+        ),
+    },
+    spec=ModelSpec(dim=64, depth=2, heads=2, mlp_ratio=2.0, positions="rotary"),
+)
+LONG_TASKS = tuple(LONG.tasks)
+
+
+def check_long_selection(
+    mechanisms: list[str] | None, tasks: list[str] | None
+) -> tuple[list[str], list[str]]:
+    """--mechanisms / --tasks for the long budget; None = its defaults. `full` always runs first
+    (every ratio and Δ is against it)."""
+    from routeformer.attention import list_attentions
+
+    registered = list(list_attentions())
+    chosen = list(mechanisms or LONG.mechanisms)
+    unknown = [m for m in chosen if m not in registered]
+    if unknown:
+        raise ValueError(f"mechanisms: unknown {unknown}; registered: {registered}")
+    chosen = ["full", *[m for m in dict.fromkeys(chosen) if m != "full"]]
+    tasks = list(tasks or LONG_TASKS)
+    bad = [t for t in tasks if t not in LONG_TASKS]
+    if bad:
+        raise ValueError(f"tasks: --long has {list(LONG_TASKS)}; got {bad}")
+    return chosen, tasks
