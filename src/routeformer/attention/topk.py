@@ -64,7 +64,8 @@ routed ones. `dense_below`: with at most this many keys the routed set is applie
 SDPA call (on CPU, per-query gathers cost more than the dense product at short lengths); the
 function is the same, and `flops` then counts the T x S work actually done. 0 always gathers; the
 default (None) uses the measured crossover: 256 keys with the native kernels of ops/native, 1024
-with the PyTorch ops.
+with the PyTorch ops (`ops.backends.TOPK_DENSE_BELOW`, part of the dispatch; `routeformer doctor`
+prints it).
 
 Cached decoding (`decode`, `CausalLM.generate`): the routing keys are cached beside K and V (on CPU
 in the routing kernel's own tiled layout); a new token routes over them with the parallel pass's
@@ -92,7 +93,7 @@ from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
 from routeformer.ops.decode import append_keys_values
 from routeformer.ops.gathered import gathered_dot, routed_attention, slot_membership
-from routeformer.ops.native import native_kernels
+from routeformer.ops.backends import NATIVE, TOPK_DENSE_BELOW, TORCH, topk_dense_below
 from routeformer.ops.rotary import apply_rotary, rotary_angles
 from routeformer.ops.topk_decode import append_routing_keys, route_cached
 from routeformer.ops.topk_routing import DEFAULT_ROUTING_BLOCK, add_random_slots, route_topk
@@ -102,7 +103,9 @@ ROUTING_POSITIONS = ("rotary", "recency", "rotary+recency", "none")
 # Longest key count for which the dense masked path beats gathering (layer fwd+bwd, B=4, D=128,
 # 2 cores, 2026-11-22): the native kernels gather faster from 512 keys (420 vs 490 ms), the
 # PyTorch ops from ~1024.
-DENSE_BELOW_NATIVE, DENSE_BELOW_TORCH = 256, 1024
+# The default `dense_below` per backend lives with the dispatch (ops/backends.py, which `routeformer doctor`
+# reports); named here too for the layer's readers.
+DENSE_BELOW_NATIVE, DENSE_BELOW_TORCH = TOPK_DENSE_BELOW[NATIVE], TOPK_DENSE_BELOW[TORCH]
 
 
 class Router(nn.Module):
@@ -240,7 +243,7 @@ class TopKAttention(AttentionLayer):
         when the native kernels serve them, 1024 for the PyTorch ops (docs/results/topk.md)."""
         if self.dense_below is not None:
             return self.dense_below
-        return DENSE_BELOW_NATIVE if native_kernels(q, k, v) is not None else DENSE_BELOW_TORCH
+        return topk_dense_below(q, k, v)
 
     def forward(
         self, x: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None

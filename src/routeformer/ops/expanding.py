@@ -70,10 +70,10 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from routeformer.ops._checks import check_positive, check_qkv
+from routeformer.ops.backends import NATIVE, TRITON, expanding_backend, expanding_final_pass_backend
 from routeformer.ops.native import native_kernels
 from routeformer.ops.native.band import NativeBandAttention, expanding_infer_op
 from routeformer.ops.native.kernel_flops import band_attend_flops_tensor
-from routeformer.ops.triton import dispatch as triton_dispatch
 
 DEFAULT_BLOCK = 64
 # Band entries per row group (~4 MB in fp32).
@@ -472,12 +472,26 @@ def _softmax_rows(logits: Tensor) -> Tensor:
     return torch.where(has_key, logits, torch.zeros_like(logits)).softmax(dim=-1) * has_key
 
 
+def _final_pass_triton(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, horizon: Tensor, scale: float,
+                       block: int) -> Tensor:
+    """The final pass of the causal, unpadded band path on the Triton banded pass, in its layout:
+    q, k, v [B, H, P, d|e] padded to whole blocks, log_decay and horizon [B·H·P / b, b] -> out
+    [B·H·P / b, b, e]. Each query reads the `horizon` keys ending at itself under the δ·log_decay
+    prior, with the gradient to log_decay (the learnable α, β)."""
+    from routeformer.ops.triton.band import triton_band_attention  # triton is optional
+
+    batch, heads, padded, dim = q.shape
+    rows = batch * heads
+    out = triton_band_attention(q.reshape(rows, padded, dim), k, v, log_decay.reshape(rows, padded),
+                                horizon.reshape(rows, padded), scale=scale)
+    return out.view(-1, block, v.shape[-1])
+
+
 def expanding_uses_native(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool,
                           update: str) -> bool:
     """Whether `expanding_attention` runs these inputs on the C kernels: causal, unpadded, the
     paper's update (the only one the kernels implement), tensors the kernels take."""
-    return (causal and mask is None and update == "paper" and q.dtype == k.dtype == v.dtype
-            and native_kernels(q, k, v) is not None)
+    return expanding_backend(q, k, v, mask=mask, causal=causal, update=update)[0] == NATIVE
 
 
 def expanding_attention(
@@ -580,8 +594,8 @@ def expanding_attention(
                                           per_query(beta) + last_mean)
     else:
         log_decay = _log_decay(per_query(alpha) + steps, per_query(beta) + expected_distance_sum)
-    if causal and not masked and triton_dispatch.use_triton(q):  # CUDA: the Triton banded pass
-        out = triton_dispatch.expanding_final_pass(q, k, v, log_decay, horizon, scale, block)
+    if expanding_final_pass_backend(q, causal, masked)[0] == TRITON:
+        out = _final_pass_triton(q, k, v, log_decay, horizon, scale, block)
     else:
         out = _BandAttention.apply(q.reshape(rings.rows, block, dim), k.reshape(rings.rows, block, dim),
                                    v.reshape(rings.rows, block, -1), log_decay, rings, horizon, scale)

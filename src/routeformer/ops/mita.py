@@ -81,7 +81,7 @@ from routeformer.ops.mita_landmarks import (
     pool_landmarks,
     pool_windows,
 )
-from routeformer.ops.mita_native import route_by_maximum, single_route
+from routeformer.ops.native.mita import route_by_maximum, single_route
 
 __all__ = ["DEFAULT_BLOCK", "DEFAULT_PACK", "MitaResult", "check_mita_args", "grid_pool_shape",
            "mita_attention", "mita_reference"]
@@ -211,7 +211,7 @@ def _bidirectional(q, k, v, real, key_real, *, landmarks, topk, route, shared, g
                 None if eligible is None else landmark_valid, expert_keys, expert_values,
                 None if bool(expert_valid.all()) else expert_valid, routed.indices[..., 0],
                 slot_valid[..., 0], scale)
-            if native is not None:  # inference: the C kernel (ops/mita_native.py)
+            if native is not None:  # inference: the C kernel (ops/native/mita.py)
                 items = int(slot_valid.sum())
                 flops += dense_attention_flops(items * ((experts if shared else 0) + width),
                                                            dim, value_dim)
