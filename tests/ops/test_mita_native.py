@@ -11,8 +11,8 @@ from routeformer.ops import mita_landmarks
 from routeformer.ops.mita import mita_attention, mita_reference
 from routeformer.ops.mita_experts import fused_single_route
 from routeformer.ops.mita_landmarks import landmark_attention, landmark_attention_reference
-from routeformer.ops.native.mita import StreamingTopK, route_by_maximum, single_route
 from routeformer.ops.native import native_enabled, native_kernels
+from routeformer.ops.native.mita import StreamingTopK, route_by_maximum, single_route
 
 pytestmark = pytest.mark.skipif(native_kernels(torch.zeros(1)) is None, reason="no native kernels")
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from routeformer.attention.output import AttentionOutput
 from routeformer.ops._checks import check_positive
-from routeformer.ops.backends import TORCH, joined, recording
+from routeformer.ops.backends import recording
 from routeformer.ops.documents import check_documents, document_starts
 from routeformer.ops.rotary import apply_rotary, rotary_angles
 
@@ -34,29 +34,6 @@ def split_qkv(qkv: Tensor) -> tuple[Tensor, ...]:
     copies but kept both passes; ~3 ms of a 60 ms layer step at T = 1024).
     """
     return tuple(part.transpose(1, 2) for part in qkv.unbind(2))
-
-
-@dataclass
-class AttentionOutput:
-    """What every attention layer returns: the output [B, T, D], its auxiliary loss (already
-    weighted) and detached diagnostics (`stats["flops"]`: the attention FLOPs executed)."""
-
-    out: Tensor  # [B, T, D]
-    aux_loss: Tensor  # scalar, already weighted; 0 where the mechanism has none
-    stats: dict[str, Tensor] = field(default_factory=dict)
-    # op -> the backend that ran it ("triton", "native", "torch"; ops/backends.py), filled by the
-    # contract's wrapper. None inside a torch.compile'd call: compiled code runs no Python per
-    # call, so nothing is observed (the graph keeps what tracing chose). Not in `stats`, which
-    # holds tensors only.
-    backends: dict[str, str] | None = None
-
-    @property
-    def backend(self) -> str:
-        """The backends this call ran, as one name: "torch" (also for a pure PyTorch mechanism),
-        "native", "triton", or a mix such as "native+torch"; "unobserved" under torch.compile."""
-        if self.backends is None:
-            return "unobserved"
-        return joined(*self.backends.values()) or TORCH
 
 
 def keeps_contract(forward: Callable[..., AttentionOutput]) -> Callable[..., AttentionOutput]:

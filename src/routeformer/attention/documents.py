@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from routeformer.attention.output import AttentionOutput
 from routeformer.ops.documents import document_groups, document_positions
 
 
@@ -41,8 +42,6 @@ def run_per_document(
 
     `extra` keyword tensors of shape [B, T, ...] (meta_mask, say) are gathered with the tokens;
     any other value is passed to every call unchanged."""
-    from routeformer.attention.base import AttentionOutput
-
     batch, length, dim = x.shape
     if positions is None:
         positions = document_positions(documents)

@@ -91,9 +91,9 @@ from torch import Tensor, nn
 from routeformer.attention.base import AttentionLayer, AttentionOutput, split_qkv
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
+from routeformer.ops.backends import NATIVE, TOPK_DENSE_BELOW, TORCH, topk_dense_below
 from routeformer.ops.decode import append_keys_values
 from routeformer.ops.gathered import gathered_dot, routed_attention, slot_membership
-from routeformer.ops.backends import NATIVE, TOPK_DENSE_BELOW, TORCH, topk_dense_below
 from routeformer.ops.rotary import apply_rotary, rotary_angles
 from routeformer.ops.topk_decode import append_routing_keys, route_cached
 from routeformer.ops.topk_routing import DEFAULT_ROUTING_BLOCK, add_random_slots, route_topk

@@ -287,7 +287,7 @@ class _Rings:
         """[g, b, W] softmax of `logits`; with invalid keys a (padded) query may see none, and its
         row is zeros, not NaN."""
         logits = self.logits(rows, horizon, log_decay)
-        return _softmax_rows(logits) if self.check_keys else logits.softmax(dim=-1)
+        return softmax_rows(logits) if self.check_keys else logits.softmax(dim=-1)
 
     def ring_keys(self, rows: slice, slot: int) -> slice:
         """The key block rows of ring `slot` for block rows `rows`, in a tensor padded by
@@ -452,7 +452,7 @@ def _expanding_native(
     )
 
 
-def _masked_logits(
+def masked_logits(
     scores: Tensor, distance: Tensor, key_valid: Tensor, horizon: Tensor, log_decay: Tensor,
     scale: float, causal: bool,
 ) -> Tensor:
@@ -465,7 +465,7 @@ def _masked_logits(
     return logits.masked_fill(~inside, float("-inf"))
 
 
-def _softmax_rows(logits: Tensor) -> Tensor:
+def softmax_rows(logits: Tensor) -> Tensor:
     """Softmax whose all-excluded rows (padded queries) give zeros instead of NaN or uniform.
     Excluded keys are -inf (reference) or <= -_EXCLUDED / 2 (fast path)."""
     has_key = logits.amax(dim=-1, keepdim=True) > -_EXCLUDED / 4
@@ -697,12 +697,12 @@ def expanding_attention_reference(
         for step in range(max_iters):
             new_horizon, stop, step_decay = inference.propose(step)
             horizon = torch.where(active | (step == 0), new_horizon, horizon)
-            probs = _softmax_rows(_masked_logits(scores, distance, key_valid, horizon, step_decay, scale,
+            probs = softmax_rows(masked_logits(scores, distance, key_valid, horizon, step_decay, scale,
                                                  causal))
             lengths = distance if causal else distance.abs()
             going_on = active & ~stop
             inference.advance(new_horizon, going_on, (probs * lengths.to(probs.dtype)).sum(-1))
             active = going_on
     log_decay = inference.final_log_decay(alpha_start, beta_start)
-    probs = _softmax_rows(_masked_logits(scores, distance, key_valid, horizon, log_decay, scale, causal))
+    probs = softmax_rows(masked_logits(scores, distance, key_valid, horizon, log_decay, scale, causal))
     return probs @ v, horizon, inference.steps + 1

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops._checks import check_positive, check_qkv
-from routeformer.ops.flops import matmul_flops
 from routeformer.ops.backends import NATIVE, linear_backend
+from routeformer.ops.flops import matmul_flops
 from routeformer.ops.native import linear as native_linear
 
 DEFAULT_EPS = 1e-6

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops.attention_lse import MASKED, attention_with_lse
+from routeformer.ops.backends import TRITON, mita_parts_backend
 from routeformer.ops.flops import dense_attention_flops
 from routeformer.ops.full import sdpa_allowed
 from routeformer.ops.gathered import flat_rows
-from routeformer.ops.backends import TRITON, mita_parts_backend
 
 # Buckets averaging at least this many packs of queries run one SDPA call each instead of packing.
 _LOOP_FACTOR = 4

@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops._checks import check_positive
+from routeformer.ops.backends import NATIVE, TRITON, band_rows_backend, linear_rows_backend
 from routeformer.ops.flops import dense_attention_flops, matmul_flops
 from routeformer.ops.full import full_attention, masked_attention_reference
-from routeformer.ops.backends import NATIVE, TRITON, band_rows_backend, linear_rows_backend
 from routeformer.ops.linear import (
     DEFAULT_EPS,
     exclusive_chunk_prefix,

@@ -34,13 +34,13 @@ from torch import Tensor
 from routeformer.ops._checks import check_positive
 from routeformer.ops.backends import NATIVE, TRITON, route_topk_backend
 from routeformer.ops.native import native_kernels
-from routeformer.ops.routing_slots import check_routing, routing_slots
 from routeformer.ops.native.topk import (
     route_topk_op,
     route_topk_rows_op,
     route_topk_scored,
     speculative_query_tile,
 )
+from routeformer.ops.routing_slots import check_routing, routing_slots
 
 DEFAULT_ROUTING_BLOCK = 64
 DEFAULT_GROUP = 32

@@ -55,9 +55,9 @@ from torch import Tensor
 from routeformer.ops.backend_switches import native_enabled, native_switched_on
 from routeformer.ops.native.build import FLAGS, HEADER, HEADERS, SOURCES, load, why_not_built
 
-__all__ = ["FLAGS", "HEADER", "HEADERS", "SOURCES", "KERNEL_DTYPES", "NativeKernels", "NativeOp", "compute_dtype",
-           "declare", "kernel", "library", "load", "native_enabled", "native_kernels", "native_op", "pointer",
-           "suffix", "why_not_built", "widened"]
+__all__ = ["FLAGS", "HEADER", "HEADERS", "SOURCES", "KERNEL_DTYPES", "NativeKernels", "NativeOp",
+           "compute_dtype", "declare", "kernel", "library", "load", "native_enabled", "native_kernels",
+           "native_op", "pointer", "suffix", "why_not_built", "widened"]
 
 _INT = ctypes.c_int64
 
