@@ -101,10 +101,9 @@ from routeformer.ops.topk_routing import DEFAULT_ROUTING_BLOCK, add_random_slots
 ROUTING_LEARNING = ("score_bias", "distill", "none")
 ROUTING_POSITIONS = ("rotary", "recency", "rotary+recency", "none")
 # Longest key count for which the dense masked path beats gathering (layer fwd+bwd, B=4, D=128,
-# 2 cores, 2026-11-22): the native kernels gather faster from 512 keys (420 vs 490 ms), the
-# PyTorch ops from ~1024.
-# The default `dense_below` per backend lives with the dispatch (ops/backends.py, which `routeformer doctor`
-# reports); named here too for the layer's readers.
+# 2 cores): the native kernels gather faster from 512 keys (420 vs 490 ms), the PyTorch ops from
+# ~1024. The values live with the dispatch (ops/backends.py: TOPK_DENSE_BELOW, which
+# `routeformer doctor` prints); named here too for the layer's readers.
 DENSE_BELOW_NATIVE, DENSE_BELOW_TORCH = TOPK_DENSE_BELOW[NATIVE], TOPK_DENSE_BELOW[TORCH]
 
 

@@ -190,7 +190,7 @@ class _Rings:
 
     Row groups: every pass over the band runs over contiguous groups of block rows whose band
     holds about `_GROUP_ELEMENTS` entries, so elementwise temporaries stay small and are reused
-    by the allocator instead of being faulted in fresh (see DESIGN.md on fresh allocations).
+    by the allocator instead of being faulted in fresh (see docs/design.md on fresh allocations).
     """
 
     def __init__(self, q: Tensor, k: Tensor, valid: Tensor, block: int, causal: bool,
@@ -514,7 +514,7 @@ def expanding_attention(
     _check_prior(alpha, beta, heads)
     scale = dim ** -0.5 if scale is None else scale
     # The C kernels (ops/native) for causal, unpadded inputs: faster than the band path below at
-    # every prior measured, from 47-key windows to the whole context (2026-11-22, T = 1024-16384;
+    # every prior measured, from 47-key windows to the whole context (T = 1024-16384;
     # docs/results/structural.md).
     if expanding_uses_native(q, k, v, mask=mask, causal=causal, update=update):
         return _expanding_native(native_kernels(q, k, v), q, k, v, alpha, beta, tol, max_iters, scale,

@@ -3,7 +3,7 @@
 Axes: B batch, H heads, N length, d head dim (e value dim), E experts (= landmarks), K keys per
 expert (top-k width), R routed experts per query, C causal blocks of b tokens, M landmark window.
 
-Bidirectional (Wen et al., arXiv 2602.01219, Eqs. 5-10, restated in issue 4):
+Bidirectional (Wen et al., arXiv 2602.01219, Eqs. 5-10):
   1. landmarks L [E, d]: the queries average-pooled over E uniformly spaced windows of the real
      tokens (1-D adaptive pooling; 2-D over `grid=(h, w)`); the first `extra_tokens` tokens (a CLS
      token) are left out of the pooling and are otherwise ordinary queries and keys;

@@ -129,7 +129,7 @@ class NativeOp:
     register_fake / register_autograd / opcheck). A call goes through the op — which torch.compile
     keeps in its graph and autograd differentiates — while a graph is traced or a gradient is
     wanted; otherwise (inference, decoding) it calls the function directly: the dispatcher's
-    round trip costs ~0.1-0.2 ms per call (measured on the loaded 2-core machine, 2026-11-25),
+    round trip costs ~0.1-0.2 ms per call (measured on a loaded 2-core machine),
     which decoding would pay per token and layer."""
 
     def __init__(self, name: str, function) -> None:
