@@ -22,12 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from routeformer.ops.expanding import (
-    WindowInference,
-    check_expanding_options,
-    masked_logits,
-    softmax_rows,
-)
+from routeformer.ops.expanding import WindowInference
+from routeformer.ops.expanding_prior import check_expanding_options, masked_logits, softmax_rows
 
 
 @torch.no_grad()
