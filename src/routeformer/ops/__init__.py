@@ -16,7 +16,8 @@ from routeformer.ops.linear import (
     linear_attention_reference,
 )
 from routeformer.ops.local import local_attention, local_attention_flops, local_attention_reference
-from routeformer.ops.mita import mita_attention, mita_reference
+from routeformer.ops.mita import mita_attention
+from routeformer.ops.mita_reference import mita_reference
 from routeformer.ops.multihop import multihop_attention, multihop_attention_reference
 from routeformer.ops.rotary import apply_rotary, rotary_angles
 from routeformer.ops.topk_routing import add_random_slots, route_topk, route_topk_reference
