@@ -113,9 +113,9 @@ def _described(result) -> str:
 def report(length: int = DEFAULT_LENGTH) -> str:
     """The whole doctor report, as printed."""
     from routeformer.attention import list_attentions
-    from routeformer.ops.backends import TOPK_DENSE_BELOW, machine_summary
+    from routeformer.ops.backends import TOPK_DENSE_BELOW, switch_values
 
-    switches = machine_summary()
+    switches = switch_values()
     lines = ["routeformer doctor", "",
              f"C compiler:       {compiler_line()}",
              f"CPU:              {cpu_features()}"]

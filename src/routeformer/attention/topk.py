@@ -91,7 +91,7 @@ from routeformer.attention.base import AttentionLayer, AttentionOutput
 from routeformer.attention.registry import register_attention
 from routeformer.attention.topk_router import Router
 from routeformer.ops._checks import check_positive
-from routeformer.ops.backends import NATIVE, TOPK_DENSE_BELOW, TORCH, topk_dense_below
+from routeformer.ops.backends import NATIVE, TOPK_DENSE_BELOW, TORCH, chosen, topk_dense_below
 from routeformer.ops.decode import append_keys_values
 from routeformer.ops.gathered import gathered_dot, routed_attention, slot_membership
 from routeformer.ops.topk_decode import append_routing_keys, route_cached
@@ -195,6 +195,7 @@ class TopKAttention(AttentionLayer):
             # Short sequences: one masked SDPA over the routed-set mask beats per-query gathers
             # (gathers run at ~1-2 GFLOP/s on CPU). Same function, executed cost T x S.
             allowed = slot_membership(head_index, head_valid, num_keys)
+            chosen("routed_attention", TORCH, "dense masked SDPA below dense_below keys")
             heads_out = F.scaled_dot_product_attention(q_att, k_att, v, attn_mask=allowed, scale=scale)
             heads_out = heads_out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
             attention_flops = 2 * batch * heads * length * num_keys * (q_att.shape[-1] + head_dim)

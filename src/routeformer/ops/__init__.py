@@ -1,6 +1,10 @@
-"""Pure attention functions on q, k, v [B, H, T, d]; every fast path has a `*_reference` twin."""
+"""Pure attention functions on q, k, v [B, H, T, d]; every fast path has a `*_reference` twin.
+
+Which kernels run each op (Triton, the native C kernels, or PyTorch) is decided in one place,
+ops/backends.py; `force_backend("torch" | "native" | "triton")` forces one for a block."""
 
 from routeformer.ops.attention_lse import attention_with_lse, attention_with_lse_reference, merge_partials
+from routeformer.ops.backends import force_backend
 from routeformer.ops.block_attention import block_attention, block_attention_reference
 from routeformer.ops.expanding import expanding_attention, expanding_attention_reference
 from routeformer.ops.full import full_attention, full_attention_flops, full_attention_reference
@@ -37,6 +41,7 @@ __all__ = [
     "block_attention_reference",
     "expanding_attention",
     "expanding_attention_reference",
+    "force_backend",
     "full_attention",
     "full_attention_flops",
     "full_attention_reference",

@@ -46,7 +46,6 @@ from routeformer.ops.backend_switches import (
     triton_switched_on,
 )
 from routeformer.ops.native import native_kernels, why_not_built
-from routeformer.ops.native.build import compiler
 from routeformer.ops.native.linear import supported as linear_kernel_takes
 from routeformer.ops.native.local import local_kernel_available
 from routeformer.ops.triton import triton_available
@@ -298,15 +297,9 @@ def topk_dense_below(q: Tensor, k: Tensor, v: Tensor) -> int:
     return TOPK_DENSE_BELOW[NATIVE if _native_serves(q, k, v) else TORCH]
 
 
-def machine_summary() -> dict[str, str]:
-    """What decides the backends here, for `routeformer doctor`: one line per switch."""
+def switch_values() -> dict[str, str]:
+    """The environment switches as this process sees them, for `routeformer doctor`."""
     import os
 
-    return {
-        "C compiler": compiler() or "none found",
-        "triton": "installed" if triton_available() else "not installed",
-        "CUDA": "available" if torch.cuda.is_available() else "not available",
-        "ROUTEFORMER_NATIVE": os.environ.get("ROUTEFORMER_NATIVE", "(unset: on)"),
-        "ROUTEFORMER_TRITON": os.environ.get("ROUTEFORMER_TRITON", "(unset: on)"),
-        "topk dense below (native / torch)": f"{TOPK_DENSE_BELOW[NATIVE]} / {TOPK_DENSE_BELOW[TORCH]} keys",
-    }
+    names = ("ROUTEFORMER_NATIVE", "ROUTEFORMER_TRITON")
+    return {name: os.environ.get(name, "(unset: on)") for name in names}
