@@ -5,8 +5,11 @@ dispatch, imported by the native loader and by `ops.backends` (which decides; se
 - `ROUTEFORMER_TRITON=0`: the Triton kernels are not used (a switch for measuring the PyTorch
   path on a GPU). Both variables are read at each call.
 - the forced backend (`ops.backends.force_backend`, validated there): "torch" turns both kernel
-  families off, "native" turns the C kernels on whatever the two switches above say, "triton" sends
-  every op with a Triton kernel to it whatever the device (CPU tensors run in Triton's interpreter).
+  families off, "native" turns the C kernels on whatever `ROUTEFORMER_NATIVE` and `native_enabled`
+  say, "triton" sends every op with a Triton kernel to it whatever the device (CPU tensors run in
+  Triton's interpreter) and leaves the other ops on their usual paths. `ROUTEFORMER_TRITON=0`
+  still wins over a forced "triton": it is the switch benchmarks use to time the PyTorch path on
+  a GPU, and the Triton tests rely on it staying off inside `force_triton()`.
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ notes the backend it chose, and the layer returns them as `AttentionOutput.backe
 (op -> backend) with `AttentionOutput.backend` the summary ("native", "triton+torch", ...).
 
 `force_backend(name)` forces one backend for a block (tests, benchmarks): "torch" runs every op in
-PyTorch; "native" runs the C kernels wherever they take the inputs, whatever the switches say;
-"triton" sends every op that has a Triton kernel to it whatever the device. An op the forced
+PyTorch; "native" runs the C kernels wherever they take the inputs, whatever the native switches
+say; "triton" sends every op that has a Triton kernel to it whatever the device (unless
+`ROUTEFORMER_TRITON=0`; ops/backend_switches.py). An op the forced
 backend cannot serve (no such kernel, inputs outside its limits) runs in PyTorch and says so.
 Forcing a backend this machine lacks raises `BackendUnavailable`, naming what is missing.
 
