@@ -71,6 +71,7 @@ from routeformer.ops._checks import check_positive, check_qkv
 from routeformer.ops.backends import NATIVE, TRITON, expanding_backend, expanding_final_pass_backend
 from routeformer.ops.expanding_band import BandAttention, BandRings
 from routeformer.ops.expanding_prior import (
+    UPDATES,
     check_expanding_options,
     check_prior,
     geometric_horizon,
@@ -86,6 +87,10 @@ from routeformer.ops.expanding_prior import (
 from routeformer.ops.native import native_kernels
 from routeformer.ops.native.band import NativeBandAttention, expanding_infer_op
 from routeformer.ops.native.kernel_flops import band_attend_flops_tensor
+
+# The op's names; UPDATES (the values `update` takes) lives with the prior and is part of them.
+__all__ = ["DEFAULT_BLOCK", "UPDATES", "ExpandingOutput", "WindowInference", "expanding_attention",
+           "expanding_attention_reference", "expanding_uses_native"]
 
 DEFAULT_BLOCK = 64
 # Elementwise work per (query, key) entry of one inference step: prior, mask, exp, sum, δ·p.
