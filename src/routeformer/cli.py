@@ -9,6 +9,7 @@
     routeformer bench ops|layers|topk|structural|meta|mita|meta_tokens|compile|generate|gpu
                       [--lengths 1024 4096 16384] [--repeats 5] [--window 256] [--output FILE]
     routeformer reproduce NAME [--quick] [--out DIR]      (routeformer reproduce --list)
+    routeformer doctor [--length N]
 """
 
 from __future__ import annotations
@@ -213,6 +214,13 @@ def command_export_hf(args: argparse.Namespace) -> int:
           f"  model = AutoModelForCausalLM.from_pretrained({str(out)!r})\n"
           f"  (tokeniser: routeformer.data.tokenizers.tokenizer_from_dict(json.load(open("
           f"{str(out / 'routeformer_vocab.json')!r}))))")
+    return 0
+
+
+def command_doctor(args: argparse.Namespace) -> int:
+    from routeformer.doctor import report
+
+    print(report(args.length), end="")
     return 0
 
 
@@ -481,6 +489,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser("list", help="list the registered attention mechanisms and their options")
 
+    doctor = commands.add_parser("doctor", help="what this machine has (compiler, CPU, native kernels, "
+                                                "triton, CUDA) and the backend each mechanism takes")
+    doctor.add_argument("--length", type=positive_int, default=1100,
+                        help="tokens of the probe input (above 1024: topk routes on every backend)")
+
     export_hf = commands.add_parser("export-hf", help="a trained checkpoint as a transformers model")
     export_hf.add_argument("run_dir", help="run directory or checkpoint file")
     export_hf.add_argument("out_dir", help="new directory for config.json + model.safetensors")
@@ -556,7 +569,7 @@ def _main(argv: list[str] | None) -> int:
             return command_train(args, extra)
         handlers = {"compare": command_compare, "eval": command_eval, "sample": command_sample,
                     "list": command_list, "bench": command_bench, "reproduce": command_reproduce,
-                    "export-hf": command_export_hf}
+                    "export-hf": command_export_hf, "doctor": command_doctor}
         return handlers[args.command](args)
     except (ValueError, CheckpointError) as error:
         return _fail(error, EXIT_BAD_INPUT)

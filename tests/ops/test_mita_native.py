@@ -1,4 +1,4 @@
-"""MiTA's inference kernels (ops/mita_native.py, native/mita_kernels.c) against their PyTorch twins:
+"""MiTA's inference kernels (ops/native/mita.py, native/mita_kernels.c) against their PyTorch twins:
 the routed step (R = 1) against `fused_single_route`, the streaming top-K against torch.topk, the
 key-blocked landmark forward against `landmark_attention_reference` (values, key sets, gradients),
 the whole op under no_grad against `mita_reference`; and bf16 memory linear in N."""
@@ -8,11 +8,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from routeformer.ops import mita_landmarks
-from routeformer.ops.mita import mita_attention, mita_reference
+from routeformer.ops.mita import mita_attention
 from routeformer.ops.mita_experts import fused_single_route
 from routeformer.ops.mita_landmarks import landmark_attention, landmark_attention_reference
-from routeformer.ops.mita_native import StreamingTopK, route_by_maximum, single_route
+from routeformer.ops.mita_reference import mita_reference
 from routeformer.ops.native import native_enabled, native_kernels
+from routeformer.ops.native.mita import StreamingTopK, route_by_maximum, single_route
 
 pytestmark = pytest.mark.skipif(native_kernels(torch.zeros(1)) is None, reason="no native kernels")
 

@@ -1,4 +1,4 @@
-"""The native build on platforms this machine is not (ops/native/__init__.py): Windows, macOS with
+"""The native build on platforms this machine is not (ops/native/build.py): Windows, macOS with
 and without libomp, a compiler that refuses OpenMP or -march=native, a compiler that fails, no
 os.getuid — each simulated (monkeypatched `sys.platform` / `os`, a fake compiler script that logs
 its arguments and writes an empty "library", a fake loader), so nothing is compiled here. The real
@@ -16,7 +16,8 @@ import warnings
 import pytest
 import torch
 
-from routeformer.ops import native
+from routeformer.ops.native import build as native_build
+from routeformer.ops.native import native_kernels
 
 FAKE_COMPILER = textwrap.dedent("""\
     #!{python}
@@ -71,7 +72,7 @@ class Build:
             return path
 
         monkeypatch.setattr(ctypes, "CDLL", fake_library)
-        monkeypatch.setattr(native, "_declare", lambda library: library)
+        monkeypatch.setattr(native_build, "_declare", lambda library: library)
 
     def calls(self) -> list[list[str]]:
         return [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.exists() else []
@@ -85,16 +86,16 @@ class Build:
 
 @pytest.fixture
 def build(tmp_path, monkeypatch):
-    native._load.cache_clear()
+    native_build.load.cache_clear()
     yield Build(tmp_path, monkeypatch)
-    native._load.cache_clear()
+    native_build.load.cache_clear()
 
 
 def load_with_warnings():
-    """(native._load()'s result, the routeformer warnings it gave)."""
+    """(native_build.load()'s result, the routeformer warnings it gave)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        library = native._load()
+        library = native_build.load()
     return library, [str(w.message) for w in caught if "routeformer" in str(w.message)]
 
 
@@ -104,8 +105,8 @@ def test_linux_builds_with_march_native_and_openmp(build, monkeypatch):
     assert said == [] and library == build.loaded[0]
     (args,) = build.builds()
     assert "-march=native" in args and "-fopenmp" in args and "-shared" in args
-    native._load.cache_clear()
-    assert native._load() == library and len(build.builds()) == 1  # the cached library: no rebuild
+    native_build.load.cache_clear()
+    assert native_build.load() == library and len(build.builds()) == 1  # the cached library: no rebuild
 
 
 def test_the_cache_key_holds_what_march_native_resolves_to(build, monkeypatch):
@@ -113,14 +114,14 @@ def test_the_cache_key_holds_what_march_native_resolves_to(build, monkeypatch):
     compiler resolves differently get two libraries; a cwd change (in the driver's listing) none."""
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setenv("FAKE_CC_CPU", "cpu-a")
-    native._load()
-    native._load.cache_clear()
+    native_build.load()
+    native_build.load.cache_clear()
     monkeypatch.chdir(build.cache)
-    native._load()
+    native_build.load()
     assert len(build.libraries()) == 1
-    native._load.cache_clear()
+    native_build.load.cache_clear()
     monkeypatch.setenv("FAKE_CC_CPU", "cpu-b")
-    native._load()
+    native_build.load()
     assert len(build.libraries()) == 2
 
 
@@ -152,7 +153,7 @@ def test_a_failing_compiler_falls_back_to_pytorch_with_one_warning(build, monkey
     assert "compiling the native kernels failed" in said[0] and "run in PyTorch" in said[0]
     assert "something is wrong" in said[0]
     assert len(build.builds()) == 1  # not OpenMP's fault: no second build
-    assert native.native_kernels(torch.zeros(1)) is None  # cached: no second warning, PyTorch path
+    assert native_kernels(torch.zeros(1)) is None  # cached: no second warning, PyTorch path
 
 
 def test_macos_with_libomp_builds_apple_clang_with_it(build, monkeypatch, tmp_path):
@@ -172,7 +173,7 @@ def test_macos_with_libomp_builds_apple_clang_with_it(build, monkeypatch, tmp_pa
 
 def test_macos_without_libomp_builds_one_threaded_and_says_so_once(build, monkeypatch, tmp_path):
     nowhere = ((str(tmp_path / "none/include"), str(tmp_path / "none/lib")),)
-    monkeypatch.setattr(native, "_LIBOMP_PLACES", nowhere)
+    monkeypatch.setattr(native_build, "_LIBOMP_PLACES", nowhere)
     monkeypatch.setattr(sys, "platform", "darwin")
     monkeypatch.setenv("FAKE_CC_MODE", "apple,no-openmp")
     library, said = load_with_warnings()
@@ -187,7 +188,8 @@ def test_windows_falls_back_to_pytorch_with_one_warning(build, monkeypatch):
     library, said = load_with_warnings()
     assert library is None and len(said) == 1 and "Windows" in said[0] and "run in PyTorch" in said[0]
     assert build.calls() == []  # no compiler is run
-    from routeformer.ops.mita import mita_attention, mita_reference
+    from routeformer.ops.mita import mita_attention
+    from routeformer.ops.mita_reference import mita_reference
 
     q, k, v = (torch.randn(1, 2, 24, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
     with torch.no_grad():
@@ -203,11 +205,11 @@ def test_no_getuid_reaches_the_temporary_cache_directory(build, monkeypatch, tmp
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     monkeypatch.setenv("ROUTEFORMER_CACHE_DIR", str(blocked / "cache"))  # mkdir fails: a file above
-    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(native_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     library, said = load_with_warnings()
     assert said == [] and library is not None
     assert build.loaded[0].startswith(str(tmp_path / "tmp" / "routeformer-"))
-    assert native._user_tag()
+    assert native_build._user_tag()
 
 
 def test_a_compiler_that_cannot_run_falls_back_with_one_warning(build, monkeypatch, tmp_path):

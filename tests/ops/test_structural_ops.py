@@ -109,9 +109,9 @@ def test_expanding_matches_reference(implementation, causal, length, block, padd
 def test_expanding_steps_by_block_rows_or_gathered_queries_agree(monkeypatch, causal, gather_below):
     """An inference step runs over whole block rows or over the gathered going-on queries (when
     few go on); forcing either path everywhere gives the reference's result."""
-    import routeformer.ops.expanding as expanding_module
+    import routeformer.ops.expanding_band as band_module
 
-    monkeypatch.setattr(expanding_module, "_GATHER_BELOW", gather_below)
+    monkeypatch.setattr(band_module, "GATHER_BELOW", gather_below)
     q, k, v, mask = make_inputs(90, padded=True, seed=3)
     alpha, beta = (torch.tensor(values, dtype=torch.float64) for values in PRIORS["wide"])
     fast = expanding_attention(q, k, v, alpha, beta, causal=causal, mask=mask, block=16)

@@ -173,12 +173,12 @@ def test_routed_attention_reads_a_routing_shared_by_all_heads():
 
 
 def test_native_kernels_fall_back_to_pytorch_with_a_warning_when_compiling_fails(tmp_path, monkeypatch):
-    from routeformer.ops import native
+    from routeformer.ops.native import build as native_build
 
     monkeypatch.delenv("ROUTEFORMER_NATIVE", raising=False)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("ROUTEFORMER_CACHE_DIR", str(tmp_path / "cache"))
-    native._load.cache_clear()
+    native_build.load.cache_clear()
     try:
         with pytest.warns(UserWarning, match="run in PyTorch"):
             assert native_kernels(torch.zeros(1)) is None
@@ -186,7 +186,7 @@ def test_native_kernels_fall_back_to_pytorch_with_a_warning_when_compiling_fails
         index, valid, _ = route_topk(route_q, route_k, 3)  # the PyTorch path
         assert torch.equal(slot_membership(index, valid, 20), route_topk_reference(route_q, route_k, 3))
     finally:
-        native._load.cache_clear()
+        native_build.load.cache_clear()
 
 
 def test_non_causal_routing_of_fewer_queries_than_keys():

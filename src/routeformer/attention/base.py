@@ -1,4 +1,4 @@
-"""The contract every routeformer attention layer keeps (see DESIGN.md).
+"""The contract every routeformer attention layer keeps (see docs/design.md).
 
     layer(x [B, T, D], *, mask=None, positions=None) -> AttentionOutput(out [B, T, D], aux_loss, stats)
     layer(x, documents=ids)  # packed sequences: ids [B, T], no attention across documents
@@ -6,19 +6,20 @@
 `mask` is a bool key-padding mask [B, T] (True = real token); `positions` are long [B, T]
 (default arange), used by rotary embeddings and position-aware routers. `causal` is fixed at
 construction. `stats` holds detached diagnostics; `stats["flops"]` is the attention FLOPs the
-layer executed for this call.
+layer executed for this call; `backends` / `backend` name the kernels that ran (ops/backends.py).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from routeformer.attention.output import AttentionOutput
 from routeformer.ops._checks import check_positive
+from routeformer.ops.backends import recording
 from routeformer.ops.documents import check_documents, document_starts
 from routeformer.ops.rotary import apply_rotary, rotary_angles
 
@@ -35,16 +36,6 @@ def split_qkv(qkv: Tensor) -> tuple[Tensor, ...]:
     return tuple(part.transpose(1, 2) for part in qkv.unbind(2))
 
 
-@dataclass
-class AttentionOutput:
-    """What every attention layer returns: the output [B, T, D], its auxiliary loss (already
-    weighted) and detached diagnostics (`stats["flops"]`: the attention FLOPs executed)."""
-
-    out: Tensor  # [B, T, D]
-    aux_loss: Tensor  # scalar, already weighted; 0 where the mechanism has none
-    stats: dict[str, Tensor] = field(default_factory=dict)
-
-
 def keeps_contract(forward: Callable[..., AttentionOutput]) -> Callable[..., AttentionOutput]:
     """Wrap a layer's `forward` with the parts of the contract no mechanism should re-implement:
 
@@ -58,6 +49,7 @@ def keeps_contract(forward: Callable[..., AttentionOutput]) -> Callable[..., Att
     - `documents` (packed sequences, ids [B, T]; attention/documents.py): validated, then
       `forward_documents` runs each document as if alone; a row holding one document takes the
       ordinary call.
+    - `AttentionOutput.backends`: the backend every op of the call ran on (ops/backends.py).
 
     `AttentionLayer.__init_subclass__` applies it to every subclass that defines `forward`, so a
     new mechanism keeps these invariants the day it is registered.
@@ -69,6 +61,15 @@ def keeps_contract(forward: Callable[..., AttentionOutput]) -> Callable[..., Att
     def forward_with_contract(self, x: Tensor, *, mask: Tensor | None = None,
                               positions: Tensor | None = None, documents: Tensor | None = None,
                               **extra) -> AttentionOutput:
+        if torch.compiler.is_compiling():  # nothing to record (see AttentionOutput.backends)
+            return contract_call(self, x, mask=mask, positions=positions, documents=documents, **extra)
+        with recording() as ran:
+            result = contract_call(self, x, mask=mask, positions=positions, documents=documents, **extra)
+        result.backends = dict(ran)
+        return result
+
+    def contract_call(self, x: Tensor, *, mask: Tensor | None, positions: Tensor | None,
+                      documents: Tensor | None, **extra) -> AttentionOutput:
         if documents is not None:
             self.check_inputs(x, mask, positions)
             check_documents(documents, x.shape[0], x.shape[1])

@@ -12,7 +12,7 @@ document, in one call) overrides `AttentionLayer.forward_documents`; every other
 2. each group runs through the layer's own forward (its fast paths, its native kernels);
 3. the real rows are scattered back into [B, T, D].
 
-Exact by the layer contract (DESIGN.md): a causal layer's first t outputs depend neither on later
+Exact by the layer contract (docs/design.md): a causal layer's first t outputs depend neither on later
 tokens nor on the length, and padded rows never move real ones. Memory O(B·T·D) for the gathered
 copies plus the layer's own O(T) memory per group; time: the layer's, on at most 2x the tokens,
 in at most log2(T) + 1 calls (bidirectional: one call per distinct length). One host sync to plan.
@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from routeformer.attention.output import AttentionOutput
 from routeformer.ops.documents import document_groups, document_positions
 
 
@@ -41,8 +42,6 @@ def run_per_document(
 
     `extra` keyword tensors of shape [B, T, ...] (meta_mask, say) are gathered with the tokens;
     any other value is passed to every call unchanged."""
-    from routeformer.attention.base import AttentionOutput
-
     batch, length, dim = x.shape
     if positions is None:
         positions = document_positions(documents)

@@ -20,11 +20,11 @@ from routeformer.ops._checks import check_positive
 from routeformer.ops.decode import append_keys_values
 from routeformer.ops.expanding import (
     DEFAULT_BLOCK,
-    check_expanding_options,
     expanding_attention,
     expanding_uses_native,
 )
 from routeformer.ops.expanding_decode import expanding_decode
+from routeformer.ops.expanding_prior import check_expanding_options
 
 _CONCENTRATION_FLOOR = 1e-4  # keeps softplus(raw) + floor a valid Beta concentration in fp32
 

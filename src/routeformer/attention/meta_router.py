@@ -16,7 +16,7 @@ paper's linspace(0, 1, T) — position / (T − 1) — which depends on the (pad
 token then routes differently when the same text is cut at a different length or padded, so
 training, evaluation at another length and token-by-token decoding compute different functions.
 That form is kept for reproducing the paper only; the layer contract's prefix and padding
-invariants (DESIGN.md) hold with a fixed scale.
+invariants (docs/design.md) hold with a fixed scale.
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def run_gpu_bench(lengths: list[int], *, batch: int = 1, heads: int = 8, head_di
                   repeats: int = 5, sdpa_up_to: int = 131072, flex: bool = True, device: str = "cuda",
                   dtype: torch.dtype = torch.bfloat16) -> list[GpuRow]:
     """Time every mechanism at every length (see the module docstring); returns the rows."""
-    from routeformer.ops.triton.dispatch import force_triton
+    from routeformer.ops.backends import force_triton
 
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("routeformer bench gpu needs a CUDA GPU (none is visible); the Triton kernels' "

@@ -1,6 +1,10 @@
-"""Pure attention functions on q, k, v [B, H, T, d]; every fast path has a `*_reference` twin."""
+"""Pure attention functions on q, k, v [B, H, T, d]; every fast path has a `*_reference` twin.
+
+Which kernels run each op (Triton, the native C kernels, or PyTorch) is decided in one place,
+ops/backends.py; `force_backend("torch" | "native" | "triton")` forces one for a block."""
 
 from routeformer.ops.attention_lse import attention_with_lse, attention_with_lse_reference, merge_partials
+from routeformer.ops.backends import force_backend
 from routeformer.ops.block_attention import block_attention, block_attention_reference
 from routeformer.ops.expanding import expanding_attention, expanding_attention_reference
 from routeformer.ops.full import full_attention, full_attention_flops, full_attention_reference
@@ -16,7 +20,8 @@ from routeformer.ops.linear import (
     linear_attention_reference,
 )
 from routeformer.ops.local import local_attention, local_attention_flops, local_attention_reference
-from routeformer.ops.mita import mita_attention, mita_reference
+from routeformer.ops.mita import mita_attention
+from routeformer.ops.mita_reference import mita_reference
 from routeformer.ops.multihop import multihop_attention, multihop_attention_reference
 from routeformer.ops.rotary import apply_rotary, rotary_angles
 from routeformer.ops.topk_routing import add_random_slots, route_topk, route_topk_reference
@@ -36,6 +41,7 @@ __all__ = [
     "block_attention_reference",
     "expanding_attention",
     "expanding_attention_reference",
+    "force_backend",
     "full_attention",
     "full_attention_flops",
     "full_attention_reference",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from routeformer.ops.triton import dispatch as triton_dispatch
+from routeformer.ops.backends import TRITON, merge_partials_backend
 
 MASKED = -1e30  # bias of an excluded key: finite, so an all-excluded row stays NaN-free
 
@@ -177,8 +177,10 @@ def attention_with_lse(
 def merge_partials(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
     """Online-softmax merge of (out [..., e], lse [...]) computed over disjoint key sets; the weights
     and the sum are fp32 (at least), the result in the parts' dtype."""
-    if triton_dispatch.use_triton(parts[0][0]):  # CUDA: the Triton kernel (ops/triton)
-        return triton_dispatch.merge_partials(parts)
+    if merge_partials_backend(parts[0][0])[0] == TRITON:
+        from routeformer.ops.triton.lse_merge import triton_merge_partials  # triton is optional
+
+        return triton_merge_partials(parts)
     dtype = parts[0][0].dtype
     work = torch.promote_types(dtype, torch.float32)
     lses = torch.stack([lse.to(work) for _, lse in parts], dim=-1)

@@ -22,12 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from routeformer.ops.expanding import (
-    WindowInference,
-    _masked_logits,
-    _softmax_rows,
-    check_expanding_options,
-)
+from routeformer.ops.expanding import WindowInference
+from routeformer.ops.expanding_prior import check_expanding_options, masked_logits, softmax_rows
 
 
 @torch.no_grad()
@@ -75,14 +71,14 @@ def expanding_decode(
         new_horizon, stop, step_decay = inference.propose(step)
         horizon = torch.where(active | (step == 0), new_horizon, horizon)
         cover(int((query_index - horizon + 1).min()))
-        probs = _softmax_rows(_masked_logits(scores, distance, key_valid, horizon, step_decay, scale, True))
+        probs = softmax_rows(masked_logits(scores, distance, key_valid, horizon, step_decay, scale, True))
         going_on = active & ~stop
         inference.advance(new_horizon, going_on, (probs * distance.to(probs.dtype)).sum(-1))
         active = going_on
         if not bool(active.any()):  # nothing changes in the remaining steps
             break
     log_decay = inference.final_log_decay(alpha_start, beta_start)
-    probs = _softmax_rows(_masked_logits(scores, distance, key_valid, horizon, log_decay, scale, True))
+    probs = softmax_rows(masked_logits(scores, distance, key_valid, horizon, log_decay, scale, True))
     if stats is not None:
         stats["scored_keys"] = num_keys - scored_from
     return (probs @ v[:, :, scored_from:].to(work)).to(q.dtype)

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from routeformer.ops.backends import NATIVE, TRITON, routed_attention_backend
 from routeformer.ops.full import masked_attention_reference
-from routeformer.ops.native import compute_dtype, native_kernels
+from routeformer.ops.native import compute_dtype
 from routeformer.ops.native.topk import reads_bf16, routed_attention_op
-from routeformer.ops.triton import dispatch as triton_dispatch
 
 DEFAULT_BLOCK = 64  # small blocks keep the gathered keys in cache: measured fastest
 
@@ -39,7 +39,7 @@ def _check_gather_args(q: Tensor, k: Tensor, index: Tensor, valid: Tensor | None
                          f"got {valid.dtype} {tuple(valid.shape)}")
 
 
-def _flat_rows(index: Tensor, num_keys: int) -> Tensor:
+def flat_rows(index: Tensor, num_keys: int) -> Tensor:
     """Row numbers into a [B·H·S, d] view of the keys for every (b, h, t, slot)."""
     batch, heads = index.shape[:2]
     offsets = torch.arange(batch * heads, device=index.device).view(batch, heads, 1, 1) * num_keys
@@ -62,7 +62,7 @@ class _RoutedAttention(torch.autograd.Function):
         for start in range(0, length, block):
             stop = min(length, start + block)
             shape = (batch, heads, stop - start, slots)
-            rows = _flat_rows(index[:, :, start:stop], num_keys)
+            rows = flat_rows(index[:, :, start:stop], num_keys)
             keys, values = _gather(k_rows, rows, shape), _gather(v_rows, rows, shape)
             logits = torch.einsum("bhtd,bhtkd->bhtk", q[:, :, start:stop], keys) * scale
             logits = logits.masked_fill(~valid[:, :, start:stop], float("-inf"))
@@ -95,7 +95,7 @@ class _RoutedAttention(torch.autograd.Function):
         for start in range(0, length, block):
             stop = min(length, start + block)
             shape = (batch, heads, stop - start, slots)
-            rows = _flat_rows(index[:, :, start:stop], num_keys)
+            rows = flat_rows(index[:, :, start:stop], num_keys)
             keys, values = _gather(k_rows, rows, shape), _gather(v_rows, rows, shape)
             q_block, grad_block = q[:, :, start:stop], grad_out[:, :, start:stop]
             logits = torch.einsum("bhtd,bhtkd->bhtk", q_block, keys) * scale
@@ -129,10 +129,15 @@ def routed_attention(
             f"v must be [B, H, S, e] with k's [B, H, S] = {tuple(k.shape[:3])}; got {tuple(v.shape)}"
         )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if triton_dispatch.use_triton(q):  # CUDA: the Triton kernel (ops/triton)
-        return triton_dispatch.routed_attention(q, k, v, index, valid, scale)
-    native = native_kernels(q, k, v) if q.dtype == k.dtype == v.dtype else None
-    if native is not None and index.shape[-1] <= native.route_topk_max_slots():
+    backend, _ = routed_attention_backend(q, k, v, index.shape[-1])
+    if backend == TRITON:
+        from routeformer.ops.triton.gathered import triton_routed_attention  # triton is optional
+
+        # lse in q's dtype, detached as on the other paths (MiTA, which needs the lse gradient,
+        # calls the kernel itself).
+        out, lse = triton_routed_attention(q, k, v, index, valid, scale=scale)
+        return out, lse.to(q.dtype).detach()
+    if backend == NATIVE:
         # The fused C kernel as a custom op (compile-safe). bf16 is read as stored (the op's bf16
         # kernels); fp16 is widened here, under autograd, rather than inside the op: the backward
         # then reuses the saved fp32 copies instead of converting q, k, v, out and grad_out again.
@@ -164,7 +169,7 @@ class _GatheredDot(torch.autograd.Function):
         out = a.new_empty(batch, heads, length, slots)
         for start in range(0, length, block):
             stop = min(length, start + block)
-            rows = _flat_rows(index[:, :, start:stop], num_keys)
+            rows = flat_rows(index[:, :, start:stop], num_keys)
             gathered = _gather(b_rows, rows, (batch, heads, stop - start, slots))
             out[:, :, start:stop] = torch.einsum("bhtd,bhtkd->bhtk", a[:, :, start:stop], gathered)
         ctx.save_for_backward(a, b, index)
@@ -181,7 +186,7 @@ class _GatheredDot(torch.autograd.Function):
         grad_b_rows = torch.zeros_like(b_rows)
         for start in range(0, length, ctx.block):
             stop = min(length, start + ctx.block)
-            rows = _flat_rows(index[:, :, start:stop], num_keys)
+            rows = flat_rows(index[:, :, start:stop], num_keys)
             gathered = _gather(b_rows, rows, (batch, heads, stop - start, slots))
             grad_block = grad_out[:, :, start:stop]
             grad_a[:, :, start:stop] = torch.einsum("bhtk,bhtkd->bhtd", grad_block, gathered)

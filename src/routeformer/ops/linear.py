@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops._checks import check_positive, check_qkv
+from routeformer.ops.backends import NATIVE, linear_backend
 from routeformer.ops.flops import matmul_flops
 from routeformer.ops.native import linear as native_linear
-from routeformer.ops.native import native_kernels
 
 DEFAULT_EPS = 1e-6
 
@@ -54,7 +54,7 @@ def linear_attention(
     Everything else (and `native_enabled(False)`) runs the chunked PyTorch form below."""
     check_qkv(q, k, v, mask, causal=causal)
     check_positive("chunk", chunk)
-    if causal and native_linear.supported(q, k, v) and native_kernels(q, k, v):
+    if linear_backend(q, k, v, causal)[0] == NATIVE:
         return native_linear.causal_linear_attention(q, k, v, mask, eps)
     phi_q, phi_k = masked_features(q, k, mask)
     if not causal:

@@ -22,14 +22,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops._checks import check_positive, check_qkv
+from routeformer.ops.backends import NATIVE, local_backend
 from routeformer.ops.block_attention import blockwise_sdpa
 from routeformer.ops.documents import check_documents
 from routeformer.ops.flops import dense_attention_flops
 from routeformer.ops.full import masked_attention_reference
-from routeformer.ops.native import native_kernels
 
 
-def _in_window(offset: Tensor, window: int, causal: bool) -> Tensor:
+def in_window(offset: Tensor, window: int, causal: bool) -> Tensor:
     """offset = key position - query position -> bool: the key lies in the query's window."""
     if causal:
         return (offset <= 0) & (offset > -window)
@@ -69,7 +69,7 @@ def _band(window: int, block: int, span: int, causal: bool, device: torch.device
     query = torch.arange(block, device=device)[:, None]
     slots = (span + 1 + (0 if causal else span)) * block
     key = torch.arange(slots, device=device)[None, :]
-    return _in_window(key - span * block - query, window, causal)
+    return in_window(key - span * block - query, window, causal)
 
 
 def local_attention(
@@ -122,16 +122,10 @@ def local_attention(
     return out.reshape(batch, heads, blocks * block, -1)[:, :, :length]
 
 
-def _native_local(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None):
-    """The C kernel's caller if it serves these tensors (CPU, one float dtype, non-empty, kernels
-    on and built with AVX-512), else None: the blockwise PyTorch path below runs."""
-    if q.numel() == 0 or not (q.dtype == k.dtype == v.dtype) or q.dtype == torch.float64:
-        return None
-    if native_kernels(q, k, v) is None:
-        return None
-    from routeformer.ops.native.local import local_kernel_available
-
-    return _local_native if local_kernel_available() else None
+def _native_local(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, record: bool = True):
+    """The C kernel's caller if it serves these tensors (ops/backends.py: `local_backend`), else
+    None: the blockwise PyTorch path below runs."""
+    return _local_native if local_backend(q, k, v, record=record)[0] == NATIVE else None
 
 
 def _local_native(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, window: int, causal: bool,
@@ -156,7 +150,7 @@ def default_block(window: int) -> int:
 def local_band(length: int, window: int, causal: bool, device: torch.device) -> Tensor:
     """Bool [T, T]: key j is inside query i's window."""
     positions = torch.arange(length, device=device)
-    return _in_window(positions[None, :] - positions[:, None], window, causal)
+    return in_window(positions[None, :] - positions[:, None], window, causal)
 
 
 def local_attention_reference(
@@ -199,7 +193,7 @@ _PROBE = torch.zeros(1, 1, 1, 1)
 
 def local_kernel_serves_cpu() -> bool:
     """Whether `local_attention` runs the C kernel now for CPU float32 inputs (no explicit block)."""
-    return _native_local(_PROBE, _PROBE, _PROBE, None) is not None
+    return _native_local(_PROBE, _PROBE, _PROBE, None, record=False) is not None
 
 
 def _native_flops(length: int, head_dim: int, window: int, causal: bool) -> int:

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops.attention_lse import MASKED, attention_with_lse
+from routeformer.ops.backends import TRITON, mita_parts_backend
 from routeformer.ops.flops import dense_attention_flops
 from routeformer.ops.full import sdpa_allowed
-from routeformer.ops.gathered import _flat_rows
-from routeformer.ops.triton import dispatch as triton_dispatch
+from routeformer.ops.gathered import flat_rows
 
 # Buckets averaging at least this many packs of queries run one SDPA call each instead of packing.
 _LOOP_FACTOR = 4
@@ -98,9 +98,10 @@ def routed_parts(
     assignment, slot_valid [B, H, N, R]. Returns (out [B, H, N, R, e], lse [B, H, N, R], executed
     FLOPs, per-bucket item counts [B·H·E]).
     """
-    if triton_dispatch.use_triton(q):  # CUDA: the Triton kernel (ops/triton), no packing needed
-        return triton_dispatch.routed_parts(q, expert_keys, expert_values, expert_valid, assignment,
-                                            slot_valid, scale)
+    if mita_parts_backend("mita_routed_parts", q)[0] == TRITON:  # no packing needed
+        from routeformer.ops.triton.mita import triton_routed_parts  # triton is optional
+
+        return triton_routed_parts(q, expert_keys, expert_values, expert_valid, assignment, slot_valid, scale)
     batch, heads, length, dim = q.shape
     experts, width, value_dim = expert_keys.shape[2], expert_keys.shape[3], expert_values.shape[-1]
     routes = assignment.shape[-1]
@@ -126,10 +127,9 @@ def fused_single_route(
     """R = 1, non-causal: each packed block of queries attends, in one fused SDPA call, to the
     concatenation [shared expert's E pairs; its expert's K pairs] — SDPA's online softmax is the
     log-sum-exp merge, done in-kernel. Returns (out [B, H, N, e], FLOPs, bucket counts)."""
-    if triton_dispatch.use_triton(q):  # CUDA: Triton kernels, no per-expert loop (ops/triton)
-        return triton_dispatch.fused_single_route(q, landmark, landmark_values, landmark_ok, expert_keys,
-                                                  expert_values, expert_valid, assignment, slot_valid,
-                                                  shared, scale)
+    if mita_parts_backend("mita_fused_single_route", q)[0] == TRITON:  # no per-expert loop
+        return _fused_single_route_triton(q, landmark, landmark_values, landmark_ok, expert_keys,
+                                          expert_values, expert_valid, assignment, slot_valid, shared, scale)
     batch, heads, length, dim = q.shape
     experts, width, value_dim = expert_keys.shape[2], expert_keys.shape[3], expert_values.shape[-1]
     packing = _pack_by_expert(assignment, slot_valid, experts, pack)
@@ -188,6 +188,32 @@ def fused_single_route(
     return out, flops, packing.counts
 
 
+def _fused_single_route_triton(
+    q: Tensor, landmark: Tensor, landmark_values: Tensor, landmark_ok: Tensor | None, expert_keys: Tensor,
+    expert_values: Tensor, expert_valid: Tensor | None, assignment: Tensor, slot_valid: Tensor, shared: bool,
+    scale: float,
+) -> tuple[Tensor, int, Tensor]:
+    """`fused_single_route` on the Triton kernels (R = 1, bidirectional): the routed expert on the
+    gathered kernel, the shared expert's E pairs as one dense [N, E] part, the two merged by the
+    lse-merge kernel — the same softmax over [shared pairs; routed pairs]."""
+    from routeformer.ops.triton.lse_merge import triton_merge_partials  # triton is optional
+    from routeformer.ops.triton.mita import triton_routed_parts
+
+    if expert_valid is None:
+        expert_valid = torch.ones(expert_keys.shape[:4], dtype=torch.bool, device=q.device)
+    out, lse, flops, counts = triton_routed_parts(q, expert_keys, expert_values, expert_valid, assignment,
+                                                  slot_valid, scale)
+    out, lse = out[:, :, :, 0], lse[:, :, :, 0]
+    routed = slot_valid[..., :1].to(out.dtype)  # a query routed nowhere returns zeros, as on CPU
+    if not shared:
+        return out * routed, flops, counts
+    allowed = None if landmark_ok is None else landmark_ok[:, None, None, :]
+    shared_part = attend_part(q, landmark, landmark_values, allowed, scale)
+    batch, heads, length, dim = q.shape
+    flops += batch * heads * dense_attention_flops(length * landmark.shape[2], dim, landmark_values.shape[-1])
+    return triton_merge_partials([shared_part, (out, lse)]) * routed, flops, counts
+
+
 def local_causal_part(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, block: int, scale: float):
     """Exact causal attention of each query over its own block -> (out, lse, FLOPs)."""
     batch, heads, length, dim = q.shape
@@ -214,7 +240,7 @@ def gather_experts(k: Tensor, v: Tensor, index: Tensor) -> tuple[Tensor, Tensor]
 
     Flat row lookups, so the backward pass accumulates into [B·H·N, d], not into an
     E-fold expanded copy of the keys."""
-    rows = _flat_rows(index, k.shape[2])
+    rows = flat_rows(index, k.shape[2])
     shape = (*index.shape, -1)
     return (take_rows(k.reshape(-1, k.shape[-1]), rows).view(shape),
             take_rows(v.reshape(-1, v.shape[-1]), rows).view(shape))

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from routeformer.ops.mita_native import StreamingTopK
+from routeformer.ops.native.mita import StreamingTopK
 
 _CHUNK_ELEMENTS = 1 << 22  # scores per chunk of landmarks (over B·H): 16 MiB of fp32
 

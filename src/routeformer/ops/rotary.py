@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from routeformer.ops.backends import NATIVE, rotary_backend
 from routeformer.ops.native import native_kernels
 from routeformer.ops.native.rotary import NativeRotary
 
@@ -46,18 +47,23 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, rows: Tensor | None = None
 
 
 def _native_kernels(x: Tensor, cos: Tensor, sin: Tensor, rows: Tensor | None):
-    """The C kernels when they take these tensors: the angles [B, 1, T, d] of x's batch and head
-    dim, not differentiated, and in range rows (one host sync)."""
+    """The C kernels when they take these tensors (ops/backends.py: `rotary_backend`): the angles
+    [B, 1, T, d] of x's batch and head dim, not differentiated, and in range rows (one host sync)."""
+    takes = _kernel_layout(x, cos, sin, rows)
+    return native_kernels(x, cos, sin) if rotary_backend(x, cos, sin, takes)[0] == NATIVE else None
+
+
+def _kernel_layout(x: Tensor, cos: Tensor, sin: Tensor, rows: Tensor | None) -> bool:
     if cos.dim() != 4 or cos.shape[:2] != (x.shape[0], 1) or cos.shape[-1] != x.shape[-1]:
-        return None
+        return False
     if any(t.requires_grad for t in (cos, sin)) and torch.is_grad_enabled():
-        return None
+        return False
     if rows is None and cos.shape[2] != x.shape[2]:
-        return None
+        return False
     if rows is not None and rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < cos.shape[2]:
         raise ValueError(f"rows must index the angles' {cos.shape[2]} positions; got "
                          f"{int(rows.min())}..{int(rows.max())}")
-    return native_kernels(x, cos, sin)
+    return True
 
 
 def apply_rotary_reference(x: Tensor, cos: Tensor, sin: Tensor, rows: Tensor | None = None) -> Tensor:

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops._checks import check_positive
+from routeformer.ops.backends import NATIVE, TRITON, band_rows_backend, linear_rows_backend
 from routeformer.ops.flops import dense_attention_flops, matmul_flops
 from routeformer.ops.full import full_attention, masked_attention_reference
 from routeformer.ops.linear import (
@@ -49,13 +50,12 @@ from routeformer.ops.linear import (
     linear_attention,
     masked_features,
 )
-from routeformer.ops.local import _in_window
+from routeformer.ops.local import in_window
 from routeformer.ops.native import native_kernels
 from routeformer.ops.native.band import band_attend
 from routeformer.ops.native.kernel_flops import band_attend_flops, linear_rows_flops
 from routeformer.ops.native.linear_rows import NativeLinearRows, linear_rows_features
 from routeformer.ops.row_chunks import rows_attention_by_chunks
-from routeformer.ops.triton import dispatch as triton_dispatch
 
 # Position given to an empty packed slot: outside every window, so the slot reads nothing.
 _EMPTY_POSITION = -(1 << 40)
@@ -101,14 +101,15 @@ def full_attention_rows(
     check_positive("chunk", chunk)
     batch, heads, count, dim = q_rows.shape
     length, value_dim = k.shape[2], v.shape[-1]
-    if causal and mask is None and triton_dispatch.use_triton(q_rows):  # CUDA: the Triton banded pass
-        return triton_dispatch.band_rows(q_rows, k, v, rows, valid, rows + 1, scale)
-    native = _inference_kernels(q_rows, k, v, causal, mask)
-    if native is not None:  # each row over its own prefix, where a chunk reads up to its last row
+    backend, _ = band_rows_backend("full_attention_rows", q_rows, k, v, causal, mask)
+    if backend == TRITON:
+        return _band_rows_triton(q_rows, k, v, rows, valid, rows + 1, scale)
+    if backend == NATIVE:  # each row over its own prefix, where a chunk reads up to its last row
         # Every value row is read by most rows' prefixes: a contiguous copy pays for itself (T=4096,
         # 20% of rows, d=64: 22 + 1.7 ms against 27 ms through a head view's strides). The local
         # rows' short windows keep the strides.
-        return _band_rows_native(native, q_rows, k, v.contiguous(), rows, valid, rows + 1, scale)
+        return _band_rows_native(native_kernels(q_rows, k, v), q_rows, k, v.contiguous(), rows, valid,
+                                 rows + 1, scale)
     if not causal:  # every row reads every key: the dense op with the rows as its queries
         out = full_attention(q_rows, k, v, mask=mask, causal=False, scale=scale)
         return out * valid[:, None, :, None].to(out.dtype), batch * heads * dense_attention_flops(
@@ -128,11 +129,12 @@ def local_attention_rows(
     _check_rows(q_rows, k, v, rows, valid, mask)
     check_positive("window", window)
     check_positive("chunk", chunk)
-    if causal and mask is None and triton_dispatch.use_triton(q_rows):  # CUDA: the Triton banded pass
-        return triton_dispatch.band_rows(q_rows, k, v, rows, valid, (rows + 1).clamp(max=window), scale)
-    native = _inference_kernels(q_rows, k, v, causal, mask)
-    if native is not None:
-        return _band_rows_native(native, q_rows, k, v, rows, valid, (rows + 1).clamp(max=window), scale)
+    backend, _ = band_rows_backend("local_attention_rows", q_rows, k, v, causal, mask)
+    if backend == TRITON:
+        return _band_rows_triton(q_rows, k, v, rows, valid, (rows + 1).clamp(max=window), scale)
+    if backend == NATIVE:
+        return _band_rows_native(native_kernels(q_rows, k, v), q_rows, k, v, rows, valid,
+                                 (rows + 1).clamp(max=window), scale)
     before, after = (window - 1, 0) if causal else (window, window)
     # A chunk reads from its first row's window start to its last row's window end; it spans
     # at most `window` positions of rows, so sparse rows never make it read much more than
@@ -140,17 +142,25 @@ def local_attention_rows(
     return rows_attention_by_chunks(
         q_rows, k, v, rows, valid, mask, scale=scale, chunk=chunk,
         key_range=lambda first, last: (first - before, last + after + 1),
-        rule=lambda keys, rows: _in_window(keys - rows, window, causal), bucket=window)
+        rule=lambda keys, rows: in_window(keys - rows, window, causal), bucket=window)
 
 
-def _inference_kernels(q_rows: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None):
-    """The C kernels for a causal, unpadded call that wants no gradient (inference), else None.
-    Training keeps the flash chunks: their backward beats the per-query C backward (local rows,
-    T=4096, 30% of rows, window 256: ~28 against ~47 ms)."""
-    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_rows, k, v))
-    if not causal or mask is not None or wants_grad or not q_rows.dtype == k.dtype == v.dtype:
-        return None
-    return native_kernels(q_rows, k, v)
+def _band_rows_triton(q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor, horizon: Tensor,
+                      scale: float | None) -> tuple[Tensor, int]:
+    """The causal, unpadded full and local rows on the Triton banded pass: each selected row over
+    the `horizon` [B, M] keys ending at its position, no decay; padding slots return zeros.
+    Differentiable (the C pass serves inference only: training keeps the flash chunks, whose
+    backward beats the per-query C backward: local rows, T=4096, 30% of rows, window 256: ~28
+    against ~47 ms)."""
+    from routeformer.ops.triton.band import band_flops, triton_band_attention  # triton is optional
+
+    batch, heads, count, dim = q_rows.shape
+    horizon = torch.where(valid, horizon, 0)
+    per_row = horizon[:, None].expand(batch, heads, count).reshape(batch * heads, count)
+    log_decay = torch.zeros(batch * heads, count, dtype=torch.float32, device=q_rows.device)
+    out = triton_band_attention(q_rows.reshape(batch * heads, count, dim), k, v, log_decay, per_row,
+                                rows, scale=scale)
+    return out.view(batch, heads, count, -1), band_flops(per_row, dim, v.shape[-1])
 
 
 def _band_rows_native(
@@ -233,7 +243,7 @@ def linear_attention_rows(
         out = linear_attention(q_rows, k, v, mask=mask, causal=False, eps=eps)
         flops = matmul_flops(dim, length, value_dim) + matmul_flops(count, dim, value_dim) + 2 * count * dim
         return out * valid[:, None, :, None].to(out.dtype), batch * heads * flops
-    native = native_kernels(q_rows, k, v) if q_rows.dtype == k.dtype == v.dtype else None
+    native = native_kernels(q_rows, k, v) if linear_rows_backend(q_rows, k, v)[0] == NATIVE else None
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_rows, k, v))
     if native is not None and mask is None and not wants_grad and not torch.compiler.is_compiling():
         # Inference: the kernel applies the features itself (no phi tensors).
@@ -312,7 +322,7 @@ def local_attention_rows_reference(
     mask: Tensor | None = None, causal: bool = True, scale: float | None = None,
 ) -> Tensor:
     _check_rows(q_rows, k, v, rows, valid, mask)
-    allowed = _row_allowed(rows, valid, k.shape[2], mask, lambda offset: _in_window(offset, window, causal))
+    allowed = _row_allowed(rows, valid, k.shape[2], mask, lambda offset: in_window(offset, window, causal))
     return masked_attention_reference(q_rows, k, v, allowed, scale)
 
 

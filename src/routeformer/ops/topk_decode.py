@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from routeformer.ops.backends import NATIVE, routing_cache_backend
 from routeformer.ops.decode import append_rows
-from routeformer.ops.native import native_kernels
 from routeformer.ops.native.topk import route_topk_op
 from routeformer.ops.topk_routing import route_topk, routing_slots
 
@@ -42,9 +42,7 @@ def _tile() -> int:
 def routing_uses_tiles(route_k: Tensor) -> bool:
     """Whether the cached routing keys take the native kernel's tiled layout (CPU, kernels loaded,
     a dtype they read)."""
-    native = native_kernels(route_k)
-    return (native is not None and route_k.dtype in (torch.float32, torch.float64)
-            and route_k.shape[-1] <= native.route_topk_max_dim())
+    return routing_cache_backend(route_k)[0] == NATIVE
 
 
 def append_routing_keys(cache: dict, route_k: Tensor) -> None:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops._checks import check_positive
+from routeformer.ops.backends import NATIVE, TRITON, route_topk_backend
 from routeformer.ops.native import native_kernels
 from routeformer.ops.native.topk import (
     route_topk_op,
@@ -39,31 +40,10 @@ from routeformer.ops.native.topk import (
     route_topk_scored,
     speculative_query_tile,
 )
-from routeformer.ops.triton import dispatch as triton_dispatch
+from routeformer.ops.routing_slots import check_routing, routing_slots
 
 DEFAULT_ROUTING_BLOCK = 64
 DEFAULT_GROUP = 32
-
-
-def _check_routing(route_q: Tensor, route_k: Tensor, key_mask: Tensor | None, causal: bool) -> None:
-    if route_q.dim() != 4 or route_k.dim() != 4 or route_q.shape[:2] != route_k.shape[:2] \
-            or route_q.shape[-1] != route_k.shape[-1]:
-        raise ValueError(
-            "route_q and route_k must be [B, R, T, r] and [B, R, S, r] with matching B, R, r; "
-            f"got {tuple(route_q.shape)} and {tuple(route_k.shape)}"
-        )
-    if causal and route_q.shape[2] != route_k.shape[2]:
-        raise ValueError(f"causal routing needs as many queries as keys; got {route_q.shape[2]} "
-                         f"and {route_k.shape[2]}")
-    if key_mask is not None and (key_mask.dtype != torch.bool
-                                 or key_mask.shape != (route_k.shape[0], route_k.shape[2])):
-        raise ValueError(f"key_mask must be bool [B, S] = {(route_k.shape[0], route_k.shape[2])}; "
-                         f"got {key_mask.dtype} {tuple(key_mask.shape)}")
-
-
-def routing_slots(topk: int, local_window: int, global_tokens: int, num_keys: int) -> int:
-    """Slots per query: routed + forced, capped by the number of keys."""
-    return min(num_keys, topk + local_window + global_tokens)
 
 
 def _block_masks(
@@ -125,23 +105,24 @@ def route_topk(
     does not slow down (see `_one_dim_dominates`), without reading the data — the same choice
     eagerly and under torch.compile. The selection is the same either way.
     """
-    _check_routing(route_q, route_k, key_mask, causal)
+    check_routing(route_q, route_k, key_mask, causal)
     check_positive("topk", topk)
     check_positive("block", block)
     check_positive("group", group)
     if local_window < 0 or global_tokens < 0:
         raise ValueError(f"local_window and global_tokens must be >= 0; got {local_window}, {global_tokens}")
-    if triton_dispatch.use_triton(route_q):  # CUDA: the Triton kernel (ops/triton)
-        return triton_dispatch.route_topk(route_q, route_k, topk, causal=causal, key_mask=key_mask,
-                                          local_window=local_window, global_tokens=global_tokens)
     batch, heads, length, _ = route_q.shape
     num_keys = route_k.shape[2]
     slots = routing_slots(topk, local_window, global_tokens, num_keys)
-    native = native_kernels(route_q, route_k)
-    if native is not None and route_q.dtype == route_k.dtype and slots <= native.route_topk_max_slots() \
-            and route_q.shape[-1] <= native.route_topk_max_dim():
-        return _route_topk_native(native, route_q, route_k, slots, causal, key_mask, local_window,
-                                  global_tokens, position_dim)
+    backend, _ = route_topk_backend(route_q, route_k, slots)
+    if backend == TRITON:
+        from routeformer.ops.triton.topk_routing import triton_route_topk  # triton is optional
+
+        return triton_route_topk(route_q, route_k, topk, causal=causal, key_mask=key_mask,
+                                 local_window=local_window, global_tokens=global_tokens)
+    if backend == NATIVE:
+        return _route_topk_native(native_kernels(route_q, route_k), route_q, route_k, slots, causal,
+                                  key_mask, local_window, global_tokens, position_dim)
     padded_keys = math.ceil(num_keys / group) * group
     keys_t = torch.zeros(batch, heads, route_k.shape[-1], padded_keys, dtype=route_k.dtype,
                          device=route_k.device)
@@ -266,7 +247,7 @@ def route_topk_reference(
 ) -> Tensor:
     """The specification of `route_topk`: all scores, masks, one `topk`. Returns the selected set
     as a bool [B, R, T, S] membership mask (slot order is not part of the contract)."""
-    _check_routing(route_q, route_k, key_mask, causal)
+    check_routing(route_q, route_k, key_mask, causal)
     length, num_keys = route_q.shape[2], route_k.shape[2]
     scores = route_q @ route_k.transpose(-1, -2)
     ineligible, forced = _block_masks(0, length, 0, num_keys, num_keys, causal, local_window,

@@ -17,7 +17,7 @@ import torch
 
 import routeformer.ops
 from routeformer.ops import native
-from routeformer.ops.native import DECLARED, FLAGS, SOURCES, boundary, kernel, native_kernels
+from routeformer.ops.native import DECLARED, FLAGS, SOURCES, boundary, c_reader, kernel, native_kernels
 from routeformer.ops.native.boundary import CBoundaryError, c_prototypes, check, parse_sources
 
 _PTR, _INT, _I32, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
@@ -198,7 +198,7 @@ def compiled_view() -> dict[str, list]:
                 keep = os.path.dirname(os.path.abspath(marker.group(1))) == directory
             elif keep and not line.startswith("#"):
                 kept.append(line)
-        tokens = boundary._tokens(boundary._strip_comments("\n".join(kept)))
+        tokens = c_reader.c_tokens(c_reader.strip_comments("\n".join(kept)))
         for prototype in boundary._declarations(tokens, source.name):
             view.setdefault(prototype.name, []).append(prototype)
     return view

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from routeformer.ops import mita_attention, route_topk, routed_attention
+from routeformer.ops.backends import force_triton
+from routeformer.ops.backends import triton_serves as use_triton
 from routeformer.ops.expanding import expanding_attention
 from routeformer.ops.gathered import routed_attention_reference
 from routeformer.ops.native import native_enabled
@@ -19,8 +21,6 @@ from routeformer.ops.routed_rows import (
     select_rows,
 )
 from routeformer.ops.topk_routing import route_topk_reference
-from routeformer.ops.triton import dispatch
-from routeformer.ops.triton.dispatch import force_triton, use_triton
 from tests.ops.triton._checks import assert_same_gradients
 from tests.ops.triton.test_triton_gathered import make_qkv, random_routing
 from tests.ops.triton.test_triton_topk_routing import integer_routing, selected_set
@@ -44,7 +44,7 @@ def test_without_triton_nothing_breaks(monkeypatch):
         assert not use_triton(torch.zeros(1))
     # A fresh interpreter with triton blocked imports routeformer and runs a routed op.
     script = ("import sys; sys.modules['triton'] = None\n"
-              "import torch, routeformer, routeformer.ops, routeformer.ops.triton.dispatch\n"
+              "import torch, routeformer, routeformer.ops, routeformer.ops.backends\n"
               "from routeformer.ops import route_topk\n"
               "print(route_topk(torch.randn(1, 1, 5, 2), torch.randn(1, 1, 5, 2), 2)[1].sum().item())")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -55,15 +55,17 @@ def test_dispatch_functions_keep_the_ops_contracts(device):
     batch, heads, length, dim = 1, 2, 17, 8
     index, valid = random_routing(batch, heads, length, 4, causal=True)
     q, k, v = make_qkv(batch, heads, length, dim, dim, dtype=torch.bfloat16, device=device)
-    out, lse = dispatch.routed_attention(q, k, v, index.to(device), valid.to(device), dim ** -0.5)
+    with force_triton():  # the op's Triton branch, whatever the device
+        out, lse = routed_attention(q, k, v, index.to(device), valid.to(device), scale=dim ** -0.5)
     assert out.dtype == lse.dtype == torch.bfloat16 and lse.shape == (batch, heads, length)
     # The reference on the CPU (the routing tensors live there): on CUDA it was handed CUDA q/k/v
     # and CPU index/valid, which failed on the lent H100.
     want = routed_attention_reference(*(t.detach().float().cpu() for t in (q, k, v)), index, valid)
     torch.testing.assert_close(out.float().cpu(), want, atol=2e-2, rtol=2e-2)
     route_q, route_k = integer_routing(batch, 1, length, 3, seed=5)
-    index, valid, scored = dispatch.route_topk(route_q.to(device), route_k.to(device), 3, causal=True,
-                                               key_mask=None, local_window=1, global_tokens=1)
+    with force_triton():
+        index, valid, scored = route_topk(route_q.to(device), route_k.to(device), 3, causal=True,
+                                          key_mask=None, local_window=1, global_tokens=1)
     want = route_topk_reference(route_q, route_k, 3, causal=True, local_window=1, global_tokens=1)
     assert torch.equal(selected_set(index, valid, length), want) and scored > 0
 

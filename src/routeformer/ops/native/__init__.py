@@ -14,9 +14,9 @@ The kernel files (every `*_kernels.c` here goes into one library) and their wrap
   rows, and expanding's final pass), `linear_rows_kernels.c` (the linear expert at its rows);
   wrappers band.py, linear_rows.py.
 - `expanding_kernels.c` (expanding attention's inference steps and final-pass backward),
-  `mita_kernels.c` (MiTA's routed step and streaming top-K at inference; ops/mita_native.py),
+  `mita_kernels.c` (MiTA's routed step and streaming top-K at inference; ops/native/mita.py),
   `rotary_kernels.c` (rotary embedding; rotary.py).
-On first use they are compiled with the system C compiler (`$CC`, else `cc`) with -O3,
+On first use (build.py) they are compiled with the system C compiler (`$CC`, else `cc`) with -O3,
 -march=native and OpenMP into one library in a cache directory (`$ROUTEFORMER_CACHE_DIR`, else
 ~/.cache/routeformer, else the temporary directory), keyed by the sources, headers, flags, the
 CPU and what the compiler resolves -march=native to (so a cache directory shared by machines of
@@ -48,245 +48,18 @@ not take (not CPU, or not float32/float64/bfloat16/float16).
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-# Every *_kernels.c beside this file goes into the one library (a new kernel file needs no edit here;
-# its Python wrapper declares its functions with `kernel`).
-SOURCES = tuple(sorted(Path(__file__).parent.glob("*_kernels.c")))
-HEADER = Path(__file__).with_name("common.h")
-HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # every header: an edit rebuilds the library
-_ENABLED: ContextVar[bool] = ContextVar("routeformer_native_enabled", default=True)
-BASE_FLAGS = ("-O3", "-ffp-contract=fast", "-fPIC", "-std=c11",
-              "-Werror=implicit-function-declaration")  # a missing helper fails the build, not the load
-OPENMP_FLAGS = ("-fopenmp",)
-# The Linux build's flags (tests compile probes with them).
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11",
-         "-Werror=implicit-function-declaration")
-_INT, _PTR = ctypes.c_int64, ctypes.c_void_p
-_PROBE_TIMEOUT_S = 60  # a compiler driver asked what -march=native means (it answers in ~30 ms)
-_BUILD_TIMEOUT_S = 600  # the whole library (~20-60 s on a loaded 2-core machine)
-# Where libomp lives when installed by Homebrew (Apple silicon, Intel) or MacPorts: (include, lib).
-_LIBOMP_PLACES = (("/opt/homebrew/opt/libomp/include", "/opt/homebrew/opt/libomp/lib"),
-                  ("/usr/local/opt/libomp/include", "/usr/local/opt/libomp/lib"),
-                  ("/opt/local/include/libomp", "/opt/local/lib/libomp"))
+from routeformer.ops.backend_switches import native_enabled, native_switched_on
+from routeformer.ops.native.build import FLAGS, HEADER, HEADERS, SOURCES, load, why_not_built
 
+__all__ = ["FLAGS", "HEADER", "HEADERS", "SOURCES", "KERNEL_DTYPES", "NativeKernels", "NativeOp",
+           "compute_dtype", "declare", "kernel", "library", "load", "native_enabled", "native_kernels",
+           "native_op", "pointer", "suffix", "why_not_built", "widened"]
 
-def _cpu_signature() -> str:
-    """The CPU model and flags where the system says them (Linux's /proc/cpuinfo), else the machine
-    type; `_native_target` adds what the compiler resolves -march=native to."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return "".join(line for line in lines if line.startswith(("model name", "flags")))[:4096]
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"
-
-
-def _resolved_flags(driver_output: str) -> str:
-    """The target options in a compiler driver's `-###` listing: gcc expands -march=native into
-    -march=<cpu> and -m<feature> / -mno-<feature> options; clang into -target-cpu <cpu> and
-    -target-feature +/-<feature>. Paths, temporary names and the working directory are left out
-    (they vary between calls and would change the cache key)."""
-    tokens = [token.strip("'\"") for token in driver_output.split()]
-    kept = []
-    for index, token in enumerate(tokens):
-        if token in ("-target-cpu", "-target-feature", "--param") and index + 1 < len(tokens):
-            kept.append(f"{token} {tokens[index + 1]}")  # gcc: --param l1-cache-size=32
-        elif token.startswith(("-m", "--param")):
-            kept.append(token)
-    return " ".join(kept)
-
-
-def _native_target(compiler: str) -> tuple[tuple[str, ...], str]:
-    """(the flag that compiles for this CPU, what it resolves to): -march=native where the compiler
-    takes it, else -mcpu=native (some arm64 compilers), else no flag (a generic build, keyed by the
-    machine type). Asked of the driver with `-###`, which compiles nothing."""
-    for flag in ("-march=native", "-mcpu=native"):
-        probe = subprocess.run([compiler, flag, "-###", "-x", "c", "-c", os.devnull, "-o", os.devnull],
-                               capture_output=True, text=True, timeout=_PROBE_TIMEOUT_S)
-        if probe.returncode == 0:
-            return (flag,), _resolved_flags(probe.stdout + probe.stderr)
-    return (), platform.machine()
-
-
-def _libomp() -> tuple[str, str] | None:
-    """(include, lib) directories of an installed libomp (macOS), or None."""
-    configured = os.environ.get("ROUTEFORMER_LIBOMP")  # a prefix holding include/ and lib/
-    places = ((f"{configured}/include", f"{configured}/lib"),) if configured else _LIBOMP_PLACES
-    for include, lib in places:
-        if Path(include, "omp.h").exists() and Path(lib).is_dir():
-            return include, lib
-    return None
-
-
-def _is_apple_clang(compiler: str) -> bool:
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                                 timeout=_PROBE_TIMEOUT_S)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return "Apple" in version.stdout + version.stderr
-
-
-@dataclass(frozen=True)
-class BuildPlan:
-    """How the library is compiled and linked on this platform: `flags` go to every build,
-    `openmp` / `openmp_link` only to the first try (a compiler that refuses them gets a second try
-    without OpenMP); `target` is what the CPU flag resolves to (part of the cache key)."""
-    flags: tuple[str, ...]
-    openmp: tuple[str, ...]
-    openmp_link: tuple[str, ...]
-    target: str
-    no_openmp: str | None = None  # why the plan has no OpenMP (told in one warning at build time)
-
-    def key_text(self, compiler: str) -> str:
-        return " ".join((compiler, sys.platform, *self.flags, "|", *self.openmp, "|", *self.openmp_link,
-                         "|", self.target))
-
-
-def build_plan(compiler: str) -> BuildPlan:
-    """The flags for this platform (see the module docstring): Linux and other Unix-likes
-    -fopenmp; macOS a libomp where one is installed (Apple clang needs -Xpreprocessor), else
-    -fopenmp for a compiler that is not Apple's, else no OpenMP."""
-    arch, target = _native_target(compiler)
-    shared = ("-dynamiclib",) if sys.platform == "darwin" else ("-shared",)
-    flags = (*BASE_FLAGS, *arch, *shared)
-    if sys.platform != "darwin":
-        return BuildPlan(flags, OPENMP_FLAGS, OPENMP_FLAGS, target)
-    apple = _is_apple_clang(compiler)
-    libomp = _libomp()
-    if libomp is not None:
-        include, lib = libomp
-        openmp = ("-Xpreprocessor", "-fopenmp", f"-I{include}") if apple else (*OPENMP_FLAGS, f"-I{include}")
-        return BuildPlan(flags, openmp, (f"-L{lib}", "-lomp", f"-Wl,-rpath,{lib}"), target)
-    if apple:
-        return BuildPlan(flags, (), (), target, "Apple clang needs libomp, and none was found in "
-                         f"{', '.join(lib for _, lib in _LIBOMP_PLACES)} or $ROUTEFORMER_LIBOMP")
-    return BuildPlan(flags, OPENMP_FLAGS, OPENMP_FLAGS, target)
-
-
-def _user_tag() -> str:
-    """A per-user name for the temporary cache directory (os.getuid exists on POSIX only)."""
-    getuid = getattr(os, "getuid", None)
-    if getuid is not None:
-        return str(getuid())
-    try:
-        import getpass
-
-        return getpass.getuser()
-    except Exception:  # noqa: BLE001 - no user name to be had: one shared directory
-        return "user"
-
-
-def _cache_dir() -> Path:
-    configured = os.environ.get("ROUTEFORMER_CACHE_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "routeformer"
-
-
-def _compile(compiler: str, plan: BuildPlan, target: Path) -> str | None:
-    """Build the library at `target`; returns None, or why it was built without OpenMP (the plan
-    has none, or the compiler refused the OpenMP flags and the build without them succeeded). Raises
-    CalledProcessError / TimeoutExpired / OSError when no build succeeds."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent processes never load a half-written file.
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-
-        def run(openmp: tuple[str, ...], openmp_link: tuple[str, ...]) -> None:
-            subprocess.run([compiler, *plan.flags, *openmp, *map(str, SOURCES), "-o", str(built),
-                            *openmp_link, "-lm"], check=True, capture_output=True, text=True,
-                           timeout=_BUILD_TIMEOUT_S)
-
-        without_openmp = plan.no_openmp
-        try:
-            run(plan.openmp, plan.openmp_link)
-        except subprocess.CalledProcessError as refused:
-            said = (refused.stderr or "").lower()
-            if not plan.openmp or not ("openmp" in said or "omp" in said):  # -fopenmp, -lomp, omp.h
-                raise  # not OpenMP's failure: a second build would fail the same way
-            run((), ())  # raises in turn when the failure was not OpenMP's
-            reason = (refused.stderr or "").strip().splitlines()
-            without_openmp = "the compiler refused it: " + (reason[-1] if reason else
-                                                            f"exit status {refused.returncode}")
-        os.replace(built, target)
-    return without_openmp
-
-
-def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
-    """The library as loaded: its functions are declared where they are used (`declare`, in each
-    wrapper module) and set up, checked against their C prototypes, by `kernel`."""
-    return library
-
-
-def _fallback_warning(reason: str, detail: str = "") -> None:
-    warnings.warn(f"routeformer: {reason}; the topk, expanding and meta row ops run in PyTorch (slower). "
-                  f"Set ROUTEFORMER_NATIVE=0 to silence this.{' ' + detail if detail else ''}", stacklevel=4)
-
-
-@cache
-def _load() -> ctypes.CDLL | None:
-    if sys.platform in ("win32", "cygwin"):
-        _fallback_warning("the native kernels are built on Linux and macOS only, not on Windows")
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        _fallback_warning("no C compiler found (install cc/gcc to build the native kernels)")
-        return None
-    try:
-        plan = build_plan(compiler)
-    except (OSError, subprocess.SubprocessError) as failed:  # the compiler cannot be run at all
-        _fallback_warning(f"the C compiler {compiler!r} could not be run ({failed})")
-        return None
-    sources = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(sources + plan.key_text(compiler).encode()
-                         + _cpu_signature().encode()).hexdigest()[:16]
-    error: Exception | None = None
-    # A read-only home (some CI runners) falls back to the temporary directory.
-    for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"routeformer-{_user_tag()}"):
-        target = directory / f"routeformer_native_{key}.so"
-        try:
-            if not target.exists():
-                without_openmp = _compile(compiler, plan, target)
-                if without_openmp is not None:
-                    warnings.warn(f"routeformer: the native kernels were built without OpenMP "
-                                  f"({without_openmp[-300:]}); they run on one thread. Install libomp "
-                                  f"(macOS: brew install libomp) and delete {target} to rebuild with "
-                                  "threads.", stacklevel=3)
-            return _declare(ctypes.CDLL(str(target)))
-        except subprocess.SubprocessError as failed:  # the compiler itself failed: no retry
-            error = failed
-            break
-        except OSError as failed:
-            error = failed
-    detail = getattr(error, "stderr", "") or str(error)
-    _fallback_warning("compiling the native kernels failed", detail[-2000:])
-    return None
-
-
-@contextmanager
-def native_enabled(enabled: bool) -> Iterator[None]:
-    """Within the block, the ops use the native kernels (when they can) or never use them; e.g. to
-    time the PyTorch path beside the native one."""
-    token = _ENABLED.set(enabled)
-    try:
-        yield
-    finally:
-        _ENABLED.reset(token)
+_INT = ctypes.c_int64
 
 
 class NativeKernels:
@@ -321,7 +94,7 @@ _HANDLES: dict[int, NativeKernels] = {}
 
 
 def _handle() -> NativeKernels | None:
-    library = _load()  # cached; a test may clear that cache, so the handle follows the library
+    library = load()  # cached; a test may clear that cache, so the handle follows the library
     if library is None:
         return None
     if id(library) not in _HANDLES:
@@ -329,16 +102,12 @@ def _handle() -> NativeKernels | None:
     return _HANDLES[id(library)]
 
 
-def _switched_on() -> bool:
-    return _ENABLED.get() and os.environ.get("ROUTEFORMER_NATIVE", "1") != "0"
-
-
 @torch.compiler.assume_constant_result
 def _usable_when_compiling() -> bool:
     """Whether the kernels serve a graph being traced: run once at trace time, its answer baked in
     (dynamo traces neither ContextVars nor ctypes)."""
     global _HANDLE_WHEN_COMPILING
-    _HANDLE_WHEN_COMPILING = _handle() if _switched_on() else None
+    _HANDLE_WHEN_COMPILING = _handle() if native_switched_on() else None
     return _HANDLE_WHEN_COMPILING is not None
 
 
@@ -349,7 +118,7 @@ def native_kernels(*tensors: Tensor) -> NativeKernels | None:
     if torch.compiler.is_compiling():
         # The custom ops keep the kernels in the graph; the switches are read at trace time.
         return _HANDLE_WHEN_COMPILING if _usable_when_compiling() else None
-    return _handle() if _switched_on() else None
+    return _handle() if native_switched_on() else None
 
 
 _HANDLE_WHEN_COMPILING: NativeKernels | None = None  # set by _usable_when_compiling
@@ -360,7 +129,7 @@ class NativeOp:
     register_fake / register_autograd / opcheck). A call goes through the op — which torch.compile
     keeps in its graph and autograd differentiates — while a graph is traced or a gradient is
     wanted; otherwise (inference, decoding) it calls the function directly: the dispatcher's
-    round trip costs ~0.1-0.2 ms per call (measured on the loaded 2-core machine, 2026-11-25),
+    round trip costs ~0.1-0.2 ms per call (measured on a loaded 2-core machine),
     which decoding would pay per token and layer."""
 
     def __init__(self, name: str, function) -> None:
@@ -383,7 +152,7 @@ def native_op(name: str):
 def library() -> ctypes.CDLL:
     """The loaded library, for the custom ops' implementations (called only after
     `native_kernels` said yes)."""
-    loaded = _load()
+    loaded = load()
     if loaded is None:
         raise RuntimeError("routeformer: the native kernels are not available on this machine")
     return loaded

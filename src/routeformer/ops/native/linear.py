@@ -25,7 +25,7 @@ from routeformer.ops.native import declare, kernel, native_op, pointer
 
 # Tokens per chunk of the kernels' sweeps (a multiple of 16: the chunk blocks are padded to 16
 # columns). 64 was fastest or tied among 32, 48, 64, 96, 128 at T = 16384, d = e = 64, fp32 and bf16
-# (loaded 2-core machine, alternating in one process, 2026-11-25).
+# (loaded 2-core machine, alternating in one process).
 BLOCK = 64
 STORAGE = (torch.float32, torch.bfloat16)
 _INT, _PTR = ctypes.c_int64, ctypes.c_void_p

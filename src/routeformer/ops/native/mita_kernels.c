@@ -1,5 +1,5 @@
 /* Fused CPU kernel for bidirectional MiTA with one routed expert per query (R = 1), forward only
- * (ops/mita_native.py wraps it; ops/mita_experts.py: fused_single_route is its PyTorch twin).
+ * (ops/native/mita.py wraps it; ops/mita_experts.py: fused_single_route is its PyTorch twin).
  *
  * Why: the PyTorch path sorts the queries by expert, gathers them into runs, runs one SDPA call per
  * (group, expert) over [shared pairs; expert keys] and scatters the outputs back: about 10 passes

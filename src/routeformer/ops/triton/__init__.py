@@ -1,4 +1,4 @@
-"""Triton kernels for the routed ops: the GPU path (issue 29).
+"""Triton kernels for the routed ops: the GPU path.
 
 One file per kernel, each with its forward and backward wrapped as a `torch.autograd.Function`:
 
@@ -13,8 +13,12 @@ One file per kernel, each with its forward and backward wrapped as a `torch.auto
 - `band`: the banded pass with a per-query horizon and distance decay (expanding attention's final
   pass; the causal full/local rows of hard-routed `meta`).
 
-`dispatch` decides: CUDA tensors go to these kernels, CPU tensors stay on the native C kernels and
-the PyTorch ops. Every kernel is tested against the PyTorch reference twin of its op on CPU tensors
+ops/backends.py decides: CUDA tensors go to these kernels, CPU tensors stay on the native C kernels
+and the PyTorch ops. Each op imports its kernel here inside its Triton branch (triton is optional);
+the kernels import only lower helpers (ops/routing_slots.py, ops/attention_lse.py's constants,
+ops/flops.py), never the ops that call them.
+
+Every kernel is tested against the PyTorch reference twin of its op on CPU tensors
 through Triton's interpreter (tests/ops/triton), and on CUDA where one exists; every kernel is also
 compiled for sm_90 in the tests, which needs no GPU.
 

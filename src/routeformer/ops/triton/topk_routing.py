@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from routeformer.ops.topk_routing import _check_routing, routing_slots
+from routeformer.ops.routing_slots import check_routing, routing_slots
 from routeformer.ops.triton._common import check_device, check_float, kernel, next_power_of_2
 
 
@@ -110,7 +110,7 @@ def triton_route_topk(
     the (query, key) pairs the kernel scored, causal blocks counting up to their last row).
     `tile` (a power of two >= 16): keys scored per step; default 64 on CUDA, all keys (up to 256)
     on CPU. The tests set it small to run the tile-by-tile merge in the interpreter."""
-    _check_routing(route_q, route_k, key_mask, causal)
+    check_routing(route_q, route_k, key_mask, causal)
     if topk < 1:
         raise ValueError(f"topk must be >= 1; got {topk}")
     if local_window < 0 or global_tokens < 0:

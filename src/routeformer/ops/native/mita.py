@@ -18,7 +18,8 @@ import ctypes
 import torch
 from torch import Tensor
 
-from routeformer.ops.native import declare, kernel, native_kernels, pointer, suffix
+from routeformer.ops.backends import NATIVE, mita_inference_backend
+from routeformer.ops.native import declare, kernel, pointer, suffix
 
 _INT, _PTR = ctypes.c_int64, ctypes.c_void_p
 # The C boundary (native/mita_kernels.c), checked against the C prototypes by `kernel`:
@@ -58,7 +59,7 @@ def single_route(
         return None
     if q.dtype not in (torch.float32, torch.float64) or any(t.dtype != q.dtype for t in tensors):
         return None
-    if native_kernels(*tensors) is None or torch.compiler.is_compiling():
+    if mita_inference_backend("mita_routed_step", *tensors)[0] != NATIVE:
         return None
     batch, heads, length, dim = q.shape
     experts, width, value_dim = expert_keys.shape[2], expert_keys.shape[3], expert_values.shape[-1]
@@ -99,9 +100,7 @@ class StreamingTopK:
 
     @classmethod
     def make(cls, like: Tensor, groups: int, experts: int, width: int) -> StreamingTopK | None:
-        if like.dtype not in (torch.float32, torch.float64) or native_kernels(like) is None:
-            return None
-        if torch.compiler.is_compiling():
+        if mita_inference_backend("mita_streaming_topk", like)[0] != NATIVE:
             return None
         return cls(like, groups, experts, width)
 
@@ -125,7 +124,7 @@ def route_by_maximum(logits: Tensor) -> tuple[Tensor, Tensor] | None:
         return None
     if logits.dtype not in (torch.float32, torch.float64) or logits.shape[-1] == 0:
         return None
-    if native_kernels(logits) is None or torch.compiler.is_compiling():
+    if mita_inference_backend("mita_argmax", logits)[0] != NATIVE:
         return None
     flat = logits.contiguous().view(-1, logits.shape[-1])
     best = flat.new_empty(flat.shape[0])
