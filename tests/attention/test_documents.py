@@ -1,4 +1,4 @@
-"""Packed sequences (`documents=`): a packed batch equals its documents run alone (issue 40)."""
+"""Packed sequences (`documents=`): a packed batch equals its documents run alone."""
 
 from __future__ import annotations
 

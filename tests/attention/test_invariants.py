@@ -1,4 +1,4 @@
-"""Off-the-happy-path invariants of DESIGN.md, run on every registered mechanism (issue 25).
+"""Off-the-happy-path invariants of docs/design.md, run on every registered mechanism.
 
 Each test is parametrised over `list_attentions()`, so a mechanism is checked the day it is
 registered. The properties:
@@ -234,7 +234,7 @@ def test_low_precision_forward_backward(name, causal, dtype, device):
 def test_padding_mask_is_never_a_dense_square_mask(name, causal, monkeypatch):
     """A key-padding mask costs O(T) memory: no SDPA call receives a mask with ≥ T²/2 entries per
     sequence (the dense [B, 1, T, T] form padding used to take). A smoke test, not a bound on every
-    allocation: the peak-memory figures at T = 8192 are in the closing note of issue 25."""
+    allocation."""
     import torch.nn.functional as F
 
     largest = [0]

@@ -1,4 +1,4 @@
-"""MiTA in bf16/fp16 routes in fp32 (issue 37): its landmark scores and routing logits are fp32
+"""MiTA in bf16/fp16 routes in fp32: its landmark scores and routing logits are fp32
 whatever the dtype, so a low-precision layer chooses what an fp32 computation on the same numbers
 chooses, and its output stays within 5e-2 (relative norm) of fp32 — causal and bidirectional.
 

@@ -56,7 +56,7 @@ static inline __attribute__((always_inline)) void gemm_tile(
 /* TILE(..., lanes, tail, accumulate) with `lanes` (1-4, a variable) turned into a constant, so each
  * always-inlined tile keeps its accumulators in registers. (The tiles' zeroing and store loops stay
  * written out in each: moved into shared always-inline helpers taking acc[MR][4], both local
- * kernels ran 2x slower, measured 2026-11-25, T = 8192: the accumulators went to memory.) */
+ * kernels ran 2x slower at T = 8192: the accumulators went to memory.) */
 #define FOR_CONSTANT_LANES(TILE, lanes, depth, a, a_row, a_step, b, ldb, c, ldc, rows, tail, accumulate) \
     switch (lanes) {                                                                              \
         case 4: TILE(depth, a, a_row, a_step, b, ldb, c, ldc, rows, 4, tail, accumulate); break;  \

@@ -44,10 +44,8 @@ static void RF_CAT(NAME, _block)(const T_ *rq, const T_ *rkt, const uint8_t *mas
     int64_t tiles = (end + V - 1) / V;
     /* Software prefetch, ROUTE_PREFETCH_TILES tiles ahead in scan order, when the row's keys exceed
      * ROUTE_PREFETCH_ABOVE bytes: a decoding step (ops/topk_decode.py) scans every cached routing
-     * key once for one query, and at 32k-64k keys they are not in the cache. Measured on the
-     * 2-core machine, 1 thread, one query, 4 routing rows x 17 dims (2026-11-26, back to back):
-     * 65536 keys 6.1-6.8 ms without, 3.5-3.7 ms with; 32768 keys 3.2-4.5 ms -> 0.55-0.7 ms (a plain
-     * sum of the same bytes: 1.0-1.3 ms at 64k). Rows of at most 1 MB (16k keys x 16 dims: every
+     * key once for one query, and at 32k-64k keys they are not in the cache: there the prefetch
+     * roughly halved a step's scan on a 2-core CPU (one query, 4 routing rows x 17 dims). Rows of at most 1 MB (16k keys x 16 dims: every
      * block of the parallel pass at T <= 16k) are scanned as before. */
     int prefetch = tiles * V * dim * (int64_t)sizeof(T_) > ROUTE_PREFETCH_ABOVE;
     for (int64_t t = 0; t < tiles; t++) {

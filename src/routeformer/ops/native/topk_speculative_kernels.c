@@ -1,4 +1,4 @@
-/* Top-k routing selection for float32 and bfloat16 routing vectors (issue 28): the same selection
+/* Top-k routing selection for float32 and bfloat16 routing vectors: the same selection
  * as route_topk_f32 in topk_kernels.c (same scores, bit for bit, same tie rule), found with far
  * less work. Loaded by routeformer/ops/native/__init__.py; wrapped by ops/native/topk.py.
  *
