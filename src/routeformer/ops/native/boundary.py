@@ -187,7 +187,7 @@ def parse_sources(sources: tuple[Path, ...]) -> dict[str, list[Prototype]]:
 @cache
 def c_prototypes() -> dict[str, list[Prototype]]:
     """The prototypes of the shipped kernels (every *_kernels.c beside this file), read once."""
-    from routeformer.ops.native import SOURCES
+    from routeformer.ops.native.build import SOURCES
 
     return parse_sources(tuple(SOURCES))
 

@@ -25,7 +25,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
-from routeformer.ops import native as _native
+import routeformer.ops.native as _native
 from routeformer.ops.native import compute_dtype, declare, kernel, native_op, pointer, suffix, widened
 
 _PTR, _INT, _I32, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
