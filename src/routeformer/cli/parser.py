@@ -1,0 +1,177 @@
+"""The command line of `routeformer`: the parser of every subcommand, its help texts and the argument
+types that reject bad numbers, and the parser that turns a bad command line into a UsageError."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_CONFIG = "char-lm"  # the bundled config `routeformer train` uses without --config
+
+
+class UsageError(ValueError):
+    """A command line argparse rejected."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as one line (`routeformer: error: ...`, exit 2,
+    via `main`) instead of printing the usage block and exiting from inside the parser."""
+
+    help_tail = None  # a callable returning text appended to --help (computed only when asked)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+    def format_help(self) -> str:
+        return super().format_help() + (self.help_tail() if self.help_tail else "")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _bounded_int(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _bounded_int(text, 0)
+
+
+def _bounded_int(text: str, minimum: int) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}; got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}; got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0; got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0; got {text!r}")
+    return value
+
+
+def _config_keys_help() -> str:
+    from routeformer.train.config import describe_keys
+
+    return ("\nconfig keys (--key value; the code's defaults, which the --config file may change):\n"
+            + describe_keys() + "\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="routeformer", description="Routed attention for PyTorch.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    compare = commands.add_parser(
+        "compare", help="mechanisms on the same tasks, seeds and budget, one report",
+        description="Train mechanisms on the same tasks (char LM, Zoology MQAR, ListOps; routeformer.tasks) "
+                    "with one backbone, budget and batch stream per seed; report quality as mean ± sd over "
+                    "seeds beside each task's chance level and measured shortcut baselines, executed "
+                    "attention FLOPs, time and memory (report.md + result.json + PNGs). Finished runs are "
+                    "kept: run it again to resume.")
+    compare.add_argument("--quick", action="store_true",
+                         help="the quick budget (about 10 minutes on 2 cores; a subset of mechanisms)")
+    compare.add_argument("--long", action="store_true",
+                         help="the long budget: recall at T=512 and a char LM at T=1024, evaluated at "
+                              "1x/2x/4x, with costs at the same lengths (under 2 hours on 2 cores)")
+    compare.add_argument("--mechanisms", nargs="+", default=None,
+                         help="subset of `routeformer list` (default: the budget's selection)")
+    compare.add_argument("--tasks", nargs="+", default=None,
+                         help="subset of lm mqar listops (default: all)")
+    compare.add_argument("--seeds", type=int, default=None, help="seeds per mechanism (default: 3)")
+    compare.add_argument("--workers", type=int, default=2,
+                         help="training processes, one thread each (default: 2)")
+    compare.add_argument("--corpus", default=None,
+                         help="LM corpus (default: the embedded pydoc; with --long, tinyshakespeare when "
+                              "a local copy exists; wikitext2 for WikiText-2 text)")
+    compare.add_argument("--out", default=None,
+                         help="output directory (default: runs/compare, with --long runs/compare-long)")
+    compare.add_argument("--no-bench", action="store_true", help="skip the layer time/memory benchmark")
+
+    train = commands.add_parser(
+        "train", help="train a character-level language model",
+        description="Train a char-level LM. Extra --key value pairs override the config "
+                    "(dotted, e.g. --model.attention local, or bare when unambiguous, e.g. --steps 100). "
+                    "A run whose out_dir holds a checkpoint resumes from it.")
+    train.add_argument("--config", default=DEFAULT_CONFIG,
+                       help=f"YAML file or bundled config name (default: {DEFAULT_CONFIG})")
+    train.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint and start over")
+    train.help_tail = _config_keys_help
+
+    evaluate = commands.add_parser("eval", help="evaluate a checkpoint on its validation split")
+    evaluate.add_argument("checkpoint", help="run directory or checkpoint file")
+    evaluate.add_argument("--corpus", help="evaluate on another corpus spec's validation split")
+    evaluate.add_argument("--max-tokens", type=positive_int, default=None)
+
+    sample = commands.add_parser("sample", help="generate text from a checkpoint")
+    sample.add_argument("checkpoint", help="run directory or checkpoint file")
+    sample.add_argument("--prompt", default="\n")
+    sample.add_argument("--tokens", type=non_negative_int, default=200)
+    sample.add_argument("--temperature", type=non_negative_float, default=0.8)
+    sample.add_argument("--top-k", type=positive_int, default=None)
+    sample.add_argument("--seed", type=int, default=0)
+
+    commands.add_parser("list", help="list the registered attention mechanisms and their options")
+
+    doctor = commands.add_parser("doctor", help="what this machine has (compiler, CPU, native kernels, "
+                                                "triton, CUDA) and the backend each mechanism takes")
+    doctor.add_argument("--length", type=positive_int, default=1100,
+                        help="tokens of the probe input (above 1024: topk routes on every backend)")
+
+    export_hf = commands.add_parser("export-hf", help="a trained checkpoint as a transformers model")
+    export_hf.add_argument("run_dir", help="run directory or checkpoint file")
+    export_hf.add_argument("out_dir", help="new directory for config.json + model.safetensors")
+
+    bench = commands.add_parser("bench", help="speed and memory benchmarks")
+    bench.add_argument("suite", choices=["ops", "layers", "topk", "structural", "meta", "mita", "meta_tokens",
+                                         "compile", "generate", "gpu"])
+    bench.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 4096, 16384])
+    bench.add_argument("--repeats", type=positive_int, default=5)
+    bench.add_argument("--window", type=positive_int, default=256)
+    bench.add_argument("--batch", type=positive_int, default=1)
+    bench.add_argument("--heads", type=positive_int, default=4)
+    bench.add_argument("--head-dim", type=positive_int, default=64)
+    bench.add_argument("--dim", type=positive_int, default=256, help="meta and compile suites: model dim D")
+    bench.add_argument("--topk", type=positive_int, default=64,
+                       help="topk: keys per query; mita: keys per expert")
+    bench.add_argument("--landmarks", type=positive_int, default=64, help="mita suite: landmarks (experts)")
+    bench.add_argument("--sdpa-up-to", type=positive_int, default=65536,
+                       help="mita suite: longest T timed for SDPA")
+    bench.add_argument("--causal-up-to", type=positive_int, default=65536,
+                       help="mita suite: longest causal T")
+    bench.add_argument("--routing-dim", type=positive_int, default=16, help="topk suite: routing dim")
+    bench.add_argument("--density", type=non_negative_float, default=0.1,
+                       help="meta_tokens suite: meta-token density")
+    bench.add_argument("--new-tokens", type=positive_int, default=32, help="generate suite: tokens to sample")
+    bench.add_argument("--depth", type=positive_int, default=1, help="generate suite: layers of the model")
+    bench.add_argument("--decode-threads", type=positive_int, default=1,
+                       help="generate suite: torch threads for the decode steps (the prefill uses all)")
+    bench.add_argument("--up-to", nargs="+", default=None, metavar="MECHANISM=LENGTH",
+                       help="generate suite: the longest context a mechanism runs at (its prefill is slow)")
+    bench.add_argument("--reread", action="store_true",
+                       help="generate suite: time generation with and without the cache (short contexts) "
+                            "instead of the decode steps")
+    bench.add_argument("--no-flex", action="store_true",
+                       help="ops suite: leave FlexAttention out (compiling it takes seconds)")
+    bench.add_argument("--ops", nargs="+", choices=("local", "linear", "topk"), default=None,
+                       help="ops suite: time only these op families beside SDPA (default: all)")
+    bench.add_argument("--mechanisms", nargs="+", default=None,
+                       help="compile suite: the mechanisms to compile (default: every registered one); "
+                            "layers suite: the ones timed against full (default: local linear topk mita); "
+                            "generate suite: the ones decoded (default: every one with a cache)")
+    bench.add_argument("--output", default=None, help="write a Markdown table (and JSON beside it)")
+
+    reproduce = commands.add_parser("reproduce", help="run a reproduced paper experiment")
+    reproduce.add_argument("name", nargs="?", help="experiment name (see --list)")
+    reproduce.add_argument("--list", action="store_true", help="list the experiments")
+    reproduce.add_argument("--quick", action="store_true", help="a reduced setting that runs in minutes")
+    reproduce.add_argument("--out", default=None, help="output directory (default runs/NAME[-quick])")
+    return parser
+
