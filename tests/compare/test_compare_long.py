@@ -121,11 +121,12 @@ def test_toy_long_compare_reports_every_length_and_resumes(tmp_path, monkeypatch
 
 
 def test_stages_train_one_model_on_each_stage_task():
-    from routeformer.compare.long_jobs import LongJob, train_long_job
+    from routeformer.compare.long_jobs import train_long_job
+    from routeformer.runner.jobs import Job
 
     setup = toy_budget().tasks["mqar"]
     record = train_long_job(
-        LongJob(
+        Job(
             "k",
             "mqar",
             setup.options,

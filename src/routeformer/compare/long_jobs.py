@@ -4,31 +4,19 @@ through its task's curriculum stages and tested at T, 2T and 4T (compare/long_bu
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from routeformer.compare.budgets import options_for, task_options
 from routeformer.compare.long_budget import EVAL_MULTIPLES, LongSetup
-from routeformer.runner.jobs import say
+from routeformer.runner.jobs import Job, say
 from routeformer.train.on_task import ModelSpec
 
 
-@dataclass(frozen=True)
-class LongJob:
-    key: str
-    task: str
-    task_options: dict[str, Any]
-    mechanism: str
-    options: dict[str, Any]
-    seed: int
-    setup: LongSetup
-    spec: ModelSpec = field(default_factory=ModelSpec)
-
-
-def train_long_job(job: LongJob) -> dict[str, Any]:
-    """Train one fresh model through the job's stages; test it at T, 2T and 4T."""
+def train_long_job(job: Job) -> dict[str, Any]:
+    """Train one fresh model through the stages of the job's LongSetup; test it at T, 2T and 4T."""
     from routeformer.tasks import build_task
     from routeformer.train.on_task import build_task_model, evaluate_on_task, parameter_count
     from routeformer.train.task_loop import TaskTrainConfig, train_task
@@ -102,7 +90,7 @@ def _progress(line: str, done: int, total: int) -> str:
 
 def long_jobs(
     tasks: dict[str, LongSetup], mechanisms: list[str], seeds: int, spec: ModelSpec, corpus: str
-) -> list[LongJob]:
+) -> list[Job]:
     """One job per (task, mechanism, seed); meta_tokens on the LM only (it needs injected tokens)."""
     jobs = []
     for task, setup in tasks.items():
@@ -121,7 +109,7 @@ def long_jobs(
             built = task_options(task, mechanism, setup.as_task_setup())
             for seed in range(seeds):
                 jobs.append(
-                    LongJob(
+                    Job(
                         f"long-{task}-{mechanism}-seed{seed}",
                         task,
                         built,

@@ -72,7 +72,7 @@ class Job:
     mechanism: str
     options: dict[str, Any]
     seed: int
-    setup: TaskSetup
+    setup: Any  # a TaskSetup; compare --long's jobs carry a LongSetup (compare/long_budget.py)
     spec: ModelSpec = field(default_factory=ModelSpec)
 
 
