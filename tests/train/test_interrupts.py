@@ -29,6 +29,16 @@ loop = importlib.import_module("routeformer.train.loop")
 SPEED = ("tokens_per_s", "peak_mem_mib")  # measurements of the machine, not of the run
 
 
+@pytest.fixture(autouse=True)
+def python_handles_sigint():
+    """Python's own SIGINT handler for every test here, whoever started pytest: a shell starts a
+    background job (`cmd &`, nohup) with SIGINT ignored, and a process that inherits the ignoring
+    keeps it (as it should) — then no Ctrl-C could reach the runs these tests interrupt."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def records(run):
     return [{k: v for k, v in json.loads(line).items() if k not in SPEED}
             for line in (run / "metrics.jsonl").read_text().splitlines()]
