@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.compare.long_budget import EVAL_MULTIPLES, LongSetup
-from routeformer.compare.report import pareto_front, separated
+from routeformer.compare.report import earlier_invocations, pareto_front, separated
 from routeformer.runner.report import markdown_table, mean_sd, provenance, scatter_plot, write_result
 from routeformer.train.on_task import ModelSpec
 
@@ -69,11 +69,15 @@ def write_long_report(
     failed: dict[str, str],
 ) -> Path:
     spec: ModelSpec = budget.spec
+    earlier = earlier_invocations(out / "result.json")
     sections = [
         "# routeformer compare --long: quality and cost where routing pays",
-        provenance(command) + f" Wall-clock: {elapsed:.0f} s ({elapsed / 60:.1f} min; {workers} training "
-        "processes, one thread each, then the cost measurements in one thread; runs finished by an "
-        "earlier invocation are not re-timed).",
+        provenance(command) + f" Wall-clock of this invocation: {elapsed:.0f} s ({elapsed / 60:.1f} min; "
+        f"{workers} training processes, one thread each, then the cost measurements in one thread; runs "
+        "finished by an earlier invocation are read, not re-run)" + (
+            "; earlier invocations that wrote this report: " + ", ".join(
+                f"{run['elapsed_seconds']:.0f} s (`{run['command']}`)" for run in earlier) if earlier else "")
+        + ".",
         f"One backbone for every mechanism ({spec.depth} layers, D={spec.dim}, {spec.heads} heads, MLP ratio "
         f"{spec.mlp_ratio}, {spec.positions} positions); per seed every mechanism sees the same batches. "
         "Training follows a curriculum (stages below: shorter, easier versions of the task first; "
@@ -87,7 +91,9 @@ def write_long_report(
         "median of the per-round ratios (< 1: cheaper than full); FLOPs: attention FLOPs executed per "
         "sequence; peak MiB: extra memory of one training step at T. A difference counts only beyond 3 sd.",
     ]
-    summary: dict[str, Any] = {"command": command, "elapsed_seconds": elapsed, "tasks": {}, "failed": failed}
+    summary: dict[str, Any] = {
+        "command": command, "elapsed_seconds": elapsed, "tasks": {}, "failed": failed,
+        "invocations": [*earlier, {"command": command, "elapsed_seconds": elapsed}]}
     for task, by_mechanism in runs.items():
         setup = setups[task]
         stages = "; ".join(

@@ -153,7 +153,8 @@ def earlier_invocations(result_json: Path) -> list[dict[str, Any]]:
     if "invocations" in previous:
         return list(previous["invocations"])
     if "elapsed_seconds" in previous:  # written before invocations were kept
-        return [{"command": "routeformer compare", "elapsed_seconds": previous["elapsed_seconds"]}]
+        return [{"command": previous.get("command", "routeformer compare"),
+                 "elapsed_seconds": previous["elapsed_seconds"]}]
     return []
 
 
