@@ -56,17 +56,14 @@ def toy_budget():
     )
 
 
+def run_toy(out):
+    return run_compare_long(toy_budget(), out, mechanisms=["full", "local", "meta_tokens"],
+                            tasks=["mqar", "lm"], seeds=2, workers=1, corpus="pydoc")
+
+
 def test_toy_long_compare_reports_every_length_and_resumes(tmp_path, monkeypatch):
     out = tmp_path / "long"
-    report = run_compare_long(
-        toy_budget(),
-        out,
-        mechanisms=["full", "local", "meta_tokens"],
-        tasks=["mqar", "lm"],
-        seeds=2,
-        workers=1,
-        corpus="pydoc",
-    )
+    report = run_toy(out)
     result = json.loads((out / "result.json").read_text())
     records = result["records"]
     assert all(RECORD_FIELDS <= set(record) for record in records)
@@ -108,15 +105,7 @@ def test_toy_long_compare_reports_every_length_and_resumes(tmp_path, monkeypatch
 
     monkeypatch.setattr(long_run, "train_long_job", must_not_run)
     monkeypatch.setattr(long_run, "measure_long_costs", must_not_run)
-    run_compare_long(
-        toy_budget(),
-        out,
-        mechanisms=["full", "local", "meta_tokens"],
-        tasks=["mqar", "lm"],
-        seeds=2,
-        workers=1,
-        corpus="pydoc",
-    )
+    run_toy(out)
     assert json.loads((out / "result.json").read_text())["records"] == records
 
 
