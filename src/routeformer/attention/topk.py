@@ -43,7 +43,15 @@ A hard top-k passes no gradient to W_r, so "routing learns" needs a signal (`rou
   r_k to k, so it costs one gather of r extra dims.
 - "distill": aux loss `distill_weight` · KL(p || softmax(s/τ)) over R_i, p being the main attention
   distribution over R_i, detached (the objective DeepSeek's sparse attention uses to train its
-  lightning indexer). Attention logits are plain q·k/√d.
+  lightning indexer). Attention logits are plain q·k/√d. Trained the way DSA trains its indexer
+  (attention/topk_distill.py): the router reads x detached (`detach_router_input=True`), so the
+  routing loss trains the router only and the backbone learns from the task loss alone (coupled,
+  `False`, the routing loss also moved the residual stream: the long recall's first stage then
+  failed on 2 seeds of 3); the KL is averaged over `distill_queries` query rows sampled per training
+  call (default 64; None = every row), an unbiased estimate at O(n·K) instead of O(T·K) (the
+  all-row loss was ~65 % of the layer's training step at T = 512-1024); `distill_dense_steps`
+  (default 0) training calls of a dense warm-up first, where the KL covers every eligible key
+  instead of R_i (DSA's warm-up; on the sampled rows, O(n·T)).
 - "none": W_r are fixed random projections (an LSH-style baseline); nothing learns the routing.
 The default is "distill", chosen on validation data (`routeformer reproduce topk-routing-learning`,
 compare --quick's MQAR and char LM, recency router, K = T/8, 3 seeds; docs/results/topk.md) as the
@@ -73,10 +81,11 @@ kernel and tie rule (`ops.topk_decode.route_cached`) and attends to its K routed
 keys only: a step reads O(L·r) routing numbers and O((K + w + g)·d) keys/values per head instead of
 full attention's O(L·d). Exploration has no cached form (refused in training mode).
 
-stats: `routing_recall` (fraction of the dense attention mass inside R_i, on `recall_queries`
-evenly spaced queries), `head_overlap` (mean Jaccard overlap of R_i between pairs of heads),
-`selected_keys` (mean valid slots per query), `routing_flops` and `flops` (routing + attention
-executed). The recall probe itself is a diagnostic and is not counted in `flops`.
+stats: `selected_keys` (mean valid slots per query), `routing_flops` and `flops` (routing +
+attention + the routing loss's products, executed); at evaluation only (the probe costs O(n·T·d)),
+`routing_recall` (fraction of the dense attention mass inside R_i, on `recall_queries` evenly
+spaced queries) and `head_overlap` (mean Jaccard overlap of R_i between pairs of heads). The recall
+probe itself is a diagnostic and is not counted in `flops`.
 """
 
 from __future__ import annotations
@@ -89,11 +98,12 @@ from torch import Tensor
 
 from routeformer.attention.base import AttentionLayer, AttentionOutput
 from routeformer.attention.registry import register_attention
+from routeformer.attention.topk_distill import routing_loss, sample_rows
 from routeformer.attention.topk_router import Router
 from routeformer.ops._checks import check_positive
 from routeformer.ops.backends import NATIVE, TOPK_DENSE_BELOW, TORCH, chosen, topk_dense_below
 from routeformer.ops.decode import append_keys_values
-from routeformer.ops.gathered import gathered_dot, routed_attention, slot_membership
+from routeformer.ops.gathered import routed_attention, slot_membership
 from routeformer.ops.topk_decode import append_routing_keys, route_cached
 from routeformer.ops.topk_routing import DEFAULT_ROUTING_BLOCK, add_random_slots, route_topk
 
@@ -116,7 +126,9 @@ class TopKAttention(AttentionLayer):
         temperature: float = 1.0, entropy_weight: float = 0.0, exploration: float = 0.0,
         global_tokens: int = 0, local_window: int = 0, shared_routing: bool = False,
         router_hidden: int = 0, recall_queries: int = 16, block: int = DEFAULT_ROUTING_BLOCK,
-        dense_below: int | None = None, routing_positions: str = "recency", **common,
+        dense_below: int | None = None, routing_positions: str = "recency",
+        detach_router_input: bool = True, distill_queries: int | None = 64, distill_dense_steps: int = 0,
+        **common,
     ) -> None:
         super().__init__(dim, heads, causal, **common)
         check_positive("topk", topk)
@@ -140,6 +152,14 @@ class TopKAttention(AttentionLayer):
                 raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
         if distill_weight < 0:
             raise ValueError(f"distill_weight must be >= 0; got {distill_weight}")
+        if distill_queries is not None and (not isinstance(distill_queries, int) or distill_queries < 1):
+            raise ValueError("distill_queries must be an integer >= 1 or None (every query); "
+                             f"got {distill_queries!r}")
+        if not isinstance(distill_dense_steps, int) or distill_dense_steps < 0:
+            raise ValueError(f"distill_dense_steps must be an integer >= 0; got {distill_dense_steps!r}")
+        if distill_dense_steps and routing_learning != "distill":
+            raise ValueError("distill_dense_steps needs routing_learning='distill'; "
+                             f"got routing_learning={routing_learning!r}")
         if entropy_weight and routing_learning == "none":
             raise ValueError("entropy_weight needs a learnable router; routing_learning='none' is frozen")
         self.topk, self.routing_dim, self.routing_learning = topk, routing_dim, routing_learning
@@ -148,6 +168,11 @@ class TopKAttention(AttentionLayer):
         self.exploration, self.global_tokens, self.local_window = exploration, global_tokens, local_window
         self.shared_routing, self.recall_queries, self.block = shared_routing, recall_queries, block
         self.dense_below = dense_below
+        self.detach_router_input, self.distill_queries = bool(detach_router_input), distill_queries
+        self.distill_dense_steps = distill_dense_steps
+        if distill_dense_steps:
+            # training calls so far (checkpointed): the dense warm-up covers the first ones
+            self.register_buffer("distill_step", torch.zeros((), dtype=torch.long))
         self._warned_capped = False
         routing_heads = 1 if shared_routing else heads
         self.routing_positions = routing_positions
@@ -174,7 +199,7 @@ class TopKAttention(AttentionLayer):
         """The parallel pass: (output, the keys attention scored k_att [B, H, T, d(+r)], v, route_k)."""
         q, k, v = self.project_qkv(x, positions)
         batch, heads, length, head_dim = q.shape
-        route_q, route_k = self.router(x, positions)
+        route_q, route_k = self.router(self.router_input(x), positions)
         # Exploration replaces routed slots by random ones (§9.1), but never all of them: with
         # K = 1 and exploration 0.6 the one slot stays routed (round() alone would leave none).
         explore = min(round(self.exploration * self.topk), self.topk - 1) if self.training else 0
@@ -209,8 +234,9 @@ class TopKAttention(AttentionLayer):
             "flops": torch.tensor(float(routing_flops + attention_flops + aux_flops)),
             "routing_flops": torch.tensor(float(routing_flops)),
             "selected_keys": valid.float().sum(-1).mean().detach(),
-            **self.routing_diagnostics(q, k, index, valid, mask),
         }
+        if not self.training:  # a diagnostic: the probe costs O(n·T·d) a call, so evaluation only
+            stats.update(self.routing_diagnostics(q, k, index, valid, mask))
         return AttentionOutput(out=out, aux_loss=aux_loss, stats=stats), k_att, v, route_k
 
     # -- cached decoding -------------------------------------------------------------------
@@ -235,7 +261,7 @@ class TopKAttention(AttentionLayer):
             result, k_att, v, route_k = self._routed_forward(x, None, positions)
         else:
             q, k, v = self.project_qkv(x, positions)
-            route_q, route_k = self.router(x, positions)
+            route_q, route_k = self.router(self.router_input(x), positions)
             q_att, k_att, scale = self._attention_inputs(q, k, route_q, route_k)
         append_keys_values(cache, k_att, v)
         append_routing_keys(cache, route_k.detach())
@@ -278,42 +304,35 @@ class TopKAttention(AttentionLayer):
                 "keys of this input; every query reads all its eligible keys (full attention). "
                 "Warned once per layer.", UserWarning, stacklevel=2)
 
+    def router_input(self, x: Tensor) -> Tensor:
+        """What the router reads: x detached by default (`detach_router_input`), so the routing
+        loss trains the router alone and the backbone learns only from the task loss (DSA's rule);
+        x itself (the coupled ablation) lets the routing loss move the residual stream too."""
+        return x.detach() if self.detach_router_input else x
+
+    def distilling_densely(self) -> bool:
+        """True during the dense warm-up: the first `distill_dense_steps` training calls."""
+        return bool(self.distill_dense_steps) and int(self.distill_step) < self.distill_dense_steps
+
     def routing_aux_loss(
         self, q: Tensor, k: Tensor, route_q: Tensor, route_k: Tensor, index: Tensor, valid: Tensor,
         mask: Tensor | None,
     ) -> tuple[Tensor, int]:
-        """Distillation and entropy terms on the router's distribution over each R_i."""
+        """Distillation and entropy terms (attention/topk_distill.py), in training only, on
+        `distill_queries` sampled query rows; over every eligible key during the dense warm-up,
+        else over each row's routed set R_i."""
         distill = self.routing_learning == "distill" and self.distill_weight > 0 and self.training
         entropy = self.entropy_weight != 0 and self.training
         if not (distill or entropy):
             return q.new_zeros(()), 0
-        router_logits = gathered_dot(route_q, route_k, index) / self.temperature
-        router_logits = router_logits.masked_fill(~valid, float("-inf"))
-        router_log_probs = _safe_log_softmax(router_logits, valid)
-        rows = valid.any(dim=-1)
-        if mask is not None:
-            rows = rows & mask[:, None, :]
-        rows = rows.float()
-        flops = 2 * index.numel() * route_q.shape[-1]
-        loss = q.new_zeros(())
-        if distill:
-            with torch.no_grad():
-                # The main attention's distribution over R_i (q·k/√d; with score_bias the bias
-                # is the router's own output, so the target leaves it out).
-                batch, heads = q.shape[:2]
-                head_index = index.expand(batch, heads, *index.shape[2:])
-                logits = gathered_dot(q, k, head_index) * q.shape[-1] ** -0.5
-                target = _safe_log_softmax(logits.masked_fill(~valid, float("-inf")), valid).exp()
-                target = target.masked_fill(~valid, 0.0)
-                if index.shape[1] == 1 and heads > 1:
-                    target = target.mean(dim=1, keepdim=True)  # one shared router serves all heads
-                flops += 2 * head_index.numel() * q.shape[-1]
-            kl = (target * (torch.log(target.clamp_min(1e-30)) - router_log_probs)).sum(-1)
-            loss = loss + self.distill_weight * (kl * rows).sum() / rows.sum().clamp_min(1)
-        if entropy:
-            ent = -(router_log_probs.exp() * router_log_probs).sum(-1)
-            loss = loss - self.entropy_weight * (ent * rows).sum() / rows.sum().clamp_min(1)
-        return loss, flops
+        dense = self.distilling_densely()
+        if self.distill_dense_steps:
+            self.distill_step += 1
+        rows = sample_rows(q.shape[2], self.distill_queries, q.device)
+        return routing_loss(
+            q, k, route_q, route_k, index, valid, mask, causal=self.causal, rows=rows, dense=dense,
+            temperature=self.temperature, distill_weight=self.distill_weight if distill else 0.0,
+            entropy_weight=self.entropy_weight)
 
     @torch.no_grad()
     def routing_diagnostics(
@@ -358,9 +377,3 @@ class TopKAttention(AttentionLayer):
         return (super().extra_repr() + f", topk={self.topk}, routing_dim={self.routing_dim}, "
                 f"routing_learning={self.routing_learning!r}, routing_positions={self.routing_positions!r}")
 
-
-def _safe_log_softmax(logits: Tensor, valid: Tensor) -> Tensor:
-    """log_softmax over valid slots; rows with no valid slot give zeros instead of NaN."""
-    has_any = valid.any(dim=-1, keepdim=True)
-    safe = torch.where(has_any, logits, torch.zeros_like(logits))
-    return torch.where(valid, safe.log_softmax(dim=-1), torch.zeros_like(logits))

@@ -22,6 +22,8 @@ def command_bench(args: argparse.Namespace) -> int:
         from routeformer.bench.layers_bench import command_layers
 
         return command_layers(args)
+    if args.suite == "steps":  # a whole model's training step, compare --long's budgets
+        return _bench_steps(args)
     if args.suite == "meta":
         return _bench_meta(args, settings)
     if args.suite == "compile":
@@ -184,3 +186,34 @@ def _bench_meta(args: argparse.Namespace, settings: dict) -> int:
         print(f"wrote {output} and {output.with_suffix('.json')}")
     return 0
 
+
+
+def _bench_steps(args: argparse.Namespace) -> int:
+    from routeformer.bench.model_steps import STEP_HEADER, model_step_rows
+    from routeformer.bench.timing import machine_description
+    from routeformer.compare.budgets import options_for
+    from routeformer.compare.long_budget import LONG
+
+    from routeformer.attention import list_attentions
+
+    mechanisms = args.mechanisms or ["topk", "mita", "meta"]
+    unknown = [m for m in mechanisms if m not in list_attentions()]
+    if unknown:
+        raise ValueError(f"mechanisms: unknown {unknown}; registered: {sorted(list_attentions())}")
+    lengths = args.lengths if args.lengths != [1024, 4096, 16384] else [512, 1024, 2048, 4096]
+    print(STEP_HEADER, flush=True)
+    rows = model_step_rows(mechanisms, lengths, options_for=options_for, spec=LONG.spec, tokens=args.tokens,
+                           repeats=args.repeats, progress=lambda line: print(line, flush=True))
+    if args.output:
+        from routeformer.bench.model_steps import format_step_row
+
+        output = Path(args.output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        settings = {"model": asdict(LONG.spec), "tokens_per_step": args.tokens, "threads": 1,
+                    "repeats": args.repeats, "machine": machine_description()}
+        output.write_text("# Training step of compare --long's model, against full in the same rounds\n\n"
+                          f"Settings: {json.dumps(settings)}\n\n" + STEP_HEADER + "\n"
+                          + "\n".join(format_step_row(row) for row in rows) + "\n")
+        output.with_suffix(".json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
+        print(f"wrote {output} and {output.with_suffix('.json')}")
+    return 0

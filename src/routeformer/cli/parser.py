@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="speed and memory benchmarks")
     bench.add_argument("suite", choices=["ops", "layers", "topk", "structural", "meta", "mita", "meta_tokens",
-                                         "compile", "generate", "gpu"])
+                                         "compile", "generate", "gpu", "steps"])
     bench.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 4096, 16384])
     bench.add_argument("--repeats", type=positive_int, default=5)
     bench.add_argument("--window", type=positive_int, default=256)
@@ -165,7 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--mechanisms", nargs="+", default=None,
                        help="compile suite: the mechanisms to compile (default: every registered one); "
                             "layers suite: the ones timed against full (default: local linear topk mita); "
+                            "steps suite: the ones whose model step is timed against full's "
+                            "(default: topk mita meta); "
                             "generate suite: the ones decoded (default: every one with a cache)")
+    bench.add_argument("--tokens", type=positive_int, default=8192,
+                       help="steps suite: tokens per training step at every length (batch = tokens // T)")
     bench.add_argument("--output", default=None, help="write a Markdown table (and JSON beside it)")
 
     reproduce = commands.add_parser("reproduce", help="run a reproduced paper experiment")
