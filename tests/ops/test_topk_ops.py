@@ -103,27 +103,33 @@ def test_random_slots_are_eligible_and_distinct():
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_routed_attention_matches_reference_forward_and_gradients(causal):
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float64, 8), (torch.float32, 8), (torch.float32, 32)])
+def test_routed_attention_matches_reference_forward_and_gradients(causal, dtype, head_dim):
+    """fp32 runs the kernels' vector exp (native) against the float64 reference."""
     gen = torch.Generator().manual_seed(4)
     shape = (2, 3, 45)
-    q = torch.randn(*shape, 8, generator=gen, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(*shape, 8, generator=gen, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(*shape, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(*shape, head_dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(*shape, head_dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(*shape, 5, generator=gen, dtype=torch.float64)
     key_mask = torch.ones(2, 45, dtype=torch.bool)
     key_mask[1, 40:] = False
-    index, valid, _ = route_topk(q.detach(), k.detach(), 6, causal=causal, key_mask=key_mask, group=4)
+    index, valid, _ = route_topk(q, k, 6, causal=causal, key_mask=key_mask, group=4)
     index, valid = add_random_slots(index, valid, 2, causal=causal, key_mask=key_mask, generator=gen)
-    out, lse = routed_attention(q, k, v, index, valid, block=16)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    ours_q, ours_k, ours_v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    out, lse = routed_attention(ours_q, ours_k, ours_v, index, valid, block=16)
     expected = routed_attention_reference(q, k, v, index, valid)
-    torch.testing.assert_close(out, expected)
-    grad = torch.randn_like(out)
-    ours = torch.autograd.grad(out, (q, k, v), grad)
+    tolerance = {} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 2e-6}
+    torch.testing.assert_close(out.double(), expected, **tolerance)
+    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    ours = torch.autograd.grad(out, (ours_q, ours_k, ours_v), grad.to(dtype))
     theirs = torch.autograd.grad(expected, (q, k, v), grad)
     for name, a, b in zip("qkv", ours, theirs, strict=True):
-        torch.testing.assert_close(a, b, msg=f"grad {name}")
+        torch.testing.assert_close(a.double(), b, msg=f"grad {name}", **tolerance)
     # lse is the log-sum-exp of the valid logits
-    logits = gathered_dot_reference(q, k, index) * 8 ** -0.5
-    torch.testing.assert_close(lse, logits.masked_fill(~valid, float("-inf")).logsumexp(-1))
+    logits = gathered_dot_reference(q, k, index) * head_dim ** -0.5
+    torch.testing.assert_close(lse.double(), logits.masked_fill(~valid, float("-inf")).logsumexp(-1).detach(),
+                               **tolerance)
 
 
 def test_routed_attention_rows_without_keys_are_zero():

@@ -300,18 +300,21 @@ void NAME(const T_ *q, const T_ *k, const T_ *v, const int64_t *index, const uin
             logits[e] = dot * (T_)scale;                                                           \
             if (logits[e] > best) best = logits[e];                                                \
         }                                                                                          \
-        T_ *result = out + row * value_dim;                                                        \
+        T_ *restrict result = out + row * value_dim;                                               \
         for (int64_t c = 0; c < value_dim; c++) result[c] = 0;                                     \
         if (best == -INFINITY) { lse[row] = -INFINITY; continue; }                                 \
+        /* the weights exp(logit − best) on vector lanes; invalid slots then get 0 */              \
+        for (int64_t e = 0; e < slots; e++) if (!row_valid[e]) logits[e] = best;                   \
+        exp_sum_##T_(logits, slots, best);                                                         \
         T_ total = 0;                                                                              \
         for (int64_t e = 0; e < slots; e++) {                                                      \
             if (e + PREFETCH_AHEAD < slots)                                                        \
                 prefetch_row(value_base + row_index[e + PREFETCH_AHEAD] * value_dim,               \
                              value_dim * sizeof(T_));                                              \
             if (!row_valid[e]) continue;                                                           \
-            T_ weight = EXP(logits[e] - best);                                                     \
+            T_ weight = logits[e];                                                                 \
             total += weight;                                                                       \
-            const T_ *value = value_base + row_index[e] * value_dim;                               \
+            const T_ *restrict value = value_base + row_index[e] * value_dim;                      \
             for (int64_t c = 0; c < value_dim; c++) result[c] += weight * value[c];                \
         }                                                                                          \
         for (int64_t c = 0; c < value_dim; c++) result[c] /= total;                                \
@@ -343,28 +346,45 @@ void NAME(const T_ *q, const T_ *k, const T_ *v, const int64_t *index, const uin
         int64_t b = bh / heads, h = bh % heads;                                                    \
         const T_ *key_base = k + bh * keys * dim, *value_base = v + bh * keys * value_dim;         \
         T_ *grad_key_base = grad_k + bh * keys * dim, *grad_value_base = grad_v + bh * keys * value_dim; \
+        T_ prob[MAX_SLOTS], dlogit[MAX_SLOTS];                                                     \
         for (int64_t t = 0; t < length; t++) {                                                     \
             int64_t row = bh * length + t;                                                         \
             int64_t offset = b * index_batch_stride + h * index_head_stride + t * slots;          \
-            const T_ *query = q + row * dim, *dout = grad_out + row * value_dim;                   \
-            T_ *grad_query = grad_q + row * dim;                                                   \
+            const int64_t *row_index = index + offset;                                             \
+            const uint8_t *row_valid = valid + offset;                                             \
+            const T_ *restrict query = q + row * dim, *restrict dout = grad_out + row * value_dim; \
+            T_ *restrict grad_query = grad_q + row * dim;                                          \
             for (int64_t c = 0; c < dim; c++) grad_query[c] = 0;                                   \
             if (lse[row] == -INFINITY) continue; /* no valid slot: no gradient */                 \
             T_ delta = dot_##T_(dout, out + row * value_dim, value_dim);                         \
+            T_ row_lse = lse[row];                                                                 \
+            /* Pass 1, loads only: every slot's logit and dout·v (independent dots overlap). */   \
             for (int64_t e = 0; e < slots; e++) {                                                  \
                 if (e + PREFETCH_AHEAD < slots) {                                                  \
-                    int64_t ahead = index[offset + e + PREFETCH_AHEAD];                            \
+                    int64_t ahead = row_index[e + PREFETCH_AHEAD];                                 \
                     prefetch_row(key_base + ahead * dim, dim * sizeof(T_));                        \
                     prefetch_row(value_base + ahead * value_dim, value_dim * sizeof(T_));          \
-                    prefetch_row(grad_key_base + ahead * dim, dim * sizeof(T_));                   \
-                    prefetch_row(grad_value_base + ahead * value_dim, value_dim * sizeof(T_));     \
                 }                                                                                  \
-                if (!valid[offset + e]) continue;                                                  \
-                int64_t j = index[offset + e];                                                     \
-                const T_ *key = key_base + j * dim, *value = value_base + j * value_dim;           \
-                T_ p = EXP(dot_##T_(query, key, dim) * (T_)scale - lse[row]);                    \
-                T_ ds = p * (dot_##T_(dout, value, value_dim) - delta) * (T_)scale;              \
-                T_ *grad_value = grad_value_base + j * value_dim, *grad_key = grad_key_base + j * dim; \
+                int64_t j = row_valid[e] ? row_index[e] : 0;                                       \
+                prob[e] = dot_##T_(query, key_base + j * dim, dim) * (T_)scale - row_lse;          \
+                dlogit[e] = dot_##T_(dout, value_base + j * value_dim, value_dim);                 \
+            }                                                                                      \
+            /* Pass 2: p = exp(logit − lse) on vector lanes (logit <= lse), then                   \
+             * ds = p·(dout·v − delta)·scale; invalid slots get 0. */                              \
+            exp_sum_##T_(prob, slots, (T_)0);                                                      \
+            for (int64_t e = 0; e < slots; e++) {                                                  \
+                T_ p = row_valid[e] ? prob[e] : (T_)0;                                             \
+                prob[e] = p;                                                                       \
+                dlogit[e] = p * (dlogit[e] - delta) * (T_)scale;                                   \
+            }                                                                                      \
+            /* Pass 3, the updates: dq = Σ ds·k, dk += ds·q, dv += p·dout. */                     \
+            for (int64_t e = 0; e < slots; e++) {                                                  \
+                if (!row_valid[e]) continue;                                                       \
+                int64_t j = row_index[e];                                                          \
+                const T_ *restrict key = key_base + j * dim;                                       \
+                T_ p = prob[e], ds = dlogit[e];                                                    \
+                T_ *restrict grad_value = grad_value_base + j * value_dim;                         \
+                T_ *restrict grad_key = grad_key_base + j * dim;                                   \
                 for (int64_t c = 0; c < value_dim; c++) grad_value[c] += p * dout[c];              \
                 for (int64_t c = 0; c < dim; c++) grad_query[c] += ds * key[c];                    \
                 for (int64_t c = 0; c < dim; c++) grad_key[c] += ds * query[c];                    \
