@@ -51,7 +51,8 @@ def test_statistics_and_pareto_front():
 def test_options_scale_with_the_task_length():
     assert budgets.options_for("local", 128) == {"window": 32}
     assert budgets.options_for("topk", 32) == {"topk": 4}
-    assert budgets.options_for("topk", 512) == budgets.options_for("topk", 4096) == {"topk": 64}  # keys, not T/8
+    # a budget in keys from T=512 on, not T/8
+    assert budgets.options_for("topk", 512) == budgets.options_for("topk", 4096) == {"topk": 64}
     assert budgets.options_for("full", 32) == {}
 
 
