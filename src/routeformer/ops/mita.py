@@ -65,6 +65,7 @@ from torch import Tensor
 
 from routeformer.ops._checks import check_positive, check_qkv
 from routeformer.ops.attention_lse import MASKED, merge_partials
+from routeformer.ops.backends import NATIVE, mita_causal_backend
 from routeformer.ops.flops import dense_attention_flops
 from routeformer.ops.mita_experts import (
     attend_part,
@@ -232,7 +233,13 @@ def _causal(q, k, v, real, *, landmarks, topk, route, shared, block, scale, pack
     value_dim = v.shape[-1]
     landmark, landmark_valid = pool_landmarks(q, real, landmarks, block=block, grid=None, extra_tokens=0)
     experts = landmark.shape[2]  # completed blocks some query reads: ⌈N/b⌉ − 1
-    local_out, local_lse, flops = local_causal_part(q, k, v, None if bool(real.all()) else real, block, scale)
+    unpadded = bool(real.all())
+    native = experts > 0 and mita_causal_backend(q, k, v, padded=not unpadded, routes=route)[0] == NATIVE
+    if native:
+        local_out = local_lse = None
+        flops = batch * heads * dense_attention_flops(_local_pairs(length, block), dim, value_dim)
+    else:
+        local_out, local_lse, flops = local_causal_part(q, k, v, None if unpadded else real, block, scale)
     counts = torch.zeros(batch * heads * experts, dtype=torch.long, device=q.device)
     if experts == 0:  # one block: exact causal attention
         return local_out, flops, counts, experts
@@ -241,6 +248,10 @@ def _causal(q, k, v, real, *, landmarks, topk, route, shared, block, scale, pack
     landmark_values, top_index, top_valid = landmark_attention(landmark, k, v, limit, topk=topk, scale=scale)
     pairs = landmark_pairs(limit, batch * heads * length)
     flops += batch * heads * dense_attention_flops(pairs, dim, value_dim)
+    if native:
+        out, query_flops, counts = _causal_native(q, k, v, landmark, landmark_values, top_index, top_valid,
+                                                  landmarks=landmarks, shared=shared, block=block, scale=scale)
+        return out, flops + query_flops, counts, experts
 
     # The landmark window of every block c: blocks c − M .. c − 1 ([C, M], −M..−1 for block 0).
     blocks, window = experts + 1, min(landmarks, experts)
@@ -280,6 +291,64 @@ def _causal(q, k, v, real, *, landmarks, topk, route, shared, block, scale, pack
         parts.extend((routed_out[:, :, :, slot], routed_lse[:, :, :, slot]) for slot in range(routes))
         flops += routed_flops
     return merge_partials(parts), flops, counts, experts
+
+
+def _local_pairs(length: int, block: int) -> int:
+    """(query, key) pairs of the own-block causal part: a triangle per block."""
+    full, rest = divmod(length, block)
+    return full * block * (block + 1) // 2 + rest * (rest + 1) // 2
+
+
+def _causal_native(q, k, v, landmark, landmark_values, top_index, top_valid, *, landmarks, shared, block,
+                   scale):
+    """The causal query side (own block, shared window, routed expert, R = 1, unpadded input) by the
+    C kernels (ops/native/mita_train.py), forward and backward: what `_causal`'s PyTorch parts
+    compute, under one softmax per query. Routing (no gradient: a hard argmax) is decided here, in
+    PyTorch, exactly as the PyTorch path decides it. Returns (out, executed FLOPs, bucket counts)."""
+    from routeformer.ops.native.mita_train import mita_causal_query_side
+
+    batch, heads, length, dim = q.shape
+    value_dim, experts = v.shape[-1], landmark.shape[2]
+    blocks, window = experts + 1, min(landmarks, experts)
+    width = top_index.shape[-1]
+    rows_per_block = torch.full((blocks,), block, dtype=torch.long)
+    rows_per_block[-1] = length - (blocks - 1) * block
+    window_sizes = torch.arange(blocks).clamp_max(window)  # landmarks block c reads: min(c, M)
+    pairs = int((rows_per_block * window_sizes).sum()) if shared else 0
+    flops = 0
+    if width > 0:
+        with torch.no_grad():  # the routing logits only pick the expert (the kernel rescores them)
+            window_index = (torch.arange(blocks, device=q.device)[:, None] - window
+                            + torch.arange(window, device=q.device)[None, :])
+            window_ok = window_index >= 0  # [C, M]; every landmark of an unpadded input is valid
+            window_index = window_index.clamp_min(0)
+            pad = blocks * block - length
+            query_blocks = F.pad(q.detach(), (0, 0, 0, pad)).view(batch, heads, blocks, block, dim)
+            window_landmarks = landmark.detach()[:, :, window_index] * scale  # [B, H, C, M, d]
+            query_logits = query_blocks @ window_landmarks.transpose(-1, -2)  # [B, H, C, b, M]
+            routed = query_logits.masked_fill(~window_ok[:, None, :], MASKED).topk(1, dim=-1)
+            assignment = window_index[None, None, :, None, :].expand(batch, heads, -1, block, -1) \
+                .gather(-1, routed.indices)
+            assignment = torch.where(routed.values > MASKED / 2, assignment, -1)
+            assignment = assignment.reshape(batch, heads, blocks * block)[:, :, :length].contiguous()
+        flops += batch * heads * 2 * blocks * block * window * dim
+        expert_keys, expert_values = gather_experts(k, v, top_index)
+        key_ok = None if bool(top_valid.all()) else top_valid.to(torch.uint8)
+        valid = assignment >= 0
+        items = int(valid.sum())
+        pairs += items * width
+        group = torch.arange(batch * heads, device=q.device).view(batch, heads, 1) * experts
+        counts = torch.bincount((group + assignment)[valid], minlength=batch * heads * experts)
+    else:
+        assignment = torch.full((batch, heads, length), -1, dtype=torch.long, device=q.device)
+        expert_keys = q.new_zeros(batch, heads, experts, 0, dim)
+        expert_values = v.new_zeros(batch, heads, experts, 0, value_dim)
+        key_ok = None
+        counts = torch.zeros(batch * heads * experts, dtype=torch.long, device=q.device)
+    out, _ = mita_causal_query_side(q, k, v, landmark, landmark_values, expert_keys, expert_values, key_ok,
+                                    assignment, block, window, shared, float(scale))
+    flops += batch * heads * dense_attention_flops(pairs, dim, value_dim)
+    return out, flops, counts
 
 
 # -- the op -------------------------------------------------------------------------------------
