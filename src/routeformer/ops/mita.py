@@ -36,6 +36,16 @@ rest of its expert empty; M larger than the completed blocks reads all of them; 
 makes the whole input one block, i.e. exact causal attention — each is the streaming definition,
 not a clamp.
 
+Causal query side, two implementations (`ops.backends.mita_causal_backend` picks): the PyTorch parts
+(own block by `local_causal_part`, the shared window by `attend_part`, the routed experts packed by
+expert by `routed_parts`, merged by their log-sum-exps) — the twin, and the path for padded inputs,
+R > 1 and non-CPU tensors; and, for unpadded CPU fp32/fp64 inputs with R = 1, the C kernels of
+native/mita_train_kernels.c (forward and backward), which read each query's b + M + K pairs under one
+softmax in one pass per (batch, head). Both take the same routing decision (computed in PyTorch) and
+the same landmark stage; tests/ops/test_mita_native.py compares their values and gradients, and both
+against `mita_reference`. Measured (one thread, compare --long's model, block 64, M = 16, K = 64):
+the op's training step at T = 2048 from 196 ms to ~90 ms (B = 4, H = 2, d = 32).
+
 Padding (`mask`): padded rows may hold anything (they are zeroed first: masked_fill, not a product,
 since 0·NaN = NaN). The real tokens of each row are moved to its front (a stable gather; nothing
 moves for right padding), so the layout — windows, blocks, landmark counts — is that of the real
@@ -314,7 +324,7 @@ def _causal_native(q, k, v, landmark, landmark_values, top_index, top_valid, *, 
     rows_per_block = torch.full((blocks,), block, dtype=torch.long)
     rows_per_block[-1] = length - (blocks - 1) * block
     window_sizes = torch.arange(blocks).clamp_max(window)  # landmarks block c reads: min(c, M)
-    pairs = int((rows_per_block * window_sizes).sum()) if shared else 0
+    pairs = batch * heads * int((rows_per_block * window_sizes).sum()) if shared else 0  # all groups
     flops = 0
     if width > 0:
         with torch.no_grad():  # the routing logits only pick the expert (the kernel rescores them)
@@ -335,8 +345,7 @@ def _causal_native(q, k, v, landmark, landmark_values, top_index, top_valid, *, 
         expert_keys, expert_values = gather_experts(k, v, top_index)
         key_ok = None if bool(top_valid.all()) else top_valid.to(torch.uint8)
         valid = assignment >= 0
-        items = int(valid.sum())
-        pairs += items * width
+        pairs += int(valid.sum()) * width  # (query, routed key) pairs of all groups
         group = torch.arange(batch * heads, device=q.device).view(batch, heads, 1) * experts
         counts = torch.bincount((group + assignment)[valid], minlength=batch * heads * experts)
     else:
@@ -347,7 +356,7 @@ def _causal_native(q, k, v, landmark, landmark_values, top_index, top_valid, *, 
         counts = torch.zeros(batch * heads * experts, dtype=torch.long, device=q.device)
     out, _ = mita_causal_query_side(q, k, v, landmark, landmark_values, expert_keys, expert_values, key_ok,
                                     assignment, block, window, shared, float(scale))
-    flops += batch * heads * dense_attention_flops(pairs, dim, value_dim)
+    flops += dense_attention_flops(pairs, dim, value_dim)
     return out, flops, counts
 
 
