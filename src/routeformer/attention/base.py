@@ -182,7 +182,8 @@ class AttentionLayer(nn.Module):
     ) -> AttentionOutput:
         mask, positions = self.check_inputs(x, mask, positions)
         q, k, v = self.project_qkv(x, positions)
-        heads_out, flops = self.attend(q, k, v, mask)
+        with torch.profiler.record_function("routeformer::attention"):  # `bench layers --split` reads it
+            heads_out, flops = self.attend(q, k, v, mask)
         out = self.out_proj(self.merge_heads(heads_out, x))
         return AttentionOutput(
             out=out,

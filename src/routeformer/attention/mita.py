@@ -141,11 +141,13 @@ class MitaAttention(AttentionLayer):
         mask, positions = self.check_inputs(x, mask, positions)
         self._warn_if_oversized(x.shape[1])
         q, k, v = self.project_qkv(x, positions)
-        result = mita_attention(
-            q, k, v.to(q.dtype), landmarks=self.landmarks, topk=self.topk, route=self.route,
-            shared=self.shared, causal=self.causal, block=self.block, grid=self.grid,
-            extra_tokens=self.extra_tokens, mask=mask, pack=self.pack,
-        )
+        # `bench layers --split` reads the range (the op marks its routing inside it).
+        with torch.profiler.record_function("routeformer::attention"):
+            result = mita_attention(
+                q, k, v.to(q.dtype), landmarks=self.landmarks, topk=self.topk, route=self.route,
+                shared=self.shared, causal=self.causal, block=self.block, grid=self.grid,
+                extra_tokens=self.extra_tokens, mask=mask, pack=self.pack,
+            )
         batch, heads, length, dim = q.shape
         full = batch * heads * dense_attention_flops(length * length, dim)
         load = result.expert_load

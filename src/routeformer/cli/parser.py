@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="compile suite: the mechanisms to compile (default: every registered one); "
                             "layers suite: the ones timed against full (default: local linear topk mita); "
                             "generate suite: the ones decoded (default: every one with a cache)")
+    bench.add_argument("--split", action="store_true",
+                       help="layers suite: split each mechanism's training step into projections, routing, "
+                            "attention, auxiliary losses, backward and other (torch.profiler ranges)")
     bench.add_argument("--output", default=None, help="write a Markdown table (and JSON beside it)")
 
     reproduce = commands.add_parser("reproduce", help="run a reproduced paper experiment")

@@ -179,13 +179,14 @@ def _bidirectional(q, k, v, real, key_real, *, landmarks, topk, route, shared, g
                    scale, pack):
     batch, heads, length, dim = q.shape
     value_dim = v.shape[-1]
-    landmark, landmark_valid = pool_landmarks(q, real, landmarks, block=None, grid=grid,
-                                              extra_tokens=extra_tokens)
-    experts = landmark.shape[2]
-    limit = real.sum(1, keepdim=True).expand(-1, experts) if key_real is None else \
-        torch.full((batch, experts), length, device=q.device)
-    landmark_values, top_index, top_valid = landmark_attention(
-        landmark, k, v, limit, topk=topk, scale=scale, key_real=key_real)
+    with _routing():
+        landmark, landmark_valid = pool_landmarks(q, real, landmarks, block=None, grid=grid,
+                                                  extra_tokens=extra_tokens)
+        experts = landmark.shape[2]
+        limit = real.sum(1, keepdim=True).expand(-1, experts) if key_real is None else \
+            torch.full((batch, experts), length, device=q.device)
+        landmark_values, top_index, top_valid = landmark_attention(
+            landmark, k, v, limit, topk=topk, scale=scale, key_real=key_real)
     pairs = landmark_pairs(limit, batch * heads * length)
     flops = batch * heads * dense_attention_flops(pairs, dim, value_dim)
 
@@ -238,10 +239,18 @@ def _bidirectional(q, k, v, real, key_real, *, landmarks, topk, route, shared, g
     return merge_partials(parts), flops, counts, experts
 
 
+def _routing():
+    """The profiler range `routeformer bench layers --split` counts as routing: landmark pooling, the
+    landmark stage (scores, top-K key selection and, in the same pass, the shared values) and each
+    query's expert choice."""
+    return torch.profiler.record_function("routeformer::routing")
+
+
 def _causal(q, k, v, real, *, landmarks, topk, route, shared, block, scale, pack):
     batch, heads, length, dim = q.shape
     value_dim = v.shape[-1]
-    landmark, landmark_valid = pool_landmarks(q, real, landmarks, block=block, grid=None, extra_tokens=0)
+    with _routing():
+        landmark, landmark_valid = pool_landmarks(q, real, landmarks, block=block, grid=None, extra_tokens=0)
     experts = landmark.shape[2]  # completed blocks some query reads: ⌈N/b⌉ − 1
     unpadded = bool(real.all())
     native = experts > 0 and mita_causal_backend(q, k, v, padded=not unpadded, routes=route)[0] == NATIVE
@@ -255,7 +264,9 @@ def _causal(q, k, v, real, *, landmarks, topk, route, shared, block, scale, pack
         return local_out, flops, counts, experts
     parts = [(local_out, local_lse)]
     limit = landmark_key_limit(real.sum(1), experts, block)
-    landmark_values, top_index, top_valid = landmark_attention(landmark, k, v, limit, topk=topk, scale=scale)
+    with _routing():
+        landmark_values, top_index, top_valid = landmark_attention(landmark, k, v, limit, topk=topk,
+                                                                   scale=scale)
     pairs = landmark_pairs(limit, batch * heads * length)
     flops += batch * heads * dense_attention_flops(pairs, dim, value_dim)
     if native:
@@ -287,12 +298,13 @@ def _causal(q, k, v, real, *, landmarks, topk, route, shared, block, scale, pack
     width = top_index.shape[-1]
     if width > 0:
         routes = min(route, window)
-        query_logits = query_blocks @ (window_landmarks * scale).transpose(-1, -2)  # [B, H, C, b, M]
+        with _routing():
+            query_logits = query_blocks @ (window_landmarks * scale).transpose(-1, -2)  # [B, H, C, b, M]
+            routed = query_logits.masked_fill(~window_ok, MASKED).topk(routes, dim=-1)
+            expert = window_index[None, None, :, None, :].expand(batch, heads, -1, block, -1)
+            assignment = unblock(expert.gather(-1, routed.indices))  # global expert index [B, H, N, R]
+            slot_valid = unblock(routed.values > MASKED / 2)
         flops += batch * heads * 2 * blocks * block * window * dim
-        routed = query_logits.masked_fill(~window_ok, MASKED).topk(routes, dim=-1)
-        expert = window_index[None, None, :, None, :].expand(batch, heads, -1, block, -1)
-        assignment = unblock(expert.gather(-1, routed.indices))  # global expert index [B, H, N, R]
-        slot_valid = unblock(routed.values > MASKED / 2)
         expert_keys, expert_values = gather_experts(k, v, top_index)
         expert_valid = top_valid & landmark_valid[:, None, :, None]
         routed_out, routed_lse, routed_flops, counts = routed_parts(
@@ -327,7 +339,7 @@ def _causal_native(q, k, v, landmark, landmark_values, top_index, top_valid, *, 
     pairs = batch * heads * int((rows_per_block * window_sizes).sum()) if shared else 0  # all groups
     flops = 0
     if width > 0:
-        with torch.no_grad():  # the routing logits only pick the expert (the kernel rescores them)
+        with torch.no_grad(), _routing():  # the logits only pick the expert (the kernel rescores them)
             window_index = (torch.arange(blocks, device=q.device)[:, None] - window
                             + torch.arange(window, device=q.device)[None, :])
             window_ok = window_index >= 0  # [C, M]; every landmark of an unpadded input is valid
