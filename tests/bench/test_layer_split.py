@@ -9,23 +9,32 @@ from routeformer.bench.layer_split import PARTS, _exclusive_parts, split_layer_s
 from routeformer.cli import main
 
 
-def _event(name, start, end):
-    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+def _event(name, start, end, sequence=-1):
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), sequence_nr=sequence)
 
 
-def test_nested_ranges_count_once_for_their_innermost_part():
+def test_nested_ranges_count_once_and_backward_nodes_go_to_their_forward_part():
+    node = "autograd::engine::evaluate_function: "
     events = [
         _event("routeformer::forward", 0, 100),  # not a part: its unmarked time is `other`
         _event("routeformer::projections", 0, 10),
+        _event("aten::linear", 1, 9, sequence=0),
         _event("routeformer::attention", 10, 60),
         _event("routeformer::routing", 20, 35),  # inside attention: routing, not attention
-        _event("routeformer::rotary", 40, 45),  # a custom op of the same namespace: not a part
+        _event("aten::topk", 21, 30, sequence=1),
+        _event("routeformer::rotary", 40, 45, sequence=2),  # a custom op: not a part, an attention op
         _event("routeformer::projections", 60, 70),
+        _event("aten::mean", 80, 85, sequence=3),  # outside every range: other
         _event("routeformer::backward", 100, 190),
+        _event(node + "MeanBackward0", 101, 106, sequence=3),
+        _event(node + "RotaryBackward", 110, 130, sequence=2),
+        _event(node + "TopkBackward0", 130, 140, sequence=1),
+        _event(node + "AddmmBackward0", 140, 170, sequence=0),
     ]
     parts = _exclusive_parts(events, total_us=200.0)
-    assert parts == {"projections": 20.0, "routing": 15.0, "attention": 35.0, "aux_loss": 0.0,
-                     "backward": 90.0, "other": 40.0}
+    assert parts == {"projections": 20.0 + 30, "routing": 15.0 + 10, "attention": 35.0 + 20, "aux_loss": 0.0,
+                     "backward": 90.0 - 65, "other": 40.0 + 5}
+    assert sum(parts.values()) == 200.0
 
 
 @pytest.mark.parametrize(("mechanism", "options"), [

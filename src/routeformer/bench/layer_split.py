@@ -13,12 +13,15 @@ split into:
   uses the base forward; MiTA's op), less the routing inside it;
 - `aux_loss`: code marked `routeformer::aux_loss` (none of the layers marks it yet: a mechanism's
   auxiliary loss then counts under `other` or inside the part that computes it);
-- `backward`: the whole backward pass (autograd runs it as one; not split by part);
 - `other`: the rest of the step (input checks, reshapes, stats, unmarked work): the step's wall
-  time less the parts above.
+  time less the parts above and below;
+- `backward`: what the backward pass spends outside the parts' nodes (the autograd engine's own
+  work, and the gradients' accumulation).
 
-Each part is the time spent in its ranges excluding nested ranges of other parts, so the parts of
-one step sum to its wall time; the table gives each part's median over the repetitions (and the
+Each part counts its forward time (its ranges, less nested ranges of other parts) and its backward
+time: autograd evaluates one node per differentiable forward op, and the profiler gives the node
+and the op one sequence number, so each node's time goes to the part whose range held its op.
+The parts of one step therefore sum to its wall time; the table gives each part's median over the repetitions (and the
 median total, which the medians sum to within noise). The profiler adds a little overhead per op:
 compare totals with `bench layers` (no profiler) for absolute times. `bench_split` runs on one
 thread (as compare --long times a training step; on a shared 2-core machine two OpenMP threads can
@@ -64,13 +67,28 @@ def _hook_ranges(layer: nn.Module) -> list[Any]:
     return handles
 
 
+_BACKWARD_NODE = "autograd::engine::evaluate_function: "
+
+
+def _innermost(ranges: list[tuple[float, float, str]], moment: float) -> str | None:
+    """The part of the innermost marked range (start, end, part) holding `moment` (None: none)."""
+    inside = [(start, end, part) for start, end, part in ranges if start <= moment < end]
+    return max(inside, key=lambda item: (item[0], -item[1]))[2] if inside else None
+
+
 def _exclusive_parts(events, total_us: float) -> dict[str, float]:
-    """Microseconds per part from the profiler's range events: each range's duration less the
-    marked ranges directly inside it; `other` = total − the rest."""
+    """Microseconds per part of one step from the profiler's events.
+
+    Forward: each marked range's duration less the marked ranges directly inside it (a part's own
+    time). Backward: autograd evaluates one node per differentiable forward op, and the profiler
+    gives node and op the same sequence number, so each node's time goes to the part whose range
+    held its forward op (`other` where none did); `backward` keeps what no node claims (the
+    engine's own work). `other` = total − every other part, so the parts sum to `total_us`."""
+    events = list(events)
     ranges = sorted(((e.time_range.start, e.time_range.end, _MARKED[e.name]) for e in events
                      if e.name in _MARKED), key=lambda item: (item[0], -item[1]))
     parts = dict.fromkeys(PARTS, 0.0)
-    stack: list[list[Any]] = []  # [end, part, duration of marked children]
+    stack: list[list[Any]] = []  # [end, part, duration of marked children, start]
 
     def close(entry):
         end, part, children, start = entry
@@ -84,6 +102,23 @@ def _exclusive_parts(events, total_us: float) -> dict[str, float]:
         stack.append([end, part, 0.0, start])
     while stack:
         close(stack.pop())
+
+    forward_ranges = [r for r in ranges if r[2] != "backward"]
+    backward_ranges = [r for r in ranges if r[2] == "backward"]
+    part_of_sequence: dict[int, str] = {}
+    for e in events:
+        sequence = getattr(e, "sequence_nr", -1)
+        if sequence < 0 or e.name.startswith(_BACKWARD_NODE) or e.name in _MARKED:
+            continue
+        if _innermost(backward_ranges, e.time_range.start) is None:  # an op of the forward pass
+            part_of_sequence.setdefault(sequence, _innermost(forward_ranges, e.time_range.start) or "other")
+    for e in events:
+        if e.name.startswith(_BACKWARD_NODE) and _innermost(backward_ranges, e.time_range.start):
+            part = part_of_sequence.get(getattr(e, "sequence_nr", -1))
+            if part is not None:
+                duration = e.time_range.end - e.time_range.start
+                parts[part] += duration
+                parts["backward"] -= duration
     parts["other"] = total_us - sum(parts[p] for p in PARTS if p != "other")
     return parts
 
