@@ -23,6 +23,7 @@ from routeformer.compare.budgets import options_for
 from routeformer.tasks import build_task
 from routeformer.train.on_task import ModelSpec, build_task_model
 
+
 def twin(run):
     """`run` with mita's causal query side forced onto its PyTorch parts (the C kernel's twin)."""
     import routeformer.ops.mita as mita_op
@@ -67,7 +68,7 @@ def main() -> None:
         batch = max(1, args.tokens // length)
         inputs, labels = task.batch(batch, torch.Generator().manual_seed(1), "train")
 
-        def step(name):
+        def step(name, models=models, inputs=inputs, labels=labels):
             def run():
                 model = models[name]
                 model.train()

@@ -202,8 +202,8 @@ def _causal_inputs(length, dim, dtype, seed=0):
 
 @pytest.mark.parametrize(("length", "dim", "block", "landmarks", "topk", "shared", "dtype"), CAUSAL_CASES,
                          ids=str)
-def test_causal_training_kernel_matches_its_twin_and_the_reference(length, dim, block, landmarks, topk, shared,
-                                                                   dtype):
+def test_causal_training_kernel_matches_its_twin_and_the_reference(length, dim, block, landmarks, topk,
+                                                                   shared, dtype):
     from routeformer.ops.backends import recording
 
     q, k, v = _causal_inputs(length, dim, dtype)
@@ -220,7 +220,8 @@ def test_causal_training_kernel_matches_its_twin_and_the_reference(length, dim, 
     torch.testing.assert_close(fast.expert_load, twin.expert_load)  # the same routing decisions
     fast_grads = torch.autograd.grad((fast.out * weight).sum(), (q, k, v))
     for other in (twin.out, slow):
-        for mine, theirs in zip(fast_grads, torch.autograd.grad((other * weight).sum(), (q, k, v)), strict=True):
+        other_grads = torch.autograd.grad((other * weight).sum(), (q, k, v))
+        for mine, theirs in zip(fast_grads, other_grads, strict=True):
             torch.testing.assert_close(mine, theirs)
 
 

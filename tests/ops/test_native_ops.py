@@ -55,7 +55,8 @@ def _mita_inputs(length=20, block=4, experts=4, width=3):
     5 blocks (the last block's landmark is never read)."""
     q, k, v = (_randn(1, 2, length, 4, seed=seed) for seed in (20, 21, 22))
     landmark, landmark_values = _randn(1, 2, experts, 4, seed=23), _randn(1, 2, experts, 4, seed=24)
-    expert_keys, expert_values = _randn(1, 2, experts, width, 4, seed=25), _randn(1, 2, experts, width, 4, seed=26)
+    expert_keys = _randn(1, 2, experts, width, 4, seed=25)
+    expert_values = _randn(1, 2, experts, width, 4, seed=26)
     key_ok = torch.ones(1, 2, experts, width, dtype=torch.uint8)
     key_ok[:, :, 0, -1] = 0
     block_of = torch.arange(length) // block
@@ -80,8 +81,8 @@ def _opcheck_cases():
     return {
         "mita_causal_query_side": (mita_causal_query_side, (*mita, 4, 2, True, 0.5), True),
         "mita_causal_query_side_backward": (
-            mita_causal_query_side_backward, (*mita, mita_out, mita_lse, torch.ones_like(mita_out), 4, 2, True, 0.5),
-            False),
+            mita_causal_query_side_backward,
+            (*mita, mita_out, mita_lse, torch.ones_like(mita_out), 4, 2, True, 0.5), False),
         "route_topk": (route_topk_op, (_randn(1, 2, 8, 4), keys_t, None, 2, 8, 3, True, 1, 0), False),
         "routed_attention": (routed_attention_op, (q, k, v, index, valid, 0.5), True),
         "routed_attention_backward": (routed_attention_backward_op,

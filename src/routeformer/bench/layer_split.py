@@ -21,7 +21,8 @@ split into:
 Each part counts its forward time (its ranges, less nested ranges of other parts) and its backward
 time: autograd evaluates one node per differentiable forward op, and the profiler gives the node
 and the op one sequence number, so each node's time goes to the part whose range held its op.
-The parts of one step therefore sum to its wall time; the table gives each part's median over the repetitions (and the
+The parts of one step therefore sum to its wall time; the table gives each part's median over
+the repetitions (and the
 median total, which the medians sum to within noise). The profiler adds a little overhead per op:
 compare totals with `bench layers` (no profiler) for absolute times. `bench_split` runs on one
 thread (as compare --long times a training step; on a shared 2-core machine two OpenMP threads can
@@ -168,7 +169,8 @@ def split_layer_step(mechanism: str, length: int, repeats: int, *, dim: int = 25
             "ms": medians, "steps_ms": [{k: v / 1000 for k, v in s.items()} for s in steps]}
 
 
-SPLIT_HEADER = ("| T | mechanism | " + " | ".join(f"{p} ms" for p in PARTS) + " | total ms | sum of parts ms |\n"
+SPLIT_HEADER = ("| T | mechanism | " + " | ".join(f"{p} ms" for p in PARTS)
+                + " | total ms | sum of parts ms |\n"
                 "|---|---|" + "---|" * (len(PARTS) + 2))
 
 

@@ -205,8 +205,8 @@ def mita_parts_backend(op: str, q: Tensor) -> Choice:
     """ops.mita_experts.routed_parts / fused_single_route (`op`): Triton, else PyTorch."""
     if triton_serves(q):
         return chosen(op, TRITON, _CUDA)
-    return chosen(op, TORCH, "not a Triton case (causal, unpadded, R = 1 CPU inputs take mita_causal_backend's "
-                             "C kernel instead of these parts)")
+    return chosen(op, TORCH, "not a Triton case (causal, unpadded, R = 1 CPU inputs take "
+                             "mita_causal_backend's C kernel instead of these parts)")
 
 
 def mita_causal_backend(q: Tensor, k: Tensor, v: Tensor, *, padded: bool, routes: int) -> Choice:
@@ -216,7 +216,8 @@ def mita_causal_backend(q: Tensor, k: Tensor, v: Tensor, *, padded: bool, routes
     op = "mita_causal_query_side"
     if padded or routes != 1:
         return chosen(op, TORCH, "padded input or route > 1: no C kernel")
-    if q.dtype in (torch.float32, torch.float64) and q.dtype == k.dtype == v.dtype and _native_serves(q, k, v):
+    same_dtype = q.dtype == k.dtype == v.dtype
+    if q.dtype in (torch.float32, torch.float64) and same_dtype and _native_serves(q, k, v):
         return chosen(op, NATIVE, _CPU)
     return chosen(op, TORCH, _NO_KERNEL)
 

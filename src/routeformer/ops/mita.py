@@ -271,7 +271,8 @@ def _causal(q, k, v, real, *, landmarks, topk, route, shared, block, scale, pack
     flops += batch * heads * dense_attention_flops(pairs, dim, value_dim)
     if native:
         out, query_flops, counts = _causal_native(q, k, v, landmark, landmark_values, top_index, top_valid,
-                                                  landmarks=landmarks, shared=shared, block=block, scale=scale)
+                                                  landmarks=landmarks, shared=shared, block=block,
+                                                  scale=scale)
         return out, flops + query_flops, counts, experts
 
     # The landmark window of every block c: blocks c − M .. c − 1 ([C, M], −M..−1 for block 0).

@@ -114,7 +114,8 @@ def mita_causal_query_side_backward(
 @mita_causal_query_side_backward.op.register_fake
 def _backward_fake(q, k, v, landmark, landmark_values, expert_keys, expert_values, key_ok, assignment, out,
                    lse, grad_out, block, window, shared, scale):
-    return tuple(t.new_empty(t.shape) for t in (q, k, v, landmark, landmark_values, expert_keys, expert_values))
+    inputs = (q, k, v, landmark, landmark_values, expert_keys, expert_values)
+    return tuple(t.new_empty(t.shape) for t in inputs)
 
 
 def _setup(ctx, inputs, output):
