@@ -192,6 +192,7 @@ CAUSAL_CASES = [  # (length, dim, block, landmarks, topk, shared, dtype)
     (300, 64, 32, 4, 0, True, torch.float64),  # agent (topk = 0), d = 64 path
     (261, 32, 64, 16, 64, True, torch.float32),  # compare --long's head size and budget
     (97, 16, 16, 3, 20, True, torch.float32),  # d = 16 path, a ragged last block
+    (650, 8, 300, 2, 10, True, torch.float64),  # blocks > MT_BLOCKED: the per-query backward
 ]
 
 

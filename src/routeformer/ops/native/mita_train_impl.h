@@ -93,6 +93,30 @@ static inline __attribute__((always_inline)) void RF_CAT(mt_rows_, SUFFIX)(
     }
 }
 
+/* acc[:] += Σ_{i = first}^{count − 1} w[i·stride] · rows[i, :] (a column of a block's weights
+ * against the block's query or output-gradient rows; acc held in registers). */
+static inline __attribute__((always_inline)) void RF_CAT(mt_columns_, SUFFIX)(
+    const T_ *restrict w, int64_t stride, int64_t first, int64_t count, const T_ *restrict rows,
+    int64_t width, T_ *restrict acc) {
+    if (width % MT_LANES == 0) {
+        for (int64_t x = 0; x < width; x += MT_LANES) {
+            MT_VEC s0 = *(const MT_VEC *)(acc + x), s1 = {0};
+            int64_t i = first;
+            for (; i + 2 <= count; i += 2) {
+                s0 += w[i * stride] * *(const MT_VEC *)(rows + i * width + x);
+                s1 += w[(i + 1) * stride] * *(const MT_VEC *)(rows + (i + 1) * width + x);
+            }
+            for (; i < count; i++) s0 += w[i * stride] * *(const MT_VEC *)(rows + i * width + x);
+            *(MT_VEC *)(acc + x) = s0 + s1;
+        }
+        return;
+    }
+    for (int64_t i = first; i < count; i++) {
+        T_ weight = w[i * stride];
+        for (int64_t x = 0; x < width; x++) acc[x] += weight * rows[i * width + x];
+    }
+}
+
 /* The backward of one segment: p = exp(s − lse) (s recomputed), dp_j = dO · v_j (transposed
  * values), ds_j = p_j (dp_j − D); dq += scale Σ ds_j k_j, dk_j += scale ds_j q, dv_j += p_j dO. */
 static inline __attribute__((always_inline)) void RF_CAT(mt_segment_backward_, SUFFIX)(
@@ -100,6 +124,7 @@ static inline __attribute__((always_inline)) void RF_CAT(mt_segment_backward_, S
     int64_t key_stride, const T_ *restrict values_t, int64_t value_stride, const uint8_t *restrict ok,
     int64_t n, int64_t dim, int64_t value_dim, T_ scale, T_ lse, T_ delta, T_ *restrict s,
     T_ *restrict dp, T_ *restrict grad_q, T_ *restrict grad_keys, T_ *restrict grad_values) {
+    /* grad_keys == NULL: leave p in s and ds in dp for the caller's block-wise accumulation. */
     if (n == 0) return;
     RF_CAT(mt_scores_, SUFFIX)(query, keys_t, key_stride, n, dim, scale, ok, s);
     RF_CAT(mt_dots_, SUFFIX)(grad_out, values_t, value_stride, n, value_dim, dp);
@@ -108,6 +133,7 @@ static inline __attribute__((always_inline)) void RF_CAT(mt_segment_backward_, S
         for (int64_t j = 0; j < n; j++) s[j] = ok[j] ? s[j] : 0;
     for (int64_t j = 0; j < n; j++) dp[j] = s[j] * (dp[j] - delta) * scale;
     RF_CAT(mt_rows_, SUFFIX)(dp, keys, n, dim, grad_q);  /* dq += Σ_j ds_j k_j */
+    if (!grad_keys) return;
     for (int64_t j = 0; j < n; j++) {
         T_ p = s[j], ds = dp[j];
         if (p == 0) continue;
@@ -159,44 +185,74 @@ static inline __attribute__((always_inline)) void RF_CAT(mt_group_forward_, SUFF
     }
 }
 
+/* The backward a block of queries at a time (block <= MT_BLOCKED): the queries of block c share
+ * their own block's keys and their window's landmarks, so their weights p and score gradients ds
+ * are kept for the whole block ([b, ·] scratch) and each key's (landmark's) gradient is summed
+ * over the block's queries in registers and written once, instead of read-modified-written once
+ * per query. The routed expert's keys (one expert per query) are updated per query. */
 static inline __attribute__((always_inline)) void RF_CAT(mt_group_backward_, SUFFIX)(
     const T_ *q, const T_ *k, const T_ *k_t, const T_ *v_t, const T_ *landmark, const T_ *landmark_t,
     const T_ *landmark_values_t, const T_ *expert_keys, const T_ *expert_keys_t, const T_ *expert_values_t,
     const uint8_t *key_ok, const int64_t *assignment, const T_ *out, const T_ *lse, const T_ *grad_out,
     int64_t length, int64_t experts, int64_t width, int64_t dim, int64_t value_dim, int64_t block,
-    int64_t window, int64_t shared, T_ scale, T_ *scores, T_ *dp, T_ *grad_q, T_ *grad_k, T_ *grad_v,
-    T_ *grad_landmark, T_ *grad_landmark_values, T_ *grad_expert_keys, T_ *grad_expert_values) {
-    for (int64_t n = 0; n < length; n++) {
-        int64_t c = n / block, base = c * block, local = n - base + 1;
+    int64_t window, int64_t shared, T_ scale, T_ *scores, T_ *dp, T_ *block_scratch, T_ *grad_q, T_ *grad_k,
+    T_ *grad_v, T_ *grad_landmark, T_ *grad_landmark_values, T_ *grad_expert_keys, T_ *grad_expert_values) {
+    int64_t local_stride = MT_PADDED(block), shared_stride = MT_PADDED(window);
+    T_ *p_local = block_scratch, *ds_local = p_local + block * local_stride;
+    T_ *p_shared = ds_local + block * local_stride, *ds_shared = p_shared + block * shared_stride;
+    for (int64_t base = 0; base < length; base += block) {
+        int64_t c = base / block, rows = length - base < block ? length - base : block;
         int64_t lo = c - window < 0 ? 0 : c - window, hi = c < experts ? c : experts;
         int64_t count_shared = shared && hi > lo ? hi - lo : 0;
-        int64_t j = assignment[n], count_routed = j >= 0 ? width : 0;
-        const T_ *query = q + n * dim, *gradient = grad_out + n * value_dim, *output = out + n * value_dim;
-        T_ delta = 0;
-        for (int64_t x = 0; x < value_dim; x++) delta += gradient[x] * output[x];
-        T_ *gq = grad_q + n * dim;
-        RF_CAT(mt_segment_backward_, SUFFIX)(query, gradient, k + base * dim, k_t + base, length + MT_LANES,
-                                             v_t + base, length + MT_LANES, 0, local, dim, value_dim, scale, lse[n],
-                                             delta, scores, dp, gq, grad_k + base * dim,
-                                             grad_v + base * value_dim);
-        if (count_shared)
-            RF_CAT(mt_segment_backward_, SUFFIX)(query, gradient, landmark + lo * dim, landmark_t + lo, experts + MT_LANES,
-                                                 landmark_values_t + lo, experts + MT_LANES, 0, count_shared, dim,
-                                                 value_dim, scale, lse[n], delta, scores, dp, gq,
-                                                 grad_landmark + lo * dim, grad_landmark_values + lo * value_dim);
-        if (count_routed)
-            RF_CAT(mt_segment_backward_, SUFFIX)(query, gradient, expert_keys + j * width * dim,
-                                                 expert_keys_t + j * dim * (width + MT_LANES), width + MT_LANES,
-                                                 expert_values_t + j * value_dim * (width + MT_LANES),
-                                                 width + MT_LANES,
-                                                 key_ok ? key_ok + j * width : 0, width, dim, value_dim, scale,
-                                                 lse[n], delta, scores, dp, gq,
-                                                 grad_expert_keys + j * width * dim,
-                                                 grad_expert_values + j * width * value_dim);
+        int64_t blocked = block_scratch != 0;
+        for (int64_t i = 0; i < rows; i++) {
+            int64_t n = base + i, local = i + 1;
+            int64_t j = assignment[n], count_routed = j >= 0 ? width : 0;
+            const T_ *query = q + n * dim, *gradient = grad_out + n * value_dim, *output = out + n * value_dim;
+            T_ delta = 0;
+            for (int64_t x = 0; x < value_dim; x++) delta += gradient[x] * output[x];
+            T_ *gq = grad_q + n * dim;
+            RF_CAT(mt_segment_backward_, SUFFIX)(
+                query, gradient, k + base * dim, k_t + base, length + MT_LANES, v_t + base, length + MT_LANES, 0,
+                local, dim, value_dim, scale, lse[n], delta, blocked ? p_local + i * local_stride : scores,
+                blocked ? ds_local + i * local_stride : dp, gq, blocked ? 0 : grad_k + base * dim,
+                grad_v + base * value_dim);
+            if (count_shared)
+                RF_CAT(mt_segment_backward_, SUFFIX)(
+                    query, gradient, landmark + lo * dim, landmark_t + lo, experts + MT_LANES,
+                    landmark_values_t + lo, experts + MT_LANES, 0, count_shared, dim, value_dim, scale, lse[n],
+                    delta, blocked ? p_shared + i * shared_stride : scores,
+                    blocked ? ds_shared + i * shared_stride : dp, gq, blocked ? 0 : grad_landmark + lo * dim,
+                    grad_landmark_values + lo * value_dim);
+            if (count_routed)
+                RF_CAT(mt_segment_backward_, SUFFIX)(
+                    query, gradient, expert_keys + j * width * dim, expert_keys_t + j * dim * (width + MT_LANES),
+                    width + MT_LANES, expert_values_t + j * value_dim * (width + MT_LANES), width + MT_LANES,
+                    key_ok ? key_ok + j * width : 0, width, dim, value_dim, scale, lse[n], delta, scores, dp, gq,
+                    grad_expert_keys + j * width * dim, grad_expert_values + j * width * value_dim);
+        }
+        if (!blocked) continue;
+        /* key j of the block is read by the block's queries i >= j */
+        const T_ *block_q = q + base * dim, *block_g = grad_out + base * value_dim;
+        for (int64_t j = 0; j < rows; j++) {
+            RF_CAT(mt_columns_, SUFFIX)(ds_local + j, local_stride, j, rows, block_q, dim,
+                                        grad_k + (base + j) * dim);
+            RF_CAT(mt_columns_, SUFFIX)(p_local + j, local_stride, j, rows, block_g, value_dim,
+                                        grad_v + (base + j) * value_dim);
+        }
+        for (int64_t m = 0; m < count_shared; m++) {  /* every query of the block reads the window */
+            RF_CAT(mt_columns_, SUFFIX)(ds_shared + m, shared_stride, 0, rows, block_q, dim,
+                                        grad_landmark + (lo + m) * dim);
+            RF_CAT(mt_columns_, SUFFIX)(p_shared + m, shared_stride, 0, rows, block_g, value_dim,
+                                        grad_landmark_values + (lo + m) * value_dim);
+        }
     }
 }
 
 /* Scores per query: each segment rounded up to whole vectors. */
+#ifndef MT_BLOCKED
+#define MT_BLOCKED 256 /* the largest block whose [b, b + M] weights the backward keeps per block */
+#endif
 #define MT_SCRATCH (MT_PADDED(block) + MT_PADDED(window) + MT_PADDED(width) + MT_LANES)
 
 /* Dispatch on (d, e) so that the common head sizes run with constant loop bounds. */
@@ -244,6 +300,9 @@ void RF_CAT(mita_causal_backward_, SUFFIX)(
     for (int64_t g = 0; g < groups; g++) {
         T_ *scores = malloc(sizeof(T_) * 2 * MT_SCRATCH);
         T_ *dp = scores + MT_SCRATCH;
+        /* the block-wise pass's [b, ·] weights and score gradients (large blocks: per query) */
+        T_ *block_scratch = block <= MT_BLOCKED
+            ? malloc(sizeof(T_) * 2 * block * (MT_PADDED(block) + MT_PADDED(window))) : 0;
         int64_t nd = length * dim, ne = length * value_dim, ed = experts * dim, ee = experts * value_dim;
         int64_t ekd = experts * width * dim, eke = experts * width * value_dim;
         /* the transposed copies' group sizes (MT_LANES spare columns each) */
@@ -257,10 +316,12 @@ void RF_CAT(mita_causal_backward_, SUFFIX)(
             landmark_t + g * ed_t, landmark_values_t + g * ee_t, expert_keys + g * ekd,              \
             expert_keys_t + g * ekd_t, expert_values_t + g * eke_t, gok, assignment + g * length, out + g * ne, lse + g * length,  \
             grad_out + g * ne, length, experts, width, D, E, block, window, shared, (T_)scale, scores, dp, \
+            block_scratch,                                                                         \
             grad_q + g * nd, grad_k + g * nd, grad_v + g * ne, grad_landmark + g * ed,             \
             grad_landmark_values + g * ee, grad_expert_keys + g * ekd, grad_expert_values + g * eke)
         MT_DIMS(MT_BACKWARD)
 #undef MT_BACKWARD
+        free(block_scratch);
         free(scores);
     }
 }
