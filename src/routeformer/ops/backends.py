@@ -214,6 +214,8 @@ def mita_causal_backend(q: Tensor, k: Tensor, v: Tensor, *, padded: bool, routes
     backward): the C kernels of native/mita_train_kernels.c for unpadded CPU float32/float64
     inputs of one dtype with one routed expert per query, else the PyTorch parts."""
     op = "mita_causal_query_side"
+    if triton_serves(q):  # CUDA (or forced Triton): the parts run on their Triton kernels
+        return chosen(op, TORCH, "the PyTorch parts, on their Triton kernels")
     if padded or routes != 1:
         return chosen(op, TORCH, "padded input or route > 1: no C kernel")
     same_dtype = q.dtype == k.dtype == v.dtype
