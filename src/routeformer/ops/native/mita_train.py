@@ -41,8 +41,9 @@ _LANES = 16  # MT_LANES of mita_train_kernels.c: spare (zero) columns after each
 def _t(x: Tensor) -> Tensor:
     """[..., L, c] -> [..., c, L + 16], contiguous and zero-padded: the kernels' transposed layout
     (they score keys a whole 16-lane vector at a time)."""
-    out = x.new_zeros(*x.shape[:-2], x.shape[-1], x.shape[-2] + _LANES)
+    out = x.new_empty(*x.shape[:-2], x.shape[-1], x.shape[-2] + _LANES)
     out[..., :x.shape[-2]] = x.transpose(-1, -2)
+    out[..., x.shape[-2]:] = 0
     return out
 
 
