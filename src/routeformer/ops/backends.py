@@ -32,6 +32,7 @@ SDPA call) below this many keys, a crossover measured per backend (docs/results/
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -207,6 +208,15 @@ def mita_parts_backend(op: str, q: Tensor) -> Choice:
         return chosen(op, TRITON, _CUDA)
     return chosen(op, TORCH, "not a Triton case (causal, unpadded, R = 1 CPU inputs take "
                              "mita_causal_backend's C kernel instead of these parts)")
+
+
+def profile_range(name: str):
+    """A torch.profiler range `routeformer::<name>` (what `routeformer bench layers --split` reads:
+    routing, attention, ...); a no-op context while torch.compile traces (dynamo would drop it
+    with a warning)."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(f"routeformer::{name}")
 
 
 def mita_causal_backend(q: Tensor, k: Tensor, v: Tensor, *, padded: bool, routes: int) -> Choice:

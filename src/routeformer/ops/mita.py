@@ -77,7 +77,7 @@ from torch import Tensor
 
 from routeformer.ops._checks import check_positive, check_qkv
 from routeformer.ops.attention_lse import MASKED, merge_partials
-from routeformer.ops.backends import NATIVE, mita_causal_backend
+from routeformer.ops.backends import NATIVE, mita_causal_backend, profile_range
 from routeformer.ops.flops import dense_attention_flops
 from routeformer.ops.mita_experts import (
     attend_part,
@@ -245,7 +245,7 @@ def _routing():
     """The profiler range `routeformer bench layers --split` counts as routing: landmark pooling, the
     landmark stage (scores, top-K key selection and, in the same pass, the shared values) and each
     query's expert choice."""
-    return torch.profiler.record_function("routeformer::routing")
+    return profile_range("routing")
 
 
 def _causal(q, k, v, real, *, landmarks, topk, route, shared, block, scale, pack):
