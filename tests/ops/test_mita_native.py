@@ -182,3 +182,73 @@ def test_forward_bench_runs_at_toy_size(tmp_path):
     assert "| 128 | non-causal |" in output.read_text()
     with pytest.raises(ValueError, match="--repeats must be >= 1"):
         main(["--repeats", "0"])
+
+
+# -- the causal query side in training (native/mita_train_kernels.c) ------------------------------
+CAUSAL_CASES = [  # (length, dim, block, landmarks, topk, shared, dtype)
+    (23, 8, 4, 2, 3, True, torch.float64),  # generic dims, a window of 2 of 5 landmarks
+    (37, 8, 5, 9, 12, False, torch.float64),  # route-only; topk wider than early blocks' keys
+    (130, 32, 32, 16, 64, True, torch.float64),  # d = 32 path, window wider than the landmarks
+    (300, 64, 32, 4, 0, True, torch.float64),  # agent (topk = 0), d = 64 path
+    (261, 32, 64, 16, 64, True, torch.float32),  # compare --long's head size and budget
+    (97, 16, 16, 3, 20, True, torch.float32),  # d = 16 path, a ragged last block
+    (650, 8, 300, 2, 10, True, torch.float64),  # blocks > MT_BLOCKED: the per-query backward
+]
+
+
+def _causal_inputs(length, dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 2, length, dim, generator=gen, dtype=dtype).requires_grad_() for _ in range(3)]
+
+
+@pytest.mark.parametrize(("length", "dim", "block", "landmarks", "topk", "shared", "dtype"), CAUSAL_CASES,
+                         ids=str)
+def test_causal_training_kernel_matches_its_twin_and_the_reference(length, dim, block, landmarks, topk,
+                                                                   shared, dtype):
+    from routeformer.ops.backends import recording
+
+    q, k, v = _causal_inputs(length, dim, dtype)
+    options = {"landmarks": landmarks, "topk": topk, "shared": shared, "causal": True, "block": block}
+    weight = torch.randn(2, 2, length, dim, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    with recording() as ran:
+        fast = mita_attention(q, k, v, **options)
+    assert ran.get("mita_causal_query_side") == "native"
+    with native_enabled(False):
+        twin = mita_attention(q, k, v, **options)
+    slow = mita_reference(q, k, v, **options)
+    torch.testing.assert_close(fast.out, twin.out)
+    torch.testing.assert_close(fast.out, slow)
+    torch.testing.assert_close(fast.expert_load, twin.expert_load)  # the same routing decisions
+    fast_grads = torch.autograd.grad((fast.out * weight).sum(), (q, k, v))
+    for other in (twin.out, slow):
+        other_grads = torch.autograd.grad((other * weight).sum(), (q, k, v))
+        for mine, theirs in zip(fast_grads, other_grads, strict=True):
+            torch.testing.assert_close(mine, theirs)
+
+
+@pytest.mark.parametrize("case", ["padded", "route 2"])
+def test_causal_training_kernel_leaves_padding_and_several_routes_to_pytorch(case):
+    from routeformer.ops.backends import recording
+
+    q, k, v = _causal_inputs(23, 8, torch.float64)
+    mask = torch.ones(2, 23, dtype=torch.bool)
+    if case == "padded":
+        mask[1, -5:] = False
+    options = {"landmarks": 3, "topk": 4, "causal": True, "block": 4, "route": 2 if case == "route 2" else 1}
+    with recording() as ran:
+        mita_attention(q, k, v, mask=mask, **options)
+    assert ran["mita_causal_query_side"] == "torch"
+
+
+def test_causal_training_kernel_counts_its_executed_flops():
+    """The kernel executes triangles of the own blocks (not the PyTorch path's padded squares), so it
+    reports fewer FLOPs than the twin, never more, and about the pairs it reads."""
+    q, k, v = (t.detach() for t in _causal_inputs(256, 16, torch.float32))
+    options = {"landmarks": 4, "topk": 8, "causal": True, "block": 16}
+    fast = mita_attention(q, k, v, **options)
+    with native_enabled(False):
+        twin = mita_attention(q, k, v, **options)
+    assert 0 < fast.flops <= twin.flops
+    # per (b, h): own-block triangles, ≤ 4 landmarks, 8 routed keys, routing logits, landmark stage
+    per_query_pairs = (16 + 1) / 2 + 4 + 8
+    assert fast.flops >= 2 * 2 * 256 * per_query_pairs * 4 * 16 * 0.8

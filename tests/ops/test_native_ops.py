@@ -17,6 +17,7 @@ from routeformer.ops.native.band import (
     expanding_infer_op,
 )
 from routeformer.ops.native.linear_rows import linear_rows_backward_op, linear_rows_op
+from routeformer.ops.native.mita_train import mita_causal_query_side, mita_causal_query_side_backward
 from routeformer.ops.native.rotary import rotary_op
 from routeformer.ops.native.topk import route_topk_op, routed_attention_backward_op, routed_attention_op
 from routeformer.ops.rotary import rotary_angles
@@ -49,6 +50,20 @@ def _linear_inputs(length=12):
     return phi[0], phi[1], _randn(1, 2, length, 3, seed=9), positions, valid
 
 
+def _mita_inputs(length=20, block=4, experts=4, width=3):
+    """q, k, v, landmarks, their values, expert keys/values, key_ok, assignment for a causal input of
+    5 blocks (the last block's landmark is never read)."""
+    q, k, v = (_randn(1, 2, length, 4, seed=seed) for seed in (20, 21, 22))
+    landmark, landmark_values = _randn(1, 2, experts, 4, seed=23), _randn(1, 2, experts, 4, seed=24)
+    expert_keys = _randn(1, 2, experts, width, 4, seed=25)
+    expert_values = _randn(1, 2, experts, width, 4, seed=26)
+    key_ok = torch.ones(1, 2, experts, width, dtype=torch.uint8)
+    key_ok[:, :, 0, -1] = 0
+    block_of = torch.arange(length) // block
+    assignment = (block_of - 1).clamp_min(-1).repeat(1, 2, 1)  # the most recent completed block, or none
+    return q, k, v, landmark, landmark_values, expert_keys, expert_values, key_ok, assignment
+
+
 def _opcheck_cases():
     q, k, v = (_randn(1, 2, 20, 4, seed=seed) for seed in (10, 11, 12))
     index, valid = _routing()
@@ -61,7 +76,13 @@ def _opcheck_cases():
     tile = native_kernels(torch.zeros(1)).route_topk_chunk()  # the kernel reads whole tiles of keys
     keys_t = torch.zeros(1, 2, 1, 4, tile, dtype=torch.float64)  # one zero-padded tile, transposed
     keys_t[:, :, 0, :, :8] = _randn(1, 2, 8, 4, seed=13).transpose(-1, -2)
+    mita = _mita_inputs()
+    mita_out, mita_lse = mita_causal_query_side(*mita, 4, 2, True, 0.5)
     return {
+        "mita_causal_query_side": (mita_causal_query_side, (*mita, 4, 2, True, 0.5), True),
+        "mita_causal_query_side_backward": (
+            mita_causal_query_side_backward,
+            (*mita, mita_out, mita_lse, torch.ones_like(mita_out), 4, 2, True, 0.5), False),
         "route_topk": (route_topk_op, (_randn(1, 2, 8, 4), keys_t, None, 2, 8, 3, True, 1, 0), False),
         "routed_attention": (routed_attention_op, (q, k, v, index, valid, 0.5), True),
         "routed_attention_backward": (routed_attention_backward_op,

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from routeformer.attention.output import AttentionOutput
 from routeformer.ops._checks import check_positive
-from routeformer.ops.backends import recording
+from routeformer.ops.backends import profile_range, recording
 from routeformer.ops.documents import check_documents, document_starts
 from routeformer.ops.rotary import apply_rotary, rotary_angles
 
@@ -182,7 +182,8 @@ class AttentionLayer(nn.Module):
     ) -> AttentionOutput:
         mask, positions = self.check_inputs(x, mask, positions)
         q, k, v = self.project_qkv(x, positions)
-        heads_out, flops = self.attend(q, k, v, mask)
+        with profile_range("attention"):  # `routeformer bench layers --split` reads it
+            heads_out, flops = self.attend(q, k, v, mask)
         out = self.out_proj(self.merge_heads(heads_out, x))
         return AttentionOutput(
             out=out,

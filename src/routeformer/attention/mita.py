@@ -57,6 +57,7 @@ from torch import Tensor
 from routeformer.attention.base import AttentionLayer, AttentionOutput, split_qkv
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
+from routeformer.ops.backends import profile_range
 from routeformer.ops.flops import dense_attention_flops
 from routeformer.ops.mita import DEFAULT_BLOCK, DEFAULT_PACK, check_mita_args, mita_attention
 from routeformer.ops.mita_decode import mita_decode
@@ -141,11 +142,13 @@ class MitaAttention(AttentionLayer):
         mask, positions = self.check_inputs(x, mask, positions)
         self._warn_if_oversized(x.shape[1])
         q, k, v = self.project_qkv(x, positions)
-        result = mita_attention(
-            q, k, v.to(q.dtype), landmarks=self.landmarks, topk=self.topk, route=self.route,
-            shared=self.shared, causal=self.causal, block=self.block, grid=self.grid,
-            extra_tokens=self.extra_tokens, mask=mask, pack=self.pack,
-        )
+        # `bench layers --split` reads the range (the op marks its routing inside it).
+        with profile_range("attention"):
+            result = mita_attention(
+                q, k, v.to(q.dtype), landmarks=self.landmarks, topk=self.topk, route=self.route,
+                shared=self.shared, causal=self.causal, block=self.block, grid=self.grid,
+                extra_tokens=self.extra_tokens, mask=mask, pack=self.pack,
+            )
         batch, heads, length, dim = q.shape
         full = batch * heads * dense_attention_flops(length * length, dim)
         load = result.expert_load

@@ -98,6 +98,8 @@ def command_layers(args) -> int:
     output = Path(args.output) if args.output else None
     if output is not None:  # fail before minutes of timing, not after
         output.parent.mkdir(parents=True, exist_ok=True)
+    if getattr(args, "split", False):
+        return _command_split(args, mechanisms, output)
     # full is the baseline and gets its own row (its absolute times anchor the ratios)
     timed = ["full", *[m for m in mechanisms if m != "full"]]
     rows = bench_layers(timed, args.lengths, args.repeats, progress=lambda line: print(line, flush=True))
@@ -105,6 +107,27 @@ def command_layers(args) -> int:
         command = (f"routeformer bench layers --lengths {' '.join(map(str, args.lengths))} "
                    f"--repeats {args.repeats} --mechanisms {' '.join(mechanisms)} --output {args.output}")
         blocks = ["# Layer benchmark", provenance(command), *layer_bench_section(output.parent, rows)]
+        output.write_text("\n\n".join(blocks) + "\n")
+        output.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=2))
+        print(f"wrote {output} and {output.with_suffix('.json')}")
+    return 0
+
+
+def _command_split(args, mechanisms: list[str], output: Path | None) -> int:
+    """`bench layers --split`: each mechanism's training step split into its parts (layer_split.py)."""
+    from routeformer.bench.layer_split import SPLIT_HEADER, bench_split, format_split_row
+
+    names = ["full", *[m for m in mechanisms if m != "full"]]
+    rows = bench_split(names, args.lengths, args.repeats, progress=lambda line: print(line, flush=True))
+    if output is not None:
+        command = (f"routeformer bench layers --split --lengths {' '.join(map(str, args.lengths))} "
+                   f"--repeats {args.repeats} --mechanisms {' '.join(mechanisms)} --output {args.output}")
+        blocks = ["# Layer training step, split by part", provenance(command), (
+            "Causal layers, D=256, 4 heads, B=1, the budgets of `bench layers`; one training step (forward "
+            "in train mode, backward into input and weights) under torch.profiler; each part is the time in "
+            "its ranges less nested ranges of other parts (see routeformer/bench/layer_split.py); medians of "
+            f"{args.repeats} steps (percent of the median total)."),
+            SPLIT_HEADER + "\n" + "\n".join(format_split_row(row) for row in rows)]
         output.write_text("\n\n".join(blocks) + "\n")
         output.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=2))
         print(f"wrote {output} and {output.with_suffix('.json')}")

@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "generate suite: the ones decoded (default: every one with a cache)")
     bench.add_argument("--tokens", type=positive_int, default=8192,
                        help="steps suite: tokens per training step at every length (batch = tokens // T)")
+    bench.add_argument("--split", action="store_true",
+                       help="layers suite: split each mechanism's training step into projections, routing, "
+                            "attention, auxiliary losses, backward and other (torch.profiler ranges)")
     bench.add_argument("--output", default=None, help="write a Markdown table (and JSON beside it)")
 
     reproduce = commands.add_parser("reproduce", help="run a reproduced paper experiment")

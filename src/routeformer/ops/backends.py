@@ -32,6 +32,7 @@ SDPA call) below this many keys, a crossover measured per backend (docs/results/
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -205,7 +206,32 @@ def mita_parts_backend(op: str, q: Tensor) -> Choice:
     """ops.mita_experts.routed_parts / fused_single_route (`op`): Triton, else PyTorch."""
     if triton_serves(q):
         return chosen(op, TRITON, _CUDA)
-    return chosen(op, TORCH, "no C kernel for training-time experts; not a Triton case")
+    return chosen(op, TORCH, "not a Triton case (causal, unpadded, R = 1 CPU inputs take "
+                             "mita_causal_backend's C kernel instead of these parts)")
+
+
+def profile_range(name: str):
+    """A torch.profiler range `routeformer::<name>` (what `routeformer bench layers --split` reads:
+    routing, attention, ...); a no-op context while torch.compile traces (dynamo would drop it
+    with a warning)."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(f"routeformer::{name}")
+
+
+def mita_causal_backend(q: Tensor, k: Tensor, v: Tensor, *, padded: bool, routes: int) -> Choice:
+    """ops.mita's causal query side (own block + shared window + routed expert, forward and
+    backward): the C kernels of native/mita_train_kernels.c for unpadded CPU float32/float64
+    inputs of one dtype with one routed expert per query, else the PyTorch parts."""
+    op = "mita_causal_query_side"
+    if triton_serves(q):  # CUDA (or forced Triton): the parts run on their Triton kernels
+        return chosen(op, TORCH, "the PyTorch parts, on their Triton kernels")
+    if padded or routes != 1:
+        return chosen(op, TORCH, "padded input or route > 1: no C kernel")
+    same_dtype = q.dtype == k.dtype == v.dtype
+    if q.dtype in (torch.float32, torch.float64) and same_dtype and _native_serves(q, k, v):
+        return chosen(op, NATIVE, _CPU)
+    return chosen(op, TORCH, _NO_KERNEL)
 
 
 def mita_inference_backend(op: str, *tensors: Tensor) -> Choice:

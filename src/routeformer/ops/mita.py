@@ -36,6 +36,18 @@ rest of its expert empty; M larger than the completed blocks reads all of them; 
 makes the whole input one block, i.e. exact causal attention — each is the streaming definition,
 not a clamp.
 
+Causal query side, two implementations (`ops.backends.mita_causal_backend` picks): the PyTorch parts
+(own block by `local_causal_part`, the shared window by `attend_part`, the routed experts packed by
+expert by `routed_parts`, merged by their log-sum-exps) — the twin, and the path for padded inputs,
+R > 1 and non-CPU tensors; and, for unpadded CPU fp32/fp64 inputs with R = 1, the C kernels of
+native/mita_train_kernels.c (forward and backward), which read each query's b + M + K pairs under one
+softmax in one pass per (batch, head). Both take the same routing decision (computed in PyTorch) and
+the same landmark stage; tests/ops/test_mita_native.py compares their values and gradients, and both
+against `mita_reference`. Measured (the op's forward + backward, one thread, B·T = 8192, H = 2,
+d = 32, block 64, M = T/64, K = 64; medians of 7 alternating rounds on a loaded 2-core machine,
+2026-11-28): T = 512: kernel 47 ms, PyTorch parts 133 ms, causal SDPA 40 ms; T = 2048: 74 / 176 /
+99 ms.
+
 Padding (`mask`): padded rows may hold anything (they are zeroed first: masked_fill, not a product,
 since 0·NaN = NaN). The real tokens of each row are moved to its front (a stable gather; nothing
 moves for right padding), so the layout — windows, blocks, landmark counts — is that of the real
@@ -65,6 +77,7 @@ from torch import Tensor
 
 from routeformer.ops._checks import check_positive, check_qkv
 from routeformer.ops.attention_lse import MASKED, merge_partials
+from routeformer.ops.backends import NATIVE, mita_causal_backend, profile_range
 from routeformer.ops.flops import dense_attention_flops
 from routeformer.ops.mita_experts import (
     attend_part,
@@ -168,13 +181,14 @@ def _bidirectional(q, k, v, real, key_real, *, landmarks, topk, route, shared, g
                    scale, pack):
     batch, heads, length, dim = q.shape
     value_dim = v.shape[-1]
-    landmark, landmark_valid = pool_landmarks(q, real, landmarks, block=None, grid=grid,
-                                              extra_tokens=extra_tokens)
-    experts = landmark.shape[2]
-    limit = real.sum(1, keepdim=True).expand(-1, experts) if key_real is None else \
-        torch.full((batch, experts), length, device=q.device)
-    landmark_values, top_index, top_valid = landmark_attention(
-        landmark, k, v, limit, topk=topk, scale=scale, key_real=key_real)
+    with _routing():
+        landmark, landmark_valid = pool_landmarks(q, real, landmarks, block=None, grid=grid,
+                                                  extra_tokens=extra_tokens)
+        experts = landmark.shape[2]
+        limit = real.sum(1, keepdim=True).expand(-1, experts) if key_real is None else \
+            torch.full((batch, experts), length, device=q.device)
+        landmark_values, top_index, top_valid = landmark_attention(
+            landmark, k, v, limit, topk=topk, scale=scale, key_real=key_real)
     pairs = landmark_pairs(limit, batch * heads * length)
     flops = batch * heads * dense_attention_flops(pairs, dim, value_dim)
 
@@ -227,20 +241,41 @@ def _bidirectional(q, k, v, real, key_real, *, landmarks, topk, route, shared, g
     return merge_partials(parts), flops, counts, experts
 
 
+def _routing():
+    """The profiler range `routeformer bench layers --split` counts as routing: landmark pooling, the
+    landmark stage (scores, top-K key selection and, in the same pass, the shared values) and each
+    query's expert choice."""
+    return profile_range("routing")
+
+
 def _causal(q, k, v, real, *, landmarks, topk, route, shared, block, scale, pack):
     batch, heads, length, dim = q.shape
     value_dim = v.shape[-1]
-    landmark, landmark_valid = pool_landmarks(q, real, landmarks, block=block, grid=None, extra_tokens=0)
+    with _routing():
+        landmark, landmark_valid = pool_landmarks(q, real, landmarks, block=block, grid=None, extra_tokens=0)
     experts = landmark.shape[2]  # completed blocks some query reads: ⌈N/b⌉ − 1
-    local_out, local_lse, flops = local_causal_part(q, k, v, None if bool(real.all()) else real, block, scale)
+    unpadded = bool(real.all())
+    native = experts > 0 and mita_causal_backend(q, k, v, padded=not unpadded, routes=route)[0] == NATIVE
+    if native:
+        local_out = local_lse = None
+        flops = batch * heads * dense_attention_flops(_local_pairs(length, block), dim, value_dim)
+    else:
+        local_out, local_lse, flops = local_causal_part(q, k, v, None if unpadded else real, block, scale)
     counts = torch.zeros(batch * heads * experts, dtype=torch.long, device=q.device)
     if experts == 0:  # one block: exact causal attention
         return local_out, flops, counts, experts
     parts = [(local_out, local_lse)]
     limit = landmark_key_limit(real.sum(1), experts, block)
-    landmark_values, top_index, top_valid = landmark_attention(landmark, k, v, limit, topk=topk, scale=scale)
+    with _routing():
+        landmark_values, top_index, top_valid = landmark_attention(landmark, k, v, limit, topk=topk,
+                                                                   scale=scale)
     pairs = landmark_pairs(limit, batch * heads * length)
     flops += batch * heads * dense_attention_flops(pairs, dim, value_dim)
+    if native:
+        out, query_flops, counts = _causal_native(q, k, v, landmark, landmark_values, top_index, top_valid,
+                                                  landmarks=landmarks, shared=shared, block=block,
+                                                  scale=scale)
+        return out, flops + query_flops, counts, experts
 
     # The landmark window of every block c: blocks c − M .. c − 1 ([C, M], −M..−1 for block 0).
     blocks, window = experts + 1, min(landmarks, experts)
@@ -266,12 +301,13 @@ def _causal(q, k, v, real, *, landmarks, topk, route, shared, block, scale, pack
     width = top_index.shape[-1]
     if width > 0:
         routes = min(route, window)
-        query_logits = query_blocks @ (window_landmarks * scale).transpose(-1, -2)  # [B, H, C, b, M]
+        with _routing():
+            query_logits = query_blocks @ (window_landmarks * scale).transpose(-1, -2)  # [B, H, C, b, M]
+            routed = query_logits.masked_fill(~window_ok, MASKED).topk(routes, dim=-1)
+            expert = window_index[None, None, :, None, :].expand(batch, heads, -1, block, -1)
+            assignment = unblock(expert.gather(-1, routed.indices))  # global expert index [B, H, N, R]
+            slot_valid = unblock(routed.values > MASKED / 2)
         flops += batch * heads * 2 * blocks * block * window * dim
-        routed = query_logits.masked_fill(~window_ok, MASKED).topk(routes, dim=-1)
-        expert = window_index[None, None, :, None, :].expand(batch, heads, -1, block, -1)
-        assignment = unblock(expert.gather(-1, routed.indices))  # global expert index [B, H, N, R]
-        slot_valid = unblock(routed.values > MASKED / 2)
         expert_keys, expert_values = gather_experts(k, v, top_index)
         expert_valid = top_valid & landmark_valid[:, None, :, None]
         routed_out, routed_lse, routed_flops, counts = routed_parts(
@@ -280,6 +316,63 @@ def _causal(q, k, v, real, *, landmarks, topk, route, shared, block, scale, pack
         parts.extend((routed_out[:, :, :, slot], routed_lse[:, :, :, slot]) for slot in range(routes))
         flops += routed_flops
     return merge_partials(parts), flops, counts, experts
+
+
+def _local_pairs(length: int, block: int) -> int:
+    """(query, key) pairs of the own-block causal part: a triangle per block."""
+    full, rest = divmod(length, block)
+    return full * block * (block + 1) // 2 + rest * (rest + 1) // 2
+
+
+def _causal_native(q, k, v, landmark, landmark_values, top_index, top_valid, *, landmarks, shared, block,
+                   scale):
+    """The causal query side (own block, shared window, routed expert, R = 1, unpadded input) by the
+    C kernels (ops/native/mita_train.py), forward and backward: what `_causal`'s PyTorch parts
+    compute, under one softmax per query. Routing (no gradient: a hard argmax) is decided here, in
+    PyTorch, exactly as the PyTorch path decides it. Returns (out, executed FLOPs, bucket counts)."""
+    from routeformer.ops.native.mita_train import mita_causal_query_side
+
+    batch, heads, length, dim = q.shape
+    value_dim, experts = v.shape[-1], landmark.shape[2]
+    blocks, window = experts + 1, min(landmarks, experts)
+    width = top_index.shape[-1]
+    rows_per_block = torch.full((blocks,), block, dtype=torch.long)
+    rows_per_block[-1] = length - (blocks - 1) * block
+    window_sizes = torch.arange(blocks).clamp_max(window)  # landmarks block c reads: min(c, M)
+    pairs = batch * heads * int((rows_per_block * window_sizes).sum()) if shared else 0  # all groups
+    flops = 0
+    if width > 0:
+        with torch.no_grad(), _routing():  # the logits only pick the expert (the kernel rescores them)
+            window_index = (torch.arange(blocks, device=q.device)[:, None] - window
+                            + torch.arange(window, device=q.device)[None, :])
+            window_ok = window_index >= 0  # [C, M]; every landmark of an unpadded input is valid
+            window_index = window_index.clamp_min(0)
+            pad = blocks * block - length
+            query_blocks = F.pad(q.detach(), (0, 0, 0, pad)).view(batch, heads, blocks, block, dim)
+            window_landmarks = landmark.detach()[:, :, window_index] * scale  # [B, H, C, M, d]
+            query_logits = query_blocks @ window_landmarks.transpose(-1, -2)  # [B, H, C, b, M]
+            routed = query_logits.masked_fill(~window_ok[:, None, :], MASKED).topk(1, dim=-1)
+            assignment = window_index[None, None, :, None, :].expand(batch, heads, -1, block, -1) \
+                .gather(-1, routed.indices)
+            assignment = torch.where(routed.values > MASKED / 2, assignment, -1)
+            assignment = assignment.reshape(batch, heads, blocks * block)[:, :, :length].contiguous()
+        flops += batch * heads * 2 * blocks * block * window * dim
+        expert_keys, expert_values = gather_experts(k, v, top_index)
+        key_ok = None if bool(top_valid.all()) else top_valid.to(torch.uint8)
+        valid = assignment >= 0
+        pairs += int(valid.sum()) * width  # (query, routed key) pairs of all groups
+        group = torch.arange(batch * heads, device=q.device).view(batch, heads, 1) * experts
+        counts = torch.bincount((group + assignment)[valid], minlength=batch * heads * experts)
+    else:
+        assignment = torch.full((batch, heads, length), -1, dtype=torch.long, device=q.device)
+        expert_keys = q.new_zeros(batch, heads, experts, 0, dim)
+        expert_values = v.new_zeros(batch, heads, experts, 0, value_dim)
+        key_ok = None
+        counts = torch.zeros(batch * heads * experts, dtype=torch.long, device=q.device)
+    out, _ = mita_causal_query_side(q, k, v, landmark, landmark_values, expert_keys, expert_values, key_ok,
+                                    assignment, block, window, shared, float(scale))
+    flops += dense_attention_flops(pairs, dim, value_dim)
+    return out, flops, counts
 
 
 # -- the op -------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ The kernel files (every `*_kernels.c` here goes into one library) and their wrap
   wrappers band.py, linear_rows.py.
 - `expanding_kernels.c` (expanding attention's inference steps and final-pass backward),
   `mita_kernels.c` (MiTA's routed step and streaming top-K at inference; ops/native/mita.py),
+  `mita_train_kernels.c` (causal MiTA's query side — own block, shared window, routed expert —
+  forward and backward for training; ops/native/mita_train.py),
   `rotary_kernels.c` (rotary embedding; rotary.py).
 On first use (build.py) they are compiled with the system C compiler (`$CC`, else `cc`) with -O3,
 -march=native and OpenMP into one library in a cache directory (`$ROUTEFORMER_CACHE_DIR`, else
