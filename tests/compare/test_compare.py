@@ -53,6 +53,8 @@ def test_options_scale_with_the_task_length():
     assert budgets.options_for("topk", 32) == {"topk": 4}
     # a budget in keys from T=512 on, not T/8
     assert budgets.options_for("topk", 512) == budgets.options_for("topk", 4096) == {"topk": 64}
+    assert budgets.options_for("mita", 4096) == {"landmarks": 64, "topk": 64, "block": 64}
+    assert budgets.options_for("mita", 128) == {"landmarks": 16, "topk": 16, "block": 16}
     assert budgets.options_for("full", 32) == {}
 
 

@@ -2,7 +2,8 @@
 
 Length-dependent budgets (the only options that differ from a mechanism's defaults): local
 windows T/4, top-k T/8 keys up to 64 (`TOPK_KEYS`: a budget in keys from T = 512 on), MiTA T/8
-landmarks of T/8 keys (causal: blocks of T/8), Meta-Attention's local expert T/4.
+landmarks of T/8 keys (causal: blocks of T/8) below T = 512 and from there blocks and experts of 64
+keys with every completed block's landmark (T/64), Meta-Attention's local expert T/4.
 `meta_tokens` needs injected meta-tokens: it runs on the LM only, whose windows then carry
 `_PAUSE_` at density 0.1 (so it reads 10% fewer characters per window: stated in the report).
 """
@@ -80,8 +81,10 @@ def options_for(mechanism: str, seq_len: int) -> dict[str, Any]:
         return {"window": max(1, seq_len // 4)}
     if mechanism == "topk":  # a budget in keys: T/8 up to TOPK_KEYS, then fixed
         return {"topk": max(1, min(TOPK_KEYS, seq_len // 8))}
-    if mechanism == "mita":  # causal: blocks of T/8, every completed block's landmark read
-        budget = max(1, seq_len // 8)
+    if mechanism == "mita":
+        if seq_len >= 8 * TOPK_KEYS:  # keys: blocks of 64, every completed block's landmark, experts of 64
+            return {"landmarks": seq_len // TOPK_KEYS, "topk": TOPK_KEYS, "block": TOPK_KEYS}
+        budget = max(1, seq_len // 8)  # causal: blocks of T/8, every completed block's landmark read
         return {"landmarks": budget, "topk": budget, "block": budget}
     return {}
 
