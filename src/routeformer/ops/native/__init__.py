@@ -53,9 +53,11 @@ import torch
 from torch import Tensor
 
 from routeformer.ops.backend_switches import native_enabled, native_switched_on
-from routeformer.ops.native.build import FLAGS, HEADER, HEADERS, SOURCES, load, why_not_built
+from routeformer.ops.native.build import (FLAGS, HEADER, HEADERS, ISA_LEVELS, SOURCES, isa_level, load,
+                                          requested_isa, why_not_built)
 
-__all__ = ["FLAGS", "HEADER", "HEADERS", "SOURCES", "KERNEL_DTYPES", "NativeKernels", "NativeOp",
+__all__ = ["FLAGS", "HEADER", "HEADERS", "ISA_LEVELS", "SOURCES", "KERNEL_DTYPES", "compiled_isa",
+           "isa_level", "requested_isa", "NativeKernels", "NativeOp",
            "compute_dtype", "declare", "kernel", "library", "load", "native_enabled", "native_kernels",
            "native_op", "pointer", "suffix", "why_not_built", "widened"]
 
@@ -202,6 +204,19 @@ def kernel(name: str, loaded: ctypes.CDLL | None = None) -> ctypes._CFuncPtr:
 
 # Declared here: the size limits NativeKernels reads (the kernels are declared beside their wrappers).
 declare(_INT, [], "route_topk_max_slots", "route_topk_max_dim", "route_topk_chunk", "route_topk_query_tile")
+declare(_INT, [], "rf_isa_level", "rf_isa_has_bf16")  # isa_kernels.c
+
+_COMPILED_LEVELS = {3: "avx512", 2: "avx2", 1: "generic"}
+
+
+def compiled_isa(loaded: ctypes.CDLL | None = None) -> tuple[str, bool] | None:
+    """(the instruction-set level the loaded library's kernels were compiled for — "avx512",
+    "avx2" or "generic" — and whether the AVX-512 BF16 pair products are in it), as the C
+    preprocessor saw it (isa_kernels.c); None where no library is loaded."""
+    library_ = load() if loaded is None else loaded
+    if library_ is None:
+        return None
+    return _COMPILED_LEVELS[int(kernel("rf_isa_level", library_)())], bool(kernel("rf_isa_has_bf16", library_)())
 
 
 def widened(tensor: Tensor) -> Tensor:
