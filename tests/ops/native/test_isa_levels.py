@@ -181,7 +181,8 @@ def test_native_ops_match_their_references_at_every_level(level, level_runs):
 _CROSS = shutil.which("aarch64-linux-gnu-gcc")
 
 
-@pytest.mark.skipif(_CROSS is None, reason="no aarch64-linux-gnu-gcc (Debian: apt-get install gcc-aarch64-linux-gnu)")
+@pytest.mark.skipif(_CROSS is None,
+                    reason="no aarch64-linux-gnu-gcc (Debian: apt-get install gcc-aarch64-linux-gnu)")
 def test_every_kernel_source_compiles_for_arm64():
     """The generic level is the one an ARM build gets: every kernel file compiles for aarch64 (no x86
     intrinsic outside its #if), with the flags of the real build."""

@@ -145,9 +145,9 @@ def level_flags(compiler: str, level: str) -> tuple[str, ...]:
                          "(it refuses -march=native), so the level cannot be checked; use native or generic")
     missing = [macro.strip("_") for macro in _LEVEL_MACROS[level] if macro not in native]
     if missing:
-        raise ValueError(f"ROUTEFORMER_ISA={level} needs {', '.join(missing)}, which this CPU lacks (its code "
-                         f"would stop with SIGILL); this CPU builds at most {native_isa(compiler)}: use that, "
-                         "a lower level, or native")
+        raise ValueError(f"ROUTEFORMER_ISA={level} needs {', '.join(missing)}, which this CPU lacks (its "
+                         f"code would stop with SIGILL); this CPU builds at most {native_isa(compiler)}: use "
+                         "that, a lower level, or native")
     return _X86_LEVEL_FLAGS[level]
 
 
