@@ -136,14 +136,33 @@ void local_gemm(int64_t rows, int64_t n, int64_t depth, const float *a, int64_t 
     }
 }
 #else
-/* Plain C (any CPU): row by row, C's row accumulated over depth with B's rows streamed, so the inner
- * loop over columns is one the compiler vectorises for its target (SSE2, NEON, ...). Only the
- * first `rows` rows of A are read. */
+/* Plain C (any CPU): C's rows stay in L1 while B's rows stream past once per MR rows of A (each B
+ * row is read once for all the rows of the block); the inner loop over columns is one the compiler
+ * vectorises for its target (SSE2 on baseline x86-64, NEON on arm64). */
+static void six_rows(int64_t n, const float *restrict x, float s0, float s1, float s2, float s3, float s4,
+                     float s5, float *restrict c0, float *restrict c1, float *restrict c2, float *restrict c3,
+                     float *restrict c4, float *restrict c5) {
+    for (int64_t j = 0; j < n; j++) {
+        const float v = x[j];
+        c0[j] += s0 * v; c1[j] += s1 * v; c2[j] += s2 * v;
+        c3[j] += s3 * v; c4[j] += s4 * v; c5[j] += s5 * v;
+    }
+}
+
 void local_gemm(int64_t rows, int64_t n, int64_t depth, const float *a, int64_t a_row, int64_t a_step,
                 const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate) {
+    if (!accumulate)
+        for (int64_t r = 0; r < rows; r++) memset(c + r * ldc, 0, sizeof(float) * n);
+    if (rows == MR) {
+        for (int64_t k = 0; k < depth; k++) {
+            const float *at = a + k * a_step;
+            six_rows(n, b + k * ldb, at[0], at[a_row], at[2 * a_row], at[3 * a_row], at[4 * a_row],
+                     at[5 * a_row], c, c + ldc, c + 2 * ldc, c + 3 * ldc, c + 4 * ldc, c + 5 * ldc);
+        }
+        return;
+    }
     for (int64_t r = 0; r < rows; r++) {
         float *restrict row = c + r * ldc;
-        if (!accumulate) memset(row, 0, sizeof(float) * n);
         const float *at = a + r * a_row;
         for (int64_t k = 0; k < depth; k++) {
             const float s = at[k * a_step], *restrict x = b + k * ldb;
