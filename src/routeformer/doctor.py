@@ -51,22 +51,44 @@ def native_lines() -> list[str]:
     """Whether the C library built (and why not), and which of its optional kernels are in it."""
     from routeformer.ops.native import load, native_kernels, why_not_built
 
-    if load() is None:
+    try:
+        loaded = load()
+    except ValueError as refused:  # a ROUTEFORMER_ISA this CPU cannot run, or not a level
+        return [f"not built: {refused}"]
+    if loaded is None:
         return [f"not built: {why_not_built() or 'unknown reason'} (every op runs in PyTorch)"]
     from routeformer.ops.native.local import local_kernel_available
     from routeformer.ops.native.topk import speculative_query_tile
 
-    lines = ["built and loaded"]
+    lines = ["built and loaded", isa_line()]
     handle = native_kernels(torch.zeros(1))
     if handle is None:
         lines.append("switched off here (ROUTEFORMER_NATIVE=0): the ops run in PyTorch")
     else:
         lines.append(f"routing limits: {handle.max_slots} slots, routing dim {handle.max_dim}")
         lines.append("local attention kernel: " + ("built" if local_kernel_available() else
-                                                   "not built (needs AVX-512): blockwise PyTorch"))
+                                                   "not in the library: blockwise PyTorch"))
         lines.append("routing selection (fp32): " + ("speculative (bf16 prefilter, AVX-512 BF16)"
                                                      if speculative_query_tile() else "tiled"))
     return lines
+
+
+def isa_line() -> str:
+    """The instruction-set level the loaded library was compiled for, and why (ROUTEFORMER_ISA)."""
+    from routeformer.ops.native import compiled_isa, requested_isa
+    from routeformer.ops.native.build import compiler, native_isa
+
+    level, bf16 = compiled_isa() or ("unknown", False)
+    requested = requested_isa() or "native"
+    built = f"{level}" + (" + AVX-512 BF16" if bf16 else ("" if level == "generic" else
+                                                        ", bf16 widened to fp32 in the kernels"))
+    if requested == "native":
+        why = "ROUTEFORMER_ISA unset (native): what this CPU has (-march=native)"
+    else:
+        found = compiler()
+        best = native_isa(found) if found else "unknown"
+        why = f"forced by ROUTEFORMER_ISA={requested}; this CPU has {best}"
+    return f"instruction set: {built} ({why}; levels: native, avx512, avx2, generic)"
 
 
 def triton_line() -> str:

@@ -19,7 +19,7 @@ from routeformer.ops.native.local import (  # noqa: E402 - needs the library
 )
 
 if not local_kernel_available():
-    pytest.skip("local_kernels.c was built without AVX-512", allow_module_level=True)
+    pytest.skip("the library was built without local_kernels.c", allow_module_level=True)
 
 
 def _inputs(batch, heads, length, dim, seed=0, dtype=torch.float64):

@@ -65,6 +65,7 @@ class Build:
         monkeypatch.setenv("ROUTEFORMER_CACHE_DIR", str(self.cache))
         monkeypatch.delenv("ROUTEFORMER_LIBOMP", raising=False)
         monkeypatch.delenv("ROUTEFORMER_NATIVE", raising=False)
+        monkeypatch.delenv("ROUTEFORMER_ISA", raising=False)  # a forced level would check the fake CPU
         self.loaded: list[str] = []
 
         def fake_library(path):  # what ctypes would load: record it, declare nothing

@@ -15,7 +15,8 @@ from routeformer.ops.native import kernel, native_kernels
 from routeformer.ops.native.topk import reads_bf16, route_topk_op, route_topk_rows_op, speculative_query_tile
 
 pytestmark = pytest.mark.skipif(native_kernels(torch.zeros(1)) is None or not speculative_query_tile(),
-                                reason="no C compiler, or no AVX-512 BF16 on this CPU")
+                                reason="no C compiler, or a library built without AVX-512 BF16 "
+                                "(this CPU, or a lower ROUTEFORMER_ISA)")
 
 
 def _tiled(route_k: torch.Tensor) -> torch.Tensor:

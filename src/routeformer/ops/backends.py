@@ -292,7 +292,7 @@ def linear_backend(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Choice:
 
 def local_backend(q: Tensor, k: Tensor, v: Tensor, *, record: bool = True) -> Choice:
     """ops.local.local_attention: the C kernel for non-empty fp32/bf16/fp16 inputs of one dtype
-    where it was built (it needs AVX-512), else the blockwise PyTorch path. `record=False` for a
+    where it was built (at every instruction-set level), else the blockwise PyTorch path. `record=False` for a
     probe (the FLOP count asks which path would run without running it)."""
     choose = chosen if record else _unrecorded
     if q.numel() and q.dtype == k.dtype == v.dtype and q.dtype != torch.float64 \

@@ -25,6 +25,13 @@ CPU and what the compiler resolves -march=native to (so a cache directory shared
 one type never hands one CPU another's build); later processes load the cached library (seconds
 to compile, no PyTorch headers involved).
 
+Instruction-set levels (`ROUTEFORMER_ISA`, build.py's `isa_level`): `native` (default,
+-march=native), `avx512` (-march=x86-64-v4), `avx2` (-march=x86-64-v3: AVX2 + FMA) or `generic`
+(-march=x86-64, no -march off x86). Each kernel file selects its code with `#if
+defined(__AVX512F__)` / `#elif defined(__AVX2__) && defined(__FMA__)` / `#else` (plain C), so
+every level builds every kernel; the level is in the cache key, a level above the CPU raises
+ValueError, and `compiled_isa()` (isa_kernels.c) says what was compiled (`routeformer doctor`).
+
 Platforms (`build_plan`): Linux (gcc or clang; tested: x86-64, gcc) builds with -march=native
 and -fopenmp. macOS: -march=native (-mcpu=native where the compiler refuses that), OpenMP through
 libomp where it is installed (Apple clang: -Xpreprocessor -fopenmp against Homebrew's or
@@ -55,9 +62,20 @@ import torch
 from torch import Tensor
 
 from routeformer.ops.backend_switches import native_enabled, native_switched_on
-from routeformer.ops.native.build import FLAGS, HEADER, HEADERS, SOURCES, load, why_not_built
+from routeformer.ops.native.build import (
+    FLAGS,
+    HEADER,
+    HEADERS,
+    ISA_LEVELS,
+    SOURCES,
+    isa_level,
+    load,
+    requested_isa,
+    why_not_built,
+)
 
-__all__ = ["FLAGS", "HEADER", "HEADERS", "SOURCES", "KERNEL_DTYPES", "NativeKernels", "NativeOp",
+__all__ = ["FLAGS", "HEADER", "HEADERS", "ISA_LEVELS", "SOURCES", "KERNEL_DTYPES", "compiled_isa",
+           "isa_level", "requested_isa", "NativeKernels", "NativeOp",
            "compute_dtype", "declare", "kernel", "library", "load", "native_enabled", "native_kernels",
            "native_op", "pointer", "suffix", "why_not_built", "widened"]
 
@@ -204,6 +222,20 @@ def kernel(name: str, loaded: ctypes.CDLL | None = None) -> ctypes._CFuncPtr:
 
 # Declared here: the size limits NativeKernels reads (the kernels are declared beside their wrappers).
 declare(_INT, [], "route_topk_max_slots", "route_topk_max_dim", "route_topk_chunk", "route_topk_query_tile")
+declare(_INT, [], "rf_isa_level", "rf_isa_has_bf16")  # isa_kernels.c
+
+_COMPILED_LEVELS = {3: "avx512", 2: "avx2", 1: "generic"}
+
+
+def compiled_isa(loaded: ctypes.CDLL | None = None) -> tuple[str, bool] | None:
+    """(the instruction-set level the loaded library's kernels were compiled for — "avx512",
+    "avx2" or "generic" — and whether the AVX-512 BF16 pair products are in it), as the C
+    preprocessor saw it (isa_kernels.c); None where no library is loaded."""
+    library_ = load() if loaded is None else loaded
+    if library_ is None:
+        return None
+    level = _COMPILED_LEVELS[int(kernel("rf_isa_level", library_)())]
+    return level, bool(kernel("rf_isa_has_bf16", library_)())
 
 
 def widened(tensor: Tensor) -> Tensor:

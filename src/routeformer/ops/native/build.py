@@ -28,6 +28,26 @@ OPENMP_FLAGS = ("-fopenmp",)
 # The Linux build's flags (tests compile probes with them).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11",
          "-Werror=implicit-function-declaration")
+# The instruction-set levels `ROUTEFORMER_ISA` chooses between (see `isa_level`): `native` (the
+# default) compiles for this CPU (-march=native: every feature it has, AVX-512 BF16 included);
+# the others for a fixed x86-64 level, so one machine builds and tests every lower level. The
+# kernels select their code with the preprocessor (`#if defined(__AVX512F__)` ... `#elif
+# defined(__AVX2__) && defined(__FMA__)` ... `#else` plain C), so every level builds every kernel.
+ISA_LEVELS = ("native", "avx512", "avx2", "generic")
+# The x86 target of each forced level: x86-64-v4 (AVX-512 F/BW/DQ/VL/CD, no BF16), x86-64-v3
+# (AVX2, FMA, BMI, F16C), x86-64 (SSE2). `generic` off x86 passes no -march (the compiler's default
+# target: the portable C paths, which the compiler vectorises with what that target has).
+_X86_LEVEL_FLAGS = {"avx512": ("-march=x86-64-v4",), "avx2": ("-march=x86-64-v3",),
+                    "generic": ("-march=x86-64",)}
+# What the CPU must have for a forced level's code not to die of SIGILL: the compiler's macros for
+# -march=native must include these (the features x86-64-v3 / -v4 add, less XSAVE).
+_AVX2_MACROS = ("__AVX__", "__AVX2__", "__FMA__", "__BMI__", "__BMI2__", "__F16C__", "__LZCNT__",
+                "__MOVBE__")
+_LEVEL_MACROS = {"avx2": _AVX2_MACROS,
+                 "avx512": (*_AVX2_MACROS, "__AVX512F__", "__AVX512BW__", "__AVX512DQ__",
+                            "__AVX512VL__", "__AVX512CD__"),
+                 "generic": ()}
+_X86_MACHINES = ("x86_64", "amd64", "x86-64", "i386", "i686")
 _PROBE_TIMEOUT_S = 60  # a compiler driver asked what -march=native means (it answers in ~30 ms)
 _BUILD_TIMEOUT_S = 600  # the whole library (~20-60 s on a loaded 2-core machine)
 # Where libomp lives when installed by Homebrew (Apple silicon, Intel) or MacPorts: (include, lib).
@@ -78,6 +98,59 @@ def _native_target(compiler: str) -> tuple[tuple[str, ...], str]:
     return (), platform.machine()
 
 
+def isa_level() -> str:
+    """The instruction-set level `$ROUTEFORMER_ISA` asks for (one of ISA_LEVELS; unset or empty:
+    "native"). Raises ValueError, naming the allowed values, for any other value."""
+    level = os.environ.get("ROUTEFORMER_ISA", "").strip().lower() or "native"
+    if level not in ISA_LEVELS:
+        raise ValueError(f"ROUTEFORMER_ISA={os.environ.get('ROUTEFORMER_ISA')!r} is not an instruction-set "
+                         f"level; allowed: {', '.join(ISA_LEVELS)} (unset: native, what this CPU has)")
+    return level
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in _X86_MACHINES
+
+
+def _macros(compiler: str, flags: tuple[str, ...]) -> set[str] | None:
+    """The macros the compiler predefines with `flags` (`-dM -E`), or None if it refuses them."""
+    probe = subprocess.run([compiler, *flags, "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
+                           text=True, timeout=_PROBE_TIMEOUT_S)
+    if probe.returncode != 0:
+        return None
+    return {line.split()[1] for line in probe.stdout.splitlines() if line.startswith("#define ")}
+
+
+def native_isa(compiler: str) -> str:
+    """The level -march=native builds on this CPU: "avx512", "avx2" or "generic" (what the
+    compiler predefines for it: __AVX512F__, else __AVX2__ with __FMA__, else neither)."""
+    macros = _macros(compiler, ("-march=native",)) or set()
+    if "__AVX512F__" in macros:
+        return "avx512"
+    return "avx2" if {"__AVX2__", "__FMA__"} <= macros else "generic"
+
+
+def level_flags(compiler: str, level: str) -> tuple[str, ...]:
+    """The target flags of a forced level (not "native"), after checking that this CPU can run
+    what they compile: ValueError for an x86 level on a CPU that is not x86, or one above the
+    CPU's features (its code would die of SIGILL), naming what is missing."""
+    if level == "generic":
+        return _X86_LEVEL_FLAGS["generic"] if _is_x86() else ()
+    if not _is_x86():
+        raise ValueError(f"ROUTEFORMER_ISA={level} is an x86-64 level and this CPU is {platform.machine()}; "
+                         "allowed here: native, generic")
+    native = _macros(compiler, ("-march=native",))
+    if native is None:
+        raise ValueError(f"ROUTEFORMER_ISA={level}: the compiler {compiler!r} cannot say what this CPU has "
+                         "(it refuses -march=native), so the level cannot be checked; use native or generic")
+    missing = [macro.strip("_") for macro in _LEVEL_MACROS[level] if macro not in native]
+    if missing:
+        raise ValueError(f"ROUTEFORMER_ISA={level} needs {', '.join(missing)}, which this CPU lacks (its "
+                         f"code would stop with SIGILL); this CPU builds at most {native_isa(compiler)}: use "
+                         "that, a lower level, or native")
+    return _X86_LEVEL_FLAGS[level]
+
+
 def _libomp() -> tuple[str, str] | None:
     """(include, lib) directories of an installed libomp (macOS), or None."""
     configured = os.environ.get("ROUTEFORMER_LIBOMP")  # a prefix holding include/ and lib/
@@ -107,17 +180,32 @@ class BuildPlan:
     openmp_link: tuple[str, ...]
     target: str
     no_openmp: str | None = None  # why the plan has no OpenMP (told in one warning at build time)
+    isa: str = "native"  # the ROUTEFORMER_ISA level (ISA_LEVELS) the flags compile for
 
     def key_text(self, compiler: str) -> str:
-        return " ".join((compiler, sys.platform, *self.flags, "|", *self.openmp, "|", *self.openmp_link,
-                         "|", self.target))
+        return " ".join((compiler, sys.platform, f"isa={self.isa}", *self.flags, "|", *self.openmp, "|",
+                         *self.openmp_link, "|", self.target))
 
 
-def build_plan(compiler: str) -> BuildPlan:
+def build_plan(compiler: str, isa: str | None = None) -> BuildPlan:
     """The flags for this platform (see the module docstring): Linux and other Unix-likes
     -fopenmp; macOS a libomp where one is installed (Apple clang needs -Xpreprocessor), else
-    -fopenmp for a compiler that is not Apple's, else no OpenMP."""
-    arch, target = _native_target(compiler)
+    -fopenmp for a compiler that is not Apple's, else no OpenMP. `isa` (default `isa_level()`,
+    i.e. $ROUTEFORMER_ISA): "native" compiles for this CPU, another level for that level's target
+    (ValueError where this CPU cannot run it)."""
+    isa = isa_level() if isa is None else isa
+    if isa not in ISA_LEVELS:
+        raise ValueError(f"isa={isa!r}; allowed: {', '.join(ISA_LEVELS)}")
+    if isa == "native":
+        arch, target = _native_target(compiler)
+    else:
+        arch = level_flags(compiler, isa)
+        target = f"{isa} {' '.join(arch)} {platform.machine()}"
+    plan = _platform_plan(compiler, arch, target)
+    return BuildPlan(plan.flags, plan.openmp, plan.openmp_link, plan.target, plan.no_openmp, isa)
+
+
+def _platform_plan(compiler: str, arch: tuple[str, ...], target: str) -> BuildPlan:
     shared = ("-dynamiclib",) if sys.platform == "darwin" else ("-shared",)
     flags = (*BASE_FLAGS, *arch, *shared)
     if sys.platform != "darwin":
@@ -188,6 +276,12 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
 
 
 _WHY_NOT: dict[str, str] = {}  # "reason": why the last `load` gave no library
+_BUILT: dict[str, str] = {}  # "isa": the ROUTEFORMER_ISA level the last `load` built for
+
+
+def requested_isa() -> str | None:
+    """The ROUTEFORMER_ISA level the last `load` built (or tried to build) for, else None."""
+    return _BUILT.get("isa")
 
 
 def why_not_built() -> str | None:
@@ -213,17 +307,18 @@ def load() -> ctypes.CDLL | None:
         _fallback_warning("no C compiler found (install cc/gcc to build the native kernels)")
         return None
     try:
-        plan = build_plan(compiler_)
+        plan = build_plan(compiler_)  # ValueError (raised): a ROUTEFORMER_ISA this CPU cannot run
     except (OSError, subprocess.SubprocessError) as failed:  # the compiler cannot be run at all
         _fallback_warning(f"the C compiler {compiler_!r} could not be run ({failed})")
         return None
+    _BUILT["isa"] = plan.isa
     sources = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
     key = hashlib.sha256(sources + plan.key_text(compiler_).encode()
                          + _cpu_signature().encode()).hexdigest()[:16]
     error: Exception | None = None
     # A read-only home (some CI runners) falls back to the temporary directory.
     for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"routeformer-{_user_tag()}"):
-        target = directory / f"routeformer_native_{key}.so"
+        target = directory / f"routeformer_native_{plan.isa}_{key}.so"
         try:
             if not target.exists():
                 without_openmp = _compile(compiler_, plan, target)

@@ -40,14 +40,15 @@ def _functions() -> tuple:
 
 @torch.compiler.assume_constant_result
 def local_kernel_available() -> bool:
-    """Whether the library was built with the kernel (it needs AVX-512; else the PyTorch path).
-    Asked only after `native_kernels` said yes; under torch.compile its answer is baked in (dynamo
-    does not trace ctypes)."""
-    return _built_with_avx512()
+    """Whether the library was built with the kernel (every instruction-set level builds it:
+    AVX-512, AVX2 + FMA and plain C; a library without it would leave the PyTorch path). Asked only
+    after `native_kernels` said yes; under torch.compile its answer is baked in (dynamo does not
+    trace ctypes)."""
+    return _built_with_kernel()
 
 
 @cache
-def _built_with_avx512() -> bool:
+def _built_with_kernel() -> bool:
     return bool(kernel("local_attend_available")())
 
 

@@ -7,8 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include "common.h"
-
-#if defined(__AVX512F__)
 #include "local_kernels.h"
 #define BQ 96 /* query tile: dK, dV take up-to-BQ-deep products per key block */
 
@@ -168,5 +166,3 @@ void local_attend_backward(const void *q, const void *k, const void *v, const ui
         free(bias);
     }
 }
-
-#endif

@@ -1,15 +1,16 @@
 /* Row passes of the sliding-window kernels (local_kernels.c, local_backward_kernels.c): the softmax
  * of one row of scores and its backward, and the float32 / bfloat16 conversions of whole arrays.
  * A row pass costs O(window) per query beside the O(window · d) products, so one call per row is
- * cheap; e^x is computed on 16 lanes here, inlined into the row loops.
+ * cheap; e^x is computed on 16 lanes here (AVX-512), 8 (AVX2 + FMA) or by expf (plain C), inlined
+ * into the row loops.
  */
 #include <stdlib.h>
 #include <string.h>
 #include "common.h"
 
-#if defined(__AVX512F__)
 #include "local_kernels.h" /* MR: zero rows after an array, read by the row tiles */
 
+#if defined(__AVX512F__)
 static inline __mmask16 lanes_below(int64_t count) {
     return count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
 }
@@ -20,6 +21,7 @@ static inline __m512 exp16(__m512 x) {
     __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
     return _mm512_maskz_mov_ps(kept, exp_from_minus87_512(x));
 }
+#endif
 
 
 /* Element i of a float32 (bf16 == 0) or bfloat16 (bf16 == 1) array. */
@@ -66,6 +68,7 @@ float *local_key_bias(const uint8_t *valid, int64_t length) {
     return bias;
 }
 
+#if defined(__AVX512F__)
 /* One row of forward scores s[a, b) (·scale + bias) -> probabilities, zero elsewhere in [0, n); returns the
  * log-sum-exp (+inf: no key) and sets *inverse = 1 / Σ (0: no key). */
 float local_softmax_row(float *s, float scale, const float *bias, int64_t a, int64_t b, int64_t n,
@@ -128,5 +131,128 @@ void local_store(const float *x, int64_t count, float factor, int bf16, void *ou
     else
         for (; i + 16 <= count; i += 16) _mm512_storeu_ps((float *)out + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), f));
     for (; i < count; i++) set_element(out, i, x[i] * factor, bf16);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 (+FMA): the same row passes on 8 lanes (common.h's exp_nonpositive_ps), the tail of a row
+ * through masked loads and stores. */
+static inline __m256i lanes_below8(int64_t count) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(count < 8 ? count : 8)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* e^x on 8 lanes for x <= 0, exactly 0 below −87 (as exp16). */
+static inline __m256 exp8(__m256 x) {
+    __m256 kept = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+    return _mm256_and_ps(kept, exp_nonpositive_ps(x));
+}
+
+static inline float max8(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+float local_softmax_row(float *s, float scale, const float *bias, int64_t a, int64_t b, int64_t n,
+                        float *inverse) {
+    __m256 best = _mm256_set1_ps(-INFINITY), factor = _mm256_set1_ps(scale);
+    for (int64_t j = a; j < b; j += 8) {
+        __m256i m = lanes_below8(b - j);
+        __m256 x = _mm256_mul_ps(_mm256_maskload_ps(s + j, m), factor);
+        if (bias) x = _mm256_add_ps(x, _mm256_maskload_ps(bias + j, m));
+        _mm256_maskstore_ps(s + j, m, x);
+        best = _mm256_max_ps(best, _mm256_blendv_ps(best, x, _mm256_castsi256_ps(m)));
+    }
+    float top = max8(best);
+    memset(s, 0, sizeof(float) * a);
+    memset(s + b, 0, sizeof(float) * (n - b));
+    if (top == -INFINITY) {
+        memset(s + a, 0, sizeof(float) * (b - a));
+        *inverse = 0.0f;
+        return INFINITY;
+    }
+    __m256 total = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
+    for (int64_t j = a; j < b; j += 8) {
+        __m256i m = lanes_below8(b - j);
+        __m256 e = _mm256_and_ps(_mm256_castsi256_ps(m), exp8(_mm256_sub_ps(_mm256_maskload_ps(s + j, m), shift)));
+        _mm256_maskstore_ps(s + j, m, e);
+        total = _mm256_add_ps(total, e);
+    }
+    float sum = horizontal_sum_ps(total);
+    *inverse = 1.0f / sum;
+    return top + logf(sum);
+}
+
+void local_backward_row(float *s, float *dp, float scale, const float *bias, int64_t a, int64_t b,
+                        int64_t n, float lse, float row_dot) {
+    memset(s, 0, sizeof(float) * a);
+    memset(dp, 0, sizeof(float) * a);
+    memset(s + b, 0, sizeof(float) * (n - b));
+    memset(dp + b, 0, sizeof(float) * (n - b));
+    __m256 shift = _mm256_set1_ps(lse), dot = _mm256_set1_ps(row_dot), factor = _mm256_set1_ps(scale);
+    for (int64_t j = a; j < b; j += 8) {
+        __m256i m = lanes_below8(b - j);
+        __m256 x = _mm256_fmsub_ps(_mm256_maskload_ps(s + j, m), factor, shift);
+        if (bias) x = _mm256_add_ps(x, _mm256_maskload_ps(bias + j, m));
+        __m256 p = exp8(x); /* lse = +inf (no key): x = −inf, p = 0 */
+        __m256 ds = _mm256_mul_ps(p, _mm256_sub_ps(_mm256_maskload_ps(dp + j, m), dot));
+        _mm256_maskstore_ps(s + j, m, p);
+        _mm256_maskstore_ps(dp + j, m, ds);
+    }
+}
+#else
+/* Plain C (any CPU): the row passes as scalar loops with expf (exactly 0 below −87, as exp16). */
+static inline float exp_clamped(float x) { return x >= -87.0f ? expf(x) : 0.0f; }
+
+float local_softmax_row(float *s, float scale, const float *bias, int64_t a, int64_t b, int64_t n,
+                        float *inverse) {
+    float top = -INFINITY;
+    for (int64_t j = a; j < b; j++) {
+        float x = s[j] * scale + (bias ? bias[j] : 0.0f);
+        s[j] = x;
+        top = x > top ? x : top;
+    }
+    memset(s, 0, sizeof(float) * a);
+    memset(s + b, 0, sizeof(float) * (n - b));
+    if (top == -INFINITY) {
+        memset(s + a, 0, sizeof(float) * (b - a));
+        *inverse = 0.0f;
+        return INFINITY;
+    }
+    float sum = 0.0f;
+    for (int64_t j = a; j < b; j++) {
+        s[j] = exp_clamped(s[j] - top);
+        sum += s[j];
+    }
+    *inverse = 1.0f / sum;
+    return top + logf(sum);
+}
+
+void local_backward_row(float *s, float *dp, float scale, const float *bias, int64_t a, int64_t b,
+                        int64_t n, float lse, float row_dot) {
+    memset(s, 0, sizeof(float) * a);
+    memset(dp, 0, sizeof(float) * a);
+    memset(s + b, 0, sizeof(float) * (n - b));
+    memset(dp + b, 0, sizeof(float) * (n - b));
+    for (int64_t j = a; j < b; j++) {
+        float x = s[j] * scale - lse + (bias ? bias[j] : 0.0f);
+        float p = exp_clamped(x); /* lse = +inf (no key): x = −inf, p = 0 */
+        dp[j] = p * (dp[j] - row_dot);
+        s[j] = p;
+    }
+}
+#endif
+
+#if !defined(__AVX512F__)
+/* out[i] = factor · x[i] for i < count, float32 or bfloat16 (rounded to nearest even): two plain loops
+ * the compiler vectorises (AVX2 or the generic target). */
+void local_store(const float *x, int64_t count, float factor, int bf16, void *out) {
+    if (bf16) {
+        uint16_t *y = out;
+        for (int64_t i = 0; i < count; i++) y[i] = float_to_bf16(x[i] * factor);
+    } else {
+        float *y = out;
+        for (int64_t i = 0; i < count; i++) y[i] = x[i] * factor;
+    }
 }
 #endif

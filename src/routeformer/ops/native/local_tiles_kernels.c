@@ -6,13 +6,17 @@
  * 32-bit words hold (a[r, 2p], a[r, 2p+1]), B's (b[2p, j], b[2p+1, j]) — multiplied by the AVX-512
  * BF16 instruction vdpbf16ps into float32 sums (exact products, float32 additions).
  * Both compute MR rows (A must be readable for all of them) and store the first `rows`.
+ * local_gemm at each instruction-set level (ROUTEFORMER_ISA, ops/native/build.py): AVX-512 tiles of
+ * MR x 64, AVX2 + FMA tiles of MR x 16, else plain C loops; the pair products need AVX-512 BF16
+ * (without it the kernels widen bf16 to float32 and use local_gemm, and these are abort() stubs).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "common.h"        /* <immintrin.h> where the target has AVX2 */
+#include "local_kernels.h" /* MR, and the declarations these definitions must match */
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#include "local_kernels.h" /* MR, and the declarations these definitions must match */
 #define NR 64
 
 
@@ -77,6 +81,96 @@ void local_gemm(int64_t rows, int64_t n, int64_t depth, const float *a, int64_t 
     }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 (+FMA): the same product in tiles of MR x 16 columns, 12 accumulators of 8 lanes (16 ymm
+ * registers: 12 sums, two rows of B, one broadcast of A). */
+#define NR2 16
+
+/* Lanes [0, count) of 8 set (an AVX2 load/store mask). */
+static inline __m256i lanes_below8(int64_t count) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(count < 8 ? count : 8)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline __attribute__((always_inline)) void gemm_tile8(
+        int64_t depth, const float *a, int64_t a_row, int64_t a_step, const float *b, int64_t ldb,
+        float *c, int64_t ldc, int64_t rows, const int lanes, __m256i tail, int accumulate) {
+    __m256 acc[MR][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 2
+        for (int l = 0; l < lanes; l++) acc[r][l] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < depth; k++, a += a_step, b += ldb) {
+        __m256 x[2];
+#pragma GCC unroll 2
+        for (int l = 0; l < lanes; l++)
+            x[l] = l == lanes - 1 ? _mm256_maskload_ps(b + 8 * l, tail) : _mm256_loadu_ps(b + 8 * l);
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; r++) {
+            __m256 s = _mm256_broadcast_ss(a + r * a_row);
+#pragma GCC unroll 2
+            for (int l = 0; l < lanes; l++) acc[r][l] = _mm256_fmadd_ps(s, x[l], acc[r][l]);
+        }
+    }
+    for (int r = 0; r < MR && r < rows; r++)
+#pragma GCC unroll 2
+        for (int l = 0; l < lanes; l++) {
+            __m256i m = l == lanes - 1 ? tail : _mm256_set1_epi32(-1);
+            float *at = c + r * ldc + 8 * l;
+            __m256 value = accumulate ? _mm256_add_ps(acc[r][l], _mm256_maskload_ps(at, m)) : acc[r][l];
+            _mm256_maskstore_ps(at, m, value);
+        }
+}
+
+/* C[rows x n] (+)= A[rows x depth] · B[depth x n], rows <= MR, in tiles of 16 columns. */
+void local_gemm(int64_t rows, int64_t n, int64_t depth, const float *a, int64_t a_row, int64_t a_step,
+                const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate) {
+    for (int64_t j = 0; j < n; j += NR2) {
+        int64_t width = min64(NR2, n - j);
+        if (width > 8)
+            gemm_tile8(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 2, lanes_below8(width - 8),
+                       accumulate);
+        else
+            gemm_tile8(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 1, lanes_below8(width),
+                       accumulate);
+    }
+}
+#else
+/* Plain C (any CPU): C's rows stay in L1 while B's rows stream past once per MR rows of A (each B
+ * row is read once for all the rows of the block); the inner loop over columns is one the compiler
+ * vectorises for its target (SSE2 on baseline x86-64, NEON on arm64). */
+static void six_rows(int64_t n, const float *restrict x, float s0, float s1, float s2, float s3, float s4,
+                     float s5, float *restrict c0, float *restrict c1, float *restrict c2, float *restrict c3,
+                     float *restrict c4, float *restrict c5) {
+    for (int64_t j = 0; j < n; j++) {
+        const float v = x[j];
+        c0[j] += s0 * v; c1[j] += s1 * v; c2[j] += s2 * v;
+        c3[j] += s3 * v; c4[j] += s4 * v; c5[j] += s5 * v;
+    }
+}
+
+void local_gemm(int64_t rows, int64_t n, int64_t depth, const float *a, int64_t a_row, int64_t a_step,
+                const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate) {
+    if (!accumulate)
+        for (int64_t r = 0; r < rows; r++) memset(c + r * ldc, 0, sizeof(float) * n);
+    if (rows == MR) {
+        for (int64_t k = 0; k < depth; k++) {
+            const float *at = a + k * a_step;
+            six_rows(n, b + k * ldb, at[0], at[a_row], at[2 * a_row], at[3 * a_row], at[4 * a_row],
+                     at[5 * a_row], c, c + ldc, c + 2 * ldc, c + 3 * ldc, c + 4 * ldc, c + 5 * ldc);
+        }
+        return;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *restrict row = c + r * ldc;
+        const float *at = a + r * a_row;
+        for (int64_t k = 0; k < depth; k++) {
+            const float s = at[k * a_step], *restrict x = b + k * ldb;
+            for (int64_t j = 0; j < n; j++) row[j] += s * x[j];
+        }
+    }
+}
+#endif
 
 #if defined(__AVX512BF16__)
 /* As gemm_tile with bf16 pairs: one vdpbf16ps adds two products per lane. */
@@ -213,5 +307,4 @@ void local_pair_rows(const float *x0, const float *x1, int64_t n, uint32_t *y) {
     abort();
 }
 int local_pairs_available(void) { return 0; }
-#endif
 #endif
