@@ -6,7 +6,7 @@
 | `text:PATH` | any UTF-8 file, split 90/10 (`data.path` does the same and takes folders too) |
 | `tinyshakespeare` or `tinyshakespeare:PATH` | Tiny Shakespeare, split 90/10 |
 | `wikitext2` or `wikitext2:DIR` | WikiText-2, the raw text (`wikitext-2-raw-v1`, as LM papers report) |
-| `pystdlib` or `pystdlib:DIR` | Python 3.11 standard-library source as documents: `DIR/{train,valid,test}.jsonl`, one JSON object (`path`, `text`) per file; split by file (553 / 32 / 29 files) |
+| `pystdlib` or `pystdlib:DIR` | Python 3.11 stdlib source, a document per file: `{train,valid,test}.jsonl` |
 
 `load_path(PATH)` (the training config's `data.path`, which replaces `data.corpus`) reads a file
 (split 90/10) or a folder: one with `train`/`valid` splits (`train.txt` + `valid.txt`, or

@@ -52,7 +52,6 @@ from routeformer.tasks.positions import PositionBucketSums
 from routeformer.tasks.registry import register_task
 from routeformer.tasks.splits import check_split
 
-
 SPLIT_NAMES = ("train", "validation", "test")
 WINDOW_MODES = ("stream", "start")
 
@@ -214,7 +213,8 @@ class CharLM(Task):
         """Add-one unigram [V] and bigram [V, V] (row: previous character) fitted on train."""
         train, size = self.ids("train"), self.vocab_size
         unigram = torch.bincount(train, minlength=size).double() + 1
-        pairs = torch.bincount(train[:-1] * size + train[1:], minlength=size * size).double().view(size, size) + 1
+        pairs = torch.bincount(train[:-1] * size + train[1:], minlength=size * size).double()
+        pairs = pairs.view(size, size) + 1
         return unigram / unigram.sum(), pairs / pairs.sum(1, keepdim=True)
 
     def position_baselines(self, sequences: int = 1024, position_buckets: Sequence[int] | None = None,

@@ -34,11 +34,11 @@ def position_buckets(seq_len: int, edges: Sequence[int] | None = None) -> list[t
             edges.append(edges[-1] * 2)
     edges = list(edges)
     if (not edges or any(not isinstance(e, int) or isinstance(e, bool) for e in edges) or edges[0] != 0
-            or any(b <= a for a, b in zip(edges, edges[1:]))):
+            or any(b <= a for a, b in zip(edges, edges[1:], strict=False))):
         raise ValueError(f"position_buckets must be strictly increasing integers starting at 0 "
                          f"(e.g. [0, 256, 1024, 2048]); got {edges!r}")
     kept = [edge for edge in edges if edge < seq_len] + [seq_len]
-    return list(zip(kept, kept[1:]))
+    return list(zip(kept, kept[1:], strict=False))
 
 
 def bucket_name(bucket: tuple[int, int]) -> str:
@@ -74,7 +74,8 @@ class PositionBucketSums:
     def bits(self) -> dict[str, float]:
         """Bits per token in each bucket (NaN where a bucket holds no asked position)."""
         return {bucket_name(bucket): (float(nats) / count / math.log(2) if count else math.nan)
-                for bucket, nats, count in zip(self.buckets, self.nats, self.counts.tolist())}
+                for bucket, nats, count in zip(self.buckets, self.nats, self.counts.tolist(), strict=True)}
 
     def token_counts(self) -> dict[str, int]:
-        return {bucket_name(bucket): count for bucket, count in zip(self.buckets, self.counts.tolist())}
+        counts = self.counts.tolist()
+        return {bucket_name(bucket): count for bucket, count in zip(self.buckets, counts, strict=True)}
