@@ -21,7 +21,8 @@ def test_a_local_pystdlib_folder_keeps_its_documents(tmp_path):
     folder = write_pystdlib(tmp_path / "py", {"train": [("a.py", "x = 1\n"), ("b.py", "y = 2\n")],
                                               "valid": [("c.py", "z = 3\n")], "test": [("d.py", "w = 4\n")]})
     corpus = load_corpus(f"pystdlib:{folder}")
-    assert corpus.documents == {"train": ["x = 1\n", "y = 2\n"], "validation": ["z = 3\n"], "test": ["w = 4\n"]}
+    assert corpus.documents == {"train": ["x = 1\n", "y = 2\n"], "validation": ["z = 3\n"],
+                                "test": ["w = 4\n"]}
     assert corpus.document_paths["train"] == ["a.py", "b.py"]
     assert (corpus.train, corpus.val, corpus.test) == ("x = 1\ny = 2\n", "z = 3\n", "w = 4\n")
 
@@ -40,8 +41,8 @@ def test_missing_or_malformed_pystdlib_is_a_value_error_saying_how_to_supply_it(
     with pytest.raises(ValueError, match=r"valid.jsonl' line 1 is not a JSON object with 'path' and 'text'"):
         load_corpus(f"pystdlib:{folder}")
     monkeypatch.setenv("ROUTEFORMER_DATA_DIR", str(tmp_path / "env"))
-    write_pystdlib(tmp_path / "env" / "python-stdlib", {"train": [("a.py", "a\n")], "valid": [("b.py", "b\n")],
-                                                        "test": [("c.py", "c\n")]})
+    write_pystdlib(tmp_path / "env" / "python-stdlib",
+                   {"train": [("a.py", "a\n")], "valid": [("b.py", "b\n")], "test": [("c.py", "c\n")]})
     assert load_corpus("pystdlib").test == "c\n"  # found through $ROUTEFORMER_DATA_DIR
 
 
