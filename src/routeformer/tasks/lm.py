@@ -222,7 +222,8 @@ class CharLM(Task):
         """Bits per character of the unigram and bigram models (fitted on train) per position
         bucket, on `fixed_sample(split, sequences)`: the windows `evaluate_on_task` scores, so the
         buckets match its `bits_per_char_by_position`. A bigram reads only the previous character,
-        so its numbers change across buckets only because the text does (file headers, imports)."""
+        so its numbers change across buckets only because the text does (file headers, imports).
+        With meta-tokens injected, the bigram's previous token may be `_PAUSE_` (a uniform row)."""
         inputs, labels = self.fixed_sample(split, sequences)
         asked = labels != IGNORE_INDEX
         previous, target = inputs[asked], labels[asked]
