@@ -6,6 +6,7 @@
 | `text:PATH` | any UTF-8 file, split 90/10 (`data.path` does the same and takes folders too) |
 | `tinyshakespeare` or `tinyshakespeare:PATH` | Tiny Shakespeare, split 90/10 |
 | `wikitext2` or `wikitext2:DIR` | WikiText-2, the raw text (`wikitext-2-raw-v1`, as LM papers report) |
+| `pystdlib` or `pystdlib:DIR` | Python 3.11 stdlib source, a document per file: `{train,valid,test}.jsonl` |
 
 `load_path(PATH)` (the training config's `data.path`, which replaces `data.corpus`) reads a file
 (split 90/10) or a folder: one with `train`/`valid` splits (`train.txt` + `valid.txt`, or
@@ -23,18 +24,29 @@ few seconds saying how to supply the data locally (`HF_HUB_OFFLINE=1` or `HF_DAT
 make it immediate). A WikiText directory needs a validation split; without a training split (as in
 ../shared/data, ~1 MB) it trains on the validation split and evaluates on the test split — the
 corpus name says which.
+
+`pystdlib` is looked up as `python-stdlib/` in the same folders; nothing is downloaded (a missing
+copy is a ValueError naming where it looked and how to pass one). Its `Corpus` keeps the document
+boundaries: `documents` maps "train" / "validation" / "test" to the files' texts (in file order)
+and `document_paths` to their paths; `train`, `val` and `test` are those texts joined back to back
+with nothing between them (every file ends in a newline), so document i of a split starts at the
+sum of the lengths before it. Corpora with a `test` text keep it as their test split (`lm` then
+evaluates on `val` and `test` as they are, instead of halving `val`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SPLIT_FRACTION = 0.9
-CORPORA = ("pydoc", "text:PATH", "tinyshakespeare[:PATH]", "wikitext2[:DIR]")
+CORPORA = ("pydoc", "text:PATH", "tinyshakespeare[:PATH]", "wikitext2[:DIR]", "pystdlib[:DIR]")
+PYSTDLIB_FOLDER = "python-stdlib"
+PYSTDLIB_SPLITS = (("train", "train.jsonl"), ("validation", "valid.jsonl"), ("test", "test.jsonl"))
 TEXT_SUFFIXES = (".txt", ".md", ".raw", ".text")
 HUB_HOST, HUB_PORT = "huggingface.co", 443
 NETWORK_PROBE_SECONDS = 3.0
@@ -42,9 +54,14 @@ NETWORK_PROBE_SECONDS = 3.0
 
 @dataclass
 class Corpus:
+    """A corpus's text per split. `test` is None where the corpus has no test split of its own (the
+    LM task then halves `val`); `documents` / `document_paths` are None where it is one stream."""
     name: str
     train: str
     val: str
+    test: str | None = None
+    documents: dict[str, list[str]] | None = field(default=None, repr=False)
+    document_paths: dict[str, list[str]] | None = field(default=None, repr=False)
 
 
 def load_corpus(spec: str) -> Corpus:
@@ -69,6 +86,8 @@ def load_corpus(spec: str) -> Corpus:
         if directory is not None:
             return _wikitext_from_directory(directory)
         return _wikitext_from_hub()
+    if kind == "pystdlib":
+        return load_pystdlib(Path(argument) if argument else None)
     raise ValueError(f"unknown corpus {spec!r}; valid: {', '.join(CORPORA)}")
 
 
@@ -125,6 +144,45 @@ def _find(relative: str) -> Path | None:
         if (directory / relative).exists():
             return directory / relative
     return None
+
+
+def load_pystdlib(directory: Path | None = None) -> Corpus:
+    """The Python standard-library corpus in `directory` (default: `python-stdlib/` in the data
+    folders): {train,valid,test}.jsonl, one JSON object with `path` and `text` per line, as documents."""
+    if directory is None:
+        directory = _find(f"{PYSTDLIB_FOLDER}/train.jsonl")
+        if directory is None:
+            where = ", ".join(str(d / PYSTDLIB_FOLDER) for d in data_dirs())
+            raise ValueError(
+                f"corpus 'pystdlib' not found (looked for {PYSTDLIB_FOLDER}/train.jsonl in {where}); "
+                "pass pystdlib:DIR (a folder holding train.jsonl, valid.jsonl and test.jsonl) or set "
+                f"ROUTEFORMER_DATA_DIR to a folder holding {PYSTDLIB_FOLDER}/; nothing is downloaded")
+        directory = directory.parent
+    documents: dict[str, list[str]] = {}
+    paths: dict[str, list[str]] = {}
+    for split, file_name in PYSTDLIB_SPLITS:
+        path = directory / file_name
+        if not path.is_file():
+            raise ValueError(f"corpus 'pystdlib': {str(path)!r} does not exist; pystdlib:DIR needs "
+                             "DIR/train.jsonl, DIR/valid.jsonl and DIR/test.jsonl")
+        documents[split], paths[split] = [], []
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    text, name = record["text"], record["path"]
+                except (json.JSONDecodeError, KeyError, TypeError) as error:
+                    raise ValueError(f"corpus 'pystdlib': {str(path)!r} line {number} is not a JSON "
+                                     f"object with 'path' and 'text' ({error})") from None
+                documents[split].append(text)
+                paths[split].append(name)
+        if not documents[split]:
+            raise ValueError(f"corpus 'pystdlib': {str(path)!r} holds no documents")
+    joined = {split: "".join(texts) for split, texts in documents.items()}
+    return Corpus("pystdlib (train / valid / test files)", joined["train"], joined["validation"],
+                  joined["test"], documents=documents, document_paths=paths)
 
 
 def _wikitext_from_directory(directory: Path) -> Corpus:

@@ -11,7 +11,7 @@ measured once, after training, on a fixed test sample.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ import torch
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import TokenPredictor
 from routeformer.tasks.base import IGNORE_INDEX, Task
+from routeformer.tasks.positions import PositionBucketSums
 from routeformer.train.task_loop import TaskTrainConfig, layer_stat, train_task
 
 
@@ -48,12 +49,24 @@ def parameter_count(model: torch.nn.Module) -> int:
 
 @torch.no_grad()
 def evaluate_on_task(model: TokenPredictor, task: Task, split: str, sequences: int,
-                     batch_size: int = 256) -> dict[str, float]:
+                     batch_size: int = 256, position_buckets: Sequence[int] | None = None) -> dict[str, Any]:
     """The task's metric on a fixed sample of `split` (accuracy at the asked positions, or bits per
-    token for LM tasks), the mean loss in nats, and the attention FLOPs executed per token."""
+    token for LM tasks), the mean loss in nats, and the attention FLOPs executed per token.
+
+    For LM tasks (metric "bits_per_char") the record also holds `bits_per_char_by_position`
+    ({"0-256": bits, ...}) and `tokens_by_position` (the count of predictions in each bucket),
+    from the per-token losses: bucket "lo-hi" is the window slots lo <= t < hi (tasks/positions.py;
+    `position_buckets` are the edges, default 0, 256, 1024, 2048, 4096, ... clipped to T). The
+    count-weighted mean of the buckets is `bits_per_char`. With lm's documents="start" a slot is
+    the position in the file."""
+    if position_buckets is not None and task.metric != "bits_per_char":
+        raise ValueError(f"position_buckets applies to LM tasks (bits_per_char); task {task.name!r} "
+                         f"reports {task.metric}")
     was_training = model.training
     model.eval()
     inputs, labels = task.fixed_sample(split, sequences)
+    by_position = (PositionBucketSums(inputs.shape[1], position_buckets)
+                   if task.metric == "bits_per_char" and inputs.shape[1] > 0 else None)
     correct = asked = 0
     nats = flops = 0.0
     recalls = []
@@ -63,6 +76,9 @@ def evaluate_on_task(model: TokenPredictor, task: Task, split: str, sequences: i
         targets = chunk_labels[chunk_labels != IGNORE_INDEX]
         correct += int((result.logits.argmax(-1) == targets).sum())
         nats += float(torch.nn.functional.cross_entropy(result.logits.float(), targets, reduction="sum"))
+        if by_position is not None:
+            token_nats = torch.nn.functional.cross_entropy(result.logits.float(), targets, reduction="none")
+            by_position.add(token_nats, chunk_labels)
         asked += targets.numel()
         flops += sum(float(layer["flops"]) for layer in result.stats)
         recall = layer_stat(result.stats, "routing_recall")
@@ -75,6 +91,9 @@ def evaluate_on_task(model: TokenPredictor, task: Task, split: str, sequences: i
         record[task.metric] = record["loss"] / math.log(2)
     if recalls:
         record["routing_recall"] = sum(recalls) / len(recalls)
+    if by_position is not None:
+        record["bits_per_char_by_position"] = by_position.bits()
+        record["tokens_by_position"] = by_position.token_counts()
     return record
 
 
