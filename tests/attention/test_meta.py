@@ -226,6 +226,19 @@ def test_warmup_mixes_uniformly_without_kl_or_hard_routing_then_routes():
     assert layer.eval()(x).stats["kl_weight"] == 1.0  # evaluation: no warm-up
 
 
+def test_warmup_mixture_fixes_the_weights_of_the_warmup():
+    """warmup_mixture=(1, 0, 0): during the warm-up the output is the full expert's alone."""
+    layer = make(warmup_steps=1, warmup_mixture=(1.0, 0.0, 0.0)).train()
+    x = tokens()
+    out = layer(x).out
+    with torch.no_grad():
+        positions = torch.arange(LENGTH).expand(2, -1)
+        full_only = layer._expert(0, x, positions, None, None, torch.ones(2, LENGTH, dtype=x.dtype), {},
+                                  torch.zeros_like(x))[0]
+    torch.testing.assert_close(out, full_only)
+    assert not torch.allclose(layer(x).out, full_only)  # warm-up over: routed mixture
+
+
 def test_kl_anneals_in_after_warmup_and_eta_anneal_waits_for_it():
     layer = make(warmup_steps=2, kl_anneal_steps=4, elbo_weight=2.0, train_eta=0.2, train_eta_start=1.0,
                  eta_anneal_steps=4).train()
@@ -283,6 +296,9 @@ def test_share_qkv_uses_one_projection():
     ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0"),
     ({"warmup_steps": 2.5}, "warmup_steps must be an integer >= 0"),
     ({"kl_anneal_steps": -3}, "kl_anneal_steps must be an integer >= 0"),
+    ({"warmup_mixture": (0.5, 0.5)}, "warmup_mixture needs one non-negative weight"),
+    ({"warmup_mixture": (0.5, 0.6, -0.1)}, "warmup_mixture needs one non-negative weight"),
+    ({"warmup_mixture": (0.5, 0.5, 0.5)}, "warmup_mixture needs one non-negative weight"),
     ({"window": 0}, "window must be a positive integer"),
 ])
 def test_bad_options_raise_value_errors(options, message):

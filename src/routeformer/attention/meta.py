@@ -41,7 +41,8 @@ Training schedule (deviations from the paper, off by default; every counter is `
 checkpointed count of training calls):
 - `warmup_steps` (default 0): for the first N training calls every token mixes the experts with
   fixed uniform weights 1/K (no Dirichlet sample, no hard routing, no KL term), so that each expert
-  learns its task before the controller can starve it.
+  learns its task before the controller can starve it. `warmup_mixture` (default None = uniform)
+  sets other fixed weights, one per expert (non-negative, summing to 1), e.g. (1, 0, 0).
 - `kl_anneal_steps` (default 0): after the warm-up the KL weight rises linearly from 0 to
   `elbo_weight` over M training calls (call s after warm-up uses elbo_weight · min(1, s / M)).
 - the η anneal (`eta_anneal_steps`) starts after the warm-up: training call s after warm-up uses
@@ -123,7 +124,7 @@ class MetaAttention(AttentionLayer):
         eval_eta: float | None = None, train_eta: float | None = None, train_eta_start: float = 1.0,
         eta_anneal_steps: int = 1000, position_scale: float | None = DEFAULT_POSITION_SCALE,
         linear_chunk: int = 64, full_chunk: int = 256, warmup_steps: int = 0,
-        kl_anneal_steps: int = 0, **common,
+        kl_anneal_steps: int = 0, warmup_mixture: Sequence[float] | None = None, **common,
     ) -> None:
         super().__init__(dim, heads, causal, **common)
         costs = tuple(float(c) for c in costs)
@@ -146,6 +147,14 @@ class MetaAttention(AttentionLayer):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
         self.warmup_steps, self.kl_anneal_steps = warmup_steps, kl_anneal_steps
+        if warmup_mixture is None:
+            warmup_mixture = (1.0 / len(EXPERTS),) * len(EXPERTS)
+        warmup_mixture = tuple(float(w) for w in warmup_mixture)
+        if (len(warmup_mixture) != len(EXPERTS) or min(warmup_mixture) < 0
+                or abs(sum(warmup_mixture) - 1.0) > 1e-6):
+            raise ValueError(f"warmup_mixture needs one non-negative weight per expert {EXPERTS}, "
+                             f"summing to 1; got {warmup_mixture}")
+        self.warmup_mixture = warmup_mixture
         self.window, self.costs, self.elbo_weight, self.gate = window, costs, float(elbo_weight), gate
         self.sample_routing, self.share_qkv = sample_routing, share_qkv
         self.eval_eta, self.train_eta, self.train_eta_start = eval_eta, train_eta, train_eta_start
@@ -305,7 +314,7 @@ class MetaAttention(AttentionLayer):
         mean = concentration / concentration.sum(-1, keepdim=True)
         warmup = self.in_warmup()
         if warmup:
-            weights = torch.full_like(mean, 1.0 / len(EXPERTS))
+            weights = torch.tensor(self.warmup_mixture, dtype=mean.dtype, device=mean.device).expand_as(mean)
         elif self.training and self.sample_routing:
             weights = torch.distributions.Dirichlet(concentration).rsample()
         else:
