@@ -204,6 +204,80 @@ def test_eta_anneals_over_training_calls_and_the_step_is_checkpointed():
     assert layer.eval().current_eta() == 0.5
 
 
+def test_warmup_mixes_uniformly_without_kl_or_hard_routing_then_routes():
+    """warmup_steps: the first N training calls use the fixed uniform mixture (the same output as
+    sampling-free routing with weights 1/3), no KL and no hard tokens; then the paper's rules."""
+    layer = make(warmup_steps=2, train_eta=0.0, train_eta_start=0.0, sample_routing=False).train()
+    x = tokens()
+    first = layer(x)
+    assert first.aux_loss.item() == 0.0 and first.stats["hard_fraction"] == 0.0
+    assert first.stats["kl_weight"] == 0.0 and first.stats["eta"].isnan()
+    # The uniform mixture is the mean of the three experts' dense outputs.
+    with torch.no_grad():
+        positions = torch.arange(LENGTH).expand(2, -1)
+        uniform = sum(layer._expert(i, x, positions, None, None, torch.full((2, LENGTH), 1 / 3,
+                                                                              dtype=x.dtype), {},
+                                    torch.zeros_like(x))[0] for i in range(3))
+    torch.testing.assert_close(first.out, uniform)
+    layer(x)
+    after = layer(x)  # third call: warm-up over, η = train_eta = 0 → every token hard, KL on
+    assert after.stats["hard_fraction"] == 1.0 and after.aux_loss.item() > 0
+    assert int(layer.state_dict()["routing_step"]) == 3
+    assert layer.eval()(x).stats["kl_weight"] == 1.0  # evaluation: no warm-up
+
+
+def test_warmup_mixture_fixes_the_weights_of_the_warmup():
+    """warmup_mixture=(1, 0, 0): during the warm-up the output is the full expert's alone."""
+    layer = make(warmup_steps=1, warmup_mixture=(1.0, 0.0, 0.0)).train()
+    x = tokens()
+    out = layer(x).out
+    with torch.no_grad():
+        positions = torch.arange(LENGTH).expand(2, -1)
+        full_only = layer._expert(0, x, positions, None, None, torch.ones(2, LENGTH, dtype=x.dtype), {},
+                                  torch.zeros_like(x))[0]
+    torch.testing.assert_close(out, full_only)
+    assert not torch.allclose(layer(x).out, full_only)  # warm-up over: routed mixture
+
+
+def test_kl_anneals_in_after_warmup_and_eta_anneal_waits_for_it():
+    layer = make(warmup_steps=2, kl_anneal_steps=4, elbo_weight=2.0, train_eta=0.2, train_eta_start=1.0,
+                 eta_anneal_steps=4).train()
+    x = tokens()
+    weights, etas, losses = [], [], []
+    for _ in range(8):
+        weights.append(layer.current_kl_weight())
+        etas.append(layer.current_eta())
+        result = layer(x)
+        losses.append((result.aux_loss.item(), result.stats["kl"].item()))
+    assert weights == pytest.approx([0.0, 0.0, 0.0, 0.5, 1.0, 1.5, 2.0, 2.0])
+    assert etas[:2] == [None, None] and etas[2:] == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2, 0.2])
+    for weight, (aux, kl) in zip(weights, losses, strict=True):
+        assert aux == pytest.approx(weight * kl)
+
+
+def test_schedule_counter_survives_a_checkpoint_round_trip():
+    layer = make(warmup_steps=3, kl_anneal_steps=2).train()
+    for _ in range(4):
+        layer(tokens())
+    restored = make(seed=5, warmup_steps=3, kl_anneal_steps=2).train()
+    assert restored.in_warmup()
+    restored.load_state_dict(layer.state_dict())
+    assert int(restored.routing_step) == 4 and not restored.in_warmup()
+    assert restored.current_kl_weight() == pytest.approx(0.5)
+
+
+def test_rows_are_the_share_each_expert_computed_under_hard_routing():
+    layer = make(eval_eta=0.0).eval()  # every token hard: each computes exactly one expert
+    x = tokens()
+    result = layer(x)
+    with torch.no_grad():
+        positions = torch.arange(LENGTH).expand(2, -1)
+        choice = layer.router(x, positions).argmax(-1)
+    for i, name in enumerate(EXPERTS):
+        assert result.stats[f"rows_{name}"].item() == pytest.approx((choice == i).double().mean().item())
+    assert sum(result.stats[f"rows_{name}"].item() for name in EXPERTS) == pytest.approx(1.0)
+
+
 def test_share_qkv_uses_one_projection():
     shared = make(share_qkv=True)
     separate = make()
@@ -219,6 +293,12 @@ def test_share_qkv_uses_one_projection():
     ({"prior": "flat"}, "prior must be one of"),
     ({"elbo_weight": -1.0}, "elbo_weight must be >= 0"),
     ({"eta_anneal_steps": -1}, "eta_anneal_steps"),
+    ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0"),
+    ({"warmup_steps": 2.5}, "warmup_steps must be an integer >= 0"),
+    ({"kl_anneal_steps": -3}, "kl_anneal_steps must be an integer >= 0"),
+    ({"warmup_mixture": (0.5, 0.5)}, "warmup_mixture needs one non-negative weight"),
+    ({"warmup_mixture": (0.5, 0.6, -0.1)}, "warmup_mixture needs one non-negative weight"),
+    ({"warmup_mixture": (0.5, 0.5, 0.5)}, "warmup_mixture needs one non-negative weight"),
     ({"window": 0}, "window must be a positive integer"),
 ])
 def test_bad_options_raise_value_errors(options, message):

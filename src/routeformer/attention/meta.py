@@ -37,11 +37,22 @@ Certainty, `gate`:
 `eta_anneal_steps` training calls (counted by the `routing_step` buffer, which is checkpointed).
 None disables hard routing.
 
+Training schedule (deviations from the paper, off by default; every counter is `routing_step`, the
+checkpointed count of training calls):
+- `warmup_steps` (default 0): for the first N training calls every token mixes the experts with
+  fixed uniform weights 1/K (no Dirichlet sample, no hard routing, no KL term), so that each expert
+  learns its task before the controller can starve it. `warmup_mixture` (default None = uniform)
+  sets other fixed weights, one per expert (non-negative, summing to 1), e.g. (1, 0, 0).
+- `kl_anneal_steps` (default 0): after the warm-up the KL weight rises linearly from 0 to
+  `elbo_weight` over M training calls (call s after warm-up uses elbo_weight · min(1, s / M)).
+- the η anneal (`eta_anneal_steps`) starts after the warm-up: training call s after warm-up uses
+  train_eta_start + (train_eta − train_eta_start) · min(1, s / eta_anneal_steps).
+
 stats: weight_{full,linear,local} (mean ᾱ), routing_entropy_pct (mean H(ᾱ_t)/ln K, %),
 mean_weight_entropy (H of the average ᾱ, nats — the paper's Table 2 quantity), uncertainty (mean
 U_t), kl (mean KL), projected_cost (mean Σ ᾱ_i c_i), hard_fraction, rows_{expert} (share of tokens
 each expert computed), flops (attention FLOPs executed) and flops_vs_full (that over the full
-expert alone on every token), eta.
+expert alone on every token), eta, kl_weight (the KL weight in force).
 """
 
 from __future__ import annotations
@@ -112,8 +123,8 @@ class MetaAttention(AttentionLayer):
         share_qkv: bool = False, sample_routing: bool = True, gate: str = "mean_entropy",
         eval_eta: float | None = None, train_eta: float | None = None, train_eta_start: float = 1.0,
         eta_anneal_steps: int = 1000, position_scale: float | None = DEFAULT_POSITION_SCALE,
-        linear_chunk: int = 64,
-        full_chunk: int = 256, **common,
+        linear_chunk: int = 64, full_chunk: int = 256, warmup_steps: int = 0,
+        kl_anneal_steps: int = 0, warmup_mixture: Sequence[float] | None = None, **common,
     ) -> None:
         super().__init__(dim, heads, causal, **common)
         costs = tuple(float(c) for c in costs)
@@ -131,8 +142,19 @@ class MetaAttention(AttentionLayer):
         for name, value in (("window", window), ("controller_hidden", controller_hidden),
                             ("linear_chunk", linear_chunk), ("full_chunk", full_chunk)):
             check_positive(name, value)
-        if not isinstance(eta_anneal_steps, int) or eta_anneal_steps < 0:
-            raise ValueError(f"eta_anneal_steps must be an integer >= 0; got {eta_anneal_steps!r}")
+        for name, value in (("eta_anneal_steps", eta_anneal_steps), ("warmup_steps", warmup_steps),
+                            ("kl_anneal_steps", kl_anneal_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
+        self.warmup_steps, self.kl_anneal_steps = warmup_steps, kl_anneal_steps
+        if warmup_mixture is None:
+            warmup_mixture = (1.0 / len(EXPERTS),) * len(EXPERTS)
+        warmup_mixture = tuple(float(w) for w in warmup_mixture)
+        if (len(warmup_mixture) != len(EXPERTS) or min(warmup_mixture) < 0
+                or abs(sum(warmup_mixture) - 1.0) > 1e-6):
+            raise ValueError(f"warmup_mixture needs one non-negative weight per expert {EXPERTS}, "
+                             f"summing to 1; got {warmup_mixture}")
+        self.warmup_mixture = warmup_mixture
         self.window, self.costs, self.elbo_weight, self.gate = window, costs, float(elbo_weight), gate
         self.sample_routing, self.share_qkv = sample_routing, share_qkv
         self.eval_eta, self.train_eta, self.train_eta_start = eval_eta, train_eta, train_eta_start
@@ -147,15 +169,33 @@ class MetaAttention(AttentionLayer):
         self.register_buffer("routing_step", torch.zeros((), dtype=torch.long))
 
     # -- routing ---------------------------------------------------------------------------
+    def in_warmup(self) -> bool:
+        """True during the first `warmup_steps` training calls (uniform fixed mixture)."""
+        return self.training and int(self.routing_step) < self.warmup_steps
+
+    def _after_warmup(self) -> int:
+        return max(0, int(self.routing_step) - self.warmup_steps)
+
     def current_eta(self) -> float | None:
-        """The certainty threshold in force: eval_eta, or the annealed training threshold."""
+        """The certainty threshold in force: eval_eta, or the annealed training threshold (None
+        during the warm-up)."""
         if not self.training:
             return self.eval_eta
-        if self.train_eta is None:
+        if self.train_eta is None or self.in_warmup():
             return None
         steps = self.eta_anneal_steps
-        progress = 1.0 if steps == 0 else min(1.0, int(self.routing_step) / steps)
+        progress = 1.0 if steps == 0 else min(1.0, self._after_warmup() / steps)
         return self.train_eta_start + (self.train_eta - self.train_eta_start) * progress
+
+    def current_kl_weight(self) -> float:
+        """The KL weight in force: elbo_weight at evaluation; in training 0 during the warm-up,
+        then annealed linearly to elbo_weight over `kl_anneal_steps` calls."""
+        if not self.training:
+            return self.elbo_weight
+        if self.in_warmup():
+            return 0.0
+        steps = self.kl_anneal_steps
+        return self.elbo_weight * (1.0 if steps == 0 else min(1.0, self._after_warmup() / steps))
 
     def certainty(self, concentration: Tensor) -> Tensor:
         """Normalised certainty in [0, 1] per token (see `gate` in the module docstring)."""
@@ -272,11 +312,14 @@ class MetaAttention(AttentionLayer):
         # kernel, and the KL's lgamma/digamma differences lose most of their digits in 8-11 bits.
         concentration = _at_least_fp32(self.router(x, positions))  # [B, T, K]
         mean = concentration / concentration.sum(-1, keepdim=True)
-        if self.training and self.sample_routing:
+        warmup = self.in_warmup()
+        if warmup:
+            weights = torch.tensor(self.warmup_mixture, dtype=mean.dtype, device=mean.device).expand_as(mean)
+        elif self.training and self.sample_routing:
             weights = torch.distributions.Dirichlet(concentration).rsample()
         else:
             weights = mean
-        eta = self.current_eta()
+        eta, kl_weight = self.current_eta(), self.current_kl_weight()
         if self.training:
             self.routing_step += 1
         routes: list[Tensor | None] = [None] * len(EXPERTS)
@@ -303,8 +346,8 @@ class MetaAttention(AttentionLayer):
 
         kl = dirichlet_kl(concentration, self.router.prior.to(concentration.dtype))
         real = None if mask is None else mask.to(concentration.dtype)
-        aux_loss = self.elbo_weight * _masked_mean(kl, real) if self.elbo_weight else kl.new_zeros(())
-        stats = self._stats(concentration, mean, kl, hard, real, flops, rows_computed, eta, x)
+        aux_loss = kl_weight * _masked_mean(kl, real) if kl_weight else kl.new_zeros(())
+        stats = self._stats(concentration, mean, kl, hard, real, flops, rows_computed, eta, kl_weight, x)
         return AttentionOutput(out=out, aux_loss=aux_loss, stats=stats)
 
     # -- cached decoding ---------------------------------------------------------------------
@@ -370,7 +413,8 @@ class MetaAttention(AttentionLayer):
         return out
 
     @torch.no_grad()
-    def _stats(self, concentration, mean, kl, hard, real, flops, rows_computed, eta, x) -> dict[str, Tensor]:
+    def _stats(self, concentration, mean, kl, hard, real, flops, rows_computed, eta, kl_weight,
+               x) -> dict[str, Tensor]:
         def average(values: Tensor) -> Tensor:
             return _masked_mean(values, real)
 
@@ -390,6 +434,7 @@ class MetaAttention(AttentionLayer):
             "flops": torch.tensor(float(flops)),
             "flops_vs_full": torch.tensor(flops / full_flops),
             "eta": torch.tensor(float("nan") if eta is None else eta),
+            "kl_weight": torch.tensor(float(kl_weight)),
         })
         for name, computed in zip(EXPERTS, rows_computed, strict=True):
             stats[f"rows_{name}"] = torch.tensor(computed / (batch * length))

@@ -1,0 +1,51 @@
+"""Probe: meta on compare --long's MQAR curriculum with chosen options; prints validation accuracy
+per eval and, at T=512 in eval mode, each meta layer's flops_vs_full / rows_* / hard_fraction.
+
+PYTHONPATH=src OMP_NUM_THREADS=1 python docs/results/compare/long/probes/meta_probe.py SEED [SCALE] [JSON_OPTIONS]
+SCALE (default 1.0) multiplies every stage's steps (1.0 = the real curriculum). Test evaluation at
+T/2T/4T is cut to 8192 tokens (the probe reads validation only)."""
+
+import dataclasses
+import json
+import sys
+
+import torch
+
+from routeformer.attention.meta import MetaAttention
+from routeformer.compare.long_budget import LONG
+from routeformer.compare.long_jobs import train_long_job
+from routeformer.runner.jobs import Job
+
+torch.set_num_threads(1)
+seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+scale = float(sys.argv[2]) if len(sys.argv) > 2 else 1.0
+options = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+setup = LONG.tasks["mqar"]
+stages = tuple(dataclasses.replace(s, steps=max(1, int(s.steps * scale)),
+                                   warmup_steps=max(1, int(s.warmup_steps * scale))) for s in setup.stages)
+setup = dataclasses.replace(setup, stages=stages, test_tokens=8192)
+from routeformer.compare.long_jobs import task_options  # noqa: E402
+
+built = task_options("mqar", "meta", setup.as_task_setup())
+job = Job(f"probe-meta-seed{seed}", "mqar", built, "meta", options, seed, setup, LONG.spec)
+
+captured = []
+original = MetaAttention.forward
+
+
+def forward(self, *args, **kwargs):
+    result = original(self, *args, **kwargs)
+    if not self.training and args[0].shape[1] == setup.seq_len:
+        captured.append({k: float(v) for k, v in result.stats.items()})
+    return result
+
+
+MetaAttention.forward = forward
+result = train_long_job(job)
+for record in result["validation"]:
+    print(json.dumps({k: record[k] for k in record if k != "task"}))
+keys = ("flops_vs_full", "rows_full", "rows_linear", "rows_local", "hard_fraction", "weight_full")
+summary = {k: sum(c[k] for c in captured) / max(1, len(captured)) for k in keys}
+print("options", json.dumps(options), "seed", seed, "scale", scale)
+print("eval@T=512 meta stats (mean over layers and eval calls):", json.dumps(summary))
+print("test quality T=512:", result["quality"], "train_seconds", round(result["train_seconds"]))
