@@ -20,7 +20,7 @@ the whole sequence. Each stage restarts AdamW's schedule (warm-up and cosine dec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from routeformer.runner.jobs import TaskSetup
@@ -52,6 +52,14 @@ class LongSetup:
     validation_sequences: int = 64
     test_tokens: int = 262_144  # tokens of the test split evaluated at every length
     cost_batch: int = 4  # sequences per inference call when timing
+    # a mechanism's training recipe for this curriculum, over compare's length budgets (options_for)
+    mechanism_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def options_for(self, mechanism: str) -> dict[str, Any]:
+        """The layer options of `mechanism` here: compare's budget at T, then this setup's recipe."""
+        from routeformer.compare.budgets import options_for
+
+        return {**options_for(mechanism, self.seq_len), **self.mechanism_options.get(mechanism, {})}
 
     @property
     def seq_len(self) -> int:
@@ -81,6 +89,17 @@ class LongBudget:
     repeats: int = 5
 
 
+# Meta-Attention's recipe for the recall curriculum, chosen on validation (seeds 0-1; probes in
+# docs/results/compare/long/probes/README.md): the experts learn first — the first stage (600 training
+# calls) runs the full expert alone (`warmup_mixture`; a uniform mixture stayed key-blind), then
+# the KL term is annealed in at a small weight and hard routing (the paper's Phase 3 gate) anneals
+# to η = 0.05, at evaluation too; the local expert reads 64 keys (a budget in keys, as topk's 64).
+META_RECALL_RECIPE = {
+    "window": 64, "warmup_steps": 600, "warmup_mixture": (1.0, 0.0, 0.0), "elbo_weight": 0.01,
+    "kl_anneal_steps": 200, "train_eta": 0.05, "train_eta_start": 1.0, "eta_anneal_steps": 150,
+    "eval_eta": 0.05,
+}
+
 # Chosen on validation (accuracy / bits per character of `full`), never on the test numbers the report
 # shows; the probes are listed in docs/results/compare/long/README.md. MQAR: attention learns it through
 # a phase transition that a small vocabulary and a long warm-up make reliable (compare --quick's setup,
@@ -97,6 +116,7 @@ LONG = LongBudget(
                 Stage({"seq_len": 128}, steps=150, batch_size=32, lr=3e-3, warmup_steps=30),
                 Stage({}, steps=200, batch_size=16, lr=3e-3, warmup_steps=20),
             ),
+            mechanism_options={"meta": META_RECALL_RECIPE},
         ),
         "lm": LongSetup(
             {"seq_len": 1024},

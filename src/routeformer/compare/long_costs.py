@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from routeformer.compare.budgets import options_for
 from routeformer.compare.long_budget import EVAL_MULTIPLES, LongSetup
 from routeformer.train.on_task import ModelSpec
 
@@ -30,7 +29,7 @@ def measure_long_costs(
 
     def model_for(name: str, task):
         torch.manual_seed(0)
-        return build_task_model(task, name, options_for(name, setup.seq_len), spec)
+        return build_task_model(task, name, setup.options_for(name), spec)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from routeformer.compare.budgets import options_for, task_options
+from routeformer.compare.budgets import task_options
 from routeformer.compare.long_budget import EVAL_MULTIPLES, LongSetup
 from routeformer.runner.jobs import Job, say
 from routeformer.train.on_task import ModelSpec
@@ -102,6 +102,7 @@ def long_jobs(
             setup.validation_sequences,
             setup.test_tokens,
             setup.cost_batch,
+            setup.mechanism_options,
         )
         for mechanism in mechanisms:
             if task != "lm" and mechanism == "meta_tokens":
@@ -114,7 +115,7 @@ def long_jobs(
                         task,
                         built,
                         mechanism,
-                        options_for(mechanism, setup.seq_len),
+                        setup.options_for(mechanism),
                         seed,
                         setup,
                         spec,
