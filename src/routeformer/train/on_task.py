@@ -47,6 +47,13 @@ def parameter_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+# Routing diagnostics a record carries when the layers report them (mean over layers and batches):
+# topk's recall of the dense attention mass, and Meta-Attention's hard-routed share of tokens, the
+# share of tokens each expert computed, and its executed FLOPs against the full expert alone.
+ROUTING_STATS = ("routing_recall", "hard_fraction", "rows_full", "rows_linear", "rows_local",
+                 "flops_vs_full")
+
+
 @torch.no_grad()
 def evaluate_on_task(model: TokenPredictor, task: Task, split: str, sequences: int,
                      batch_size: int = 256, position_buckets: Sequence[int] | None = None) -> dict[str, Any]:
@@ -69,7 +76,7 @@ def evaluate_on_task(model: TokenPredictor, task: Task, split: str, sequences: i
                    if task.metric == "bits_per_char" and inputs.shape[1] > 0 else None)
     correct = asked = 0
     nats = flops = 0.0
-    recalls = []
+    routing: dict[str, list[float]] = {}
     for start in range(0, inputs.shape[0], batch_size):
         chunk_inputs, chunk_labels = inputs[start:start + batch_size], labels[start:start + batch_size]
         result = model(chunk_inputs, chunk_labels, mask=task.mask(chunk_inputs), logits_at_labels=True)
@@ -81,16 +88,17 @@ def evaluate_on_task(model: TokenPredictor, task: Task, split: str, sequences: i
             by_position.add(token_nats, chunk_labels)
         asked += targets.numel()
         flops += sum(float(layer["flops"]) for layer in result.stats)
-        recall = layer_stat(result.stats, "routing_recall")
-        if recall is not None:
-            recalls.append(recall)
+        for key in ROUTING_STATS:
+            value = layer_stat(result.stats, key)
+            if value is not None:
+                routing.setdefault(key, []).append(value)
     model.train(was_training)
     record = {"loss": nats / asked, "accuracy": correct / asked,
               "attention_flops_per_token": flops / inputs.numel()}
     if task.metric != "accuracy":
         record[task.metric] = record["loss"] / math.log(2)
-    if recalls:
-        record["routing_recall"] = sum(recalls) / len(recalls)
+    for key, values in routing.items():
+        record[key] = sum(values) / len(values)
     if by_position is not None:
         record["bits_per_char_by_position"] = by_position.bits()
         record["tokens_by_position"] = by_position.token_counts()
