@@ -160,7 +160,7 @@ def level_runs():
             process.wait()
 
 
-@pytest.mark.timeout(_CHILD_TIMEOUT_S + 120)  # three library builds at once: minutes on a loaded 2-core machine
+@pytest.mark.timeout(_CHILD_TIMEOUT_S + 120)  # three library builds at once: minutes when loaded
 @pytest.mark.parametrize("level", FORCED)
 def test_native_ops_match_their_references_at_every_level(level, level_runs):
     if level not in _levels():
