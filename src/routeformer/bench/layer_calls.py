@@ -9,6 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
+# The layer benchmarks' budgets are fixed, as in the mechanisms' own benches: sparse where T is large.
+BENCH_OPTIONS = {"local": {"window": 256}, "meta": {"window": 256}, "topk": {"topk": 64},
+                 "mita": {"landmarks": 64, "topk": 64}}
+
 META_DENSITY = 0.1
 
 

@@ -130,8 +130,7 @@ def split_layer_step(mechanism: str, length: int, repeats: int, *, dim: int = 25
     (see the module docstring), the median total, and the per-step parts. `options` default to
     `bench layers`' budgets (BENCH_OPTIONS). Raises ValueError for an unregistered mechanism."""
     from routeformer.attention import build_attention, list_attentions
-    from routeformer.bench.layer_calls import layer_inputs
-    from routeformer.bench.layers_bench import BENCH_OPTIONS
+    from routeformer.bench.layer_calls import BENCH_OPTIONS, layer_inputs
 
     registered = list(list_attentions())
     if mechanism not in registered:

@@ -15,11 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from routeformer.bench.layer_calls import BENCH_OPTIONS  # noqa: F401  (bench layers' budgets, re-exported)
 from routeformer.bench.tables_and_plots import line_plot, markdown_table, provenance
-
-# The layer benchmark's budgets are fixed, as in the mechanisms' own benches: sparse where T is large.
-BENCH_OPTIONS = {"local": {"window": 256}, "meta": {"window": 256}, "topk": {"topk": 64},
-                 "mita": {"landmarks": 64, "topk": 64}}
 
 
 def bench_layers(mechanisms: Sequence[str], lengths: Sequence[int], repeats: int,
