@@ -275,7 +275,7 @@ int64_t route_topk_max_dim(void) { return 64; }
  * q [BH, T, d], k [BH, S, d], v [BH, S, e]; index/valid of row (b, h) start at
  * b * index_batch_stride + h * index_head_stride (the head stride is 0 when all heads share one
  * routing), each row of K slots contiguous. */
-#define DEFINE_ATTEND(NAME, T_, EXP, LOG)                                                          \
+#define DEFINE_ATTEND(NAME, T_, LOG)                                                          \
 void NAME(const T_ *q, const T_ *k, const T_ *v, const int64_t *index, const uint8_t *valid,      \
           int64_t batch, int64_t heads, int64_t length, int64_t keys, int64_t dim,                 \
           int64_t value_dim, int64_t slots, int64_t index_batch_stride,                            \
@@ -322,8 +322,8 @@ void NAME(const T_ *q, const T_ *k, const T_ *v, const int64_t *index, const uin
     }                                                                                              \
 }
 
-DEFINE_ATTEND(routed_attention_f32, float, expf, logf)
-DEFINE_ATTEND(routed_attention_f64, double, exp, log)
+DEFINE_ATTEND(routed_attention_f32, float, logf)
+DEFINE_ATTEND(routed_attention_f64, double, log)
 
 /* Keys per scoring tile: the routing keys must be zero-padded to a multiple of it. */
 int64_t route_topk_chunk(void) { return V; }
