@@ -132,6 +132,28 @@ def test_routed_attention_matches_reference_forward_and_gradients(causal, dtype,
                                **tolerance)
 
 
+@pytest.mark.parametrize("head_dim, value_dim, routed, random", [(72, 70, 30, 7), (16, 130, 16, 0), (3, 17, 1, 0)])
+def test_routed_attention_fp32_across_slot_and_column_chunks(head_dim, value_dim, routed, random):
+    """The AVX-512 fp32 kernels work on 16 slots and 16/64 columns at a time: slot counts and dims
+    that leave partial chunks (and a row with invalid slots in every chunk) against float64."""
+    gen = torch.Generator().manual_seed(7)
+    q, k = (torch.randn(1, 2, 60, head_dim, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, 2, 60, value_dim, generator=gen, dtype=torch.float64)
+    index, valid, _ = route_topk(q, k, routed, causal=True)
+    index, valid = add_random_slots(index, valid, random, causal=True, generator=gen)
+    valid = valid & (torch.rand(valid.shape, generator=gen) > 0.2)  # holes in every 16-slot chunk
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    ours_q, ours_k, ours_v = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out, _ = routed_attention(ours_q, ours_k, ours_v, index, valid, block=16)
+    expected = routed_attention_reference(q, k, v, index, valid)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=3e-6)
+    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    ours = torch.autograd.grad(out, (ours_q, ours_k, ours_v), grad.float())
+    theirs = torch.autograd.grad(expected, (q, k, v), grad)
+    for name, a, b in zip("qkv", ours, theirs, strict=True):
+        torch.testing.assert_close(a.double(), b, msg=f"grad {name}", rtol=1e-5, atol=3e-6)
+
+
 def test_routed_attention_rows_without_keys_are_zero():
     q, k, v = (torch.randn(1, 1, 4, 3) for _ in range(3))
     index = torch.zeros(1, 1, 4, 2, dtype=torch.long)

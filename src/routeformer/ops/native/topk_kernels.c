@@ -322,7 +322,11 @@ void NAME(const T_ *q, const T_ *k, const T_ *v, const int64_t *index, const uin
     }                                                                                              \
 }
 
+#if defined(__AVX512F__)
+#include "topk_attend_avx512.h" /* the float32 pair on sixteen slots at a time */
+#else
 DEFINE_ATTEND(routed_attention_f32, float, logf)
+#endif
 DEFINE_ATTEND(routed_attention_f64, double, log)
 
 /* Keys per scoring tile: the routing keys must be zero-padded to a multiple of it. */
@@ -393,5 +397,7 @@ void NAME(const T_ *q, const T_ *k, const T_ *v, const int64_t *index, const uin
     }                                                                                              \
 }
 
+#if !defined(__AVX512F__)
 DEFINE_ATTEND_BACKWARD(routed_attention_backward_f32, float, expf)
+#endif
 DEFINE_ATTEND_BACKWARD(routed_attention_backward_f64, double, exp)
