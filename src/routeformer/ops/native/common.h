@@ -217,6 +217,10 @@ static inline uint16_t float_to_bf16(float x) {
     return (uint16_t)((u.bits + 0x7fffu + ((u.bits >> 16) & 1u)) >> 16);
 }
 #if defined(__AVX512F__)
+/* The first `n` of 16 lanes (all of them for n >= 16, none for n <= 0). */
+static inline __mmask16 first_lanes(int64_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+}
 /* 16 bf16 -> 16 float32 lanes. */
 static inline __m512 load_bf16_ps(const uint16_t *x) {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));

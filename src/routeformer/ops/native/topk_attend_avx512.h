@@ -28,11 +28,6 @@ static inline __m512 reduce16(const __m512 v[16]) {
     return _mm512_permutexvar_ps(_mm512_loadu_si512(order), sums);
 }
 
-/* Lanes of the first `n` (0..16) columns. */
-static inline __mmask16 first_lanes(int64_t n) {
-    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
-}
-
 /* dots[s] = x · rows[s] over n columns, s < 16. */
 static inline __m512 dots16(const float *x, const float *const rows[16], int64_t n) {
     __m512 acc[16];

@@ -111,10 +111,17 @@ static T_ keep_best_##T_(T_ *score, int64_t *key, int64_t n, int64_t m) {       
 
 DEFINE_SELECT(float)
 DEFINE_SELECT(double)
+#if defined(__AVX512F__)
+#include "topk_select_avx512.h" /* keep_best_float_vector: the float flush on 16 lanes */
+#define KEEP_BEST_float keep_best_float_vector
+#else
+#define KEEP_BEST_float keep_best_float
+#endif
+#define KEEP_BEST_double keep_best_double
 
 /* The flush, shared with the speculative routing kernel (topk_speculative_kernels.c). */
 float route_topk_keep_best_f32(float *score, int64_t *key, int64_t n, int64_t m) {
-    return keep_best_float(score, key, n, m);
+    return KEEP_BEST_float(score, key, n, m);
 }
 
 static inline int is_forced(int64_t i, int64_t j, int64_t local_window, int64_t global_tokens) {

@@ -77,7 +77,7 @@ static void RF_CAT(NAME, _block)(const T_ *rq, const T_ *rkt, const uint8_t *mas
             }
             /* The buffer keeps V spare entries beyond 4·slots, so a tile never overflows it. */
             if (count[a] >= buffer - V) {
-                threshold[a] = RF_CAT(keep_best_, T_)(buffer_score, buffer_key, count[a], cap[a]);
+                threshold[a] = RF_CAT(KEEP_BEST_, T_)(buffer_score, buffer_key, count[a], cap[a]);
                 count[a] = cap[a];
             }
         }
@@ -87,7 +87,7 @@ static void RF_CAT(NAME, _block)(const T_ *rq, const T_ *rkt, const uint8_t *mas
         int64_t *row_index = index + i * slots, *buffer_key = buffer_keys + a * buffer;
         uint8_t *row_valid = valid + i * slots;
         if (count[a] > cap[a])
-            RF_CAT(keep_best_, T_)(buffer_scores + a * buffer, buffer_key, count[a], cap[a]);
+            RF_CAT(KEEP_BEST_, T_)(buffer_scores + a * buffer, buffer_key, count[a], cap[a]);
         for (int64_t e = 0; e < count[a] && e < cap[a]; e++) row_index[filled++] = buffer_key[e];
         for (int64_t e = 0; e < filled; e++) row_valid[e] = 1;
         for (int64_t e = filled; e < slots; e++) { row_index[e] = 0; row_valid[e] = 0; }
