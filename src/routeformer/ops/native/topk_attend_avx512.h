@@ -136,6 +136,43 @@ static inline void axpy16(float *restrict a, float w, const float *restrict x, i
     }
 }
 
+/* The backward's updates when dim and value_dim are at most 64: the query, dout and the query's
+ * gradient stay in registers (four each), so only the gathered key rows and the key and value
+ * gradients touch memory. */
+static inline void update_rows_64(const int64_t *row_index, const uint8_t *row_valid, int64_t slots,
+                                  const float *prob, const float *dlogit, const float *query,
+                                  const float *dout, const float *key_base, int64_t dim, int64_t value_dim,
+                                  float *grad_query, float *grad_key_base, float *grad_value_base) {
+    __mmask16 qm[4], vm[4];
+    __m512 qv[4], ov[4], gq[4];
+    for (int u = 0; u < 4; u++) {
+        qm[u] = first_lanes(dim - 16 * u);
+        vm[u] = first_lanes(value_dim - 16 * u);
+        qv[u] = _mm512_maskz_loadu_ps(qm[u], query + 16 * u);
+        ov[u] = _mm512_maskz_loadu_ps(vm[u], dout + 16 * u);
+        gq[u] = _mm512_setzero_ps();
+    }
+    for (int64_t e = 0; e < slots; e++) {
+        if (!row_valid[e]) continue;
+        int64_t j = row_index[e];
+        __m512 p = _mm512_set1_ps(prob[e]), ds = _mm512_set1_ps(dlogit[e]);
+        const float *key = key_base + j * dim;
+        float *grad_key = grad_key_base + j * dim, *grad_value = grad_value_base + j * value_dim;
+        for (int u = 0; u < 4; u++) {
+            if (qm[u]) {
+                gq[u] = _mm512_fmadd_ps(ds, _mm512_maskz_loadu_ps(qm[u], key + 16 * u), gq[u]);
+                _mm512_mask_storeu_ps(grad_key + 16 * u, qm[u],
+                                      _mm512_fmadd_ps(ds, qv[u], _mm512_maskz_loadu_ps(qm[u], grad_key + 16 * u)));
+            }
+            if (vm[u])
+                _mm512_mask_storeu_ps(grad_value + 16 * u, vm[u],
+                                      _mm512_fmadd_ps(p, ov[u], _mm512_maskz_loadu_ps(vm[u], grad_value + 16 * u)));
+        }
+    }
+    for (int u = 0; u < 4; u++)
+        if (qm[u]) _mm512_mask_storeu_ps(grad_query + 16 * u, qm[u], gq[u]);
+}
+
 void routed_attention_backward_f32(const float *q, const float *k, const float *v, const int64_t *index,
                                    const uint8_t *valid, const float *out, const float *lse,
                                    const float *grad_out, int64_t batch, int64_t heads, int64_t length,
@@ -174,6 +211,11 @@ void routed_attention_backward_f32(const float *q, const float *k, const float *
                 _mm512_storeu_ps(dlogit + e0, _mm512_mul_ps(_mm512_mul_ps(p, dv), scaled));
             }
             /* the updates: dq = Σ ds·k, dk += ds·q, dv += p·dout */
+            if (dim <= 64 && value_dim <= 64) {
+                update_rows_64(row_index, row_valid, slots, prob, dlogit, query, dout, key_base, dim, value_dim,
+                               grad_query, grad_key_base, grad_value_base);
+                continue;
+            }
             for (int64_t e = 0; e < slots; e++) {
                 if (!row_valid[e]) continue;
                 int64_t j = row_index[e];
