@@ -8,7 +8,7 @@ import pytest
 from routeformer.cli import main
 from routeformer.compare import long_budget, long_run
 from routeformer.compare.long_budget import LongBudget, LongSetup, Stage, check_long_selection
-from routeformer.compare.long_report import paired_delta
+from routeformer.compare.long_report import _position_section, paired_delta
 from routeformer.compare.long_run import run_compare_long
 from routeformer.train.on_task import ModelSpec
 
@@ -96,6 +96,9 @@ def test_toy_long_compare_reports_every_length_and_resumes(tmp_path, monkeypatch
         "Δ vs full",
         "train time / full",
         "shortcut rules",
+        "Bits per character by position in the window at T = 32",
+        "| floor: bigram (bits/char) |",
+        "Layer options at T",
     ):
         assert heading in text
     assert (out / "pareto_mqar.png").exists() or "matplotlib" not in str(report)
@@ -161,3 +164,20 @@ def test_the_long_budget_trains_at_long_lengths():
     assert {"full", "linear", "local", "topk", "mita", "meta", "meta_tokens", "expanding"} <= set(
         budget.mechanisms
     )
+
+
+def test_position_section_averages_buckets_over_seeds_beside_the_floors():
+    def record(seed, early, late):
+        return {"seed": seed, "tests": {"64": {"bits_per_char_by_position": {"0-32": early, "32-64": late},
+                                               "tokens_by_position": {"0-32": 32, "32-64": 32}}}}
+
+    runs = {"full": [record(0, 2.0, 1.0), record(1, 2.2, 1.2)], "local": [record(0, 2.0, 1.5), record(1, 2.0, 1.7)]}
+    floor = {"position_baselines": {"bigram (bits/char)": {"0-32": 3.5, "32-64": 3.25}}}
+    lines = _position_section(runs, "64", floor)
+    table = lines[1]
+    assert "| full | 2.100 ± 0.141 | 1.100 ± 0.141 |" in table
+    assert "| local | 2.000 ± 0.000 | 1.600 ± 0.141 |" in table
+    assert "| floor: bigram (bits/char) | 3.500 | 3.250 |" in table
+    assert "0-32: 32" in lines[0]
+    runs["local"][0]["tests"]["64"].pop("bits_per_char_by_position")  # a record of old: no section
+    assert _position_section(runs, "64", floor) == []

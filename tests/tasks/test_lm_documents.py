@@ -111,3 +111,17 @@ def test_shared_pystdlib_documents_qualifying_at_long_windows():
         assert [len(task.document_starts(s)) for s in ("train", "validation", "test")] == counts
     stream = build_task("lm", corpus="pystdlib", seq_len=64)
     assert len(stream.ids("test")) == 477_357  # the test file's own split, not half of valid
+
+
+def test_code_lm_is_lm_on_pystdlib_file_heads_at_t4096(tmp_path):
+    folder = write_pystdlib(tmp_path / "py", {name: [(f"{name}{i}.py", f"# {name} {i}\n" + "x = 1\n" * 30)
+                                                      for i in range(3)] for name in ("train", "valid", "test")})
+    task = build_task("code_lm", corpus=f"pystdlib:{folder}", seq_len=64)
+    plain = build_task("lm", corpus=f"pystdlib:{folder}", seq_len=64, documents="start")
+    assert task.name == "code_lm" and task.options()["documents"] == "start"
+    for split in ("train", "test"):
+        assert torch.equal(task.fixed_sample(split, 3)[0], plain.fixed_sample(split, 3)[0])
+    assert task.baselines() == plain.baselines()
+    from routeformer.tasks.registry import task_options
+    defaults = task_options("code_lm")
+    assert (defaults["corpus"], defaults["seq_len"], defaults["documents"]) == ("pystdlib", 4096, "start")

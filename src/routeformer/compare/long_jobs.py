@@ -105,7 +105,7 @@ def long_jobs(
             setup.mechanism_options,
         )
         for mechanism in mechanisms:
-            if task != "lm" and mechanism == "meta_tokens":
+            if task not in ("lm", "code_lm") and mechanism == "meta_tokens":
                 continue
             built = task_options(task, mechanism, setup.as_task_setup())
             for seed in range(seeds):

@@ -82,9 +82,9 @@ def write_long_report(
         f"{spec.mlp_ratio}, {spec.positions} positions); per seed every mechanism sees the same batches. "
         "Training follows a curriculum (stages below: shorter, easier versions of the task first; "
         "AdamW's warm-up and cosine decay restart per stage); mechanism options are those of the "
-        "training length T throughout (local window T/4, top-k T/8 keys, MiTA T/8 landmarks of T/8 "
-        "keys in causal blocks of T/8, Meta-Attention's local expert "
-        "T/4, meta-token density 0.1 on the LM). Quality on the test split (the setups were chosen on "
+        "training length T throughout (below T = 512: local window T/4, top-k T/8 keys, MiTA T/8 "
+        "landmarks of T/8 keys in causal blocks of T/8, Meta-Attention's local expert T/4; from T = 512 "
+        "routed budgets in keys, listed per task; meta-token density 0.1 on the LM). Quality on the test split (the setups were chosen on "
         "validation), mean ± sd over seeds; Δ vs full: mean ± sd over seeds of the per-seed difference. "
         "2T and 4T: the trained model evaluated forward only on longer test sequences. Costs: medians of "
         f"{budget.repeats} rounds alternating the mechanism with `full` (one thread), time ratio = the "
@@ -103,13 +103,18 @@ def write_long_report(
             "warm-up)"
             for s in setup.stages
         )
-        sections += [f"## {task} (trained at T = {setup.seq_len})", f"Stages: {stages}."]
+        sections += [f"## {task} (trained at T = {setup.seq_len})", f"Stages: {stages}.",
+                     "Layer options at T (budgets in keys from T = 512: compare/budgets.py; the task's "
+                     "recipe on top): " + "; ".join(
+                         f"{m}: " + (", ".join(f"{k}={v}" for k, v in records[0]["options"].items()) or "defaults")
+                         for m, records in by_mechanism.items()) + "."]
         summary["tasks"][task], details = {}, []
         for multiple in (1, *EVAL_MULTIPLES):
             length = str(setup.seq_len * multiple)
             rows, table = _length_rows(by_mechanism, costs, floors[(task, int(length))], task, length)
             summary["tasks"][task][length] = rows
             details += _length_section(task, length, multiple, rows, table, floors[(task, int(length))])
+            details += _position_section(by_mechanism, length, floors[(task, int(length))])
         sections += _pays_section(task, summary["tasks"][task], floors[(task, setup.seq_len)]) + details
         points = {
             m: (r["train_ms_per_step"], r["quality_mean"])
@@ -232,6 +237,28 @@ def _length_section(task: str, length: str, multiple: int, rows: dict, table: li
             ],
             table,
         ),
+    ]
+
+
+def _position_section(by_mechanism: dict, length: str, floor: dict) -> list[str]:
+    """LM tasks: bits per character per position bucket of the window (mean ± sd over seeds), beside
+    the n-gram floors of the same buckets on the same test windows: a mechanism that reads only
+    nearby text loses in the late buckets."""
+    per_seed = {m: [r["tests"][length].get("bits_per_char_by_position") for r in records]
+                for m, records in by_mechanism.items()}
+    if not per_seed or any(b is None for values in per_seed.values() for b in values):
+        return []
+    buckets = list(next(iter(per_seed.values()))[0])
+    table = [[m, *[("{:.3f} ± {:.3f}".format(*mean_sd([b[bucket] for b in values]))) for bucket in buckets]]
+             for m, values in per_seed.items()]
+    for name, by_bucket in floor.get("position_baselines", {}).items():
+        table.append([f"floor: {name}", *[f"{by_bucket[bucket]:.3f}" for bucket in buckets]])
+    counts = next(iter(by_mechanism.values()))[0]["tests"][length].get("tokens_by_position", {})
+    return [
+        f"Bits per character by position in the window at T = {length} (mean ± sd over seeds; with "
+        "documents=start a position is the character's place in its file; predictions per bucket: "
+        + ", ".join(f"{b}: {n}" for b, n in counts.items()) + ").",
+        markdown_table(["mechanism", *[f"{b}" for b in buckets]], table),
     ]
 
 

@@ -69,7 +69,8 @@ def run_compare_long(
             floors[(task, length)] = cached_run(
                 out,
                 f"long-{task}-floor-{length}",
-                lambda t=task, L=length, s=setup: task_floor(t, {**s.options, "seq_len": L}),
+                lambda t=task, L=length, s=setup: task_floor(t, {**s.options, "seq_len": L},
+                                                               max(4, s.test_tokens // L)),
             )
         for mechanism in runs[task]:
             say(f"compare --long: costs of {mechanism} on {task} (alternating with full)")

@@ -40,13 +40,18 @@ def pareto_front(points: dict[str, tuple[float, float]], higher_is_better: bool)
     return front
 
 
-def task_floor(task: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Chance and measured shortcut baselines of `build_task(task, **options)`."""
+def task_floor(task: str, options: dict[str, Any], position_sequences: int = 0) -> dict[str, Any]:
+    """Chance and measured shortcut baselines of `build_task(task, **options)`; with
+    `position_sequences` > 0 and an LM task, also its n-gram floors per position bucket on the test
+    sample of that many windows (`position_baselines`: the windows evaluate_on_task scores)."""
     from routeformer.tasks import build_task
 
     built = build_task(task, **options)
-    return {"task": built.describe(), "metric": built.metric, "higher_is_better": built.higher_is_better,
-            "chance": built.chance, "baselines": built.baselines()}
+    floor = {"task": built.describe(), "metric": built.metric, "higher_is_better": built.higher_is_better,
+             "chance": built.chance, "baselines": built.baselines()}
+    if position_sequences > 0 and hasattr(built, "position_baselines"):
+        floor["position_baselines"] = built.position_baselines(position_sequences)
+    return floor
 
 
 def summarise_task(task: str, runs: dict[str, list[dict[str, Any]]], costs: dict[str, dict[str, Any]],

@@ -238,3 +238,18 @@ class CharLM(Task):
     def floor(self) -> float:
         """The number a model must beat (bits/char): the best n-gram baseline."""
         return min([self.chance, *self.baselines().values()])
+
+
+@register_task("code_lm")
+class CodeLM(CharLM):
+    """The long-range character LM: `lm` on the Python standard library (`pystdlib`), one document
+    per window from its first character (documents="start"), T = 4096 by default. Names are defined
+    thousands of characters before they are used, so reading far back pays; compare --long trains
+    it, and reports bits per character per position bucket beside the n-gram floors of the same
+    buckets (`position_baselines`). Needs ../shared/data/python-stdlib (or `corpus="pystdlib:DIR"`);
+    nothing is downloaded."""
+
+    def __init__(self, corpus: str = "pystdlib", seq_len: int = 4096, meta_density: float = 0.0,
+                 documents: str = "start") -> None:
+        super().__init__(corpus=corpus, seq_len=seq_len, meta_density=meta_density, documents=documents)
+        self.name = "code_lm"
