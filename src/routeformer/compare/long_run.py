@@ -48,7 +48,7 @@ def run_compare_long(
     began = time.perf_counter()
     say(
         f"compare --long: {len(jobs)} runs ({', '.join(tasks)}; {len(mechanisms)} mechanisms; "
-        f"{seeds} seeds), {workers} worker process(es); LM corpus {corpus}"
+        f"{seeds} seeds), {workers} worker process(es)" + (f"; lm's corpus {corpus}" if "lm" in tasks else "")
     )
     records = run_jobs(out, jobs, workers, say, train=train_long_job)
     train_elapsed = time.perf_counter() - began
