@@ -7,7 +7,7 @@ called in one process on the same inputs, alternating order each round, one thre
 ms per call, the median per-round ratio new/old, and whether the two agree (same selected sets;
 outputs and gradients within float32 rounding).
 
-    python docs/results/routers/ab_topk_kernels.py [--old REV] [--batch 8] [--length 1024]
+    python docs/results/routers/ab_topk_kernels.py [--old REV] [--batch 8] [--length 1024] [--arch '-mavx2 -mfma']
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def native_dir(revision: str | None, workdir: Path) -> Path:
     return target / NATIVE
 
 
-def build(folder: Path, tag: str, workdir: Path) -> ctypes.CDLL:
+def build(folder: Path, tag: str, workdir: Path, arch: list[str]) -> ctypes.CDLL:
     library = workdir / f"{tag}.so"
-    subprocess.run(["cc", "-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
+    subprocess.run(["cc", "-O3", *arch, "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
                     "-std=c11", f"-I{folder}", str(folder / "topk_kernels.c"), "-o", str(library), "-lm"],
                    check=True)
     lib = ctypes.CDLL(str(library))
@@ -66,7 +66,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--arch", default="-march=native",
+                        help="compiler flags choosing the instruction set of both sides, e.g. "
+                             "'-mavx2 -mfma' for the AVX2 kernels on an AVX-512 machine")
     args = parser.parse_args()
+    arch = args.arch.split()
     torch.set_num_threads(1)
     heads, dim, slots, length, batch, rdim = 2, 32, 64, args.length, args.batch, 17
     g = torch.Generator().manual_seed(0)
@@ -82,7 +86,8 @@ def main() -> None:
     keys_t = keys_t.transpose(-1, -2).contiguous()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        libs = {"old": build(native_dir(args.old, work), "old", work), "new": build(native_dir(None, work), "new", work)}
+        libs = {"old": build(native_dir(args.old, work), "old", work, arch),
+                "new": build(native_dir(None, work), "new", work, arch)}
         index = {n: torch.empty(batch * heads, length, slots, dtype=torch.long) for n in libs}
         valid = {n: torch.empty(batch * heads, length, slots, dtype=torch.uint8) for n in libs}
         out = {n: torch.empty(batch, heads, length, dim) for n in libs}
@@ -131,7 +136,7 @@ def main() -> None:
         print("largest gradient difference: " + ", ".join(
             f"{n} {float((a - b).abs().max()):.2e}" for n, a, b in zip("qkv", grads["old"], grads["new"], strict=True)))
     print(f"B={batch}, H={heads}, T={length}, d={dim}, K={slots}, routing dim {rdim}, one thread, "
-          f"{args.repeats} alternating rounds, old {args.old}")
+          f"{args.repeats} alternating rounds, old {args.old}, compiled with {args.arch}")
 
 
 if __name__ == "__main__":

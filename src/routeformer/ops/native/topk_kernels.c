@@ -331,6 +331,8 @@ void NAME(const T_ *q, const T_ *k, const T_ *v, const int64_t *index, const uin
 
 #if defined(__AVX512F__)
 #include "topk_attend_avx512.h" /* the float32 pair on sixteen slots at a time */
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "topk_attend_avx2.h" /* the float32 pair on eight slots at a time */
 #else
 DEFINE_ATTEND(routed_attention_f32, float, logf)
 #endif
@@ -404,7 +406,7 @@ void NAME(const T_ *q, const T_ *k, const T_ *v, const int64_t *index, const uin
     }                                                                                              \
 }
 
-#if !defined(__AVX512F__)
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
 DEFINE_ATTEND_BACKWARD(routed_attention_backward_f32, float, expf)
 #endif
 DEFINE_ATTEND_BACKWARD(routed_attention_backward_f64, double, exp)
