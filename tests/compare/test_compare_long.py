@@ -171,7 +171,8 @@ def test_position_section_averages_buckets_over_seeds_beside_the_floors():
         return {"seed": seed, "tests": {"64": {"bits_per_char_by_position": {"0-32": early, "32-64": late},
                                                "tokens_by_position": {"0-32": 32, "32-64": 32}}}}
 
-    runs = {"full": [record(0, 2.0, 1.0), record(1, 2.2, 1.2)], "local": [record(0, 2.0, 1.5), record(1, 2.0, 1.7)]}
+    runs = {"full": [record(0, 2.0, 1.0), record(1, 2.2, 1.2)],
+            "local": [record(0, 2.0, 1.5), record(1, 2.0, 1.7)]}
     floor = {"position_baselines": {"bigram (bits/char)": {"0-32": 3.5, "32-64": 3.25}}}
     lines = _position_section(runs, "64", floor)
     table = lines[1]

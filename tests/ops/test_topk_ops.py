@@ -132,7 +132,8 @@ def test_routed_attention_matches_reference_forward_and_gradients(causal, dtype,
                                **tolerance)
 
 
-@pytest.mark.parametrize("head_dim, value_dim, routed, random", [(72, 70, 30, 7), (16, 130, 16, 0), (3, 17, 1, 0)])
+@pytest.mark.parametrize("head_dim, value_dim, routed, random",
+                         [(72, 70, 30, 7), (16, 130, 16, 0), (3, 17, 1, 0)])
 def test_routed_attention_fp32_across_slot_and_column_chunks(head_dim, value_dim, routed, random):
     """The AVX-512 fp32 kernels work on 16 slots and 16/64 columns at a time: slot counts and dims
     that leave partial chunks (and a row with invalid slots in every chunk) against float64."""

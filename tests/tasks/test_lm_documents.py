@@ -114,8 +114,9 @@ def test_shared_pystdlib_documents_qualifying_at_long_windows():
 
 
 def test_code_lm_is_lm_on_pystdlib_file_heads_at_t4096(tmp_path):
-    folder = write_pystdlib(tmp_path / "py", {name: [(f"{name}{i}.py", f"# {name} {i}\n" + "x = 1\n" * 30)
-                                                      for i in range(3)] for name in ("train", "valid", "test")})
+    documents = {name: [(f"{name}{i}.py", f"# {name} {i}\n" + "x = 1\n" * 30) for i in range(3)]
+                 for name in ("train", "valid", "test")}
+    folder = write_pystdlib(tmp_path / "py", documents)
     task = build_task("code_lm", corpus=f"pystdlib:{folder}", seq_len=64)
     plain = build_task("lm", corpus=f"pystdlib:{folder}", seq_len=64, documents="start")
     assert task.name == "code_lm" and task.options()["documents"] == "start"

@@ -7,7 +7,8 @@ called in one process on the same inputs, alternating order each round, one thre
 ms per call, the median per-round ratio new/old, and whether the two agree (same selected sets;
 outputs and gradients within float32 rounding).
 
-    python docs/results/routers/ab_topk_kernels.py [--old REV] [--batch 8] [--length 1024] [--arch '-mavx2 -mfma']
+    python docs/results/routers/ab_topk_kernels.py [--old REV] [--batch 8] [--length 1024] \
+        [--arch '-mavx2 -mfma']
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def build(folder: Path, tag: str, workdir: Path, arch: list[str]) -> ctypes.CDLL
     lib.routed_attention_f32.argtypes = [P] * 5 + [I64] * 9 + [ctypes.c_double, P, P, ctypes.c_int]
     lib.routed_attention_backward_f32.argtypes = ([P] * 8 + [I64] * 9 + [ctypes.c_double] + [P] * 3
                                                   + [ctypes.c_int])
-    lib.route_topk_f32.argtypes = [P] * 3 + [I64] * 7 + [ctypes.c_int, I64, I64, ctypes.c_int, P, P, ctypes.c_int]
+    lib.route_topk_f32.argtypes = ([P] * 3 + [I64] * 7
+                                   + [ctypes.c_int, I64, I64, ctypes.c_int, P, P, ctypes.c_int])
     lib.route_topk_f32.restype = I64
     return lib
 
@@ -78,11 +80,13 @@ def main() -> None:
     # routing vectors as the recency router makes them: 16 content dims and a position dim
     route_q = torch.cat([torch.randn(batch * heads, length, rdim - 1, generator=g),
                          torch.full((batch * heads, length, 1), 0.05)], -1).contiguous()
-    positions = torch.arange(length, dtype=torch.float32).view(1, length, 1).expand(batch * heads, length, 1)
+    positions = torch.arange(length, dtype=torch.float32).view(1, length, 1)
+    positions = positions.expand(batch * heads, length, 1)
     route_k = torch.cat([torch.randn(batch * heads, length, rdim - 1, generator=g), positions], -1)
     tile = 16
     stride = -(-length // tile) * tile
-    keys_t = torch.nn.functional.pad(route_k, (0, 0, 0, stride - length)).unflatten(1, (stride // tile, tile))
+    keys_t = torch.nn.functional.pad(route_k, (0, 0, 0, stride - length))
+    keys_t = keys_t.unflatten(1, (stride // tile, tile))
     keys_t = keys_t.transpose(-1, -2).contiguous()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -96,21 +100,23 @@ def main() -> None:
         scale = dim ** -0.5
 
         def route(name):
-            libs[name].route_topk_f32(ptr(route_q), ptr(keys_t), None, batch * heads, heads, length, length,
-                                      stride, rdim, slots, 1, 0, 0, 1, ptr(index[name]), ptr(valid[name]), 1)
+            libs[name].route_topk_f32(ptr(route_q), ptr(keys_t), None, batch * heads, heads, length,
+                                      length, stride, rdim, slots, 1, 0, 0, 1, ptr(index[name]),
+                                      ptr(valid[name]), 1)
 
         def forward(name):  # both sides attend over the new side's routing
-            libs[name].routed_attention_f32(ptr(q), ptr(k), ptr(v), ptr(index["new"]), ptr(valid["new"]), batch,
-                                            heads, length, length, dim, dim, slots, heads * length * slots,
-                                            length * slots, scale, ptr(out[name]), ptr(lse[name]), 1)
+            libs[name].routed_attention_f32(ptr(q), ptr(k), ptr(v), ptr(index["new"]), ptr(valid["new"]),
+                                            batch, heads, length, length, dim, dim, slots,
+                                            heads * length * slots, length * slots, scale, ptr(out[name]),
+                                            ptr(lse[name]), 1)
 
         def backward(name):
             for grad in grads[name][1:]:
                 grad.zero_()
             libs[name].routed_attention_backward_f32(
-                ptr(q), ptr(k), ptr(v), ptr(index["new"]), ptr(valid["new"]), ptr(out["new"]), ptr(lse["new"]),
-                ptr(dout), batch, heads, length, length, dim, dim, slots, heads * length * slots, length * slots,
-                scale, *(ptr(t) for t in grads[name]), 1)
+                ptr(q), ptr(k), ptr(v), ptr(index["new"]), ptr(valid["new"]), ptr(out["new"]),
+                ptr(lse["new"]), ptr(dout), batch, heads, length, length, dim, dim, slots,
+                heads * length * slots, length * slots, scale, *(ptr(t) for t in grads[name]), 1)
 
         route("new")
         forward("new")
@@ -134,7 +140,8 @@ def main() -> None:
         print("same selected sets:", bool(torch.equal(member("old"), member("new"))))
         print(f"largest output difference: {float((out['old'] - out['new']).abs().max()):.2e}")
         print("largest gradient difference: " + ", ".join(
-            f"{n} {float((a - b).abs().max()):.2e}" for n, a, b in zip("qkv", grads["old"], grads["new"], strict=True)))
+            f"{n} {float((a - b).abs().max()):.2e}"
+            for n, a, b in zip("qkv", grads["old"], grads["new"], strict=True)))
     print(f"B={batch}, H={heads}, T={length}, d={dim}, K={slots}, routing dim {rdim}, one thread, "
           f"{args.repeats} alternating rounds, old {args.old}, compiled with {args.arch}")
 

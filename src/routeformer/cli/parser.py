@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--mechanisms", nargs="+", default=None,
                          help="subset of `routeformer list` (default: the budget's selection)")
     compare.add_argument("--tasks", nargs="+", default=None,
-                         help="subset of lm mqar listops (default: all)")
+                         help="subset of lm mqar listops (default: all); with --long: mqar lm "
+                              "(default) and code_lm")
     compare.add_argument("--seeds", type=int, default=None, help="seeds per mechanism (default: 3)")
     compare.add_argument("--workers", type=int, default=2,
                          help="training processes, one thread each (default: 2)")

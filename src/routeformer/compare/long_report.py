@@ -84,7 +84,8 @@ def write_long_report(
         "AdamW's warm-up and cosine decay restart per stage); mechanism options are those of the "
         "training length T throughout (below T = 512: local window T/4, top-k T/8 keys, MiTA T/8 "
         "landmarks of T/8 keys in causal blocks of T/8, Meta-Attention's local expert T/4; from T = 512 "
-        "routed budgets in keys, listed per task; meta-token density 0.1 on the LM). Quality on the test split (the setups were chosen on "
+        "routed budgets in keys, listed per task; meta-token density 0.1 on the LM). Quality on the test "
+        "split (the setups were chosen on "
         "validation), mean ± sd over seeds; Δ vs full: mean ± sd over seeds of the per-seed difference. "
         "2T and 4T: the trained model evaluated forward only on longer test sequences. Costs: medians of "
         f"{budget.repeats} rounds alternating the mechanism with `full` (one thread), time ratio = the "
@@ -106,7 +107,8 @@ def write_long_report(
         sections += [f"## {task} (trained at T = {setup.seq_len})", f"Stages: {stages}.",
                      "Layer options at T (budgets in keys from T = 512: compare/budgets.py; the task's "
                      "recipe on top): " + "; ".join(
-                         f"{m}: " + (", ".join(f"{k}={v}" for k, v in records[0]["options"].items()) or "defaults")
+                         f"{m}: " + (", ".join(f"{k}={v}" for k, v in records[0]["options"].items())
+                                     or "defaults")
                          for m, records in by_mechanism.items()) + "."]
         summary["tasks"][task], details = {}, []
         for multiple in (1, *EVAL_MULTIPLES):

@@ -1,7 +1,8 @@
-"""Every kernel compiles for a GPU (sm_90, the H100) — to PTX and a cubin, with Triton's bundled
+"""Every kernel compiles for a GPU (sm_80 and sm_90: A100, H100) — to PTX and a cubin, with Triton's bundled
 ptxas — without one being present: the interpreter tests check values, this checks that the code
 is valid Triton for the real compiler (types, shapes, control flow), fp32 and bf16."""
 
+import inspect
 import os
 import subprocess
 import sys
@@ -45,7 +46,7 @@ def constants_for(name, sizes):
     return kernel, {**{b: sizes[b] for b in blocks}, **{f: v for f, v in FLAGS.items() if f in names}}
 
 
-def compile_for_h100(kernel, constants, element):
+def compile_for_cuda(kernel, constants, element, capability=90):
     jitted = triton.jit(kernel.fn)
     signature = {}
     for name in jitted.arg_names:
@@ -61,31 +62,36 @@ def compile_for_h100(kernel, constants, element):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-    source = ASTSource(fn=jitted, signature=signature,
-                       constexprs={(jitted.arg_names.index(n),): v for n, v in constants.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    if "constexprs" in inspect.signature(ASTSource.__init__).parameters:  # triton >= 3.3
+        source = ASTSource(fn=jitted, signature=signature,
+                           constexprs={(jitted.arg_names.index(n),): v for n, v in constants.items()})
+    else:  # triton 3.2: constants by name
+        source = ASTSource(fn=jitted, signature=signature, constants=dict(constants))
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32))
 
 
-def compile_in_fresh_process(name: str, sizes: str, element: str) -> None:
+def compile_in_fresh_process(name: str, sizes: str, element: str, capability: int = 90) -> None:
     """Compile in a new interpreter: in the full suite, an earlier interpreted launch (Triton's
     interpreter patches `triton.language` while a kernel runs) left the code generator unusable in
     this process ('value' object has no attribute 'dtype'), so each compile gets a clean Triton."""
-    done = subprocess.run([sys.executable, __file__, name, sizes, element], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, __file__, name, sizes, element, str(capability)],
+                          capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and "compiled" in done.stdout, (done.stdout + done.stderr)[-4000:]
 
 
-def _compile_and_check(name: str, sizes: str, element: str) -> None:
+def _compile_and_check(name: str, sizes: str, element: str, capability: str = "90") -> None:
     kernel, constants = constants_for(name, SMALL if sizes == "small" else PRODUCTION)
-    compiled = compile_for_h100(kernel, constants, element)
+    compiled = compile_for_cuda(kernel, constants, element, int(capability))
     assert compiled.asm["cubin"] and "ld.global" in compiled.asm["ptx"]
     print("compiled")
 
 
+@pytest.mark.parametrize("capability", [80, 90])  # A100, H100
 @pytest.mark.parametrize("name", list(KERNELS))
-def test_kernel_compiles_for_sm90(name):
+def test_kernel_compiles_for_sm80_and_sm90(name, capability):
     """Small tiles, fp32 (bf16 for the gathered forward): seconds per kernel."""
-    compile_in_fresh_process(name, "small", "bf16" if name == "gathered forward" else "fp32")
+    compile_in_fresh_process(name, "small", "bf16" if name == "gathered forward" else "fp32", capability)
 
 
 @pytest.mark.slow
@@ -97,8 +103,8 @@ def test_kernel_compiles_for_sm90_at_production_sizes(name, element):
     compile_in_fresh_process(name, "production", element)
 
 
-if __name__ == "__main__":  # python test_cuda_compile.py NAME small|production fp32|bf16
+if __name__ == "__main__":  # python test_cuda_compile.py NAME small|production fp32|bf16 [CAPABILITY]
     import warnings
 
     warnings.filterwarnings("ignore", "TRITON_DEFAULT_FP_FUSION")
-    _compile_and_check(*sys.argv[1:4])
+    _compile_and_check(*sys.argv[1:5])

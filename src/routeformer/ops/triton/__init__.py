@@ -20,7 +20,8 @@ ops/flops.py), never the ops that call them.
 
 Every kernel is tested against the PyTorch reference twin of its op on CPU tensors
 through Triton's interpreter (tests/ops/triton), and on CUDA where one exists; every kernel is also
-compiled for sm_90 in the tests, which needs no GPU.
+compiled for sm_80 and sm_90 in the tests, which needs no GPU. Supported triton: OLDEST_TRITON (what
+torch 2.6 pins) to 3.9; CI runs these tests on both ends (.ci/run).
 
 `triton` is optional (`pip install routeformer[gpu]`): nothing here imports it until a kernel runs,
 so `import routeformer` works without it. `TRITON_INTERPRET` is not needed: kernels run
@@ -30,6 +31,8 @@ interpreted when their tensors are on the CPU (`_common.Kernel`).
 from __future__ import annotations
 
 import importlib.util
+
+OLDEST_TRITON = "3.2.0"  # the gpu extra's lower bound (pyproject.toml), tested by .ci/run
 
 
 def triton_available() -> bool:
