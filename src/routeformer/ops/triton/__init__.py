@@ -21,7 +21,8 @@ ops/flops.py), never the ops that call them.
 Every kernel is tested against the PyTorch reference twin of its op on CPU tensors
 through Triton's interpreter (tests/ops/triton), and on CUDA where one exists; every kernel is also
 compiled for sm_80 and sm_90 in the tests, which needs no GPU. Supported triton: OLDEST_TRITON (what
-torch 2.6 pins) to 3.9; CI runs these tests on both ends (.ci/run).
+torch 2.6 pins) to 3.9; CI compiles every kernel on both ends and runs the interpreter tests on the
+newest (.ci/run: 3.2's interpreter cannot run them on CPU tensors).
 
 `triton` is optional (`pip install routeformer[gpu]`): nothing here imports it until a kernel runs,
 so `import routeformer` works without it. `TRITON_INTERPRET` is not needed: kernels run
