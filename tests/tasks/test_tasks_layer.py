@@ -1,16 +1,32 @@
 """The tasks layer: registry, disjoint splits, the Task contract for every registered task, speed."""
 
+import functools
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from routeformer.tasks import IGNORE_INDEX, SPLITS, build_task, list_tasks, split_of
+from tests.data.test_pystdlib import write_pystdlib
 
 SMALL = {"lm": {"seq_len": 32}, "listops": {"seq_len": 32, "max_length": 31, "pool": 3000}}
+LANGUAGE_MODELS = ("lm", "code_lm")  # splits are disjoint stretches of text, not hash splits
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_pystdlib() -> str:
+    """A small pystdlib folder (code_lm's corpus), so these tests need no ../shared/data."""
+    folder = Path(tempfile.mkdtemp(prefix="pystdlib-")) / "py"
+    documents = {name: [(f"{name}{i}.py", f"# {name} {i}\nimport os\n" + f"value_{i} = {i}\n" * 40)
+                        for i in range(4)] for name in ("train", "valid", "test")}
+    return str(write_pystdlib(folder, documents))
 
 
 def small_task(name):
+    if name == "code_lm":
+        return build_task(name, corpus=f"pystdlib:{tiny_pystdlib()}", seq_len=64)
     return build_task(name, **SMALL.get(name, {}))
 
 
@@ -46,7 +62,7 @@ def test_every_task_keeps_the_contract(name):
         assert not bool((labels[asked] == inputs[asked]).all())
 
 
-@pytest.mark.parametrize("name", [n for n in list_tasks() if n != "lm"])
+@pytest.mark.parametrize("name", [n for n in list_tasks() if n not in LANGUAGE_MODELS])
 def test_splits_are_disjoint_by_construction(name):
     task = small_task(name)
     rows = {}
