@@ -4,11 +4,15 @@ accuracy every 150 steps. A diagnostic of meta's seed failures (docs/results/rou
 
     python docs/results/routers/stage1_probe.py MECHANISM SEED
 """
-import sys, torch
+import sys
+
+import torch
+
 from routeformer.compare.long_budget import LONG
 from routeformer.tasks import build_task
 from routeformer.train.on_task import build_task_model, evaluate_on_task
 from routeformer.train.task_loop import TaskTrainConfig, train_task
+
 torch.set_num_threads(1)
 mech, seed = sys.argv[1], int(sys.argv[2])
 setup = LONG.tasks["mqar"]; stage = setup.stages[0]
