@@ -15,7 +15,8 @@ from routeformer.train.task_loop import TaskTrainConfig, train_task
 
 torch.set_num_threads(1)
 mech, seed = sys.argv[1], int(sys.argv[2])
-setup = LONG.tasks["mqar"]; stage = setup.stages[0]
+setup = LONG.tasks["mqar"]
+stage = setup.stages[0]
 task = build_task("mqar", **{**setup.options, **stage.options})
 torch.manual_seed(seed)
 model = build_task_model(task, mech, setup.options_for(mech), LONG.spec)
@@ -23,5 +24,7 @@ cfg = TaskTrainConfig(steps=stage.steps, batch_size=stage.batch_size, lr=stage.l
                       warmup_steps=stage.warmup_steps, seed=seed, eval_every=150)
 h = train_task(model, lambda b, g: task.batch(b, g, "train"),
                lambda m: evaluate_on_task(m, task, "validation", 256), cfg,
-               forward=lambda m, i, l: m(i, l, mask=task.mask(i), logits_at_labels=True), log=lambda line: None)
+               forward=lambda m, inputs, labels: m(inputs, labels, mask=task.mask(inputs),
+                                                   logits_at_labels=True),
+               log=lambda line: None)
 print(mech, seed, [round(e["accuracy"], 3) for e in h.evals], flush=True)
