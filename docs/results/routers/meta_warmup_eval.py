@@ -4,11 +4,15 @@ mixture (the full expert alone). A diagnostic for docs/results/routers.md.
 
     python docs/results/routers/meta_warmup_eval.py SEED
 """
-import sys, torch
+import sys
+
+import torch
+
 from routeformer.compare.long_budget import LONG
 from routeformer.tasks import build_task
 from routeformer.train.on_task import build_task_model, evaluate_on_task
 from routeformer.train.task_loop import TaskTrainConfig, train_task
+
 torch.set_num_threads(1)
 seed = int(sys.argv[1])
 setup = LONG.tasks["mqar"]
