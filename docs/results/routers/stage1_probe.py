@@ -2,9 +2,12 @@
 seed, with its recall recipe (meta: the full expert alone for the whole stage); prints validation
 accuracy every 150 steps. A diagnostic of meta's seed failures (docs/results/routers.md).
 
-    python docs/results/routers/stage1_probe.py MECHANISM SEED
+With `--warmup-mixture` (meta only) it then evaluates the trained model twice: as compare does
+(hard routing by the router, eval_eta) and with the warm-up mixture (the full expert alone).
+
+    python docs/results/routers/stage1_probe.py MECHANISM SEED [--warmup-mixture]
 """
-import sys
+import argparse
 
 import torch
 
@@ -13,18 +16,30 @@ from routeformer.tasks import build_task
 from routeformer.train.on_task import build_task_model, evaluate_on_task
 from routeformer.train.task_loop import TaskTrainConfig, train_task
 
+parser = argparse.ArgumentParser()
+parser.add_argument("mechanism")
+parser.add_argument("seed", type=int)
+parser.add_argument("--warmup-mixture", action="store_true")
+args = parser.parse_args()
 torch.set_num_threads(1)
-mech, seed = sys.argv[1], int(sys.argv[2])
 setup = LONG.tasks["mqar"]
 stage = setup.stages[0]
 task = build_task("mqar", **{**setup.options, **stage.options})
-torch.manual_seed(seed)
-model = build_task_model(task, mech, setup.options_for(mech), LONG.spec)
+torch.manual_seed(args.seed)
+model = build_task_model(task, args.mechanism, setup.options_for(args.mechanism), LONG.spec)
 cfg = TaskTrainConfig(steps=stage.steps, batch_size=stage.batch_size, lr=stage.lr,
-                      warmup_steps=stage.warmup_steps, seed=seed, eval_every=150)
-h = train_task(model, lambda b, g: task.batch(b, g, "train"),
-               lambda m: evaluate_on_task(m, task, "validation", 256), cfg,
-               forward=lambda m, inputs, labels: m(inputs, labels, mask=task.mask(inputs),
-                                                   logits_at_labels=True),
-               log=lambda line: None)
-print(mech, seed, [round(e["accuracy"], 3) for e in h.evals], flush=True)
+                      warmup_steps=stage.warmup_steps, seed=args.seed, eval_every=150)
+history = train_task(model, lambda b, g: task.batch(b, g, "train"),
+                     lambda m: evaluate_on_task(m, task, "validation", 256), cfg,
+                     forward=lambda m, inputs, labels: m(inputs, labels, mask=task.mask(inputs),
+                                                         logits_at_labels=True),
+                     log=lambda line: None)
+print(args.mechanism, args.seed, [round(e["accuracy"], 3) for e in history.evals], flush=True)
+if args.warmup_mixture:
+    routed = evaluate_on_task(model, task, "validation", 256)
+    for layer in (m for m in model.modules() if hasattr(m, "warmup_mixture")):
+        layer.in_warmup = lambda: True  # the warm-up mixture at evaluation too
+        layer.eval_eta = None
+    mixture = evaluate_on_task(model, task, "validation", 256)
+    print(args.seed, "eval with the router (eval_eta):", round(routed["accuracy"], 3),
+          "| eval with the warm-up mixture (full alone):", round(mixture["accuracy"], 3), flush=True)

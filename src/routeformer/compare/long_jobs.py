@@ -12,6 +12,7 @@ import torch
 from routeformer.compare.budgets import task_options
 from routeformer.compare.long_budget import EVAL_MULTIPLES, LongSetup
 from routeformer.runner.jobs import Job, say
+from routeformer.tasks.registry import task_options as task_options_of
 from routeformer.train.on_task import ModelSpec
 
 
@@ -91,7 +92,8 @@ def _progress(line: str, done: int, total: int) -> str:
 def long_jobs(
     tasks: dict[str, LongSetup], mechanisms: list[str], seeds: int, spec: ModelSpec, corpus: str
 ) -> list[Job]:
-    """One job per (task, mechanism, seed); meta_tokens on the LM only (it needs injected tokens)."""
+    """One job per (task, mechanism, seed); meta_tokens only on tasks that inject meta-tokens (an
+    option `meta_density`: the LM tasks)."""
     jobs = []
     for task, setup in tasks.items():
         options = {**setup.options, "corpus": corpus} if task == "lm" else dict(setup.options)
@@ -105,8 +107,8 @@ def long_jobs(
             setup.mechanism_options,
         )
         for mechanism in mechanisms:
-            if task not in ("lm", "code_lm") and mechanism == "meta_tokens":
-                continue
+            if mechanism == "meta_tokens" and "meta_density" not in task_options_of(task):
+                continue  # meta-tokens are injected by the task: LM tasks only
             built = task_options(task, mechanism, setup.as_task_setup())
             for seed in range(seeds):
                 jobs.append(
