@@ -137,6 +137,22 @@ def test_stages_train_one_model_on_each_stage_task():
     assert record["quality"] == record["tests"]["32"]["accuracy"]
 
 
+def test_a_setup_named_apart_from_its_task_builds_that_task():
+    """`mqar_512` builds `mqar`: the setup's key names the jobs, `task` the registered task."""
+    from dataclasses import replace
+
+    from routeformer.compare.long_jobs import long_jobs, train_long_job
+
+    setup, spec = replace(toy_budget().tasks["mqar"], task="mqar"), toy_budget().spec
+    jobs = long_jobs({"recall_short": setup}, ["full"], 1, spec, "pydoc")
+    assert [job.key for job in jobs] == ["long-recall_short-full-seed0"]
+    record = train_long_job(jobs[0])
+    assert (record["setup"], record["task_name"]) == ("recall_short", "mqar")
+    assert record["validation"][-1]["task"].startswith("mqar(seq_len=32")
+    with pytest.raises(ValueError, match="unknown task"):
+        train_long_job(long_jobs({"recall_short": replace(setup, task="")}, ["full"], 1, spec, "pydoc")[0])
+
+
 def test_paired_delta_pairs_by_seed():
     def rec(seed, value):
         return {"seed": seed, "tests": {"8": {"accuracy": value}}}
@@ -148,7 +164,8 @@ def test_paired_delta_pairs_by_seed():
 
 
 def test_long_selection_and_cli_errors(tmp_path, capsys):
-    assert check_long_selection(["local", "full", "local"], None) == (["full", "local"], ["mqar", "lm"])
+    assert check_long_selection(["local", "full", "local"], None) == (
+        ["full", "local"], list(long_budget.default_long_tasks()))
     with pytest.raises(ValueError, match="tasks: --long has"):
         check_long_selection(None, ["listops"])
     assert main(["compare", "--long", "--quick", "--out", str(tmp_path)]) == 2
@@ -157,13 +174,35 @@ def test_long_selection_and_cli_errors(tmp_path, capsys):
     assert "mechanisms: unknown ['nope']" in capsys.readouterr().err
 
 
+def test_the_default_long_tasks_read_the_python_source_only_where_it_is_on_disk(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no data/ or ../shared/data here
+    monkeypatch.setenv("ROUTEFORMER_DATA_DIR", str(tmp_path / "nowhere"))
+    assert long_budget.default_long_tasks() == ("mqar", "lm")
+    (tmp_path / "nowhere" / "python-stdlib").mkdir(parents=True)
+    (tmp_path / "nowhere" / "python-stdlib" / "train.jsonl").write_text("")
+    assert long_budget.default_long_tasks() == ("mqar", "code_lm")
+
+
 def test_the_long_budget_trains_at_long_lengths():
     budget = long_budget.LONG
-    assert budget.tasks["mqar"].seq_len >= 512 and budget.tasks["lm"].seq_len >= 1024
+    assert budget.tasks["mqar"].seq_len >= 4096 and budget.tasks["code_lm"].seq_len >= 4096
+    assert budget.tasks["mqar_512"].task_name("mqar_512") == "mqar"
     assert budget.seeds >= 3 and budget.tasks["mqar"].stages[-1].options == {}
     assert {"full", "linear", "local", "topk", "mita", "meta", "meta_tokens", "expanding"} <= set(
         budget.mechanisms
     )
+
+
+def test_routed_budgets_are_in_keys_at_long_lengths():
+    """Every routed query reads about 64 keys at T = 4096 (issue 45): no budget grows with T there."""
+    from routeformer.compare.budgets import TOPK_KEYS, options_for
+
+    for length in (512, 4096, 16384):
+        assert options_for("local", length) == {"window": TOPK_KEYS}
+        assert options_for("meta", length) == {"window": TOPK_KEYS}
+        assert options_for("topk", length) == {"topk": TOPK_KEYS}
+        assert options_for("mita", length)["topk"] == TOPK_KEYS
+    assert options_for("local", 128) == {"window": 32}  # short lengths keep T/4 (compare --quick)
 
 
 def test_position_section_averages_buckets_over_seeds_beside_the_floors():

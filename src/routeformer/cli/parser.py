@@ -79,13 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--quick", action="store_true",
                          help="the quick budget (about 10 minutes on 2 cores; a subset of mechanisms)")
     compare.add_argument("--long", action="store_true",
-                         help="the long budget: recall at T=512 and a char LM at T=1024, evaluated at "
-                              "1x/2x/4x, with costs at the same lengths (under 2 hours on 2 cores)")
+                         help="the long budget: recall at T=4096 and a Python-source LM at T=4096, evaluated "
+                              "at 1x/2x/4x, with costs at the same lengths (about 3 hours on 2 cores)")
     compare.add_argument("--mechanisms", nargs="+", default=None,
                          help="subset of `routeformer list` (default: the budget's selection)")
     compare.add_argument("--tasks", nargs="+", default=None,
-                         help="subset of lm mqar listops (default: all); with --long: mqar lm "
-                              "(default) and code_lm")
+                         help="subset of lm mqar listops (default: all); with --long: mqar code_lm "
+                              "(default; lm for code_lm when ../shared/data/python-stdlib is absent), "
+                              "lm, mqar_512")
     compare.add_argument("--seeds", type=int, default=None, help="seeds per mechanism (default: 3)")
     compare.add_argument("--workers", type=int, default=2,
                          help="training processes, one thread each (default: 2)")

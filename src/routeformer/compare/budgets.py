@@ -1,9 +1,10 @@
 """The budgets of `routeformer compare` (QUICK, FULL) and what each mechanism gets on a task.
 
-Length-dependent budgets (the only options that differ from a mechanism's defaults): local
-windows T/4, top-k T/8 keys up to 64 (`TOPK_KEYS`: a budget in keys from T = 512 on), MiTA T/8
-landmarks of T/8 keys (causal: blocks of T/8) below T = 512 and from there blocks and experts of 64
-keys with every completed block's landmark (T/64), Meta-Attention's local expert T/4.
+Length-dependent budgets (the only options that differ from a mechanism's defaults), in keys a
+query reads (`TOPK_KEYS` = 64) once T is long enough: local windows T/4 up to 64 keys (fixed from
+T = 256 on), top-k T/8 keys up to 64 (fixed from T = 512 on), MiTA T/8 landmarks of T/8 keys
+(causal: blocks of T/8) below T = 512 and from there blocks and experts of 64 keys with every
+completed block's landmark (T/64), Meta-Attention's local expert as local's window.
 `meta_tokens` needs injected meta-tokens: it runs on the LM only, whose windows then carry
 `_PAUSE_` at density 0.1 (so it reads 10% fewer characters per window: stated in the report).
 """
@@ -77,8 +78,8 @@ FULL = CompareBudget(
 
 def options_for(mechanism: str, seq_len: int) -> dict[str, Any]:
     """The length-dependent budgets of the module docstring; every other option at its default."""
-    if mechanism in ("local", "meta"):  # meta: the window of its local expert
-        return {"window": max(1, seq_len // 4)}
+    if mechanism in ("local", "meta"):  # meta: the window of its local expert; T/4 up to TOPK_KEYS
+        return {"window": max(1, min(seq_len // 4, TOPK_KEYS))}
     if mechanism == "topk":  # a budget in keys: T/8 up to TOPK_KEYS, then fixed
         return {"topk": max(1, min(TOPK_KEYS, seq_len // 8))}
     if mechanism == "mita":

@@ -4,7 +4,7 @@ through its task's curriculum stages and tested at T, 2T and 4T (compare/long_bu
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -22,7 +22,8 @@ def train_long_job(job: Job) -> dict[str, Any]:
     from routeformer.train.on_task import build_task_model, evaluate_on_task, parameter_count
     from routeformer.train.task_loop import TaskTrainConfig, train_task
 
-    task = build_task(job.task, **job.task_options)
+    name = job.setup.task_name(job.task)  # job.task is the setup's key (e.g. mqar_512 builds mqar)
+    task = build_task(name, **job.task_options)
     torch.manual_seed(job.seed)
     model = build_task_model(task, job.mechanism, job.options, job.spec)
 
@@ -33,7 +34,7 @@ def train_long_job(job: Job) -> dict[str, Any]:
     total = sum(stage.steps for stage in job.setup.stages)
     say(f"  {job.key}: started ({total} steps in {len(job.setup.stages)} stages)")
     for index, stage in enumerate(job.setup.stages):
-        stage_task = build_task(job.task, **{**job.task_options, **stage.options})
+        stage_task = build_task(name, **{**job.task_options, **stage.options})
         length = stage_task.seq_len
         config = TaskTrainConfig(
             steps=stage.steps,
@@ -58,7 +59,7 @@ def train_long_job(job: Job) -> dict[str, Any]:
     tests = {}
     for multiple in (1, *EVAL_MULTIPLES):
         length = task.seq_len * multiple
-        eval_task = build_task(job.task, **{**job.task_options, "seq_len": length})
+        eval_task = build_task(name, **{**job.task_options, "seq_len": length})
         began = time.perf_counter()
         tests[str(length)] = {
             **evaluate_on_task(model, eval_task, "test", max(4, job.setup.test_tokens // length)),
@@ -66,7 +67,8 @@ def train_long_job(job: Job) -> dict[str, Any]:
         }
     return {
         "task": task.describe(),
-        "task_name": job.task,
+        "task_name": name,
+        "setup": job.task,
         "task_options": job.task_options,
         "mechanism": job.mechanism,
         "options": job.options,
@@ -97,17 +99,9 @@ def long_jobs(
     jobs = []
     for task, setup in tasks.items():
         options = {**setup.options, "corpus": corpus} if task == "lm" else dict(setup.options)
-        setup = LongSetup(
-            options,
-            setup.stages,
-            setup.evals_per_stage,
-            setup.validation_sequences,
-            setup.test_tokens,
-            setup.cost_batch,
-            setup.mechanism_options,
-        )
+        setup = replace(setup, options=options)
         for mechanism in mechanisms:
-            if mechanism == "meta_tokens" and "meta_density" not in task_options_of(task):
+            if mechanism == "meta_tokens" and "meta_density" not in task_options_of(setup.task_name(task)):
                 continue  # meta-tokens are injected by the task: LM tasks only
             built = task_options(task, mechanism, setup.as_task_setup())
             for seed in range(seeds):

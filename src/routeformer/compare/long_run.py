@@ -69,7 +69,7 @@ def run_compare_long(
             floors[(task, length)] = cached_run(
                 out,
                 f"long-{task}-floor-{length}",
-                lambda t=task, L=length, s=setup: task_floor(t, {**s.options, "seq_len": L},
+                lambda t=task, L=length, s=setup: task_floor(s.task_name(t), {**s.options, "seq_len": L},
                                                                max(4, s.test_tokens // L)),
             )
         for mechanism in runs[task]:
@@ -78,7 +78,7 @@ def run_compare_long(
                 out,
                 f"long-{task}-costs-{mechanism}",
                 lambda t=task, m=mechanism, s=setup: measure_long_costs(
-                    t,
+                    s.task_name(t),
                     m,
                     s,
                     budget.spec,

@@ -74,7 +74,7 @@ def load_corpus(spec: str) -> Corpus:
             raise ValueError("corpus 'text:PATH' needs a path, e.g. text:notes.txt")
         return _split(f"text:{argument}", _read(Path(argument)))
     if kind == "tinyshakespeare":
-        path = Path(argument) if argument else _find("tinyshakespeare/input.txt")
+        path = Path(argument) if argument else find_data("tinyshakespeare/input.txt")
         if path is None:
             raise ValueError(
                 "corpus 'tinyshakespeare' not found: pass tinyshakespeare:PATH or set "
@@ -82,7 +82,7 @@ def load_corpus(spec: str) -> Corpus:
             )
         return _split("tinyshakespeare", _read(path))
     if kind == "wikitext2":
-        directory = Path(argument) if argument else _find("wikitext-2-raw") or _find("wikitext-2")
+        directory = Path(argument) if argument else find_data("wikitext-2-raw") or find_data("wikitext-2")
         if directory is not None:
             return _wikitext_from_directory(directory)
         return _wikitext_from_hub()
@@ -139,7 +139,8 @@ def data_dirs() -> list[Path]:
     return dirs + [Path("data"), Path("../shared/data")]
 
 
-def _find(relative: str) -> Path | None:
+def find_data(relative: str) -> Path | None:
+    """The first data folder (data_dirs) holding `relative`, as a path; None where none does."""
     for directory in data_dirs():
         if (directory / relative).exists():
             return directory / relative
@@ -150,7 +151,7 @@ def load_pystdlib(directory: Path | None = None) -> Corpus:
     """The Python standard-library corpus in `directory` (default: `python-stdlib/` in the data
     folders): {train,valid,test}.jsonl, one JSON object with `path` and `text` per line, as documents."""
     if directory is None:
-        directory = _find(f"{PYSTDLIB_FOLDER}/train.jsonl")
+        directory = find_data(f"{PYSTDLIB_FOLDER}/train.jsonl")
         if directory is None:
             where = ", ".join(str(d / PYSTDLIB_FOLDER) for d in data_dirs())
             raise ValueError(
