@@ -357,3 +357,38 @@ def test_hard_routing_skips_the_projections_of_unused_experts():
         result = layer(tokens())
     assert result.stats["rows_linear"] == 1 and result.stats["rows_full"] == 0
     assert sorted(projected) == [("kv", 1), ("q", 1)]
+
+
+def test_forced_routing_runs_each_token_through_its_one_expert_at_the_given_shares():
+    """force_routing (bench steps' trained-router shares): every token hard-routed, its output the
+    chosen expert's alone, the share of tokens per expert as asked (to within the rounding of T)."""
+    layer = make().train()
+    shares = (0.3, 0.5, 0.2)
+    layer.force_routing(shares)
+    x = tokens(length=40)
+    result = layer(x)
+    positions = torch.arange(40).expand(2, -1)
+    choice = layer._forced_choice(positions, positions)
+    with torch.no_grad():
+        alone = [layer._expert(i, x, positions, None, None, torch.ones(2, 40, dtype=x.dtype), {},
+                               torch.zeros_like(x))[0] for i in range(len(EXPERTS))]
+    expected = torch.stack(alone)[choice, torch.arange(2)[:, None], torch.arange(40)]
+    torch.testing.assert_close(result.out, expected)
+    assert float(result.stats["hard_fraction"]) == 1.0
+    for index, name in enumerate(EXPERTS):
+        assert float(result.stats[f"rows_{name}"]) == pytest.approx(shares[index], abs=2 / 40)
+    layer.force_routing(None)
+    assert float(layer(x).stats["hard_fraction"]) < 1.0  # the router's own routing again
+    with pytest.raises(ValueError, match="one non-negative share per expert"):
+        layer.force_routing((0.5, 0.6, -0.1))
+
+
+def test_skip_schedules_puts_meta_past_its_warmup_and_annealing():
+    from routeformer.attention.base import skip_schedules
+
+    layer = make(warmup_steps=5, kl_anneal_steps=4, elbo_weight=2.0, train_eta=0.2,
+                 eta_anneal_steps=4).train()
+    assert layer.in_warmup() and layer.current_eta() is None
+    skip_schedules(torch.nn.Sequential(layer))
+    assert not layer.in_warmup()
+    assert (layer.current_eta(), layer.current_kl_weight()) == (pytest.approx(0.2), 2.0)

@@ -42,3 +42,16 @@ def test_cli_writes_the_table_and_refuses_unknown_mechanisms(tmp_path, capsys):
     data = json.loads(out.with_suffix(".json").read_text())
     assert [r["mechanism"] for r in data["rows"]] == ["full", "linear"]
     assert "| 32 | 2 | linear |" in out.read_text()
+
+
+def test_cli_times_meta_hard_routed_at_given_shares(tmp_path):
+    out = tmp_path / "steps.md"
+    assert main(["bench", "steps", "--mechanisms", "meta", "--lengths", "64", "--tokens", "64",
+                 "--repeats", "1", "--meta-shares", "0.25", "0.75", "0", "--output", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["settings"]["meta_shares"] == [0.25, 0.75, 0.0]
+    meta = next(r for r in data["rows"] if r["mechanism"] == "meta")
+    assert meta["options"]["train_eta"] == 0.05 and meta["options"]["window"] == 64  # the long recipe
+    assert main(["bench", "steps", "--meta-shares", "0.5", "0.5"]) == 2
+    assert main(["bench", "steps", "--mechanisms", "meta", "--lengths", "64", "--tokens", "64",
+                 "--meta-shares", "0.5", "0.6", "-0.1"]) == 2  # not shares: the layer's ValueError

@@ -239,3 +239,18 @@ class AttentionLayer(nn.Module):
             f"rotary={self.rotary}"
         )
 
+
+
+STEADY_STATE_STEP = 10**9  # past any warm-up or annealing a layer schedules
+
+
+def skip_schedules(model: nn.Module) -> None:
+    """Move every attention layer of `model` past its training schedules: its step counters (integer
+    buffers — meta's `routing_step`, topk's `distill_step`) are set beyond any warm-up or annealing,
+    so a training step runs what the layer runs at the end of a curriculum (meta's hard routing at
+    `train_eta`, topk's sparse distillation). For timing a fresh model at its steady state."""
+    for module in model.modules():
+        if isinstance(module, AttentionLayer):
+            for buffer in module.buffers():
+                if not buffer.is_floating_point() and not buffer.is_complex() and buffer.dim() == 0:
+                    buffer.fill_(STEADY_STATE_STEP)

@@ -167,8 +167,28 @@ class MetaAttention(AttentionLayer):
             nn.Linear(dim, 3 * inner, bias=bias) for _ in range(1 if share_qkv else len(EXPERTS)))
         self.expert_out = nn.ModuleList(nn.Linear(inner, dim, bias=bias) for _ in EXPERTS)
         self.register_buffer("routing_step", torch.zeros((), dtype=torch.long))
+        self.forced_shares: tuple[float, ...] | None = None
 
     # -- routing ---------------------------------------------------------------------------
+    def force_routing(self, shares: tuple[float, ...] | None) -> None:
+        """Hard-route a fixed share of the tokens to each expert (full, linear, local), whatever the
+        router says (it still runs, and its KL still counts): for timing the layer at the shares a
+        trained router chose (`routeformer bench steps`); None gives the routing back to the router.
+        Which tokens go where is a fixed low-discrepancy function of the position."""
+        if shares is not None:
+            shares = tuple(float(share) for share in shares)
+            if len(shares) != len(EXPERTS) or min(shares) < 0 or abs(sum(shares) - 1.0) > 1e-6:
+                raise ValueError(f"shares: one non-negative share per expert {EXPERTS}, summing to 1; "
+                                 f"got {shares}")
+        self.forced_shares = shares
+
+    def _forced_choice(self, positions: Tensor, like: Tensor) -> Tensor:
+        """Expert index per token for `force_routing`: the position's golden-ratio fraction
+        against the cumulative shares."""
+        fraction = torch.remainder(positions.to(torch.float64) * 0.6180339887498949, 1.0)
+        edges = torch.tensor(self.forced_shares, dtype=torch.float64, device=positions.device).cumsum(0)[:-1]
+        return torch.bucketize(fraction, edges, right=True).expand(like.shape)
+
     def in_warmup(self) -> bool:
         """True during the first `warmup_steps` training calls (uniform fixed mixture)."""
         return self.training and int(self.routing_step) < self.warmup_steps
@@ -324,7 +344,13 @@ class MetaAttention(AttentionLayer):
             self.routing_step += 1
         routes: list[Tensor | None] = [None] * len(EXPERTS)
         hard = None
-        if eta is not None:
+        if self.forced_shares is not None:
+            eta, hard = 0.0, torch.ones_like(mean[..., 0], dtype=torch.bool)
+            choice = self._forced_choice(positions, mean[..., 0])
+            one_hot = F.one_hot(choice, len(EXPERTS)).to(weights.dtype)
+            weights = one_hot * (1.0 + weights - weights.detach())
+            routes = [choice == i for i in range(len(EXPERTS))]
+        elif eta is not None:
             hard = self.certainty(concentration) >= eta
             choice = mean.argmax(-1)
             one_hot = F.one_hot(choice, len(EXPERTS)).to(weights.dtype)

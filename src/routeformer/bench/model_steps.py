@@ -26,11 +26,13 @@ STEP_TASK = {"pairs": 7, "vocab_size": 16}  # compare --long's recall, at every 
 def model_step_rows(
     mechanisms: list[str], lengths: list[int], *, options_for: Callable[[str, int], dict[str, Any]],
     spec: Any, tokens: int = 8192, repeats: int = 5, threads: int = 1,
+    prepare: Callable[[torch.nn.Module], None] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (length, mechanism): ms per training step, its ratio to full's (median and
     quartiles of the per-round ratios) and peak MiB. `options_for(mechanism, T)` gives each layer's
-    options at T (compare's budgets); `spec` is a train.on_task.ModelSpec."""
+    options at T (compare's budgets); `spec` is a train.on_task.ModelSpec; `prepare(model)`, if
+    given, runs on every built model before timing (e.g. to fix a router's shares)."""
     from routeformer.tasks import build_task
     from routeformer.train.on_task import build_task_model
 
@@ -51,6 +53,8 @@ def model_step_rows(
             for name in names:
                 torch.manual_seed(0)
                 models[name] = build_task_model(task, name, options_for(name, length), spec).train()
+                if prepare is not None:
+                    prepare(models[name])
 
             step = {name: _training_step(models[name], inputs, labels) for name in names}
             times = round_times(step, repeats, warmup=1)

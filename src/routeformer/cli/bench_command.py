@@ -200,15 +200,32 @@ def _bench_steps(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"mechanisms: unknown {unknown}; registered: {sorted(list_attentions())}")
     lengths = args.lengths if args.lengths != [1024, 4096, 16384] else [512, 1024, 2048, 4096]
+    layer_options, prepare = options_for, None
+    if args.meta_shares is not None:  # meta as compare --long trains it, at a trained router's shares
+        from routeformer.attention.base import skip_schedules
+
+        recipe = LONG.tasks["mqar"].mechanism_options["meta"]
+
+        def layer_options(name: str, length: int) -> dict:
+            return {**options_for(name, length), **(recipe if name == "meta" else {})}
+
+        def prepare(model) -> None:
+            skip_schedules(model)
+            for layer in model.modules():
+                if hasattr(layer, "force_routing"):
+                    layer.force_routing(tuple(args.meta_shares))
+
     print(STEP_HEADER, flush=True)
-    rows = model_step_rows(mechanisms, lengths, options_for=options_for, spec=LONG.spec, tokens=args.tokens,
-                           repeats=args.repeats, progress=lambda line: print(line, flush=True))
+    rows = model_step_rows(mechanisms, lengths, options_for=layer_options, spec=LONG.spec, tokens=args.tokens,
+                           repeats=args.repeats, prepare=prepare,
+                           progress=lambda line: print(line, flush=True))
     if args.output:
         from routeformer.bench.model_steps import format_step_row
 
         output = Path(args.output)
         output.parent.mkdir(parents=True, exist_ok=True)
         settings = {"model": asdict(LONG.spec), "tokens_per_step": args.tokens, "threads": 1,
+                    "meta_shares": args.meta_shares,
                     "repeats": args.repeats, "machine": machine_description()}
         output.write_text("# Training step of compare --long's model, against full in the same rounds\n\n"
                           f"Settings: {json.dumps(settings)}\n\n" + STEP_HEADER + "\n"

@@ -172,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "generate suite: the ones decoded (default: every one with a cache)")
     bench.add_argument("--tokens", type=positive_int, default=8192,
                        help="steps suite: tokens per training step at every length (batch = tokens // T)")
+    bench.add_argument("--meta-shares", type=float, nargs=3, default=None,
+                       metavar=("FULL", "LINEAR", "LOCAL"),
+                       help="steps suite: time meta hard-routed, with compare --long's recipe past its "
+                            "warm-up, at these shares of tokens per expert (e.g. a trained router's; "
+                            "default: the fresh router's own routing, dense)")
     bench.add_argument("--split", action="store_true",
                        help="layers suite: split each mechanism's training step into projections, routing, "
                             "attention, auxiliary losses, backward and other (torch.profiler ranges)")

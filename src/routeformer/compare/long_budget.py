@@ -95,7 +95,7 @@ class LongBudget:
 
 
 # Meta-Attention's recipe for the recall curriculum, chosen on validation (seeds 0-1; probes in
-# docs/results/compare/long/probes/README.md): the experts learn first — the first stage (600 training
+# docs/results/compare/long-1k/probes/README.md): the experts learn first — the first stage (600 training
 # calls) runs the full expert alone (`warmup_mixture`; a uniform mixture stayed key-blind), then
 # the KL term is annealed in at a small weight and hard routing (the paper's Phase 3 gate) anneals
 # to η = 0.05, at evaluation too; the local expert reads 64 keys (a budget in keys, as topk's 64).

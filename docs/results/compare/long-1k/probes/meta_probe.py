@@ -1,7 +1,7 @@
 """Probe: meta on compare --long's MQAR curriculum with chosen options; prints validation accuracy
 per eval and, at T=512 in eval mode, each meta layer's flops_vs_full / rows_* / hard_fraction.
 
-PYTHONPATH=src OMP_NUM_THREADS=1 python docs/results/compare/long/probes/meta_probe.py SEED [SCALE] [JSON_OPTIONS]
+PYTHONPATH=src OMP_NUM_THREADS=1 python docs/results/compare/long-1k/probes/meta_probe.py SEED [SCALE] [JSON_OPTIONS]
 SCALE (default 1.0) multiplies every stage's steps (1.0 = the real curriculum). Test evaluation at
 T/2T/4T is cut to 8192 tokens (the probe reads validation only)."""
 
