@@ -90,3 +90,25 @@ def test_toy_run_writes_report_and_result(tmp_path):
     bayesian = result["runs"]["bayesian"][0]
     assert bayesian["lengths"]["16"]["hard"]["routing"]["hard_fraction"] == 1.0  # η = 0: every token hard
     assert "hard" not in result["runs"]["full"][0]["lengths"]["16"]
+
+
+def test_table3_runs_its_subset_in_two_processes_and_caches_each_run(tmp_path):
+    """meta-attention-table3: the preprint's Table 3 setting, three variants, two worker processes;
+    a second call reads every run back instead of training it again."""
+    from routeformer.experiments.meta_attention_matched import TABLE3_BUDGET, TABLE3_QUICK
+
+    assert "meta-attention-table3" in list_experiments()
+    assert set(variants(TABLE3_BUDGET)) == {"bayesian", "non-bayesian", "full-matched"}
+    setup = TABLE3_BUDGET.setup
+    assert (setup.options["seq_len"], setup.steps, setup.batch_size, TABLE3_BUDGET.spec.dim,
+            TABLE3_BUDGET.spec.depth, setup.options["corpus"]) == (64, 2000, 32, 128, 2, "wikitext2")
+    toy = replace(TABLE3_QUICK, setup=replace(TABLE3_QUICK.setup, options={"corpus": "pydoc", "seq_len": 16},
+                                              steps=1, validation_sequences=2, test_sequences=2),
+                  spec=replace(TABLE3_QUICK.spec, dim=16), test_characters=128, routing_sequences=2)
+    run_matched(tmp_path, toy, "toy")
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert set(result["runs"]) == {"bayesian", "non-bayesian", "full-matched"}
+    stamps = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*.json")}
+    assert len(stamps) == 3
+    run_matched(tmp_path, toy, "toy")
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*.json")} == stamps
