@@ -115,7 +115,8 @@ DEFINE_SELECT(double)
 #include "topk_select_avx512.h" /* keep_best_float_vector: the float flush on 16 lanes */
 #define KEEP_BEST_float keep_best_float_vector
 #else
-#define KEEP_BEST_float keep_best_float
+#include "topk_select_split.h" /* keep_best_float_split: the same split in plain C */
+#define KEEP_BEST_float keep_best_float_split
 #endif
 #define KEEP_BEST_double keep_best_double
 
