@@ -14,9 +14,8 @@ import time
 import torch
 
 from routeformer.compare.long_budget import LONG
-from routeformer.train.on_task import ModelSpec
 from routeformer.tasks import build_task
-from routeformer.train.on_task import build_task_model, evaluate_on_task
+from routeformer.train.on_task import ModelSpec, build_task_model, evaluate_on_task
 from routeformer.train.task_loop import TaskTrainConfig, train_task
 
 
@@ -36,20 +35,31 @@ parser.add_argument("--dim", type=int, default=64)
 parser.add_argument("--evals", type=int, default=3)
 parser.add_argument("--weight-decay", type=float, default=0.1)
 parser.add_argument("--stage", action="append", required=True, type=parse_stage)
-parser.add_argument("--option", action="append", default=[], help="layer option key=value (int/float)")
+parser.add_argument("--option", action="append", default=[], help="layer option key=value")
 args = parser.parse_args()
 torch.set_num_threads(1)
 final = {"seq_len": args.seq_len, "pairs": args.pairs, "vocab_size": args.vocab}
 task = build_task("mqar", **final)
 spec = ModelSpec(**{**LONG.spec.__dict__, "dim": args.dim})
-layer_options = {k: (float(v) if "." in v else int(v)) for k, v in (o.split("=") for o in args.option)}
+
+
+def parse_value(text):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+layer_options = {k: parse_value(v) for k, v in (o.split("=", 1) for o in args.option)}
 torch.manual_seed(args.seed)
 model = build_task_model(task, args.mechanism, layer_options, spec)
 start = time.perf_counter()
 for options, steps, batch, lr, warmup in args.stage:
     stage_task = build_task("mqar", **{**final, **options})
-    cfg = TaskTrainConfig(weight_decay=args.weight_decay, steps=steps, batch_size=batch, lr=lr, warmup_steps=warmup, seed=args.seed,
-                          eval_every=max(1, steps // args.evals))
+    cfg = TaskTrainConfig(weight_decay=args.weight_decay, steps=steps, batch_size=batch, lr=lr,
+                          warmup_steps=warmup, seed=args.seed, eval_every=max(1, steps // args.evals))
     history = train_task(model, lambda b, g, t=stage_task: t.batch(b, g, "train"),
                          lambda m, t=stage_task: evaluate_on_task(
                              m, t, "validation", max(8, 64 * 512 // t.seq_len)), cfg,
