@@ -221,3 +221,17 @@ def test_position_section_averages_buckets_over_seeds_beside_the_floors():
     assert "0-32: 32" in lines[0]
     runs["local"][0]["tests"]["64"].pop("bits_per_char_by_position")  # a record of old: no section
     assert _position_section(runs, "64", floor) == []
+
+
+def test_meta_costs_are_timed_at_the_trained_shares_past_the_warmup():
+    from routeformer.compare.long_costs import measure_long_costs, trained_routing_shares
+
+    hard = {"hard_fraction": 1.0, "rows_full": 0.02, "rows_linear": 0.98, "rows_local": 0.0}
+    records = [{"tests": {"32": hard}}, {"tests": {"32": {**hard, "rows_full": 0.04, "rows_linear": 0.96}}}]
+    assert trained_routing_shares(records, 32) == pytest.approx((0.03, 0.97, 0.0))
+    assert trained_routing_shares([{"tests": {"32": {**hard, "hard_fraction": 0.5}}}], 32) is None
+    assert trained_routing_shares([{"tests": {"32": {"accuracy": 1.0}}}], 32) is None  # no router
+    setup = toy_budget().tasks["mqar"]
+    costs = measure_long_costs("mqar", "meta", setup, toy_budget().spec, lambda name: setup.options, 1,
+                               routing_shares=(0.25, 0.75, 0.0))
+    assert costs["routing_shares"] == (0.25, 0.75, 0.0) and costs["train_ms_per_step"] > 0

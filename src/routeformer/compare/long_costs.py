@@ -19,10 +19,17 @@ def measure_long_costs(
     spec: ModelSpec,
     task_options_of: Callable[[str], dict[str, Any]],
     repeats: int,
+    routing_shares: tuple[float, ...] | None = None,
 ) -> dict[str, Any]:
     """Training-step and inference time of `mechanism` and of `full`, alternating in the same rounds
     (one thread, as training ran), at T (training) and at T, 2T, 4T (inference per sequence); the
-    ratio is the median of the per-round ratios; peak memory of one training step at T."""
+    ratio is the median of the per-round ratios; peak memory of one training step at T.
+
+    The models are fresh, set to the state they train in at T: past every warm-up and annealing
+    (attention.base.skip_schedules), and, for a router whose shares were measured on the trained
+    runs (`routing_shares`, meta's tokens per expert: trained_routing_shares), hard-routed at those
+    shares — a fresh router would route otherwise (meta's: every expert on every token)."""
+    from routeformer.attention.base import skip_schedules
     from routeformer.bench.timing import peak_memory_mib, ratio_quartiles, round_times
     from routeformer.tasks import build_task
     from routeformer.train.on_task import build_task_model
@@ -37,6 +44,12 @@ def measure_long_costs(
         names = ["full"] if mechanism == "full" else ["full", mechanism]
         tasks = {name: build_task(task_name, **task_options_of(name)) for name in names}
         models = {name: model_for(name, tasks[name]) for name in names}
+        for model in models.values():
+            skip_schedules(model)
+            if routing_shares is not None:
+                for layer in model.modules():
+                    if hasattr(layer, "force_routing"):
+                        layer.force_routing(routing_shares)
         batch = setup.stages[-1].batch_size
         data = {name: tasks[name].batch(batch, torch.Generator().manual_seed(1), "train") for name in names}
 
@@ -55,6 +68,7 @@ def measure_long_costs(
             "full_train_ms_per_step": 1000 * _median(rounds["full"]),
             "train_time_vs_full": ratio_quartiles(rounds[mechanism], rounds["full"])[1],
             "peak_mib": peak_memory_mib(step(mechanism)),
+            "routing_shares": routing_shares,
             "inference": {},
         }
         for multiple in (1, *EVAL_MULTIPLES):
@@ -81,6 +95,19 @@ def measure_long_costs(
     finally:
         torch.set_num_threads(threads)
     return costs
+
+
+ROUTED_ROWS = ("rows_full", "rows_linear", "rows_local")  # meta's share of tokens per expert
+
+
+def trained_routing_shares(records: list[dict[str, Any]], seq_len: int) -> tuple[float, ...] | None:
+    """The mean share of tokens each expert computed at T over the trained runs' tests, where every
+    token was hard-routed (hard_fraction ≥ 0.99, so the shares sum to 1); None otherwise."""
+    tests = [record["tests"][str(seq_len)] for record in records]
+    if not tests or any(t.get("hard_fraction", 0.0) < 0.99 or not set(ROUTED_ROWS) <= set(t) for t in tests):
+        return None
+    means = [sum(t[key] for t in tests) / len(tests) for key in ROUTED_ROWS]
+    return tuple(value / sum(means) for value in means)
 
 
 def _median(values: list[float]) -> float:

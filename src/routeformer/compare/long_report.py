@@ -110,6 +110,12 @@ def write_long_report(
                          f"{m}: " + (", ".join(f"{k}={v}" for k, v in records[0]["options"].items())
                                      or "defaults")
                          for m, records in by_mechanism.items()) + "."]
+        forced = {m: costs[(task, m)].get("routing_shares") for m in by_mechanism if (task, m) in costs}
+        sections += [
+            f"Costs of {m} timed as it trains at T: hard-routed at the trained runs' mean share of tokens "
+            "per expert (" + " / ".join(f"{share:.3f}" for share in shares) + "; full / linear / local), "
+            "past its warm-up."
+            for m, shares in forced.items() if shares]
         summary["tasks"][task], details = {}, []
         for multiple in (1, *EVAL_MULTIPLES):
             length = str(setup.seq_len * multiple)

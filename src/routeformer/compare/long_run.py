@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.compare.long_budget import EVAL_MULTIPLES
-from routeformer.compare.long_costs import measure_long_costs
+from routeformer.compare.long_costs import measure_long_costs, trained_routing_shares
 from routeformer.compare.long_jobs import long_jobs, train_long_job
 from routeformer.compare.long_report import write_long_report
 from routeformer.compare.report import task_floor
@@ -84,6 +84,7 @@ def run_compare_long(
                     budget.spec,
                     lambda name, t=t: options_of.get((t, name), s.options),
                     budget.repeats,
+                    trained_routing_shares(runs[t][m], s.seq_len),
                 ),
             )
     elapsed = time.perf_counter() - began
