@@ -141,6 +141,9 @@ def write_long_report(
             title=f"{task} at T={setup.seq_len}: quality (mean ± sd) vs step time",
             errors={m: r["quality_sd"] for m, r in summary["tasks"][task][str(setup.seq_len)].items()},
             reference=("best shortcut / chance", _best_floor(floor)),
+            samples={m: [rec["tests"][str(setup.seq_len)][floor["metric"]] for rec in records]
+                     for m, records in by_mechanism.items()},
+            limits=(0.0, 1.0) if floor["metric"] == "accuracy" else (0.0, float("inf")),
         )
         sections.append(
             f"Plot: `pareto_{task}.png` (quality at T against training time per step; filled: "
