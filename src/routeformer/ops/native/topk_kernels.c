@@ -111,11 +111,11 @@ static T_ keep_best_##T_(T_ *score, int64_t *key, int64_t n, int64_t m) {       
 
 DEFINE_SELECT(float)
 DEFINE_SELECT(double)
+#include "topk_select_split.h" /* keep_best_float_split: a threshold split, in plain C */
 #if defined(__AVX512F__)
-#include "topk_select_avx512.h" /* keep_best_float_vector: the float flush on 16 lanes */
+#include "topk_select_avx512.h" /* keep_best_float_vector: the same split on 16 lanes */
 #define KEEP_BEST_float keep_best_float_vector
 #else
-#include "topk_select_split.h" /* keep_best_float_split: the same split in plain C */
 #define KEEP_BEST_float keep_best_float_split
 #endif
 #define KEEP_BEST_double keep_best_double
