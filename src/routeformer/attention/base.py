@@ -244,13 +244,17 @@ class AttentionLayer(nn.Module):
 STEADY_STATE_STEP = 10**9  # past any warm-up or annealing a layer schedules
 
 
-def skip_schedules(model: nn.Module) -> None:
+def skip_schedules(model: nn.Module, routing_shares: tuple[float, ...] | None = None) -> None:
     """Move every attention layer of `model` past its training schedules: its step counters (integer
     buffers — meta's `routing_step`, topk's `distill_step`) are set beyond any warm-up or annealing,
     so a training step runs what the layer runs at the end of a curriculum (meta's hard routing at
-    `train_eta`, topk's sparse distillation). For timing a fresh model at its steady state."""
+    `train_eta`, topk's sparse distillation). With `routing_shares`, every layer that can
+    (`force_routing`: meta) is also hard-routed at those shares of tokens per expert, as a trained
+    router routes. For timing a fresh model at its steady state."""
     for module in model.modules():
         if isinstance(module, AttentionLayer):
             for buffer in module.buffers():
                 if not buffer.is_floating_point() and not buffer.is_complex() and buffer.dim() == 0:
                     buffer.fill_(STEADY_STATE_STEP)
+            if routing_shares is not None and hasattr(module, "force_routing"):
+                module.force_routing(tuple(routing_shares))

@@ -210,10 +210,7 @@ def _bench_steps(args: argparse.Namespace) -> int:
             return {**options_for(name, length), **(recipe if name == "meta" else {})}
 
         def prepare(model) -> None:
-            skip_schedules(model)
-            for layer in model.modules():
-                if hasattr(layer, "force_routing"):
-                    layer.force_routing(tuple(args.meta_shares))
+            skip_schedules(model, tuple(args.meta_shares))
 
     print(STEP_HEADER, flush=True)
     rows = model_step_rows(mechanisms, lengths, options_for=layer_options, spec=LONG.spec, tokens=args.tokens,

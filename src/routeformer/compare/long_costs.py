@@ -45,11 +45,7 @@ def measure_long_costs(
         tasks = {name: build_task(task_name, **task_options_of(name)) for name in names}
         models = {name: model_for(name, tasks[name]) for name in names}
         for model in models.values():
-            skip_schedules(model)
-            if routing_shares is not None:
-                for layer in model.modules():
-                    if hasattr(layer, "force_routing"):
-                        layer.force_routing(routing_shares)
+            skip_schedules(model, routing_shares)
         batch = setup.stages[-1].batch_size
         data = {name: tasks[name].batch(batch, torch.Generator().manual_seed(1), "train") for name in names}
 
