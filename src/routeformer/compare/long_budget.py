@@ -2,7 +2,8 @@
 
 `compare --quick` trains at T = 32-128, where no routed layer saves anything; the layer benchmarks
 measure savings at 4k-64k, where no model was trained. This budget joins them: each task is trained
-at a long length T (an associative-recall task at T = 512, a character LM at T = 1024), evaluated on
+at a long length T (associative recall and a Python-source character LM, both at T = 4096; the
+earlier T = 512 / 1024 setups are kept as mqar_512 and lm), evaluated on
 its test split at T and, forward only, at 2T and 4T (reported apart: the length-generalisation
 claims of the meta-token and expanding-attention papers), and each mechanism's cost is measured at
 the same lengths in the same report: training step time and inference time per sequence, both
@@ -14,7 +15,7 @@ resumes after its last evaluation), chance and shortcut rules beside every numbe
 
 Training follows a curriculum (`Stage`s): most steps on a short, easy version of the task, where
 attention learns what to look for cheaply, then the rest at T. The mechanism's length-dependent options
-(window T/4, top-k T/8, ...) are those of T throughout, so at the short stage a local window covers
+(budgets in keys: compare/budgets.py) are those of T throughout, so at the short stage a local window covers
 the whole sequence. Each stage restarts AdamW's schedule (warm-up and cosine decay).
 """
 
