@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the quick budget (about 10 minutes on 2 cores; a subset of mechanisms)")
     compare.add_argument("--long", action="store_true",
                          help="the long budget: recall at T=4096 and a Python-source LM at T=4096, evaluated "
-                              "at 1x/2x/4x, with costs at the same lengths (recall 56 min + LM 77 min on 2 cores, "
-                              "measured apart)")
+                              "at 1x/2x/4x, with costs at the same lengths (recall 56 min + LM 77 min "
+                              "on 2 cores, measured apart)")
     compare.add_argument("--mechanisms", nargs="+", default=None,
                          help="subset of `routeformer list` (default: the budget's selection)")
     compare.add_argument("--tasks", nargs="+", default=None,
