@@ -11,10 +11,14 @@ from routeformer.attention.meta_tokens import MetaTokensAttention
 from routeformer.attention.mita import MitaAttention
 from routeformer.attention.multihop import MultihopAttention
 from routeformer.attention.registry import (
+    attention_class,
     attention_options,
+    baseline_first,
+    baseline_name,
     build_attention,
     list_attentions,
     register_attention,
+    with_baseline,
 )
 from routeformer.attention.topk import TopKAttention
 
@@ -31,8 +35,12 @@ __all__ = [
     "MitaAttention",
     "MultihopAttention",
     "TopKAttention",
+    "attention_class",
     "attention_options",
+    "baseline_first",
+    "baseline_name",
     "build_attention",
     "list_attentions",
     "register_attention",
+    "with_baseline",
 ]

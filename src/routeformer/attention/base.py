@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -101,6 +102,20 @@ class AttentionLayer(nn.Module):
         super().__init_subclass__(**kwargs)
         if "forward" in vars(cls):
             cls.forward = keeps_contract(vars(cls)["forward"])
+
+    # -- what callers ask of a mechanism (attention.registry: attention_class(name).<trait>) ---
+    # Declared by `register_attention(name, ...)` for each registered class; these are the values
+    # of a layer nobody registered.
+    is_baseline = False  # the mechanism the others are measured against (full)
+    needs_meta_tokens = False  # reads meta-tokens a task injects (meta_tokens): the LM only
+    grid_aware = False  # takes a ViT's patch grid and CLS token (options grid, extra_tokens)
+
+    @classmethod
+    def budget_options(cls, seq_len: int, keys: int) -> dict[str, Any]:
+        """The options that give this mechanism its budget at length `seq_len` when a query may
+        read up to `keys` keys (compare's budgets, compare/budgets.py); every other option stays
+        at its default. Default: none (the mechanism has no length-dependent budget)."""
+        return {}
 
     def __init__(
         self, dim: int, heads: int, causal: bool = True, *, head_dim: int | None = None,
@@ -226,6 +241,14 @@ class AttentionLayer(nn.Module):
         # Unreachable through decode(): check_decode rejects layers with supports_cache = False.
         raise TypeError(f"{type(self).__name__} sets supports_cache but defines no decode_attend()")
 
+    def decode_read_bytes(self, cache: dict) -> tuple[int, bool]:
+        """(bytes of cached state one decoding step reads, exact), for this layer's `cache`: the
+        live keys/values a step attends over, the routing keys it scans, the recurrent state it
+        reads. Default, for a mechanism that reads a data-dependent part of its state (meta's
+        experts, mita's routed experts, meta_tokens' meta keys): the state's live tensors, an upper
+        bound (exact=False)."""
+        return state_live_bytes(cache), False
+
     def check_decode(self, x: Tensor, positions: Tensor) -> None:
         if not self.supports_cache:
             raise ValueError(f"{type(self).__name__} has no cached decoding (supports_cache=False)")
@@ -239,6 +262,23 @@ class AttentionLayer(nn.Module):
             f"rotary={self.rotary}"
         )
 
+
+
+def live_bytes(value) -> int:
+    """Bytes of `value` if it is a tensor (its live elements, not its storage), else 0."""
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def state_live_bytes(state) -> int:
+    """Bytes of every tensor in a decoding state (nested dicts), reserved `*_buffer`s left out."""
+    if isinstance(state, dict):
+        return sum(state_live_bytes(value) for key, value in state.items() if not key.endswith("_buffer"))
+    return live_bytes(state)
+
+
+def key_value_bytes(cache: dict) -> int:
+    """Bytes of the live keys and values a softmax step attends over (`k`, `v` of its cache)."""
+    return live_bytes(cache["k"]) + live_bytes(cache["v"])
 
 
 STEADY_STATE_STEP = 10**9  # past any warm-up or annealing a layer schedules

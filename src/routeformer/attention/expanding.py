@@ -128,6 +128,12 @@ class ExpandingAttention(AttentionLayer):
         return expanding_decode(q, k_all, v_all, start, alpha, beta, tol=self.tol, max_iters=self.max_iters,
                                 update=self.update, stats=cache)
 
+    def decode_read_bytes(self, cache: dict) -> tuple[int, bool]:
+        """The keys and values of the window the step scored (`scored_keys`; all after a prefill)."""
+        keys = cache.get("scored_keys", cache["k"].shape[2])
+        per_key = (cache["k"].shape[-1] + cache["v"].shape[-1]) * cache["k"].element_size()
+        return cache["k"].shape[0] * cache["k"].shape[1] * keys * per_key, True
+
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", tol={self.tol}, max_iters={self.max_iters}, "
                 f"block={self.block}, update={self.update!r}")

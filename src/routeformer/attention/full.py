@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from routeformer.attention.base import AttentionLayer
+from routeformer.attention.base import AttentionLayer, key_value_bytes
 from routeformer.attention.registry import register_attention
 from routeformer.ops.decode import append_keys_values, cached_softmax_attention
 from routeformer.ops.full import full_attention, full_attention_flops
 
 
-@register_attention("full")
+@register_attention("full", baseline=True)
 class FullAttention(AttentionLayer):
     """Standard multi-head attention: softmax(q kᵀ / sqrt(d)) v, O(T²) time."""
 
@@ -25,3 +25,6 @@ class FullAttention(AttentionLayer):
     def decode_attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cache: dict) -> Tensor:
         k_all, v_all, key_start = append_keys_values(cache, k, v)
         return cached_softmax_attention(q, k_all, v_all, start, key_start)
+
+    def decode_read_bytes(self, cache: dict) -> tuple[int, bool]:
+        return key_value_bytes(cache), True

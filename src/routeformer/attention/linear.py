@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from routeformer.attention.base import AttentionLayer
+from routeformer.attention.base import AttentionLayer, live_bytes
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
 from routeformer.ops.decode import linear_attention_step, start_linear_state
@@ -39,3 +39,6 @@ class LinearAttention(AttentionLayer):
             start_linear_state(feature_map(k), v, cache)
             return self.attend(q, k, v, None)[0]
         return linear_attention_step(feature_map(q), feature_map(k), v, cache, self.eps)
+
+    def decode_read_bytes(self, cache: dict) -> tuple[int, bool]:
+        return live_bytes(cache["state"]) + live_bytes(cache["normaliser"]), True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from routeformer.attention.base import AttentionLayer, AttentionOutput
+from routeformer.attention.base import AttentionLayer, AttentionOutput, key_value_bytes
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
 from routeformer.ops.decode import append_keys_values, cached_softmax_attention, trim_keys_values
@@ -31,6 +31,11 @@ class LocalAttention(AttentionLayer):
         if block is not None:
             check_positive("block", block)
         self.window, self.block = window, block
+
+    @classmethod
+    def budget_options(cls, seq_len: int, keys: int) -> dict[str, int]:
+        """A window of T/4 keys, up to `keys` (fixed from T = 4·keys on)."""
+        return {"window": max(1, min(seq_len // 4, keys))}
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, int]:
         out = local_attention(
@@ -72,6 +77,9 @@ class LocalAttention(AttentionLayer):
             out = cached_softmax_attention(q, k_all, v_all, start, key_start, window=self.window)
         trim_keys_values(cache, keep)
         return out
+
+    def decode_read_bytes(self, cache: dict) -> tuple[int, bool]:
+        return key_value_bytes(cache), True  # the live window: the cache keeps only window - 1 keys
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", window={self.window}"

@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from routeformer.attention.base import AttentionLayer, AttentionOutput
+from routeformer.attention.local import LocalAttention
 from routeformer.attention.meta_router import DEFAULT_POSITION_SCALE, PRIOR_KINDS, BayesianRouter
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
@@ -168,6 +169,11 @@ class MetaAttention(AttentionLayer):
         self.expert_out = nn.ModuleList(nn.Linear(inner, dim, bias=bias) for _ in EXPERTS)
         self.register_buffer("routing_step", torch.zeros((), dtype=torch.long))
         self.forced_shares: tuple[float, ...] | None = None
+
+    @classmethod
+    def budget_options(cls, seq_len: int, keys: int) -> dict[str, int]:
+        """The window of the local expert, as local's: T/4 keys, up to `keys`."""
+        return LocalAttention.budget_options(seq_len, keys)
 
     # -- routing ---------------------------------------------------------------------------
     def force_routing(self, shares: tuple[float, ...] | None) -> None:

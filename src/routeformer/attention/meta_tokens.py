@@ -53,7 +53,7 @@ PROJECTION_KINDS = ("shared", "separate")
 INPUT_KINDS = ("sequential", "parallel")
 
 
-@register_attention("meta_tokens")
+@register_attention("meta_tokens", needs_meta_tokens=True)
 class MetaTokensAttention(AttentionLayer):
     # The backbone hands this layer the meta-token mask (layers without the flag never see it).
     reads_meta_mask = True

@@ -69,7 +69,7 @@ PRESETS: dict[str, dict[str, object]] = {
 }
 
 
-@register_attention("mita")
+@register_attention("mita", grid_aware=True)
 class MitaAttention(AttentionLayer):
     """MiTA attention with E `landmarks`, `topk` keys per expert and `route` experts per query.
 
@@ -102,6 +102,15 @@ class MitaAttention(AttentionLayer):
         self._warned_oversized = False
         self.shared = bool(settings["shared"])
         self.set_budget(landmarks=landmarks, topk=settings["topk"], route=route)
+
+    @classmethod
+    def budget_options(cls, seq_len: int, keys: int) -> dict[str, int]:
+        """From T = 8·keys on: blocks and experts of `keys` keys, every completed block's landmark
+        (T / keys of them); below, T/8 landmarks of T/8 keys (causal: blocks of T/8)."""
+        if seq_len >= 8 * keys:
+            return {"landmarks": seq_len // keys, "topk": keys, "block": keys}
+        budget = max(1, seq_len // 8)  # causal: blocks of T/8, every completed block's landmark read
+        return {"landmarks": budget, "topk": budget, "block": budget}
 
     def set_budget(self, *, landmarks: int | None = None, topk: int | None = None,
                    route: int | None = None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from routeformer.attention.base import AttentionLayer
+from routeformer.attention.base import AttentionLayer, key_value_bytes, live_bytes
 from routeformer.attention.registry import register_attention
 from routeformer.ops.decode import append_keys_values, append_rows, cached_softmax_attention
 from routeformer.ops.multihop import (
@@ -65,6 +65,10 @@ class MultihopAttention(AttentionLayer):
                 hop_all = append_rows(cache, {"v": hop}, prefix=f"hop{hop_number}_",
                                       capacity=cache.get("reserve") or None)["v"]
         return total
+
+    def decode_read_bytes(self, cache: dict) -> tuple[int, bool]:
+        hops = [cache[f"hop{h}_v"] for h in range(1, self.hops)]
+        return key_value_bytes(cache) + sum(map(live_bytes, hops)), True
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", hops={self.hops}, identity={self.identity}, form={self.form!r}"

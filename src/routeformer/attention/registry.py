@@ -2,12 +2,18 @@
 
 A mechanism's options are the keyword arguments of its constructor beyond (dim, heads, causal);
 `build_attention` checks them and names the valid ones when a user gets one wrong.
+
+What callers ask of a mechanism is asked of its class (`attention_class(name)`), never of its name:
+the traits declared where it is registered (`is_baseline`, `needs_meta_tokens`, `grid_aware`), and
+what the class itself knows (`supports_cache`, `budget_options(seq_len, keys)`, and on a built
+layer `decode_read_bytes(cache)`). `baseline_first` / `with_baseline` hold the one definition of
+"the baseline goes first".
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
@@ -16,17 +22,62 @@ _REGISTRY: dict[str, type[nn.Module]] = {}
 _CORE_ARGUMENTS = ("dim", "heads", "causal")
 
 
-def register_attention(name: str) -> Callable[[type[nn.Module]], type[nn.Module]]:
-    """Class decorator: make the layer buildable as `build_attention(name, ...)`."""
+def register_attention(
+    name: str, *, baseline: bool = False, needs_meta_tokens: bool = False, grid_aware: bool = False,
+) -> Callable[[type[nn.Module]], type[nn.Module]]:
+    """Class decorator: make the layer buildable as `build_attention(name, ...)`.
+
+    The keywords declare the mechanism's traits, set on the class (each registered class gets its
+    own, never its parent's: `gated` derives from `full` but is not the baseline):
+    - `baseline` (`is_baseline`): the mechanism the others are measured against (ratios "vs full",
+      listed first); one registered mechanism at most;
+    - `needs_meta_tokens`: it reads meta-tokens a task injects, so it trains on tasks that inject
+      them (the LM) and its models get a `meta_token_id`;
+    - `grid_aware`: a ViT tells it the patch grid and the CLS token (options `grid`, `extra_tokens`).
+    """
 
     def decorate(cls: type[nn.Module]) -> type[nn.Module]:
         if name in _REGISTRY and _REGISTRY[name] is not cls:
             raise ValueError(f"attention name {name!r} is already registered by {_REGISTRY[name]}")
+        if baseline:
+            others = [other for other, klass in _REGISTRY.items()
+                      if other != name and getattr(klass, "is_baseline", False)]
+            if others:
+                raise ValueError(f"attention {name!r} cannot be the baseline: {others[0]!r} already is")
         _REGISTRY[name] = cls
         cls.attention_name = name
+        cls.is_baseline = baseline
+        cls.needs_meta_tokens = needs_meta_tokens
+        cls.grid_aware = grid_aware
         return cls
 
     return decorate
+
+
+def attention_class(name: str) -> type[nn.Module]:
+    """The class registered as `name` (ValueError listing the registered ones if none is)."""
+    return _get(name)
+
+
+def baseline_name() -> str:
+    """The registered baseline mechanism (`register_attention(..., baseline=True)`: `full`)."""
+    _load_builtin_layers()
+    names = [name for name, cls in _REGISTRY.items() if cls.is_baseline]
+    if not names:
+        raise ValueError(f"no registered attention is the baseline; registered: {sorted(_REGISTRY)}")
+    return names[0]
+
+
+def baseline_first(names: Iterable[str]) -> list[str]:
+    """`names` with the baseline moved to the front (if present), the others in their order."""
+    baseline = baseline_name()
+    return sorted(names, key=lambda name: name != baseline)
+
+
+def with_baseline(names: Iterable[str]) -> list[str]:
+    """The baseline, then the other `names` in their order: the baseline is always measured."""
+    baseline = baseline_name()
+    return [baseline, *[name for name in names if name != baseline]]
 
 
 def attention_options(name: str) -> dict[str, Any]:

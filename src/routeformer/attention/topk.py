@@ -96,7 +96,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from routeformer.attention.base import AttentionLayer, AttentionOutput
+from routeformer.attention.base import AttentionLayer, AttentionOutput, live_bytes
 from routeformer.attention.registry import register_attention
 from routeformer.attention.topk_distill import routing_loss, sample_rows
 from routeformer.attention.topk_router import Router
@@ -278,6 +278,26 @@ class TopKAttention(AttentionLayer):
         heads_out, _ = routed_attention(q_att, cache["k_buffer"], cache["v_buffer"], head_index, head_valid,
                                         scale=scale)
         return self.out_proj(self.merge_heads(heads_out, x))
+
+    def decode_read_bytes(self, cache: dict) -> tuple[int, bool]:
+        """The routing keys a step scans (the filled tiles of the tiled layout) and the keys and
+        values of its K + local_window + global_tokens slots."""
+        length = cache["length"]
+        if cache["routing_tiled"]:
+            tiles = cache["routing_tiles"]
+            tile = tiles.shape[-1]
+            routing = tiles[:, :, :-(-length // tile)].numel() * tiles.element_size()
+        else:
+            routing = live_bytes(cache["routing_keys"])
+        slots = min(length, self.topk + self.local_window + self.global_tokens)
+        k, v = cache["k"], cache["v"]
+        per_key = (k.shape[-1] * k.element_size() + v.shape[-1] * v.element_size())
+        return routing + k.shape[0] * k.shape[1] * slots * per_key, True
+
+    @classmethod
+    def budget_options(cls, seq_len: int, keys: int) -> dict[str, int]:
+        """A budget in keys: T/8, up to `keys` (fixed from T = 8·keys on)."""
+        return {"topk": max(1, min(keys, seq_len // 8))}
 
     def _attention_inputs(self, q: Tensor, k: Tensor, route_q: Tensor, route_k: Tensor
                           ) -> tuple[Tensor, Tensor, float]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from routeformer.attention import FullAttention, attention_class, baseline_first, baseline_name
 from routeformer.bench.timing import median_times
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import CausalLM
@@ -29,8 +30,13 @@ def generation_model(mechanism: str, max_len: int, dim: int = 256, depth: int = 
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=256, dim=dim, depth=depth, heads=4, attention=mechanism,
                          attention_options={mechanism: GENERATE_OPTIONS.get(mechanism, {})},
-                         max_seq_len=max_len, meta_token_id=1 if mechanism == "meta_tokens" else None)
+                         max_seq_len=max_len, meta_token_id=_meta_token_id(mechanism))
     return CausalLM(config).eval()
+
+
+def _meta_token_id(mechanism: str) -> int | None:
+    """The prompts' meta-token (1, every 10th position) for a mechanism that reads injected ones."""
+    return 1 if attention_class(mechanism).needs_meta_tokens else None
 
 
 def bench_generation(
@@ -126,54 +132,13 @@ class _BeforeCopyFreeCache:
         full.append_keys_values, full.cached_softmax_attention = self.saved
 
 
-def _live_bytes(value) -> int:
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-
-
-def step_read_bytes(mechanism: str, layer, cache: dict) -> tuple[int, bool]:
-    """(bytes of cached state one decoding step of `layer` reads, exact): the live keys/values a
-    step attends over, the routing keys it scans, the recurrent state it reads. Where the mechanism
-    reads a data-dependent part (meta's experts, mita's routed experts, meta_tokens' meta keys),
-    the state's live tensors are an upper bound (exact=False)."""
-    if mechanism in ("full", "gated", "local", CONCATENATING):  # (local: the live window)
-        return _live_bytes(cache["k"]) + _live_bytes(cache["v"]), True
-    if mechanism == "linear":
-        return _live_bytes(cache["state"]) + _live_bytes(cache["normaliser"]), True
-    if mechanism == "multihop":
-        hops = [cache[f"hop{h}_v"] for h in range(1, layer.hops)]
-        return _live_bytes(cache["k"]) + _live_bytes(cache["v"]) + sum(map(_live_bytes, hops)), True
-    if mechanism == "expanding":
-        keys = cache.get("scored_keys", cache["k"].shape[2])
-        per_key = (cache["k"].shape[-1] + cache["v"].shape[-1]) * cache["k"].element_size()
-        return cache["k"].shape[0] * cache["k"].shape[1] * keys * per_key, True
-    if mechanism == "topk":
-        length = cache["length"]
-        if cache["routing_tiled"]:
-            tiles = cache["routing_tiles"]
-            tile = tiles.shape[-1]
-            routing = tiles[:, :, :-(-length // tile)].numel() * tiles.element_size()
-        else:
-            routing = _live_bytes(cache["routing_keys"])
-        slots = min(length, layer.topk + layer.local_window + layer.global_tokens)
-        k, v = cache["k"], cache["v"]
-        per_key = (k.shape[-1] * k.element_size() + v.shape[-1] * v.element_size())
-        return routing + k.shape[0] * k.shape[1] * slots * per_key, True
-    return _state_live_bytes(cache), False
-
-
-def _state_live_bytes(state) -> int:
-    if isinstance(state, dict):
-        return sum(_state_live_bytes(value) for key, value in state.items() if not key.endswith("_buffer"))
-    return _live_bytes(state)
-
-
 def decode_model(mechanism: str, max_len: int, dim: int, depth: int, heads: int,
                   options: dict) -> CausalLM:
     torch.manual_seed(0)
-    name = "full" if mechanism == CONCATENATING else mechanism
+    name = FullAttention.attention_name if mechanism == CONCATENATING else mechanism
     config = ModelConfig(vocab_size=256, dim=dim, depth=depth, heads=heads, attention=name,
                          attention_options={name: options.get(name, {})}, max_seq_len=max_len,
-                         meta_token_id=1 if name == "meta_tokens" else None)
+                         meta_token_id=_meta_token_id(name))
     return CausalLM(config).eval()
 
 
@@ -200,9 +165,9 @@ def bench_decode(
     from routeformer.ops.decode import state_bytes
 
     options = {**DECODE_OPTIONS, **(options or {})}
-    names = list(mechanisms)
-    if before and "full" in names:
-        names.insert(names.index("full") + 1, CONCATENATING)
+    names, baseline = list(mechanisms), baseline_name()
+    if before and FullAttention.attention_name in names:
+        names.insert(names.index(FullAttention.attention_name) + 1, CONCATENATING)
     rows = []
     for context in contexts:
         prompt = torch.randint(2, 256, (1, context), generator=torch.Generator().manual_seed(0))
@@ -211,7 +176,7 @@ def bench_decode(
         here = [name for name in names if context <= (up_to or {}).get(name, context)]
         for name in here:
             if name == CONCATENATING:
-                full = runs["full"]
+                full = runs[FullAttention.attention_name]
                 layers = [{"k": state["k"].clone(), "v": state["v"].clone(), "length": state["length"]}
                           for state in full["cache"].layers]
                 runs[name] = {**full, "cache": DecodeCache(length=full["cache"].length, layers=layers)}
@@ -241,11 +206,12 @@ def bench_decode(
             state = state_bytes(run["cache"].layers)
             read, exact = 0, True
             for block, layer_cache in zip(layers, run["cache"].layers, strict=True):
-                layer_read, layer_exact = step_read_bytes(name, block.attention, layer_cache)
+                layer_read, layer_exact = block.attention.decode_read_bytes(layer_cache)
                 read, exact = read + layer_read, exact and layer_exact
             extra = peak_memory_mib(lambda name=name: [step(name) for _ in range(memory_steps)])
             median = statistics.median(times[name])
-            low, mid, high = ratio_quartiles(times[name], times["full"]) if "full" in times else (1, 1, 1)
+            low, mid, high = (ratio_quartiles(times[name], times[baseline]) if baseline in times
+                              else (1, 1, 1))
             row = {"mechanism": name, "context": context, "new_tokens": new_tokens,
                    "prefill_s": run["prefill_s"], "step_s": median, "tokens_per_s": 1.0 / median,
                    "step_vs_full": [low, mid, high], "state_mib": state / 2**20,
@@ -290,7 +256,7 @@ def command_generate(args) -> int:
         if unknown:
             raise ValueError(f"--mechanisms: {unknown} have no cached decoding; those with one: "
                              f"{list(CACHED_MECHANISMS)}")
-        mechanisms = sorted(args.mechanisms or CACHED_MECHANISMS, key=lambda name: name != "full")
+        mechanisms = baseline_first(args.mechanisms or CACHED_MECHANISMS)
         options = {"local": {"window": args.window},
                    "topk": {"topk": args.topk, "routing_dim": args.routing_dim}}
         print(DECODE_HEADER, flush=True)

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from routeformer.attention import baseline_name
 from routeformer.bench.generate_bench import DECODE_OPTIONS, decode_model
 from routeformer.bench.timing import machine_description, peak_memory_mib
 from routeformer.models.cache import DecodeCache
@@ -33,6 +34,7 @@ def _sync(device: torch.device) -> None:
 def decode_rates(mechanisms, contexts, *, device="cuda", dtype=torch.bfloat16, steps=16, rounds=5,
                  dim=256, heads=4, progress=print) -> list[dict]:
     device = torch.device(device)
+    baseline = baseline_name()
     rows = []
     for context in contexts:
         prompt = torch.randint(2, 256, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
@@ -73,7 +75,7 @@ def decode_rates(mechanisms, contexts, *, device="cuda", dtype=torch.bfloat16, s
                 row["error"] = errors[name]
             else:
                 median = statistics.median(times[name])
-                full = statistics.median(times["full"]) if "full" in times else None
+                full = statistics.median(times[baseline]) if baseline in times else None
                 row.update(step_ms=median * 1e3, tokens_per_s=1 / median,
                            speedup_vs_full=None if full is None else full / median,
                            peak_mib=peak_memory_mib(lambda name=name: step(name)))

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from routeformer.attention import with_baseline
 from routeformer.bench.layer_calls import BENCH_OPTIONS  # noqa: F401  (bench layers' budgets, re-exported)
 from routeformer.bench.tables_and_plots import line_plot, markdown_table, provenance
 
@@ -26,7 +27,7 @@ def bench_layers(mechanisms: Sequence[str], lengths: Sequence[int], repeats: int
     backward; ratios against the `full` layer measured in the same rounds. Progress lines go to
     `progress` (default: stderr)."""
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
-    names = ["full", *[m for m in mechanisms if m != "full"]]
+    names = with_baseline(mechanisms)
     rows = []
     for length in lengths:
         for row in _bench_length(names, length, repeats):
@@ -98,7 +99,7 @@ def command_layers(args) -> int:
     if getattr(args, "split", False):
         return _command_split(args, mechanisms, output)
     # full is the baseline and gets its own row (its absolute times anchor the ratios)
-    timed = ["full", *[m for m in mechanisms if m != "full"]]
+    timed = with_baseline(mechanisms)
     rows = bench_layers(timed, args.lengths, args.repeats, progress=lambda line: print(line, flush=True))
     if output is not None:
         command = (f"routeformer bench layers --lengths {' '.join(map(str, args.lengths))} "
@@ -114,7 +115,7 @@ def _command_split(args, mechanisms: list[str], output: Path | None) -> int:
     """`bench layers --split`: each mechanism's training step split into its parts (layer_split.py)."""
     from routeformer.bench.layer_split import SPLIT_HEADER, bench_split, format_split_row
 
-    names = ["full", *[m for m in mechanisms if m != "full"]]
+    names = with_baseline(mechanisms)
     rows = bench_split(names, args.lengths, args.repeats, progress=lambda line: print(line, flush=True))
     if output is not None:
         command = (f"routeformer bench layers --split --lengths {' '.join(map(str, args.lengths))} "

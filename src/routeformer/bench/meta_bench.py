@@ -86,7 +86,7 @@ def bench_meta(
             rows.append(row)
             if progress:
                 progress(format_row(row))
-            if name != "full":
+            if not layer.is_baseline:  # the meta layers' routing
                 with torch.no_grad():
                     stats = layer(x).stats
                 routing.append({"length": length, "impl": name, **{

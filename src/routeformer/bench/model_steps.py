@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from routeformer.attention import with_baseline
 from routeformer.bench.timing import peak_memory_mib, ratio_quartiles, round_times
 
 STEP_TASK = {"pairs": 7, "vocab_size": 16}  # compare --long's recall, at every timed length
@@ -40,7 +41,7 @@ def model_step_rows(
         raise ValueError("mechanisms: name at least one mechanism to time against full")
     if tokens < max(lengths):
         raise ValueError(f"tokens must be >= the longest length {max(lengths)} (one sequence); got {tokens}")
-    names = ["full", *[m for m in dict.fromkeys(mechanisms) if m != "full"]]
+    names = with_baseline(dict.fromkeys(mechanisms))
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     rows = []

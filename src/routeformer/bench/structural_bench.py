@@ -98,7 +98,8 @@ def time_against_local(length: int, alpha: float, beta: float, *, repeats: int, 
     }
     if length <= SDPA_UP_TO:
         ops["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if with_multihop and length <= SDPA_UP_TO:
+    timed_multihop = with_multihop and length <= SDPA_UP_TO
+    if timed_multihop:
         ops["multihop"] = lambda q, k, v: multihop_attention(q, k, v, hops=2, causal=True)
     record: dict[str, Any] = {"length": length, "prior": [alpha, beta], "mean_window": window,
                               "max_window": int(result.horizon.max()),
@@ -116,7 +117,7 @@ def time_against_local(length: int, alpha: float, beta: float, *, repeats: int, 
         if "sdpa" in times:
             record[mode]["expanding_over_sdpa_median"] = statistics.median(
                 e / s for e, s in zip(times["expanding"], times["sdpa"], strict=True))
-        if "multihop" in times:
+        if timed_multihop:
             record[mode]["multihop_over_sdpa_median"] = statistics.median(
                 m / s for m, s in zip(times["multihop"], times["sdpa"], strict=True))
     return record

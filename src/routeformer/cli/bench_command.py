@@ -87,7 +87,7 @@ def _bench_generate(args: argparse.Namespace) -> int:
 
 
 def _bench_compile(args: argparse.Namespace) -> int:
-    from routeformer.attention import list_attentions
+    from routeformer.attention import baseline_first, list_attentions
     from routeformer.bench.compile_bench import HEADER, bench_compile, format_row
     from routeformer.bench.layers_bench import BENCH_OPTIONS
     from routeformer.bench.tables_and_plots import provenance
@@ -96,7 +96,7 @@ def _bench_compile(args: argparse.Namespace) -> int:
     unknown = [name for name in args.mechanisms or [] if name not in registered]
     if unknown:
         raise ValueError(f"--mechanisms: unknown {unknown}; registered: {registered}")
-    mechanisms = sorted(args.mechanisms or registered, key=lambda name: name != "full")
+    mechanisms = baseline_first(args.mechanisms or registered)
     print(HEADER, flush=True)
     rows = []
     for length in args.lengths:
@@ -204,10 +204,10 @@ def _bench_steps(args: argparse.Namespace) -> int:
     if args.meta_shares is not None:  # meta as compare --long trains it, at a trained router's shares
         from routeformer.attention.base import skip_schedules
 
-        recipe = LONG.tasks["mqar"].mechanism_options["meta"]
+        recipes = LONG.tasks["mqar"].mechanism_options  # meta's training recipe
 
         def layer_options(name: str, length: int) -> dict:
-            return {**options_for(name, length), **(recipe if name == "meta" else {})}
+            return {**options_for(name, length), **recipes.get(name, {})}
 
         def prepare(model) -> None:
             skip_schedules(model, tuple(args.meta_shares))

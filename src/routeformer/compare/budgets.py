@@ -4,9 +4,11 @@ Length-dependent budgets (the only options that differ from a mechanism's defaul
 query reads (`TOPK_KEYS` = 64) once T is long enough: local windows T/4 up to 64 keys (fixed from
 T = 256 on), top-k T/8 keys up to 64 (fixed from T = 512 on), MiTA T/8 landmarks of T/8 keys
 (causal: blocks of T/8) below T = 512 and from there blocks and experts of 64 keys with every
-completed block's landmark (T/64), Meta-Attention's local expert as local's window.
-`meta_tokens` needs injected meta-tokens: it runs on the LM only, whose windows then carry
-`_PAUSE_` at density 0.1 (so it reads 10% fewer characters per window: stated in the report).
+completed block's landmark (T/64), Meta-Attention's local expert as local's window: each layer
+class says its own (`budget_options(seq_len, keys)`), under compare's key budget.
+A mechanism that needs injected meta-tokens (`needs_meta_tokens`: `meta_tokens`) runs on the LM
+only, whose windows then carry `_PAUSE_` at density 0.1 (so it reads 10% fewer characters per
+window: stated in the report).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from routeformer.runner.jobs import TaskSetup
 from routeformer.train.on_task import ModelSpec
 
 TASKS = ("lm", "mqar", "listops")
-LM_ONLY = ("meta_tokens",)  # mechanisms that need injected meta-tokens
 META_DENSITY = 0.1
 # Keys a routed topk query reads at long lengths (DSA reads 2048 of 128k, NSA 16 blocks of 64): a
 # fixed count, so the routed attention grows as T·K, not T². Below T = 8·64 = 512 it is T/8, as
@@ -77,22 +78,24 @@ FULL = CompareBudget(
 
 
 def options_for(mechanism: str, seq_len: int) -> dict[str, Any]:
-    """The length-dependent budgets of the module docstring; every other option at its default."""
-    if mechanism in ("local", "meta"):  # meta: the window of its local expert; T/4 up to TOPK_KEYS
-        return {"window": max(1, min(seq_len // 4, TOPK_KEYS))}
-    if mechanism == "topk":  # a budget in keys: T/8 up to TOPK_KEYS, then fixed
-        return {"topk": max(1, min(TOPK_KEYS, seq_len // 8))}
-    if mechanism == "mita":
-        if seq_len >= 8 * TOPK_KEYS:  # keys: blocks of 64, every completed block's landmark, experts of 64
-            return {"landmarks": seq_len // TOPK_KEYS, "topk": TOPK_KEYS, "block": TOPK_KEYS}
-        budget = max(1, seq_len // 8)  # causal: blocks of T/8, every completed block's landmark read
-        return {"landmarks": budget, "topk": budget, "block": budget}
-    return {}
+    """The length-dependent budgets of the module docstring (the layer's `budget_options` at
+    `TOPK_KEYS`); every other option at its default."""
+    from routeformer.attention import attention_class
+
+    return attention_class(mechanism).budget_options(seq_len, TOPK_KEYS)
+
+
+def lm_only(mechanism: str) -> bool:
+    """Whether `mechanism` needs injected meta-tokens, so runs on the LM only."""
+    from routeformer.attention import attention_class
+
+    return attention_class(mechanism).needs_meta_tokens
 
 
 def task_options(task: str, mechanism: str, setup: TaskSetup) -> dict[str, Any]:
-    """What `build_task` gets for `mechanism`: the setup's options (+ meta-tokens for meta_tokens)."""
-    if mechanism in LM_ONLY:
+    """What `build_task` gets for `mechanism`: the setup's options (+ meta-tokens for a mechanism
+    that needs them)."""
+    if lm_only(mechanism):
         return {**setup.options, "meta_density": META_DENSITY}
     return dict(setup.options)
 
@@ -101,11 +104,11 @@ def check_selection(
     mechanisms: Sequence[str] | None, tasks: Sequence[str] | None, budget: CompareBudget | None = None,
 ) -> tuple[list[str], list[str]]:
     """Validate --mechanisms / --tasks against the registry; None = the budget's default (all)."""
-    from routeformer.attention import list_attentions
+    from routeformer.attention import baseline_first, list_attentions
 
     registered = list(list_attentions())
     default = list(budget.mechanisms) if budget is not None and budget.mechanisms else registered
-    mechanisms = list(mechanisms or sorted(default, key=lambda name: name != "full"))  # full first
+    mechanisms = list(mechanisms or baseline_first(default))
     tasks = list(tasks or TASKS)
     unknown = [m for m in mechanisms if m not in registered]
     if unknown:

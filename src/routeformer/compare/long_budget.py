@@ -181,14 +181,14 @@ def check_long_selection(
 ) -> tuple[list[str], list[str]]:
     """--mechanisms / --tasks for the long budget; None = its defaults. `full` always runs first
     (every ratio and Δ is against it)."""
-    from routeformer.attention import list_attentions
+    from routeformer.attention import list_attentions, with_baseline
 
     registered = list(list_attentions())
     chosen = list(mechanisms or LONG.mechanisms)
     unknown = [m for m in chosen if m not in registered]
     if unknown:
         raise ValueError(f"mechanisms: unknown {unknown}; registered: {registered}")
-    chosen = ["full", *[m for m in dict.fromkeys(chosen) if m != "full"]]
+    chosen = with_baseline(dict.fromkeys(chosen))
     tasks = list(tasks or default_long_tasks())
     bad = [t for t in tasks if t not in LONG_TASKS]
     if bad:

@@ -29,6 +29,7 @@ def measure_long_costs(
     (attention.base.skip_schedules), and, for a router whose shares were measured on the trained
     runs (`routing_shares`, meta's tokens per expert: trained_routing_shares), hard-routed at those
     shares — a fresh router would route otherwise (meta's: every expert on every token)."""
+    from routeformer.attention import with_baseline
     from routeformer.attention.base import skip_schedules
     from routeformer.bench.timing import peak_memory_mib, ratio_quartiles, round_times
     from routeformer.tasks import build_task
@@ -41,7 +42,7 @@ def measure_long_costs(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        names = ["full"] if mechanism == "full" else ["full", mechanism]
+        names = with_baseline([mechanism])  # full, and the mechanism timed against it
         tasks = {name: build_task(task_name, **task_options_of(name)) for name in names}
         models = {name: model_for(name, tasks[name]) for name in names}
         for model in models.values():

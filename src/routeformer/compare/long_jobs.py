@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from routeformer.compare.budgets import task_options
+from routeformer.compare.budgets import lm_only, task_options
 from routeformer.compare.long_budget import EVAL_MULTIPLES, LongSetup
 from routeformer.runner.jobs import Job, say
 from routeformer.tasks.registry import task_options as task_options_of
@@ -101,7 +101,7 @@ def long_jobs(
         options = {**setup.options, "corpus": corpus} if task == "lm" else dict(setup.options)
         setup = replace(setup, options=options)
         for mechanism in mechanisms:
-            if mechanism == "meta_tokens" and "meta_density" not in task_options_of(setup.task_name(task)):
+            if lm_only(mechanism) and "meta_density" not in task_options_of(setup.task_name(task)):
                 continue  # meta-tokens are injected by the task: LM tasks only
             built = task_options(task, mechanism, setup.as_task_setup())
             for seed in range(seeds):

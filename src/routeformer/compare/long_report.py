@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from routeformer.attention import baseline_name
 from routeformer.compare.long_budget import EVAL_MULTIPLES, LongSetup
 from routeformer.compare.report import earlier_invocations, pareto_front, separated
 from routeformer.runner.report import markdown_table, mean_sd, provenance, scatter_plot, write_result
@@ -165,13 +166,14 @@ def _best_floor(floor: dict[str, Any]) -> float:
 
 def _length_rows(by_mechanism: dict, costs: dict, floor: dict, task: str, length: str) -> tuple[dict, list]:
     metric, higher = floor["metric"], floor["higher_is_better"]
-    full = by_mechanism.get("full", [])
+    baseline = baseline_name()  # full: the deltas and ratios are against it
+    full = by_mechanism.get(baseline, [])
     best = _best_floor(floor)
     rows, table = {}, []
     for mechanism, records in by_mechanism.items():
         values = [r["tests"][length][metric] for r in records]
         mean, sd = mean_sd(values)
-        delta = paired_delta(records, full, length, metric) if full and mechanism != "full" else (0.0, 0.0)
+        delta = paired_delta(records, full, length, metric) if full and mechanism != baseline else (0.0, 0.0)
         cost = costs[(task, mechanism)]
         inference = cost["inference"][length]
         flops = statistics.fmean(r["tests"][length]["attention_flops_per_token"] for r in records) * int(
@@ -193,7 +195,7 @@ def _length_rows(by_mechanism: dict, costs: dict, floor: dict, task: str, length
             "qualities": values,
             "delta_mean": delta[0],
             "delta_sd": delta[1],
-            "delta_separated": mechanism != "full" and len(values) > 1 and abs(delta[0]) > 3 * delta[1],
+            "delta_separated": mechanism != baseline and len(values) > 1 and abs(delta[0]) > 3 * delta[1],
             "beats_floor": beats,
             "params": records[0]["parameters"],
             "train_ms_per_step": cost["train_ms_per_step"],
@@ -212,7 +214,7 @@ def _length_rows(by_mechanism: dict, costs: dict, floor: dict, task: str, length
                 f"{mean:.4f} ± {sd:.4f}",
                 "yes" if beats else "no",
                 "—"
-                if mechanism == "full"
+                if mechanism == baseline
                 else f"{delta[0]:+.4f} ± {delta[1]:.4f}" + (" *" if row["delta_separated"] else ""),
                 f"{row['train_time_vs_full']:.2f}",
                 f"{row['infer_time_vs_full']:.2f}",
@@ -283,6 +285,7 @@ def _pays_section(task: str, by_length: dict[str, dict], floor: dict[str, Any]) 
     lengths = list(by_length)
     train_length = lengths[0]
     higher = floor["higher_is_better"]
+    baseline = baseline_name()
     table = []
     for mechanism, row in by_length[train_length].items():
         cells = [mechanism]
@@ -290,7 +293,7 @@ def _pays_section(task: str, by_length: dict[str, dict], floor: dict[str, Any]) 
             r = by_length[length][mechanism]
             cells.append(
                 "—"
-                if mechanism == "full"
+                if mechanism == baseline
                 else f"{r['delta_mean']:+.3f} ± {r['delta_sd']:.3f}" + (" *" if r["delta_separated"] else "")
             )
         cells.append(f"{row['train_time_vs_full']:.2f}")
@@ -299,7 +302,7 @@ def _pays_section(task: str, by_length: dict[str, dict], floor: dict[str, Any]) 
     meets = [
         m
         for m, r in by_length[train_length].items()
-        if m != "full"
+        if m != baseline
         and (r["delta_mean"] >= -STRETCH_MARGIN if higher else r["delta_mean"] <= STRETCH_MARGIN)
         and r["train_time_vs_full"] <= 1 / STRETCH_SPEEDUP
     ]

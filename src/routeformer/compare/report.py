@@ -10,6 +10,7 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any
 
+from routeformer.attention import attention_class, baseline_name
 from routeformer.bench.layers_bench import layer_bench_section
 from routeformer.compare.budgets import budget_summary
 from routeformer.runner.report import markdown_table, mean_sd, provenance, scatter_plot, write_result
@@ -68,7 +69,7 @@ def summarise_task(task: str, runs: dict[str, list[dict[str, Any]]], costs: dict
             "flops_per_token": statistics.fmean(r["attention_flops_per_token"] for r in records),
             "train_seconds": statistics.fmean(r["train_seconds"] for r in records),
             **costs.get(mechanism, {})}
-    full_flops = rows.get("full", {}).get("flops_per_token")
+    full_flops = rows.get(baseline_name(), {}).get("flops_per_token")
     best_floor = (max if higher else min)([floor["chance"], *floor["baselines"].values()])
     for row in rows.values():
         row["flops_vs_full"] = row["flops_per_token"] / full_flops if full_flops else None
@@ -188,7 +189,9 @@ def _task_section(task: str, setup: Any, summary: dict[str, Any], runs: dict[str
          if pairs else "No pair of mechanisms is separated by more than 3 sd at this budget."),
         f"Plot: `pareto_{task}.png`.",
     ]
-    if "meta_tokens" in runs:
-        lines.append("`meta_tokens` trains on windows with `_PAUSE_` injected at density 0.1, so it reads "
-                     "10% fewer characters per window than the others (no loss on meta-tokens).")
+    injected = [mechanism for mechanism in runs if attention_class(mechanism).needs_meta_tokens]
+    if injected:
+        lines.append(", ".join(f"`{name}`" for name in injected) + " trains on windows with `_PAUSE_` "
+                     "injected at density 0.1, so it reads 10% fewer characters per window than the others "
+                     "(no loss on meta-tokens).")
     return lines

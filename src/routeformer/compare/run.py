@@ -26,11 +26,11 @@ from typing import Any
 
 from routeformer.compare.budgets import (
     FULL,
-    LM_ONLY,
     QUICK,
     TASKS,
     CompareBudget,
     check_selection,
+    lm_only,
     options_for,
     task_options,
 )
@@ -48,7 +48,7 @@ def compare_jobs(tasks: list[str], mechanisms: list[str], budget: CompareBudget,
             setup = replace(setup, options={**setup.options, "corpus": corpus})
         corpus_tag = "-" + corpus.replace(":", "_").replace("/", "_") if task == "lm" else ""
         for mechanism in mechanisms:
-            if task != "lm" and mechanism in LM_ONLY:
+            if task != "lm" and lm_only(mechanism):
                 continue
             options = task_options(task, mechanism, setup)
             seq_len = options["seq_len"]

@@ -46,6 +46,8 @@ QUICK_LISTOPS = TaskSetup({"seq_len": 32, "max_length": 31, "pool": 2000}, steps
 SPEC = ModelSpec(dim=64, depth=2, heads=2, mlp_ratio=2.0, positions="rotary")
 SEEDS = (0, 1, 2)
 PAPER_LISTOPS = {"full": 37.10, "mita": 37.20}  # LRA ListOps accuracy (%), MiTA paper Table 5
+# Fig. 8: each trained model evaluated with the other mechanism (the two layers have the same parameters).
+WEIGHT_SWAPS = {"full": "mita", "mita": "full"}
 
 
 def _setup(mode: str) -> tuple[TaskSetup, tuple[int, ...]]:
@@ -84,8 +86,8 @@ def _after_training(task, setup: TaskSetup, mechanism: str, options: dict[str, A
     """Fig. 7 / Fig. 8 evaluations of a freshly trained model, stored in its record."""
     def evaluate(model) -> dict[str, Any]:
         extra: dict[str, Any] = {}
-        if mechanism == "mita":
-            layers = _mita_layers(model)
+        layers = _mita_layers(model)
+        if layers:  # Fig. 7: a MiTA model at other budgets
             grid = {}
             for m, k in budget_grid(task.seq_len):
                 for layer in layers:
@@ -94,8 +96,8 @@ def _after_training(task, setup: TaskSetup, mechanism: str, options: dict[str, A
             for layer in layers:
                 layer.set_budget(landmarks=options["landmarks"], topk=options["topk"])
             extra["budget_grid"] = grid
-        swapped = "full" if mechanism == "mita" else "mita"
-        if mechanism in ("full", "mita"):
+        swapped = WEIGHT_SWAPS.get(mechanism)
+        if swapped is not None:
             swap_options = mechanisms(task.seq_len)[swapped][1]
             other = build_task_model(task, swapped, swap_options, SPEC)
             other.load_state_dict(model.state_dict())  # strict: the two layers share parameter names

@@ -49,10 +49,11 @@ def sweep_jobs(grid: dict[str, Any], mechanisms: list[str]) -> list[Job]:
 @register_experiment("mqar-sweep", "MQAR accuracy vs model width for T in {64, 128, 256} and growing "
                      "pairs, every mechanism (Zoology's picture at CPU scale)")
 def mqar_sweep(out_dir: Path, quick: bool, workers: int = 2) -> Path:
-    from routeformer.attention import list_attentions
+    from routeformer.attention import attention_class, list_attentions
 
     grid = QUICK_GRID if quick else FULL_GRID
-    mechanisms = list(grid["mechanisms"] or [m for m in list_attentions() if m != "meta_tokens"])
+    mechanisms = list(grid["mechanisms"] or [m for m in list_attentions()
+                                              if not attention_class(m).needs_meta_tokens])
     jobs = sweep_jobs(grid, mechanisms)
     say(f"mqar-sweep: {len(jobs)} runs")
     records = run_jobs(out_dir, jobs, workers, say)

@@ -2,8 +2,8 @@
 
     tokens = [CLS; Linear(patches)] + learned position embedding;  logits = Linear(h_CLS)
 
-Mechanisms that pool over the image grid (`mita`) get `grid=(rows, cols)` of the patch grid and
-`extra_tokens=1` (the CLS token stays out of the pooling) unless the config sets them.
+Mechanisms that pool over the image grid (registered `grid_aware`: `mita`) get `grid=(rows, cols)`
+of the patch grid and `extra_tokens=1` (the CLS token stays out of the pooling) unless the config sets them.
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from routeformer.attention import attention_class
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import ModelOutput
 from routeformer.models.transformer import Transformer, init_weights
 from routeformer.ops._checks import check_positive
-
-# Mechanisms told the patch grid and the CLS token (their option names).
-GRID_AWARE = ("mita",)
 
 
 @dataclass
@@ -59,7 +57,10 @@ class ViT(nn.Module):
         if config.causal:
             raise ValueError("ViT needs model.causal = False (every patch sees the whole image)")
         options = {name: dict(values) for name, values in config.attention_options.items()}
-        for name in set(config.layer_attention()) & set(GRID_AWARE):
+        # Mechanisms told the patch grid and the CLS token (grid_aware: options grid, extra_tokens).
+        for name in dict.fromkeys(config.layer_attention()):
+            if not attention_class(name).grid_aware:
+                continue
             options.setdefault(name, {})
             options[name].setdefault("grid", vision.grid)
             options[name].setdefault("extra_tokens", 1)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from routeformer.attention import ExpandingAttention, MultihopAttention
 from routeformer.models.regressor import ATTENTION_FREE, AttentionFreeRegressor, SequenceRegressor
 from routeformer.ops.multihop import multihop_attention_reference, path_settings
 from routeformer.tasks.structural import (
@@ -77,7 +78,7 @@ def chain_attention(model: SequenceRegressor, x: Tensor, positions: Tensor) -> d
     with torch.no_grad():
         inputs, _, _, _ = model.hidden_states(x)
         layer, hidden = model.layers[-1], inputs[-1]
-        if getattr(layer, "attention_name", "") == "multihop":
+        if isinstance(layer, MultihopAttention):
             probs = _mean_path_matrix(layer, hidden)
         else:
             probs = _attention_matrix(layer, hidden)
@@ -160,7 +161,7 @@ def run_recency_model(
               "parameters": parameter_count(model),
               "history": history.evals, "final": {**history.final, **measure(model, x_test, y_test, "test")},
               "train_seconds": history.train_seconds}
-    if mechanism == "expanding":
+    if any(isinstance(module, ExpandingAttention) for module in model.modules()):  # its learned prior
         with torch.no_grad():
             record["last_query"] = _last_query_window(model, x_test)
             alpha, beta = model.layers[0].prior()
