@@ -6,6 +6,7 @@ With `--warmup-mixture` (meta only) it then evaluates the trained model twice: a
 (hard routing by the router, eval_eta) and with the warm-up mixture (the full expert alone).
 
     python docs/results/routers/stage1_probe.py MECHANISM SEED [--warmup-mixture]
+        [--steps N --lr LR --warmup N --batch N]   (the stage's settings overridden, for the probes)
 """
 import argparse
 
@@ -20,15 +21,24 @@ parser = argparse.ArgumentParser()
 parser.add_argument("mechanism")
 parser.add_argument("seed", type=int)
 parser.add_argument("--warmup-mixture", action="store_true")
+parser.add_argument("--steps", type=int, help="override the stage's steps (meta's warm-up follows)")
+parser.add_argument("--lr", type=float, help="override the stage's learning rate")
+parser.add_argument("--warmup", type=int, help="override the stage's lr warm-up steps")
+parser.add_argument("--batch", type=int, help="override the stage's batch size")
 args = parser.parse_args()
 torch.set_num_threads(1)
 setup = LONG.tasks["mqar"]
 stage = setup.stages[0]
 task = build_task("mqar", **{**setup.options, **stage.options})
 torch.manual_seed(args.seed)
-model = build_task_model(task, args.mechanism, setup.options_for(args.mechanism), LONG.spec)
-cfg = TaskTrainConfig(steps=stage.steps, batch_size=stage.batch_size, lr=stage.lr,
-                      warmup_steps=stage.warmup_steps, seed=args.seed, eval_every=150)
+steps = args.steps or stage.steps
+options = setup.options_for(args.mechanism)
+if args.mechanism == "meta":
+    options = {**options, "warmup_steps": steps}
+model = build_task_model(task, args.mechanism, options, LONG.spec)
+cfg = TaskTrainConfig(steps=steps, batch_size=args.batch or stage.batch_size, lr=args.lr or stage.lr,
+                      warmup_steps=stage.warmup_steps if args.warmup is None else args.warmup,
+                      seed=args.seed, eval_every=150)
 history = train_task(model, lambda b, g: task.batch(b, g, "train"),
                      lambda m: evaluate_on_task(m, task, "validation", 256), cfg,
                      forward=lambda m, inputs, labels: m(inputs, labels, mask=task.mask(inputs),

@@ -115,8 +115,13 @@ META_RECALL_RECIPE = {
 # the probes, and a lookup learnt on vocabulary 16 did not carry to new tokens. Seven pairs is what
 # vocabulary 16 holds; the context sits at the start and queries uniformly over the rest, so all but
 # ~1.5 % of them at T = 4096 are further from their key than a 64-key window reaches.
+# Stage 1's learning rate is 1e-3 (3e-3 until 2026-11-28 14:30, the T = 4096 run in
+# docs/results/compare/long/): at 3e-3 the phase transition failed on some seeds for every mechanism
+# (full seed 7, meta's full expert seeds 1 and 3: training loss stuck at ln 4, also over 1200 steps
+# or at 1e-2); at 1e-3 full passed on seeds 0-8 and meta's full expert on seeds 0-7 by step 300
+# (docs/results/routers.md, `docs/results/routers/stage1_probe.py --lr`).
 _RECALL_WARMUP = (
-    Stage({"seq_len": 32, "pairs": 4}, steps=600, batch_size=64, lr=3e-3, warmup_steps=200),
+    Stage({"seq_len": 32, "pairs": 4}, steps=600, batch_size=64, lr=1e-3, warmup_steps=200),
     Stage({"seq_len": 128}, steps=150, batch_size=32, lr=3e-3, warmup_steps=30),
 )
 LONG = LongBudget(
