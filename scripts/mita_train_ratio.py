@@ -26,7 +26,7 @@ from routeformer.train.on_task import ModelSpec, build_task_model
 
 def twin(run):
     """`run` with mita's causal query side forced onto its PyTorch parts (the C kernel's twin)."""
-    import routeformer.ops.mita as mita_op
+    import routeformer.ops.mita.op as mita_op
     from routeformer.ops.backends import TORCH
 
     def run_twin():

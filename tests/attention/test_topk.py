@@ -207,8 +207,7 @@ def _position_only_router(layer, routing_dim=16):
 def test_routing_positions_order_keys_by_offset(positions, expected):
     """Equal tokens everywhere (T = 10): a position-blind router cannot tell keys apart and takes
     the lowest indices; rotary and recency routing select the nearest keys."""
-    from routeformer.ops.gathered import slot_membership
-    from routeformer.ops.topk_routing import route_topk
+    from routeformer.ops.topk import route_topk, slot_membership
 
     layer = make(topk=3, routing_positions=positions).eval()
     _position_only_router(layer)

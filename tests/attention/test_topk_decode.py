@@ -6,8 +6,13 @@ import torch
 
 from routeformer.attention import build_attention
 from routeformer.ops.native import native_enabled
-from routeformer.ops.topk_decode import append_routing_keys, cached_routing_keys, route_cached
-from routeformer.ops.topk_routing import route_topk, route_topk_reference
+from routeformer.ops.topk import (
+    append_routing_keys,
+    cached_routing_keys,
+    route_cached,
+    route_topk,
+    route_topk_reference,
+)
 
 LENGTH = 48
 

@@ -6,7 +6,7 @@ import torch
 
 from routeformer.attention import build_attention
 from routeformer.attention.topk_distill import routing_loss, routing_loss_reference, sample_rows
-from routeformer.ops.topk_routing import route_topk
+from routeformer.ops.topk import route_topk
 
 B, H, T, D_HEAD, R_DIM = 2, 3, 37, 8, 5
 

@@ -5,7 +5,7 @@ masks, odd lengths, windows beyond the sequence, causality, opcheck and the fall
 import pytest
 import torch
 
-import routeformer.ops.local as local_module
+import routeformer.ops.local.op as local_module
 from routeformer.ops.local import local_attention, local_attention_reference
 from routeformer.ops.native import native_enabled, native_kernels
 
@@ -155,7 +155,7 @@ def test_opcheck(dtype):
 def test_native_flops_closed_form_counts_every_block():
     """The executed-FLOPs formula of the kernel against a loop over its query blocks."""
     from routeformer.ops.flops import dense_attention_flops
-    from routeformer.ops.local import NATIVE_ROWS, _native_flops
+    from routeformer.ops.local.op import NATIVE_ROWS, _native_flops
 
     def by_blocks(length, window, causal):
         before, after = (window - 1, 0) if causal else (window, window)

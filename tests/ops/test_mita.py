@@ -5,10 +5,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from routeformer.ops import mita_landmarks
-from routeformer.ops.mita import grid_pool_shape, mita_attention
-from routeformer.ops.mita_landmarks import landmark_attention, landmark_attention_reference
-from routeformer.ops.mita_reference import mita_reference
+from routeformer.ops.mita import (
+    grid_pool_shape,
+    landmark_attention,
+    landmark_attention_reference,
+    mita_attention,
+    mita_reference,
+)
+from routeformer.ops.mita import landmarks as mita_landmarks
 
 BLOCK = 4  # causal block length in these tests: 23 tokens make 6 blocks, 5 landmarks
 

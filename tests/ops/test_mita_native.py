@@ -7,11 +7,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from routeformer.ops import mita_landmarks
-from routeformer.ops.mita import mita_attention
-from routeformer.ops.mita_experts import fused_single_route
-from routeformer.ops.mita_landmarks import landmark_attention, landmark_attention_reference
-from routeformer.ops.mita_reference import mita_reference
+from routeformer.ops.mita import (
+    landmark_attention,
+    landmark_attention_reference,
+    mita_attention,
+    mita_reference,
+)
+from routeformer.ops.mita import landmarks as mita_landmarks
+from routeformer.ops.mita.experts import fused_single_route
 from routeformer.ops.native import native_enabled, native_kernels
 from routeformer.ops.native.mita import StreamingTopK, route_by_maximum, single_route
 

@@ -17,7 +17,6 @@ from routeformer.ops import (
     routed_attention_reference,
 )
 from routeformer.ops.expanding import expanding_attention, expanding_attention_reference
-from routeformer.ops.gathered import slot_membership
 from routeformer.ops.native import band, linear_rows, native_kernels, rotary, topk
 from routeformer.ops.rotary import apply_rotary_reference, rotary_angles
 from routeformer.ops.routed_rows import (
@@ -27,6 +26,7 @@ from routeformer.ops.routed_rows import (
     local_attention_rows_reference,
     select_rows,
 )
+from routeformer.ops.topk import slot_membership
 
 pytestmark = pytest.mark.skipif(native_kernels(torch.zeros(1)) is None, reason="no C compiler here")
 TOLERANCE = {"atol": 2e-2, "rtol": 2e-2}

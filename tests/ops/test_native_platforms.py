@@ -189,8 +189,7 @@ def test_windows_falls_back_to_pytorch_with_one_warning(build, monkeypatch):
     library, said = load_with_warnings()
     assert library is None and len(said) == 1 and "Windows" in said[0] and "run in PyTorch" in said[0]
     assert build.calls() == []  # no compiler is run
-    from routeformer.ops.mita import mita_attention
-    from routeformer.ops.mita_reference import mita_reference
+    from routeformer.ops.mita import mita_attention, mita_reference
 
     q, k, v = (torch.randn(1, 2, 24, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
     with torch.no_grad():

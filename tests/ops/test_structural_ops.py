@@ -10,7 +10,8 @@ from routeformer.ops import (
     multihop_attention,
     multihop_attention_reference,
 )
-from routeformer.ops.expanding import _STEP_FLOPS_PER_ENTRY, geometric_horizon
+from routeformer.ops.expanding import geometric_horizon
+from routeformer.ops.expanding.op import _STEP_FLOPS_PER_ENTRY
 from routeformer.ops.native.kernel_flops import band_attend_flops
 
 
@@ -109,7 +110,7 @@ def test_expanding_matches_reference(implementation, causal, length, block, padd
 def test_expanding_steps_by_block_rows_or_gathered_queries_agree(monkeypatch, causal, gather_below):
     """An inference step runs over whole block rows or over the gathered going-on queries (when
     few go on); forcing either path everywhere gives the reference's result."""
-    import routeformer.ops.expanding_band as band_module
+    import routeformer.ops.expanding.band as band_module
 
     monkeypatch.setattr(band_module, "GATHER_BELOW", gather_below)
     q, k, v, mask = make_inputs(90, padded=True, seed=3)

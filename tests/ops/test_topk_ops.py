@@ -12,9 +12,9 @@ from routeformer.ops import (
     routed_attention,
     routed_attention_reference,
 )
-from routeformer.ops.gathered import slot_membership
 from routeformer.ops.native import native_kernels
 from routeformer.ops.native.topk import speculative_query_tile
+from routeformer.ops.topk import slot_membership
 
 
 @pytest.fixture(autouse=True)
@@ -273,7 +273,7 @@ def test_routing_product_count_matches_a_loop_over_query_tiles():
 
 
 def test_a_position_like_routing_dim_takes_the_tiled_kernel_with_the_same_selection():
-    from routeformer.ops import topk_routing
+    from routeformer.ops.topk import routing as topk_routing
 
     gen = torch.Generator().manual_seed(3)
     route_q, route_k = torch.randn(1, 2, 300, 5, generator=gen), torch.randn(1, 2, 300, 5, generator=gen)
@@ -288,7 +288,7 @@ def test_a_position_like_routing_dim_takes_the_tiled_kernel_with_the_same_select
 
 
 def test_position_dim_takes_the_tiled_kernel_without_reading_the_data(implementation, monkeypatch):
-    from routeformer.ops import topk_routing
+    from routeformer.ops.topk import routing as topk_routing
 
     gen = torch.Generator().manual_seed(4)
     route_q, route_k = torch.randn(1, 2, 200, 5, generator=gen), torch.randn(1, 2, 200, 5, generator=gen)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from routeformer.ops import route_topk, route_topk_reference, routed_attention, routed_attention_reference
-from routeformer.ops.gathered import slot_membership
 from routeformer.ops.native import kernel, native_kernels
 from routeformer.ops.native.topk import reads_bf16, route_topk_op, route_topk_rows_op, speculative_query_tile
+from routeformer.ops.topk import slot_membership
 
 pytestmark = pytest.mark.skipif(native_kernels(torch.zeros(1)) is None or not speculative_query_tile(),
                                 reason="no C compiler, or a library built without AVX-512 BF16 "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from routeformer.ops.gathered import routed_attention
+from routeformer.ops.topk import routed_attention
 
 ROOT = Path(__file__).resolve().parents[3]
 KERNEL = "src/routeformer/ops/native/topk_kernels.c"

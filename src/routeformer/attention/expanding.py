@@ -20,11 +20,11 @@ from routeformer.ops._checks import check_positive
 from routeformer.ops.decode import append_keys_values
 from routeformer.ops.expanding import (
     DEFAULT_BLOCK,
+    check_expanding_options,
     expanding_attention,
+    expanding_decode,
     expanding_uses_native,
 )
-from routeformer.ops.expanding_decode import expanding_decode
-from routeformer.ops.expanding_prior import check_expanding_options
 
 _CONCENTRATION_FLOOR = 1e-4  # keeps softplus(raw) + floor a valid Beta concentration in fp32
 
@@ -59,7 +59,7 @@ class ExpandingAttention(AttentionLayer):
 
     Cached decoding (causal): the cache holds every key and value (a horizon may reach back to the
     first token); a prefill is the parallel op, and each new token runs its own inference over the
-    cached keys (`ops.expanding_decode`, the same recurrence for either update), scoring only the
+    cached keys (`ops.expanding.decode`, the same recurrence for either update), scoring only the
     keys its horizon reaches.
     """
 

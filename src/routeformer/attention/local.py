@@ -49,7 +49,7 @@ class LocalAttention(AttentionLayer):
         self, x: Tensor, *, mask: Tensor | None, positions: Tensor | None, documents: Tensor, **extra
     ) -> AttentionOutput:
         """Packed documents in one call: the window stops at the document's start (and end), via the
-        blockwise kernel's band mask (ops/local.py); positions restart at 0 in each document."""
+        blockwise kernel's band mask (ops/local/op.py); positions restart at 0 in each document."""
         mask, _ = self.check_inputs(x, mask, positions)
         if positions is None:
             positions = document_positions(documents)

@@ -40,7 +40,7 @@ fp32, and fp32 keys (values stay in the model's dtype) in the decoding cache.
 
 Cached decoding (`CausalLM.generate`, `decode`): causal builds keep every key, the incomplete
 block's queries and each completed block's landmark, shared value and expert
-(`routeformer.ops.mita_decode`); new tokens get the parallel pass's outputs.
+(`routeformer.ops.mita.decode`); new tokens get the parallel pass's outputs.
 
 stats: `flops` (executed), `flops_vs_full` (against dense attention over the same N),
 `expert_load_max` (the busiest expert's share of routed queries times E: 1 = perfectly balanced).
@@ -59,8 +59,7 @@ from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
 from routeformer.ops.backends import profile_range
 from routeformer.ops.flops import dense_attention_flops
-from routeformer.ops.mita import DEFAULT_BLOCK, DEFAULT_PACK, check_mita_args, mita_attention
-from routeformer.ops.mita_decode import mita_decode
+from routeformer.ops.mita import DEFAULT_BLOCK, DEFAULT_PACK, check_mita_args, mita_attention, mita_decode
 
 PRESETS: dict[str, dict[str, object]] = {
     "mita": {},
@@ -173,7 +172,7 @@ class MitaAttention(AttentionLayer):
 
     @property
     def supports_cache(self) -> bool:
-        """Causal builds decode token by token (`ops.mita_decode`): the streaming layout fixes a
+        """Causal builds decode token by token (`ops/mita/decode.py`): the streaming layout fixes a
         block's landmark and expert once the block is complete, so a cache can hold them."""
         return self.causal
 

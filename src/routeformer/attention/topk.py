@@ -4,8 +4,8 @@ Per head, routing projections W_r^q, W_r^k map x to r-dim vectors (r = `routing_
 paper's §4.1 projects q and k, here the projections read x, which q and k are linear in); the
 routing score s_ij = r_q(i)·r_k(j) (§4.2, no softmax) picks R_i = TopK_j(s_ij) (§4.3) among
 eligible keys (j <= i when causal); the output is exact softmax attention of q_i over k_j, v_j,
-j in R_i (§5). Selection is blockwise with a running top-K (`ops.topk_routing`), the attention
-gathers keys per block of queries (`ops.gathered`): memory O(T·K + block·S·r/d), never T x T.
+j in R_i (§5). Selection is blockwise with a running top-K (`ops.topk.routing`), the attention
+gathers keys per block of queries (`ops.topk.gathered`): memory O(T·K + block·S·r/d), never T x T.
 Among equal routing scores the lower key index is selected (every implementation alike).
 
 Position in the routing score (`routing_positions`). Attention sees rotated q, k (RoPE), so it
@@ -77,7 +77,7 @@ prints it).
 
 Cached decoding (`decode`, `CausalLM.generate`): the routing keys are cached beside K and V (on CPU
 in the routing kernel's own tiled layout); a new token routes over them with the parallel pass's
-kernel and tie rule (`ops.topk_decode.route_cached`) and attends to its K routed + window + global
+kernel and tie rule (`ops.topk.decode.route_cached`) and attends to its K routed + window + global
 keys only: a step reads O(L·r) routing numbers and O((K + w + g)·d) keys/values per head instead of
 full attention's O(L·d). Exploration has no cached form (refused in training mode).
 
@@ -103,9 +103,15 @@ from routeformer.attention.topk_router import Router
 from routeformer.ops._checks import check_positive
 from routeformer.ops.backends import NATIVE, TOPK_DENSE_BELOW, TORCH, chosen, topk_dense_below
 from routeformer.ops.decode import append_keys_values
-from routeformer.ops.gathered import routed_attention, slot_membership
-from routeformer.ops.topk_decode import append_routing_keys, route_cached
-from routeformer.ops.topk_routing import DEFAULT_ROUTING_BLOCK, add_random_slots, route_topk
+from routeformer.ops.topk import (
+    DEFAULT_ROUTING_BLOCK,
+    add_random_slots,
+    append_routing_keys,
+    route_cached,
+    route_topk,
+    routed_attention,
+    slot_membership,
+)
 
 ROUTING_LEARNING = ("score_bias", "distill", "none")
 ROUTING_POSITIONS = ("rotary", "recency", "rotary+recency", "none")

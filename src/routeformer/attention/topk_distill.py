@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from routeformer.ops.gathered import gathered_dot, slot_membership
+from routeformer.ops.topk import gathered_dot, slot_membership
 
 
 def sample_rows(length: int, count: int | None, device: torch.device) -> Tensor | None:

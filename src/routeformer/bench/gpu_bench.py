@@ -72,10 +72,9 @@ def _flex_local(length: int, window: int, device: str) -> Callable:
 def _mechanisms(length: int, *, window: int, topk: int, routing_dim: int, landmarks: int, block: int,
                 device: str, dtype: torch.dtype, flex: bool, sdpa: bool, batch: int, heads: int):
     from routeformer.ops.expanding import expanding_attention
-    from routeformer.ops.gathered import routed_attention
     from routeformer.ops.local import local_attention
     from routeformer.ops.mita import mita_attention
-    from routeformer.ops.topk_routing import route_topk
+    from routeformer.ops.topk import route_topk, routed_attention
 
     generator = torch.Generator(device="cpu").manual_seed(1)
     route_q, route_k = (torch.randn(batch, 1, length, routing_dim, generator=generator).to(device, dtype)

@@ -175,7 +175,7 @@ _NO_KERNEL = "no kernel serves these inputs (device, dtype, switches or limits)"
 
 
 def route_topk_backend(route_q: Tensor, route_k: Tensor, slots: int) -> Choice:
-    """ops.topk_routing.route_topk: Triton; else the C kernels within their slot and dim limits."""
+    """ops.topk.routing.route_topk: Triton; else the C kernels within their slot and dim limits."""
     if triton_serves(route_q):
         return chosen("route_topk", TRITON, _CUDA)
     native = native_kernels(route_q, route_k)
@@ -186,7 +186,7 @@ def route_topk_backend(route_q: Tensor, route_k: Tensor, slots: int) -> Choice:
 
 
 def routed_attention_backend(q: Tensor, k: Tensor, v: Tensor, slots: int) -> Choice:
-    """ops.gathered.routed_attention: Triton; else the C kernel (equal dtypes, within its slots)."""
+    """ops.topk.gathered.routed_attention: Triton; else the C kernel (equal dtypes, within its slots)."""
     if triton_serves(q):
         return chosen("routed_attention", TRITON, _CUDA)
     native = native_kernels(q, k, v) if q.dtype == k.dtype == v.dtype else None
@@ -203,7 +203,7 @@ def merge_partials_backend(out: Tensor) -> Choice:
 
 
 def mita_parts_backend(op: str, q: Tensor) -> Choice:
-    """ops.mita_experts.routed_parts / fused_single_route (`op`): Triton, else PyTorch."""
+    """ops.mita.experts.routed_parts / fused_single_route (`op`): Triton, else PyTorch."""
     if triton_serves(q):
         return chosen(op, TRITON, _CUDA)
     return chosen(op, TORCH, "not a Triton case (causal, unpadded, R = 1 CPU inputs take "
@@ -220,7 +220,7 @@ def profile_range(name: str):
 
 
 def mita_causal_backend(q: Tensor, k: Tensor, v: Tensor, *, padded: bool, routes: int) -> Choice:
-    """ops.mita's causal query side (own block + shared window + routed expert, forward and
+    """ops.mita.op's causal query side (own block + shared window + routed expert, forward and
     backward): the C kernels of native/mita_train_kernels.c for unpadded CPU float32/float64
     inputs of one dtype with one routed expert per query, else the PyTorch parts."""
     op = "mita_causal_query_side"
@@ -267,7 +267,7 @@ def linear_rows_backend(q_rows: Tensor, k: Tensor, v: Tensor) -> Choice:
 
 def expanding_backend(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool,
                       update: str) -> Choice:
-    """ops.expanding.expanding_attention: the C kernels for causal, unpadded inputs under the
+    """ops.expanding.op.expanding_attention: the C kernels for causal, unpadded inputs under the
     paper's update (the only one they implement), equal dtypes they take; else the PyTorch steps
     (whose final pass is `expanding_final_pass_backend`)."""
     if causal and mask is None and update == "paper" and q.dtype == k.dtype == v.dtype \
@@ -284,14 +284,14 @@ def expanding_final_pass_backend(q: Tensor, causal: bool, masked: bool) -> Choic
 
 
 def linear_backend(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Choice:
-    """ops.linear.linear_attention: the C kernels for causal inputs they take, else PyTorch."""
+    """ops.linear.op.linear_attention: the C kernels for causal inputs they take, else PyTorch."""
     if causal and linear_kernel_takes(q, k, v) and _native_serves(q, k, v):
         return chosen("linear_attention", NATIVE, _CPU)
     return chosen("linear_attention", TORCH, _NO_KERNEL)
 
 
 def local_backend(q: Tensor, k: Tensor, v: Tensor, *, record: bool = True) -> Choice:
-    """ops.local.local_attention: the C kernel for non-empty fp32/bf16/fp16 inputs of one dtype
+    """ops.local.op.local_attention: the C kernel for non-empty fp32/bf16/fp16 inputs of one dtype
     where it was built (at every instruction-set level), else the blockwise PyTorch path. `record=False` for a
     probe (the FLOP count asks which path would run without running it)."""
     choose = chosen if record else _unrecorded
@@ -310,7 +310,7 @@ def rotary_backend(x: Tensor, cos: Tensor, sin: Tensor, takes_layout: bool) -> C
 
 
 def routing_cache_backend(route_k: Tensor) -> Choice:
-    """ops.topk_decode: whether cached routing keys take the C kernel's tiled layout."""
+    """ops.topk.decode: whether cached routing keys take the C kernel's tiled layout."""
     native = native_kernels(route_k)
     if native is not None and route_k.dtype in (torch.float32, torch.float64) \
             and route_k.shape[-1] <= native.route_topk_max_dim():

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from routeformer.ops.full import masked_attention_reference
+from routeformer.ops.full.reference import masked_attention_reference
 
 # Elements of one group's score matrix; ~16 MB in fp32 keeps temporaries cache- and reuse-friendly.
 _GROUP_SCORE_ELEMENTS = 1 << 22
@@ -130,7 +130,7 @@ def blockwise_sdpa(
     mask runs 2-3x faster than the custom kernel above at the block shapes of the sliding-window
     and routed-row ops (measured at T = 4096, window 256), forward and backward, and it too keeps
     no probability matrix. Rows with no allowed key return zeros."""
-    from routeformer.ops.full import sdpa_allowed
+    from routeformer.ops.full.op import sdpa_allowed
 
     if q.dim() != 5 or k.dim() != 5 or v.dim() != 5:
         raise ValueError("blockwise_sdpa expects q, k, v of shape [B, H, N, L, d]")

@@ -35,14 +35,8 @@ from torch import Tensor
 
 from routeformer.ops._checks import check_qkv
 from routeformer.ops.flops import dense_attention_flops
-from routeformer.ops.full import (
-    allowed_keys,
-    full_attention,
-    full_attention_flops,
-    full_attention_reference,
-    masked_attention_reference,
-    sdpa_allowed,
-)
+from routeformer.ops.full.op import full_attention, full_attention_flops, sdpa_allowed
+from routeformer.ops.full.reference import allowed_keys, full_attention_reference, masked_attention_reference
 
 
 @dataclass

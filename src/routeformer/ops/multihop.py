@@ -29,12 +29,8 @@ import torch
 from torch import Tensor
 
 from routeformer.ops._checks import check_positive, check_qkv
-from routeformer.ops.full import (
-    allowed_keys,
-    full_attention,
-    full_attention_flops,
-    masked_attention_reference,
-)
+from routeformer.ops.full.op import full_attention, full_attention_flops
+from routeformer.ops.full.reference import allowed_keys, masked_attention_reference
 
 FORMS = ("paper", "authors")
 

@@ -42,15 +42,16 @@ from torch import Tensor
 from routeformer.ops._checks import check_positive
 from routeformer.ops.backends import NATIVE, TRITON, band_rows_backend, linear_rows_backend
 from routeformer.ops.flops import dense_attention_flops, matmul_flops
-from routeformer.ops.full import full_attention, masked_attention_reference
-from routeformer.ops.linear import (
+from routeformer.ops.full.op import full_attention
+from routeformer.ops.full.reference import masked_attention_reference
+from routeformer.ops.linear.op import (
     DEFAULT_EPS,
     exclusive_chunk_prefix,
     feature_map,
     linear_attention,
     masked_features,
 )
-from routeformer.ops.local import in_window
+from routeformer.ops.local.op import in_window
 from routeformer.ops.native import native_kernels
 from routeformer.ops.native.band import band_attend
 from routeformer.ops.native.kernel_flops import band_attend_flops, linear_rows_flops

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from routeformer.ops.attention_lse import MASKED, lse_backward, lse_forward
 from routeformer.ops.flops import dense_attention_flops
-from routeformer.ops.full import sdpa_allowed
+from routeformer.ops.full.op import sdpa_allowed
 
 KeyRange = Callable[[int, int], tuple[int, int]]  # (first row, last row) -> keys [lo, hi)
 # (key positions [1, 1, L], row positions [B, rows, 1]) -> bool allowed [B, rows, L]. Broadcast

@@ -11,7 +11,6 @@ from routeformer.ops import mita_attention, route_topk, routed_attention
 from routeformer.ops.backends import force_triton
 from routeformer.ops.backends import triton_serves as use_triton
 from routeformer.ops.expanding import expanding_attention
-from routeformer.ops.gathered import routed_attention_reference
 from routeformer.ops.native import native_enabled
 from routeformer.ops.routed_rows import (
     full_attention_rows,
@@ -20,7 +19,7 @@ from routeformer.ops.routed_rows import (
     local_attention_rows_reference,
     select_rows,
 )
-from routeformer.ops.topk_routing import route_topk_reference
+from routeformer.ops.topk import route_topk_reference, routed_attention_reference
 from tests.ops.triton._checks import assert_same_gradients
 from tests.ops.triton.test_triton_gathered import make_qkv, random_routing
 from tests.ops.triton.test_triton_topk_routing import integer_routing, selected_set

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from routeformer.ops.gathered import routed_attention_reference
+from routeformer.ops.topk import routed_attention_reference
 from routeformer.ops.triton.gathered import triton_routed_attention
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from routeformer.ops.attention_lse import attention_with_lse_reference, merge_partials
-from routeformer.ops.mita_experts import routed_parts
+from routeformer.ops.mita.experts import routed_parts
 from routeformer.ops.triton.lse_merge import triton_merge_partials
 from routeformer.ops.triton.mita import triton_routed_parts
 from tests.ops.triton._checks import assert_same_gradients

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from routeformer.ops.gathered import slot_membership
-from routeformer.ops.topk_routing import route_topk_reference
+from routeformer.ops.topk import route_topk_reference, slot_membership
 from routeformer.ops.triton.topk_routing import triton_route_topk
 
 

@@ -7,7 +7,7 @@ Per query m of (batch, head) row bh, at key position p (`positions[b, m]`, or m 
     out[m] = Σ_{δ < H[m]} softmax_δ(q[m]·k[p − δ]·scale + δ·log_decay[m]) v[p − δ]
 
 over its own horizon H[m] of keys ending at p. With log_decay from the Beta prior and H from the
-inference steps it is expanding attention's final pass (ops/expanding.py); with log_decay = 0 and
+inference steps it is expanding attention's final pass (ops/expanding/op.py); with log_decay = 0 and
 H = min(window, p + 1) it is causal sliding-window attention at selected rows (the local expert
 of hard-routed `meta`, ops/routed_rows.py). A query with H = 0 (a padding slot) returns zeros.
 

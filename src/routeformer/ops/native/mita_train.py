@@ -5,7 +5,7 @@ expert, b block length, M landmark window.
 
 `causal_query_side` computes, for every query of an unpadded causal input, one softmax over its
 own block's earlier keys, the shared expert's window of landmarks and its routed expert's K keys
-(what ops/mita.py's `_causal` computes as three partial softmaxes merged by their log-sum-exps),
+(what ops/mita/op.py's `_causal` computes as three partial softmaxes merged by their log-sum-exps),
 forward and backward, each in one pass per (batch, head) group. It is a `torch.library` custom op
 (`routeformer::mita_causal_query_side`) with registered autograd: gradients flow to q, k, v, the
 landmarks, their values and the gathered expert keys and values (the PyTorch graph around it

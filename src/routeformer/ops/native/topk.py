@@ -11,7 +11,7 @@ K slots, r routing dim, d key dim, e value dim, V the kernel's key tile.
   differentiable in q, k, v through `routeformer::routed_attention_backward`.
 
 As custom ops with fake (shape-only) implementations, torch.compile keeps them in its graphs
-instead of tracing the PyTorch twins (ops/topk_routing.py, ops/gathered.py). bfloat16 is read as
+instead of tracing the PyTorch twins (ops/topk/routing.py, ops/topk/gathered.py). bfloat16 is read as
 stored by the routing and attention kernels (fp32 arithmetic); float16 is computed in float32 (see
 `widened`). Outputs come back in the input's dtype, except the log-sum-exp, which stays in float32
 so the backward rebuilds the weights to fp32 accuracy.
@@ -259,7 +259,7 @@ def _routed_attention_setup(ctx, inputs, output):
 
 
 def _routed_attention_backward(ctx, grad_out, _grad_lse):
-    # lse is returned detached by ops/gathered.py: it has no gradient.
+    # lse is returned detached by ops/topk/gathered.py: it has no gradient.
     q, k, v, index, valid, out, lse = ctx.saved_tensors
     # Always the op (never the bare function): under AOT tracing the tensors are fake.
     grad_q, grad_k, grad_v = routed_attention_backward_op.op(q, k, v, index, valid, out, lse,

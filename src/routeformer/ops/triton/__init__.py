@@ -15,7 +15,7 @@ One file per kernel, each with its forward and backward wrapped as a `torch.auto
 
 ops/backends.py decides: CUDA tensors go to these kernels, CPU tensors stay on the native C kernels
 and the PyTorch ops. Each op imports its kernel here inside its Triton branch (triton is optional);
-the kernels import only lower helpers (ops/routing_slots.py, ops/attention_lse.py's constants,
+the kernels import only lower helpers (ops/topk/slots.py, ops/attention_lse.py's constants,
 ops/flops.py), never the ops that call them.
 
 Every kernel is tested against the PyTorch reference twin of its op on CPU tensors

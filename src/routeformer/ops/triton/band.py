@@ -8,7 +8,7 @@ The same computation as the C kernel of `routeformer.ops.native.band` (its docst
     out[m] = Σ_{δ < H[m], p − δ >= 0} softmax_δ(q[m]·k[p − δ]·scale + δ·log_decay[m]) v[p − δ]
 
 with p the query's key position (`positions[b, m]`, or m itself). Expanding attention
-(ops/expanding.py) gets log_decay = log(1 − q_t) of its Beta prior and H from its inference
+(ops/expanding/op.py) gets log_decay = log(1 − q_t) of its Beta prior and H from its inference
 steps; the local expert of hard-routed `meta` (ops/routed_rows.py) has log_decay = 0 and
 H = min(window, p + 1). A query with H = 0 returns zeros.
 

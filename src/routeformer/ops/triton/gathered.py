@@ -1,7 +1,7 @@
 """Triton kernel: attention over each query's gathered keys, forward and backward.
 
 Axes: B batch, H heads, T queries, S keys, K slots per query, d key dim, e value dim.
-Same contract as `routeformer.ops.gathered.routed_attention` (its reference twin is
+Same contract as `routeformer.ops.topk.routed_attention` (its reference twin is
 `routed_attention_reference`): `index` [B, H, T, K] names the keys each query reads, `valid` which
 slots are real; a row with no valid slot returns zeros and lse = -inf.
 

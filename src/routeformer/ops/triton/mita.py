@@ -5,7 +5,7 @@ query. Wen et al. (arXiv 2602.01219), Eqs. 9-10: each query reads, per routed sl
 expert assignment[r] under its own softmax; the parts are then merged with the shared expert (and,
 causal, the own block) by their log-sum-exp (`merge_partials`, on CUDA the `lse_merge` kernel).
 
-The CPU path (`ops.mita_experts.routed_parts`, the reference here) sorts the (query, slot) items by
+The CPU path (`ops.mita.experts.routed_parts`, the reference here) sorts the (query, slot) items by
 expert and packs them into dense blocks for batched SDPA. On a GPU no packing is needed: the
 experts' keys [B, H, E, K, d] are a key table of E·K rows, and slot r of query n reads rows
 assignment·K .. assignment·K + K − 1 — gathered attention, whose kernel returns the lse with its

@@ -1,4 +1,4 @@
-"""Triton kernel: the routing top-K selection of `routeformer.ops.topk_routing.route_topk`.
+"""Triton kernel: the routing top-K selection of `routeformer.ops.topk.route_topk`.
 
 Axes: B batch, R routing heads, T queries, S keys, r routing dim, K slots (padded to KP, a power
 of two).
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from routeformer.ops.routing_slots import check_routing, routing_slots
+from routeformer.ops.topk.slots import check_routing, routing_slots
 from routeformer.ops.triton._common import check_device, check_float, kernel, next_power_of_2
 
 

@@ -1,8 +1,9 @@
-"""Expanding attention's prior and stopping rule (ops/expanding.py's module docstring has the
+"""Expanding attention's prior and stopping rule (ops/expanding/op.py's module docstring has the
 algorithm): the Beta prior's horizon and log decay under the paper's update and under mean-field
 inference, each query's useful context, the stopping rule, the argument checks, and the masked
 softmax the reference and cached decoding share. Shared by the band path, the C path's caller,
-the reference and cached decoding (ops/expanding_decode.py)."""
+the reference and cached decoding (ops/expanding/decode.py). Pure: torch and the argument
+checks only, so the reference may import it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import Tensor
 from routeformer.ops._checks import check_positive
 
 UPDATES = ("paper", "mean_field")
-# Mean-field convergence: relative change of E[δ] between two steps (see ops/expanding.py).
+# Mean-field convergence: relative change of E[δ] between two steps (see ops/expanding/op.py).
 MEAN_FIELD_RTOL = 1e-3
 # Keys outside a horizon get a penalty of at least EXCLUDED / 2: exp() of it is exactly 0, as
 # with -inf. Float arithmetic builds it ~5x faster than a bool mask with masked_fill on CPU.

@@ -8,7 +8,8 @@ row must be distinct keys. A row with no valid slot returns zeros.
 Fast paths work on blocks of queries: the keys of one block are gathered once with
 `index_select` (B·H·block·K rows), used, and dropped, so memory stays O(T·K + block·K·d). The
 backward pass regathers instead of storing the gathered keys (FlashAttention-style recompute) and
-scatters key/value gradients back with `index_add_`. References build the dense [T, S] mask.
+scatters key/value gradients back with `index_add_`. The references (ops/topk/reference.py) build
+the dense [T, S] mask.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch
 from torch import Tensor
 
 from routeformer.ops.backends import NATIVE, TRITON, routed_attention_backend
-from routeformer.ops.full import masked_attention_reference
 from routeformer.ops.native import compute_dtype
 from routeformer.ops.native.topk import reads_bf16, routed_attention_op
 
@@ -147,13 +147,6 @@ def routed_attention(
     return _RoutedAttention.apply(q, k.contiguous(), v.contiguous(), index, valid, scale, block)
 
 
-def routed_attention_reference(
-    q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: Tensor, *, scale: float | None = None
-) -> Tensor:
-    """The specification of `routed_attention`: a dense [B, H, T, S] mask of the routed keys."""
-    return masked_attention_reference(q, k, v, slot_membership(index, valid, k.shape[2]), scale)
-
-
 def slot_membership(index: Tensor, valid: Tensor, num_keys: int) -> Tensor:
     """Bool [..., T, S]: which keys the valid slots of each row name."""
     counts = torch.zeros(*index.shape[:-1], num_keys, dtype=torch.int32, device=index.device)
@@ -203,8 +196,3 @@ def gathered_dot(a: Tensor, b: Tensor, index: Tensor, *, block: int = DEFAULT_BL
     """
     _check_gather_args(a, b, index, None)
     return _GatheredDot.apply(a, b.contiguous(), index, block)
-
-
-def gathered_dot_reference(a: Tensor, b: Tensor, index: Tensor) -> Tensor:
-    """The specification of `gathered_dot`: all scores, then `gather`."""
-    return (a @ b.transpose(-1, -2)).gather(-1, index)

@@ -7,7 +7,7 @@ Wen et al. (arXiv 2602.01219), Eqs. 5-8: landmarks L = pooled queries; scores S 
 expert j = the top-K keys of row j of S (Eq. 7); shared expert values V̂ = softmax(S) V (Eq. 8).
 
 Every function here sees *compacted* inputs: the real tokens of a row come first (n_b of them)
-and padding after (`ops.mita` moves them there), so "the real keys" of a row are a prefix and
+and padding after (ops/mita/op.py moves them there), so "the real keys" of a row are a prefix and
 "the keys landmark j may read" are the first `limit[b, j]` keys: n_b in the bidirectional build,
 min(n_b, (j + 1)·block) in the causal one (blocks ≤ j only).
 
@@ -20,23 +20,14 @@ Softmax statistics are fp32 whatever the input dtype (the op upcasts before call
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from routeformer.ops.mita.checks import grid_pool_shape
 from routeformer.ops.native.mita import StreamingTopK
 
 _CHUNK_ELEMENTS = 1 << 22  # scores per chunk of landmarks (over B·H): 16 MiB of fp32
-
-
-def grid_pool_shape(landmarks: int) -> tuple[int, int]:
-    """The most square (rows, cols) with rows·cols = landmarks: 16 -> (4, 4), 8 -> (2, 4)."""
-    rows = math.isqrt(landmarks)
-    while landmarks % rows:
-        rows -= 1
-    return rows, landmarks // rows
 
 
 def pool_windows(lengths: Tensor, windows: int, size: int) -> Tensor:
@@ -61,7 +52,7 @@ def pool_landmarks(
     `extra_tokens` (so the windows do not depend on how much padding follows); with `grid`, 2-D
     windows over the fixed token grid, averaging its real tokens. A landmark whose window holds no
     real token is invalid: no expert, no shared pair. `real` [B, N] bool marks the real tokens
-    (a prefix of each row, except with `grid`); padded rows of q must be zeros (`ops.mita`).
+    (a prefix of each row, except with `grid`); padded rows of q must be zeros (ops/mita/op.py).
     """
     batch, heads, length, dim = q.shape
     lengths = real.sum(1)
@@ -253,14 +244,3 @@ def landmark_attention(
     it may read fewer than K: the rest are marked invalid); V̂_j = softmax(S_j) V. A landmark that
     reads no key gets V̂ = 0 (it is invalid and never used)."""
     return _LandmarkAttention.apply(landmark, k, v, limit, key_real, scale, topk)
-
-
-def landmark_attention_reference(
-    landmark: Tensor, k: Tensor, v: Tensor, limit: Tensor, *, topk: int, scale: float,
-    key_real: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The specification of `landmark_attention`: dense [E, N] scores, masked softmax, top-K."""
-    scores = _chunk_scores(landmark, k, limit, key_real, scale)
-    weights = torch.nan_to_num(scores.softmax(-1))
-    top = scores.topk(min(topk, k.shape[2]), dim=-1)
-    return weights @ v, top.indices, torch.isfinite(top.values)

@@ -5,7 +5,7 @@ Axes: B batch, H heads, N length, d head dim (e value dim), E experts, K keys pe
 experts per query, P packed query slots per block. Wen et al. (arXiv 2602.01219), Eqs. 9-10: each
 query reads the shared expert's E pairs and its R routed experts' K pairs, under one softmax —
 computed here part by part, each part returning its log-sum-exp for `merge_partials`, or (R = 1,
-bidirectional) in one fused SDPA call per packed block. See `routeformer.ops.mita` for the whole.
+bidirectional) in one fused SDPA call per packed block. See ops/mita/op.py for the whole.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from torch import Tensor
 from routeformer.ops.attention_lse import MASKED, attention_with_lse
 from routeformer.ops.backends import TRITON, mita_parts_backend
 from routeformer.ops.flops import dense_attention_flops
-from routeformer.ops.full import sdpa_allowed
-from routeformer.ops.gathered import flat_rows
+from routeformer.ops.full.op import sdpa_allowed
+from routeformer.ops.topk.gathered import flat_rows
 
 # Buckets averaging at least this many packs of queries run one SDPA call each instead of packing.
 _LOOP_FACTOR = 4

@@ -1,16 +1,57 @@
-"""MiTA's specification (`mita_reference`): dense membership masks and one softmax per query over
-exactly the pairs ops/mita.py's `mita_attention` computes, the twin its tests compare against.
-The algorithm is described in ops/mita.py's module docstring."""
+"""MiTA's specifications: `mita_reference`, dense membership masks and one softmax per query over
+exactly the pairs ops/mita/op.py's `mita_attention` computes, the twin its tests compare against;
+and `landmark_attention_reference`, the landmark stage's (ops/mita/landmarks.py) written densely.
+The algorithm is described in ops/mita/op.py's module docstring.
+
+This twin imports no fast path (tests/ops/test_references_independent.py): `DEFAULT_BLOCK` (from
+ops/mita/op.py), `grid_pool_shape`, `pool_windows` and `_chunk_scores` (from ops/mita/landmarks.py)
+are plain copies of the fast modules' (the copied constant is checked to equal the op's); the
+argument check comes from ops/mita/checks.py."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops._checks import check_qkv
-from routeformer.ops.mita import DEFAULT_BLOCK, check_mita_args
-from routeformer.ops.mita_landmarks import grid_pool_shape, pool_windows
+from routeformer.ops.mita.checks import check_mita_args
+
+DEFAULT_BLOCK = 64  # the causal block length b when none is given (ops/mita/op.py's default)
+
+
+def grid_pool_shape(landmarks: int) -> tuple[int, int]:
+    """The most square (rows, cols) with rows·cols = landmarks: 16 -> (4, 4), 8 -> (2, 4)."""
+    rows = math.isqrt(landmarks)
+    while landmarks % rows:
+        rows -= 1
+    return rows, landmarks // rows
+
+
+def pool_windows(lengths: Tensor, windows: int, size: int) -> Tensor:
+    """Float [B, windows, size]: row j marks window j of adaptive pooling over the first
+    lengths[b] positions (start ⌊j·n/W⌋, end ⌈(j+1)·n/W⌉; windows overlap when n < W)."""
+    index = torch.arange(windows, device=lengths.device)
+    start = (index[None, :] * lengths[:, None]) // windows
+    end = -((-(index[None, :] + 1) * lengths[:, None]) // windows)
+    position = torch.arange(size, device=lengths.device)
+    return ((position >= start[..., None]) & (position < end[..., None])).float()
+
+
+def _chunk_scores(landmark: Tensor, keys: Tensor, limit: Tensor, key_real: Tensor | None,
+                  scale: float) -> Tensor:
+    """Scores of landmarks [B, H, c, d] against keys [B, H, S, d]: −inf beyond each limit [B, c]
+    and, where `key_real` [B, N] is given, at padded keys."""
+    scores = (landmark * scale) @ keys.transpose(-1, -2)
+    span = keys.shape[2]
+    if key_real is None and bool((limit >= span).all()):
+        return scores  # every landmark reads every key of the span: nothing to exclude
+    excluded = torch.arange(span, device=keys.device)[None, None, :] >= limit[..., None]
+    if key_real is not None:
+        excluded = excluded | ~key_real[:, None, :span]
+    return scores.masked_fill(excluded[:, None], float("-inf"))
 
 
 def _membership_reference(real: Tensor, landmarks: int, causal: bool, block: int,
@@ -110,3 +151,14 @@ def mita_reference(
         shared_logits = torch.full_like(shared_logits, float("-inf"))
     logits = torch.cat([shared_logits, key_logits], dim=-1)
     return _softmax_or_zero(logits) @ torch.cat([landmark_values, v.expand(batch, heads, length, -1)], dim=2)
+
+
+def landmark_attention_reference(
+    landmark: Tensor, k: Tensor, v: Tensor, limit: Tensor, *, topk: int, scale: float,
+    key_real: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The specification of `landmark_attention`: dense [E, N] scores, masked softmax, top-K."""
+    scores = _chunk_scores(landmark, k, limit, key_real, scale)
+    weights = torch.nan_to_num(scores.softmax(-1))
+    top = scores.topk(min(topk, k.shape[2]), dim=-1)
+    return weights @ v, top.indices, torch.isfinite(top.values)

@@ -12,7 +12,7 @@ Bidirectional (Wen et al., arXiv 2602.01219, Eqs. 5-10):
   4. routing: each query goes to its top-R experts by q·Lᵀ (the same logits as the shared expert's);
   5. out = softmax over the concatenation [shared expert's E pairs; the R·K routed pairs] (a key in
      two routed experts counts twice, as in the concatenation).
-Steps 1-3 are `ops.mita_landmarks` (chunked, O(N·d) memory); step 5 is `ops.mita_experts`: each
+Steps 1-3 are ops/mita/landmarks.py (chunked, O(N·d) memory); step 5 is ops/mita/experts.py: each
 part returns its output and log-sum-exp and `merge_partials` combines them (R = 1: one fused SDPA
 call per expert over [shared pairs; its K pairs]). Nothing of size N×N exists.
 
@@ -61,7 +61,7 @@ torch.autocast the op switches autocast off inside (its matmuls would otherwise 
 again, landmark scores and routing logits included: bidirectional MiTA under CPU bf16 autocast
 was 0.33 from fp32 in relative norm, and NaN in a layer); the output has the input's dtype.
 
-`mita_reference` (ops/mita_reference.py) builds the same key set per query as a dense [N, E + N]
+`mita_reference` (ops/mita/reference.py) builds the same key set per query as a dense [N, E + N]
 logit matrix (a key held by c routed experts gets log c added) and applies one plain softmax.
 """
 
@@ -79,15 +79,15 @@ from routeformer.ops._checks import check_positive, check_qkv
 from routeformer.ops.attention_lse import MASKED, merge_partials
 from routeformer.ops.backends import NATIVE, mita_causal_backend, profile_range
 from routeformer.ops.flops import dense_attention_flops
-from routeformer.ops.mita_experts import (
+from routeformer.ops.mita.checks import check_mita_args, grid_pool_shape
+from routeformer.ops.mita.experts import (
     attend_part,
     fused_single_route,
     gather_experts,
     local_causal_part,
     routed_parts,
 )
-from routeformer.ops.mita_landmarks import (
-    grid_pool_shape,
+from routeformer.ops.mita.landmarks import (
     landmark_attention,
     landmark_key_limit,
     landmark_pairs,
@@ -115,44 +115,6 @@ class MitaResult:
     out: Tensor  # [B, H, N, e]
     flops: int  # executed attention FLOPs (landmark scores, shared, routed, local)
     expert_load: Tensor  # [E]: fraction of (query, routed slot) pairs each expert received
-
-
-def check_mita_args(
-    length: int, *, landmarks: int, topk: int, route: int, causal: bool,
-    grid: tuple[int, int] | None, extra_tokens: int, block: int | None = None,
-) -> None:
-    """Raise ValueError naming the argument when the MiTA settings do not fit a length-N input
-    (length 0 checks the settings alone: an empty input gives an empty output)."""
-    check_positive("landmarks", landmarks)
-    check_positive("route", route)
-    if not isinstance(topk, int) or isinstance(topk, bool) or topk < 0:
-        raise ValueError(f"topk must be an integer >= 0 (0 = no routed experts); got {topk!r}")
-    if not isinstance(extra_tokens, int) or extra_tokens < 0:
-        raise ValueError(f"extra_tokens must be an integer >= 0; got {extra_tokens!r}")
-    if causal:
-        if grid is not None or extra_tokens:
-            raise ValueError("the causal variant pools 1-D blocks of the sequence: grid and extra_tokens "
-                             "are for non-causal (vision) inputs")
-        if block is not None:
-            check_positive("block", block)
-    elif block is not None:
-        raise ValueError(f"block is the causal build's block length (bidirectional MiTA pools "
-                         f"`landmarks` windows instead); got block={block!r} with causal=False")
-    if grid is not None and (len(grid) != 2 or any(not isinstance(g, int) or g < 1 for g in grid)):
-        raise ValueError(f"grid must be a pair of positive integers (h, w); got {grid!r}")
-    if length == 0 or causal:
-        return
-    pooled = length - extra_tokens
-    if pooled < 1:
-        raise ValueError(f"extra_tokens ({extra_tokens}) leaves no token to pool in a length-{length} input")
-    if grid is not None:
-        if grid[0] * grid[1] != pooled:
-            raise ValueError(f"grid {tuple(grid)} holds {grid[0] * grid[1]} tokens but the input has "
-                             f"{pooled} tokens after {extra_tokens} extra token(s)")
-        rows, cols = grid_pool_shape(landmarks)
-        if rows > grid[0] or cols > grid[1]:
-            raise ValueError(f"landmarks={landmarks} pools to a {rows}x{cols} grid, larger than the "
-                             f"{grid[0]}x{grid[1]} token grid")
 
 
 # -- padding: the real tokens of each row first ---------------------------------------------------

@@ -40,7 +40,7 @@ from routeformer.ops.native.topk import (
     route_topk_scored,
     speculative_query_tile,
 )
-from routeformer.ops.routing_slots import check_routing, routing_slots
+from routeformer.ops.topk.slots import check_routing, routing_slots
 
 DEFAULT_ROUTING_BLOCK = 64
 DEFAULT_GROUP = 32
@@ -239,30 +239,6 @@ def _route_topk_native(
                                  global_tokens, position_dim)
     scored = route_topk_scored(batch * heads, length, stride, causal, tile, native.route_topk_query_tile())
     return index, valid, scored
-
-
-def route_topk_reference(
-    route_q: Tensor, route_k: Tensor, topk: int, *, causal: bool = True, key_mask: Tensor | None = None,
-    local_window: int = 0, global_tokens: int = 0,
-) -> Tensor:
-    """The specification of `route_topk`: all scores, masks, one `topk`. Returns the selected set
-    as a bool [B, R, T, S] membership mask (slot order is not part of the contract)."""
-    check_routing(route_q, route_k, key_mask, causal)
-    length, num_keys = route_q.shape[2], route_k.shape[2]
-    scores = route_q @ route_k.transpose(-1, -2)
-    ineligible, forced = _block_masks(0, length, 0, num_keys, num_keys, causal, local_window,
-                                      global_tokens, route_q.device)
-    if forced is not None:
-        scores = scores.masked_fill(forced, float("inf"))
-    scores = scores.masked_fill(ineligible, float("-inf"))
-    if key_mask is not None:
-        scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
-    slots = routing_slots(topk, local_window, global_tokens, num_keys)
-    # Among equal scores the lower key index wins: a stable sort keeps them in index order.
-    values, chosen = torch.sort(scores, dim=-1, descending=True, stable=True)
-    values, chosen = values[..., :slots], chosen[..., :slots]
-    member = torch.zeros_like(scores, dtype=torch.bool)
-    return member.scatter_(-1, chosen, values > float("-inf"))
 
 
 def add_random_slots(

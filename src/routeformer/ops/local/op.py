@@ -12,7 +12,7 @@ ops/native/local.py scores only each query's exact band (give or take five keys)
 forward and backward, bf16 with bf16 pair products; time O(T·window·d), memory O(T·d + window·d).
 The blockwise path is its fallback and runs everywhere else, and for packed `documents` (the
 window cut at document boundaries by one more term of its band mask).
-Reference: the dense T×T score matrix with the band mask.
+Reference (ops/local/reference.py): the dense T×T score matrix with the band mask.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from routeformer.ops.backends import NATIVE, local_backend
 from routeformer.ops.block_attention import blockwise_sdpa
 from routeformer.ops.documents import check_documents
 from routeformer.ops.flops import dense_attention_flops
-from routeformer.ops.full import masked_attention_reference
 
 
 def in_window(offset: Tensor, window: int, causal: bool) -> Tensor:
@@ -145,28 +144,6 @@ def _local_native(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, window: 
 
 def default_block(window: int) -> int:
     return min(window, 128)
-
-
-def local_band(length: int, window: int, causal: bool, device: torch.device) -> Tensor:
-    """Bool [T, T]: key j is inside query i's window."""
-    positions = torch.arange(length, device=device)
-    return in_window(positions[None, :] - positions[:, None], window, causal)
-
-
-def local_attention_reference(
-    q: Tensor, k: Tensor, v: Tensor, *, window: int, mask: Tensor | None = None,
-    causal: bool = False, scale: float | None = None, documents: Tensor | None = None,
-) -> Tensor:
-    """The specification of `local_attention`: dense scores with a band mask (and, for packed
-    `documents`, a same-document mask)."""
-    check_qkv(q, k, v, mask, causal=True)
-    check_positive("window", window)
-    batch, _, length, _ = q.shape
-    valid = torch.ones(batch, length, dtype=torch.bool, device=q.device) if mask is None else mask
-    allowed = local_band(length, window, causal, q.device)[None, None] & valid[:, None, None, :]
-    if documents is not None:
-        allowed = allowed & (documents[:, None, :, None] == documents[:, None, None, :])
-    return masked_attention_reference(q, k, v, allowed, scale)
 
 
 def local_attention_flops(

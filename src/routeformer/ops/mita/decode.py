@@ -1,10 +1,10 @@
 """Cached (incremental) decoding of causal MiTA: the streaming layout's state and the outputs of new
-tokens, equal to the rows of the parallel op (`ops.mita.mita_attention(causal=True)`).
+tokens, equal to the rows of the parallel op (ops/mita/op.py: `mita_attention(causal=True)`).
 
 Axes: B batch, H heads, t new tokens, L keys so far, d head dim (e value dim), E completed blocks,
 K keys per expert, R routed experts per query, M landmark window, S keys one query reads.
 
-The streaming layout (see `ops.mita`) makes this possible: blocks of `block` = b tokens; landmark j
+The streaming layout (see ops/mita/op.py) makes this possible: blocks of `block` = b tokens; landmark j
 (the mean query of block j), its shared value V̂_j and its expert (top-K keys) are fixed once block
 j is complete — they read keys < (j + 1)·b only. So the state is
 
@@ -95,7 +95,7 @@ def mita_decode(
 ) -> Tensor:
     """Outputs [B, H, t, e] of the new tokens q, k, v [B, H, t, d|e] of indices start.. of a stream
     whose earlier tokens `cache` holds (start with {}): the parallel causal op's rows."""
-    if torch.is_autocast_enabled(q.device.type):  # fp32 inside, as the parallel op (ops/mita.py)
+    if torch.is_autocast_enabled(q.device.type):  # fp32 inside, as the parallel op (ops/mita/op.py)
         with torch.autocast(q.device.type, enabled=False):
             return mita_decode(q, k, v, start, cache, landmarks=landmarks, topk=topk, route=route,
                                shared=shared, block=block, scale=scale)

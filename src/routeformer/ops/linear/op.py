@@ -10,7 +10,8 @@ Non-causal: associativity, S and z once for the whole sequence, O(T·d·e).
 Causal: chunked. Inside a chunk of C tokens, the masked quadratic form (phi(q) phi(k)ᵀ ∘ tril) v;
 across chunks, a d×e state per chunk, prefix-summed over chunks (states from chunks before the
 query's own). Memory O(T·C + (T/C)·d·e), never the T·d·e of a per-token cumulative sum.
-Reference: the explicit per-position sum, written as the dense masked matrix phi(q) phi(k)ᵀ.
+Reference (ops/linear/reference.py): the explicit per-position sum, written as the dense
+masked matrix phi(q) phi(k)ᵀ.
 A padded key has phi(k) = 0, so it adds nothing to S or z; a query with no key returns zeros.
 """
 
@@ -110,19 +111,6 @@ def exclusive_chunk_prefix(per_chunk: Tensor) -> Tensor:
     else:
         prefix = flat.cumsum(dim=2) - flat
     return prefix.view(per_chunk.shape).to(per_chunk.dtype)
-
-
-def linear_attention_reference(
-    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None, causal: bool = False,
-    eps: float = DEFAULT_EPS,
-) -> Tensor:
-    """The specification of `linear_attention`: the explicit sum over positions (dense, O(T²))."""
-    check_qkv(q, k, v, mask, causal=causal)
-    phi_q, phi_k = masked_features(q, k, mask)
-    weights = phi_q @ phi_k.transpose(-1, -2)  # [B, H, T, T]: phi(q_i)·phi(k_j)
-    if causal:
-        weights = weights.tril()
-    return (weights @ v) / (weights.sum(dim=-1, keepdim=True) + eps)
 
 
 def linear_attention_flops(

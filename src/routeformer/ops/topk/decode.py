@@ -30,7 +30,7 @@ from torch import Tensor
 from routeformer.ops.backends import NATIVE, routing_cache_backend
 from routeformer.ops.decode import append_rows
 from routeformer.ops.native.topk import route_topk_op
-from routeformer.ops.topk_routing import route_topk, routing_slots
+from routeformer.ops.topk.routing import route_topk, routing_slots
 
 
 def _tile() -> int:

@@ -1,4 +1,4 @@
-"""Expanding attention's band path (the algorithm: ops/expanding.py's module docstring): the
+"""Expanding attention's band path (the algorithm: ops/expanding/op.py's module docstring): the
 block-row layout with its cache of ring scores (`BandRings`), the prior added in place
 (`add_prior`), and the final pass as one autograd function (`BandAttention`) whose backward
 rebuilds the probabilities from the cache ring by ring."""
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from routeformer.ops.expanding_prior import EXCLUDED, softmax_rows
+from routeformer.ops.expanding.prior import EXCLUDED, softmax_rows
 
 # Band entries per row group (~4 MB in fp32).
 GROUP_ELEMENTS = 1 << 20

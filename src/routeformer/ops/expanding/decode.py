@@ -5,7 +5,7 @@ tokens' included), W keys scored so far (the most recent ones), d head dim.
 
 In the causal, unpadded case a query's computation reads only its own q and the keys j <= i within
 its horizon (at most its context i + 1, which a new token's index fixes): nothing a later token
-changes. So a step is the same per-query recurrence as the parallel op (ops/expanding.py, written
+changes. So a step is the same per-query recurrence as the parallel op (ops/expanding/op.py, written
 as `expanding_attention_reference` writes it: the paper's update or the mean-field one, the same
 stopping rule and horizons), run for the new queries only. Keys are scored lazily: only the most
 recent ones a horizon has reached (the scored width at least doubles when a horizon outgrows it),
@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from routeformer.ops.expanding import WindowInference
-from routeformer.ops.expanding_prior import check_expanding_options, masked_logits, softmax_rows
+from routeformer.ops.expanding.prior import check_expanding_options, masked_logits, softmax_rows
+from routeformer.ops.expanding.reference import WindowInference
 
 
 @torch.no_grad()

@@ -1,5 +1,5 @@
 """The routing selection's argument check and slot count, shared by the PyTorch op
-(ops/topk_routing.py) and its Triton kernel (ops/triton/topk_routing.py), which both import it
+(ops/topk/routing.py) and its Triton kernel (ops/triton/topk_routing.py), which both import it
 from here so that neither imports the other."""
 
 from __future__ import annotations
