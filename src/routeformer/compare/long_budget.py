@@ -119,7 +119,9 @@ META_RECALL_RECIPE = {
 # docs/results/compare/long/): at 3e-3 the phase transition failed on some seeds for every mechanism
 # (full seed 7, meta's full expert seeds 1 and 3: training loss stuck at ln 4, also over 1200 steps
 # or at 1e-2); at 1e-3 full passed on seeds 0-8 and meta's full expert on seeds 0-7 by step 300
-# (docs/results/routers.md, `docs/results/routers/stage1_probe.py --lr`).
+# (docs/results/routers.md, `docs/results/routers/stage1_probe.py --lr`). The T = 512 stage likewise
+# moved from 3e-3 to 1e-3 (15:20): at 3e-3 meta seeds 3 and 4 solved T = 128 and collapsed to chance
+# in its first 100 steps; at 1e-3 both reach 1.0 (`docs/results/routers/meta_stage3_probe.py`).
 _RECALL_WARMUP = (
     Stage({"seq_len": 32, "pairs": 4}, steps=600, batch_size=64, lr=1e-3, warmup_steps=200),
     Stage({"seq_len": 128}, steps=150, batch_size=32, lr=3e-3, warmup_steps=30),
@@ -131,7 +133,7 @@ LONG = LongBudget(
             {"seq_len": 4096, "pairs": 7, "vocab_size": 16},
             stages=(
                 *_RECALL_WARMUP,
-                Stage({"seq_len": 512}, steps=200, batch_size=16, lr=3e-3, warmup_steps=20),
+                Stage({"seq_len": 512}, steps=200, batch_size=16, lr=1e-3, warmup_steps=20),
                 Stage({"seq_len": 1024}, steps=100, batch_size=8, lr=2e-3, warmup_steps=10),
                 Stage({}, steps=150, batch_size=4, lr=1e-3, warmup_steps=10),
             ),
@@ -140,7 +142,7 @@ LONG = LongBudget(
         # The earlier long compare's recall at T = 512 (docs/results/compare/long-1k).
         "mqar_512": LongSetup(
             {"seq_len": 512, "pairs": 7, "vocab_size": 16},
-            stages=(*_RECALL_WARMUP, Stage({}, steps=200, batch_size=16, lr=3e-3, warmup_steps=20)),
+            stages=(*_RECALL_WARMUP, Stage({}, steps=200, batch_size=16, lr=1e-3, warmup_steps=20)),
             mechanism_options={"meta": META_RECALL_RECIPE},
             task="mqar",
         ),
