@@ -24,7 +24,7 @@ ALLOWED = {
         "query_context", "softmax_rows", "stop_now",
     },
     "routeformer.ops.full.reference": {"allowed_keys", "masked_attention_reference"},
-    "routeformer.ops.mita.checks": {"check_mita_args"},
+    "routeformer.ops.mita.checks": {"check_mita_args", "grid_pool_shape"},
     "routeformer.ops.topk.slots": {"check_routing", "routing_slots"},
 }
 # Third-party imports a reference may use.

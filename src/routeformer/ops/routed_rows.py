@@ -44,13 +44,8 @@ from routeformer.ops.backends import NATIVE, TRITON, band_rows_backend, linear_r
 from routeformer.ops.flops import dense_attention_flops, matmul_flops
 from routeformer.ops.full.op import full_attention
 from routeformer.ops.full.reference import masked_attention_reference
-from routeformer.ops.linear.op import (
-    DEFAULT_EPS,
-    exclusive_chunk_prefix,
-    feature_map,
-    linear_attention,
-    masked_features,
-)
+from routeformer.ops.linear.op import exclusive_chunk_prefix, linear_attention
+from routeformer.ops.linear.reference import DEFAULT_EPS, feature_map, masked_features
 from routeformer.ops.local.op import in_window
 from routeformer.ops.native import native_kernels
 from routeformer.ops.native.band import band_attend

@@ -26,22 +26,8 @@ from torch import Tensor
 from routeformer.ops._checks import check_positive, check_qkv
 from routeformer.ops.backends import NATIVE, linear_backend
 from routeformer.ops.flops import matmul_flops
+from routeformer.ops.linear.reference import DEFAULT_EPS, masked_features  # the spec's map
 from routeformer.ops.native import linear as native_linear
-
-DEFAULT_EPS = 1e-6
-
-
-def feature_map(x: Tensor) -> Tensor:
-    """phi(x) = elu(x) + 1 > 0."""
-    return F.elu(x) + 1.0
-
-
-def masked_features(q: Tensor, k: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(phi(q), phi(k)) with padded keys' features zeroed, so they add nothing to any state."""
-    phi_q, phi_k = feature_map(q), feature_map(k)
-    if mask is not None:
-        phi_k = phi_k * mask[:, None, :, None].to(phi_k.dtype)
-    return phi_q, phi_k
 
 
 def linear_attention(

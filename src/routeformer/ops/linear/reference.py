@@ -6,9 +6,9 @@ Axes: B batch, H heads, T length, d head dim (e value dim).
     S_i = sum_{j in keys(i)} phi(k_j) v_jᵀ,          z_i = sum_{j in keys(i)} phi(k_j)
 
 Written the obvious way: the explicit sum over positions as the dense masked matrix phi(q) phi(k)ᵀ,
-O(T²). `DEFAULT_EPS`, `feature_map` and `masked_features` are plain copies of the fast path's
-(ops/linear/op.py), so that this twin imports no fast path (tests/ops/test_references_independent.py
-also checks the copied constant still equals the op's).
+O(T²). `DEFAULT_EPS`, `feature_map` and `masked_features` are defined here and imported by the
+fast path (ops/linear/op.py): the feature map is the specification, and this twin imports no fast
+path (tests/ops/test_references_independent.py).
 """
 
 from __future__ import annotations

@@ -25,19 +25,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops.mita.checks import grid_pool_shape
+from routeformer.ops.mita.reference import chunk_scores, pool_windows  # the pooling rule, defined once
 from routeformer.ops.native.mita import StreamingTopK
 
 _CHUNK_ELEMENTS = 1 << 22  # scores per chunk of landmarks (over B·H): 16 MiB of fp32
-
-
-def pool_windows(lengths: Tensor, windows: int, size: int) -> Tensor:
-    """Float [B, windows, size]: row j marks window j of adaptive pooling over the first
-    lengths[b] positions (start ⌊j·n/W⌋, end ⌈(j+1)·n/W⌉; windows overlap when n < W)."""
-    index = torch.arange(windows, device=lengths.device)
-    start = (index[None, :] * lengths[:, None]) // windows
-    end = -((-(index[None, :] + 1) * lengths[:, None]) // windows)
-    position = torch.arange(size, device=lengths.device)
-    return ((position >= start[..., None]) & (position < end[..., None])).float()
 
 
 def pool_landmarks(
@@ -96,20 +87,6 @@ def landmark_key_limit(lengths: Tensor, experts: int, block: int | None) -> Tens
         ends = (torch.arange(experts, device=lengths.device) + 1) * block
         limit = torch.minimum(limit, ends[None, :])
     return limit
-
-
-def _chunk_scores(landmark: Tensor, keys: Tensor, limit: Tensor, key_real: Tensor | None,
-                  scale: float) -> Tensor:
-    """Scores of landmarks [B, H, c, d] against keys [B, H, S, d]: −inf beyond each limit [B, c]
-    and, where `key_real` [B, N] is given, at padded keys."""
-    scores = (landmark * scale) @ keys.transpose(-1, -2)
-    span = keys.shape[2]
-    if key_real is None and bool((limit >= span).all()):
-        return scores  # every landmark reads every key of the span: nothing to exclude
-    excluded = torch.arange(span, device=keys.device)[None, None, :] >= limit[..., None]
-    if key_real is not None:
-        excluded = excluded | ~key_real[:, None, :span]
-    return scores.masked_fill(excluded[:, None], float("-inf"))
 
 
 def landmark_pairs(limit: Tensor, per_row: int) -> int:
@@ -190,7 +167,7 @@ class _LandmarkAttention(torch.autograd.Function):
         for first, end, span in chunks:
             if span == 0:
                 continue
-            scores = _chunk_scores(landmark[:, :, first:end], k[:, :, :span], limit[:, first:end], key_real,
+            scores = chunk_scores(landmark[:, :, first:end], k[:, :, :span], limit[:, first:end], key_real,
                                    scale)
             if width:
                 top = scores.topk(min(width, span), dim=-1)
@@ -222,7 +199,7 @@ class _LandmarkAttention(torch.autograd.Function):
             if span == 0:
                 continue
             rows = slice(first, end)
-            scores = _chunk_scores(landmark[:, :, rows], k[:, :, :span], limit[:, rows], ctx.key_real, scale)
+            scores = chunk_scores(landmark[:, :, rows], k[:, :, :span], limit[:, rows], ctx.key_real, scale)
             probs = torch.exp(scores - lse[:, :, rows, None])
             grad_v[:, :, :span] += probs.transpose(-1, -2) @ grad_out[:, :, rows]
             grad_scores = probs * (grad_out[:, :, rows] @ v[:, :, :span].transpose(-1, -2)

@@ -3,31 +3,21 @@ exactly the pairs ops/mita/op.py's `mita_attention` computes, the twin its tests
 and `landmark_attention_reference`, the landmark stage's (ops/mita/landmarks.py) written densely.
 The algorithm is described in ops/mita/op.py's module docstring.
 
-This twin imports no fast path (tests/ops/test_references_independent.py): `DEFAULT_BLOCK` (from
-ops/mita/op.py), `grid_pool_shape`, `pool_windows` and `_chunk_scores` (from ops/mita/landmarks.py)
-are plain copies of the fast modules' (the copied constant is checked to equal the op's); the
-argument check comes from ops/mita/checks.py."""
+This twin imports no fast path (tests/ops/test_references_independent.py): `DEFAULT_BLOCK` is a
+plain copy of ops/mita/op.py's (checked to equal it); `pool_windows` and `chunk_scores` are defined
+here and imported by ops/mita/landmarks.py; the argument check and `grid_pool_shape` come from
+ops/mita/checks.py."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops._checks import check_qkv
-from routeformer.ops.mita.checks import check_mita_args
+from routeformer.ops.mita.checks import check_mita_args, grid_pool_shape
 
 DEFAULT_BLOCK = 64  # the causal block length b when none is given (ops/mita/op.py's default)
-
-
-def grid_pool_shape(landmarks: int) -> tuple[int, int]:
-    """The most square (rows, cols) with rows·cols = landmarks: 16 -> (4, 4), 8 -> (2, 4)."""
-    rows = math.isqrt(landmarks)
-    while landmarks % rows:
-        rows -= 1
-    return rows, landmarks // rows
 
 
 def pool_windows(lengths: Tensor, windows: int, size: int) -> Tensor:
@@ -40,7 +30,7 @@ def pool_windows(lengths: Tensor, windows: int, size: int) -> Tensor:
     return ((position >= start[..., None]) & (position < end[..., None])).float()
 
 
-def _chunk_scores(landmark: Tensor, keys: Tensor, limit: Tensor, key_real: Tensor | None,
+def chunk_scores(landmark: Tensor, keys: Tensor, limit: Tensor, key_real: Tensor | None,
                   scale: float) -> Tensor:
     """Scores of landmarks [B, H, c, d] against keys [B, H, S, d]: −inf beyond each limit [B, c]
     and, where `key_real` [B, N] is given, at padded keys."""
@@ -158,7 +148,7 @@ def landmark_attention_reference(
     key_real: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The specification of `landmark_attention`: dense [E, N] scores, masked softmax, top-K."""
-    scores = _chunk_scores(landmark, k, limit, key_real, scale)
+    scores = chunk_scores(landmark, k, limit, key_real, scale)
     weights = torch.nan_to_num(scores.softmax(-1))
     top = scores.topk(min(topk, k.shape[2]), dim=-1)
     return weights @ v, top.indices, torch.isfinite(top.values)

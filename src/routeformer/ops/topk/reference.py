@@ -3,10 +3,10 @@
 
 Axes: B batch, R routing heads, H heads, T queries, S keys, r routing dim, d key dim, K slots.
 Written the obvious way: all T×S scores, dense masks, one `topk` (a stable sort) or one masked
-softmax. `_block_masks` (from ops/topk/routing.py) and `slot_membership` (from
-ops/topk/gathered.py) are plain copies of the fast modules' helpers, so that this twin imports no
-fast path (tests/ops/test_references_independent.py); the argument check and slot count come
-from ops/topk/slots.py, which imports nothing but torch.
+softmax. `block_masks` (the eligibility rule, which ops/topk/routing.py imports from here) and
+`slot_membership` (a plain copy of ops/topk/gathered.py's) keep this twin free of fast-path imports
+(tests/ops/test_references_independent.py); the argument check and slot count come from
+ops/topk/slots.py, which imports nothing but torch.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from routeformer.ops.full.reference import masked_attention_reference
 from routeformer.ops.topk.slots import check_routing, routing_slots
 
 
-def _block_masks(
+def block_masks(
     start: int, stop: int, first_col: int, end_col: int, num_keys: int, causal: bool,
     local_window: int, global_tokens: int, device: torch.device,
 ) -> tuple[Tensor, Tensor | None]:
@@ -44,7 +44,7 @@ def route_topk_reference(
     check_routing(route_q, route_k, key_mask, causal)
     length, num_keys = route_q.shape[2], route_k.shape[2]
     scores = route_q @ route_k.transpose(-1, -2)
-    ineligible, forced = _block_masks(0, length, 0, num_keys, num_keys, causal, local_window,
+    ineligible, forced = block_masks(0, length, 0, num_keys, num_keys, causal, local_window,
                                       global_tokens, route_q.device)
     if forced is not None:
         scores = scores.masked_fill(forced, float("inf"))

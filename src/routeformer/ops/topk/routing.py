@@ -40,27 +40,11 @@ from routeformer.ops.native.topk import (
     route_topk_scored,
     speculative_query_tile,
 )
+from routeformer.ops.topk.reference import block_masks  # the eligibility rule, defined once
 from routeformer.ops.topk.slots import check_routing, routing_slots
 
 DEFAULT_ROUTING_BLOCK = 64
 DEFAULT_GROUP = 32
-
-
-def _block_masks(
-    start: int, stop: int, first_col: int, end_col: int, num_keys: int, causal: bool,
-    local_window: int, global_tokens: int, device: torch.device,
-) -> tuple[Tensor, Tensor | None]:
-    """(ineligible, forced or None), bool [stop - start, end_col - first_col], for query rows
-    start..stop and key columns first_col..end_col."""
-    rows = torch.arange(start, stop, device=device)[:, None]
-    cols = torch.arange(first_col, end_col, device=device)[None, :]
-    ineligible = cols >= num_keys
-    if causal:
-        ineligible = ineligible | (cols > rows)
-    forced = None
-    if local_window or global_tokens:
-        forced = ((cols <= rows) & (cols > rows - local_window)) | (cols < global_tokens)
-    return ineligible, forced
 
 
 def _mask_block(
@@ -74,7 +58,7 @@ def _mask_block(
     def fill(first_col: int, end_col: int, forced_too: bool, ineligible_too: bool) -> None:
         if end_col <= first_col:
             return
-        ineligible, forced = _block_masks(start, stop, first_col, end_col, num_keys, causal,
+        ineligible, forced = block_masks(start, stop, first_col, end_col, num_keys, causal,
                                           local_window, global_tokens, scores.device)
         if forced_too and forced is not None:
             scores[..., first_col:end_col].masked_fill_(forced, float("inf"))
