@@ -4,7 +4,7 @@ dense warm-up and its counter, and the options' errors."""
 import pytest
 import torch
 
-from routeformer.attention import build_attention
+from routeformer.attention import build_attention, topk_distill
 from routeformer.attention.topk_distill import routing_loss, routing_loss_reference, sample_rows
 from routeformer.ops.topk import route_topk
 
@@ -30,9 +30,12 @@ def inputs(routing_heads, causal, masked, seed=0):
 @pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "padded"])
 @pytest.mark.parametrize("routing_heads", [H, 1], ids=["per-head", "shared"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["every-row", "sampled"])
+@pytest.mark.parametrize("row_products", [True, False], ids=["row-products", "slot-gathers"])
 def test_routing_loss_matches_the_reference_in_value_and_gradient(
-    dense, causal, masked, routing_heads, sampled
+    dense, causal, masked, routing_heads, sampled, row_products, monkeypatch
 ):
+    # the sparse scores from dense row products and a gather, or from per-slot gathers
+    monkeypatch.setattr(topk_distill, "DENSE_ROW_SCORES", T * T if row_products else 0)
     q, k, route_q, route_k, index, valid, mask = inputs(routing_heads, causal, masked)
     rows = torch.tensor([0, 3, 4, 17, 30, 36]) if sampled else None
     options = dict(causal=causal, rows=rows, dense=dense, temperature=1.7, distill_weight=0.8,
@@ -46,7 +49,7 @@ def test_routing_loss_matches_the_reference_in_value_and_gradient(
         torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
     assert grads[1].abs().sum() > 0
     count = T if rows is None else rows.numel()
-    keys = T if dense else index.shape[-1]
+    keys = T if dense or row_products else index.shape[-1]
     assert flops == 2 * B * count * keys * (routing_heads * R_DIM + H * D_HEAD)
 
 

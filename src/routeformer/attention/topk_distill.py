@@ -14,10 +14,17 @@ all), s_i the router's scores. Two supports:
 
 Rows. The KL is averaged over `rows` sampled query positions (drawn uniformly without replacement
 per training call, `sample_rows`), not over all T: the loss is an unbiased estimate of the all-row
-mean and costs O(n·K·(r + d)) sparse, O(n·S·(r + d)) dense, instead of O(T·K·(r + d)) — at T=512-1024
-the all-row loss was ~65 % of a topk layer's training step. `routing_loss_reference` is the
-specification: dense [T, S] scores, the support as a mask, every row, then the sampled rows'
-mean.
+mean — at T=512-1024 the all-row loss was ~65 % of a topk layer's training step.
+
+The sparse support's scores. With n sampled rows the n x S score products are small (n = 64 rows of
+S = 4096 keys is 256k numbers a head), and two dense matrix products followed by a `gather` of the
+K selected columns cost less than gathering K key rows per query (`gathered_dot`: an index_select
+forward, an index_add_ backward, ~2 GFLOP/s on a CPU): at T = 1024 (B = 8, K = 64, compare --long's
+model) the gathers were ~10 % of topk's training step. So the sparse loss reads its scores from the
+dense row products while a row block holds at most `DENSE_ROW_SCORES` scores per head, and gathers
+per slot beyond (every row of a long sequence): O(n·S·(r + d)) products or O(n·K·(r + d)) gathers;
+`flops` counts the work executed. `routing_loss_reference` is the specification: dense [T, S]
+scores, the support as a mask, every row, then the sampled rows' mean.
 """
 
 from __future__ import annotations
@@ -26,6 +33,22 @@ import torch
 from torch import Tensor
 
 from routeformer.ops.topk import gathered_dot, slot_membership
+
+# Most scores per (batch, head) for which the sparse loss computes its rows' dense products and
+# gathers the selected columns instead of gathering keys per slot (see the module docstring): 2^20
+# numbers (4 MiB in fp32) a head covers 64 sampled rows up to S = 16384 keys.
+DENSE_ROW_SCORES = 1 << 20
+
+
+def selected_scores(a: Tensor, b: Tensor, index: Tensor) -> tuple[Tensor, int]:
+    """(a_t · b_index[t, slot] [..., n, K], the multiply-adds executed): from the dense [n, S]
+    products and a gather while n·S <= DENSE_ROW_SCORES, else per-slot gathers (`gathered_dot`).
+    a [B, H, n, r], b [B, H, S, r], index [B, H, n, K] (H may be expanded)."""
+    count, num_keys = a.shape[2], b.shape[2]
+    if count * num_keys <= DENSE_ROW_SCORES:
+        dense = a @ b.transpose(-1, -2)
+        return dense.gather(-1, index.expand(*dense.shape[:-1], index.shape[-1])), dense.numel() * a.shape[-1]
+    return gathered_dot(a, b, index), index.numel() * a.shape[-1]
 
 
 def sample_rows(length: int, count: int | None, device: torch.device) -> Tensor | None:
@@ -101,8 +124,9 @@ def routing_loss(
         flops = 2 * batch * routing_heads * count * num_keys * route_q.shape[-1]
     else:
         support = valid
-        router_logits = gathered_dot(route_q, route_k, index) / temperature
-        flops = 2 * index.numel() * route_q.shape[-1]
+        router_logits, products = selected_scores(route_q, route_k, index)
+        router_logits = router_logits / temperature
+        flops = 2 * products
     router_support = support.expand(batch, routing_heads, count, support.shape[-1])
     router_log_probs = _log_softmax_over(router_logits, router_support)
     row_weight = (router_support.any(-1) & real).float()
@@ -114,8 +138,9 @@ def routing_loss(
                 flops += 2 * batch * heads * count * num_keys * head_dim
             else:
                 head_index = index.expand(batch, heads, count, index.shape[-1])
-                logits = gathered_dot(q, k, head_index) * head_dim ** -0.5
-                flops += 2 * head_index.numel() * head_dim
+                logits, products = selected_scores(q, k, head_index)
+                logits = logits * head_dim ** -0.5
+                flops += 2 * products
             head_support = support.expand(batch, heads, count, support.shape[-1])
             target = _head_target(logits.to(torch.promote_types(logits.dtype, torch.float32)), head_support,
                                   routing_heads)

@@ -142,7 +142,8 @@ def routed_attention(
         # kernels); fp16 is widened here, under autograd, rather than inside the op: the backward
         # then reuses the saved fp32 copies instead of converting q, k, v, out and grad_out again.
         work = q.dtype if reads_bf16(q, k, v) else compute_dtype(q.dtype)
-        out, lse = routed_attention_op(q.to(work), k.to(work), v.to(work), index, valid, scale)
+        # contiguous here, so the tensors autograd saves need no second copy in the backward
+        out, lse = routed_attention_op(*(t.to(work).contiguous() for t in (q, k, v)), index, valid, scale)
         return out.to(q.dtype), lse.to(q.dtype).detach()
     return _RoutedAttention.apply(q, k.contiguous(), v.contiguous(), index, valid, scale, block)
 
