@@ -13,11 +13,12 @@ from routeformer.runner import jobs
 from routeformer.runner.jobs import TaskSetup
 from routeformer.runner.report import mean_sd
 from routeformer.train.on_task import ModelSpec
+from routeformer.train.schedule import Schedule
 
 
 def toy_budget(seeds=2):
     def setup(options, test=16):
-        return TaskSetup(options, steps=2, batch_size=4, lr=1e-3, warmup_steps=1, evals=1,
+        return TaskSetup(options, Schedule(steps=2, batch_size=4, lr=1e-3, warmup_steps=1), evals=1,
                          validation_sequences=8, test_sequences=test)
     return CompareBudget("toy", tasks={
         "lm": setup({"corpus": "pydoc", "seq_len": 32}),
@@ -104,7 +105,8 @@ def test_same_seed_same_batches_across_mechanisms():
         task.batch = lambda size, generator, split="train", drawn=drawn: drawn.append(
             original(size, generator, split)) or drawn[-1]
         train_on_task(task, mechanism, {}, seed=3, spec=ModelSpec(dim=16, depth=1, heads=2),
-                      train=TaskTrainConfig(steps=3, batch_size=4, eval_every=3, seed=3),
+                      train=TaskTrainConfig(Schedule(steps=3, batch_size=4, lr=1e-3, warmup_steps=50),
+                                            eval_every=3, seed=3),
                       validation_sequences=8, test_sequences=8)
         inputs[mechanism] = [batch[0] for batch in drawn]
     assert len(inputs["full"]) == 5 and all(  # 3 training batches, the validation and test samples

@@ -11,6 +11,7 @@ from routeformer.compare.long_budget import LongBudget, LongSetup, Stage, check_
 from routeformer.compare.long_report import _position_section, paired_delta
 from routeformer.compare.long_run import run_compare_long
 from routeformer.train.on_task import ModelSpec
+from routeformer.train.schedule import Schedule
 
 RECORD_FIELDS = {
     "task",
@@ -25,6 +26,7 @@ RECORD_FIELDS = {
     "attention_flops",
     "peak_mib",
 }
+TOY_SCHEDULE = Schedule(steps=2, batch_size=4, lr=1e-3, warmup_steps=1)
 
 
 def toy_budget():
@@ -33,8 +35,8 @@ def toy_budget():
             "mqar": LongSetup(
                 {"seq_len": 32, "pairs": 4, "vocab_size": 16},
                 stages=(
-                    Stage({"seq_len": 16, "pairs": 2}, steps=2, batch_size=4, lr=1e-3, warmup_steps=1),
-                    Stage({}, steps=2, batch_size=4, lr=1e-3, warmup_steps=1),
+                    Stage({"seq_len": 16, "pairs": 2}, TOY_SCHEDULE),
+                    Stage({}, TOY_SCHEDULE),
                 ),
                 evals_per_stage=1,
                 validation_sequences=8,
@@ -43,7 +45,7 @@ def toy_budget():
             ),
             "lm": LongSetup(
                 {"seq_len": 32},
-                stages=(Stage({}, steps=2, batch_size=4, lr=1e-3, warmup_steps=1),),
+                stages=(Stage({}, TOY_SCHEDULE),),
                 evals_per_stage=1,
                 validation_sequences=8,
                 test_tokens=256,

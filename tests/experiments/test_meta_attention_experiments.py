@@ -76,7 +76,8 @@ def test_criterion_and_paired_gaps_are_taken_seed_by_seed():
 def test_toy_run_writes_report_and_result(tmp_path):
     assert "meta-attention-matched" in list_experiments()
     toy = replace(QUICK_BUDGET, setup=replace(QUICK_BUDGET.setup, options={"corpus": "pydoc", "seq_len": 16},
-                                              steps=1, validation_sequences=2, test_sequences=2),
+                                              schedule=replace(QUICK_BUDGET.setup.schedule, steps=1),
+                                              validation_sequences=2, test_sequences=2),
                   spec=replace(QUICK_BUDGET.spec, dim=16), test_characters=128, routing_sequences=2)
     report = run_matched(tmp_path, toy, "toy")
     text = report.read_text()
@@ -100,10 +101,11 @@ def test_table3_runs_its_subset_in_two_processes_and_caches_each_run(tmp_path):
     assert "meta-attention-table3" in list_experiments()
     assert set(variants(TABLE3_BUDGET)) == {"bayesian", "non-bayesian", "full-matched"}
     setup = TABLE3_BUDGET.setup
-    assert (setup.options["seq_len"], setup.steps, setup.batch_size, TABLE3_BUDGET.spec.dim,
+    assert (setup.options["seq_len"], setup.schedule.steps, setup.schedule.batch_size, TABLE3_BUDGET.spec.dim,
             TABLE3_BUDGET.spec.depth, setup.options["corpus"]) == (64, 2000, 32, 128, 2, "wikitext2")
     toy = replace(TABLE3_QUICK, setup=replace(TABLE3_QUICK.setup, options={"corpus": "pydoc", "seq_len": 16},
-                                              steps=1, validation_sequences=2, test_sequences=2),
+                                              schedule=replace(TABLE3_QUICK.setup.schedule, steps=1),
+                                              validation_sequences=2, test_sequences=2),
                   spec=replace(TABLE3_QUICK.spec, dim=16), test_characters=128, routing_sequences=2)
     run_matched(tmp_path, toy, "toy")
     result = json.loads((tmp_path / "result.json").read_text())

@@ -7,10 +7,11 @@ import time
 import pytest
 
 from routeformer.runner.jobs import Job, TaskSetup, run_jobs
+from routeformer.train.schedule import Schedule
 
 
 def tiny_jobs(count: int) -> list[Job]:
-    setup = TaskSetup(options={}, steps=2, batch_size=4, lr=1e-3, warmup_steps=1, evals=1,
+    setup = TaskSetup(options={}, schedule=Schedule(steps=2, batch_size=4, lr=1e-3, warmup_steps=1), evals=1,
                       validation_sequences=8, test_sequences=8)
     task_options = {"seq_len": 16, "pairs": 2, "vocab_size": 16}
     return [Job(key=f"mqar-full-s{seed}", task="mqar", task_options=task_options, mechanism="full",

@@ -1,10 +1,11 @@
 """compare's runs report their progress while they train, not only when they finish."""
 
 from routeformer.runner.jobs import Job, TaskSetup, train_job
+from routeformer.train.schedule import Schedule
 
 
 def test_a_run_says_when_it_starts_and_at_each_evaluation(capsys):
-    setup = TaskSetup(options={}, steps=4, batch_size=4, lr=1e-3, warmup_steps=1, evals=2,
+    setup = TaskSetup(options={}, schedule=Schedule(steps=4, batch_size=4, lr=1e-3, warmup_steps=1), evals=2,
                       validation_sequences=8, test_sequences=8)
     job = Job(key="mqar-full-s0", task="mqar", task_options={"seq_len": 16, "pairs": 2, "vocab_size": 16},
               mechanism="full", options={}, seed=0, setup=setup)

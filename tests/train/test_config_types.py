@@ -11,10 +11,11 @@ def test_numbers_in_files_and_overrides_follow_the_field_types(tmp_path):
     # PyYAML reads 3e-4, 1_000 and 1e3 as strings (YAML 1.1): the schema makes them numbers.
     path.write_text("train: {lr: 3e-4, steps: 1_000, eval_every: 1e3, beta2: .999}\nmodel: {dim: 6.4e1}\n")
     config = load_config(path, ["--train.min_lr_ratio", "1e-1", "--warmup_steps", "2_0", "--out_dir", "010"])
-    assert config.train.lr == 3e-4 and isinstance(config.train.lr, float)
-    assert config.train.steps == 1000 and isinstance(config.train.steps, int)
+    schedule = config.train.schedule
+    assert schedule.lr == 3e-4 and isinstance(schedule.lr, float)
+    assert schedule.steps == 1000 and isinstance(schedule.steps, int)
     assert config.train.eval_every == 1000 and config.train.beta2 == 0.999 and config.model.dim == 64
-    assert config.train.min_lr_ratio == 0.1 and config.train.warmup_steps == 20
+    assert schedule.min_lr_ratio == 0.1 and schedule.warmup_steps == 20
     assert config.out_dir == "010"  # text fields keep the override as typed (YAML would read 8)
 
 

@@ -11,7 +11,8 @@ from torch import nn
 import routeformer
 from routeformer.train.guard import NonFiniteGuard
 from routeformer.train.optim import build_optimizer
-from routeformer.train.steps import Schedule, StepState, run_steps
+from routeformer.train.schedule import Schedule
+from routeformer.train.steps import StepState, run_steps
 
 SOURCE = Path(routeformer.__file__).parent
 
@@ -47,7 +48,7 @@ def test_run_steps_skips_a_non_finite_update_and_reports_every_step():
         return SimpleNamespace(total_loss=loss)
 
     state = StepState(0)
-    run_steps(model, optimizer, Schedule(steps=3, lr=0.1, warmup_steps=1, min_lr_ratio=0.1, grad_clip=1.0),
+    run_steps(model, optimizer, Schedule(steps=3, batch_size=2, lr=0.1, warmup_steps=1),
               NonFiniteGuard(5), state, lambda: (next(batches), None, {}), forward,
               on_update=lambda result: updated.append(result.step),
               on_step_end=lambda result: ended.append(result.step))

@@ -1,5 +1,6 @@
 """The synthetic-task loop resumes an interrupted run exactly, inside `resumable_training`."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 from torch import nn
 
 from routeformer.runner.jobs import cached_run
+from routeformer.train.schedule import Schedule
 from routeformer.train.task_loop import (
     TaskTrainConfig,
     resumable_training,
@@ -50,7 +52,8 @@ def _evaluate(model):
         return {"probe": float(model(probe).sum())}
 
 
-CONFIG = TaskTrainConfig(steps=7, batch_size=8, lr=1e-2, warmup_steps=2, eval_every=2, seed=3)
+CONFIG = TaskTrainConfig(Schedule(steps=7, batch_size=8, lr=1e-2, warmup_steps=2), eval_every=2, seed=3)
+STEPS = CONFIG.schedule.steps
 
 
 def _train(directory, key, fail_at_call=None, config=CONFIG):
@@ -68,7 +71,7 @@ def test_an_interrupted_run_resumes_to_the_same_weights_and_history(tmp_path):
     saved = training_checkpoints(tmp_path / "killed", "run")
     assert [path.name for path in saved] == ["run.train0.pt"]
     resumed, history, calls = _train(tmp_path / "killed", "run")
-    assert len(calls) == CONFIG.steps - 4, "the resumed run must start after the last evaluation"
+    assert len(calls) == STEPS - 4, "the resumed run must start after the last evaluation"
     for ours, theirs in zip(resumed.state_dict().values(), reference.state_dict().values(), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     assert history.evals == reference_history.evals
@@ -89,7 +92,7 @@ def test_without_resumable_training_nothing_is_written(tmp_path, monkeypatch):
 def test_a_checkpoint_of_another_config_is_refused(tmp_path):
     with pytest.raises(_Interrupted):
         _train(tmp_path, "run", fail_at_call=4)
-    changed = TaskTrainConfig(**{**CONFIG.__dict__, "lr": 5e-3})
+    changed = replace(CONFIG, schedule=replace(CONFIG.schedule, lr=5e-3))
     with pytest.raises(ValueError, match="another training config"):
         _train(tmp_path, "run", config=changed)
 
@@ -106,7 +109,7 @@ def test_cached_run_resumes_its_training_and_then_deletes_the_checkpoints(tmp_pa
         cached_run(tmp_path, "cell", lambda: compute(fail_at_call=5))
     assert len(training_checkpoints(tmp_path / "runs", "cell")) == 1
     record = cached_run(tmp_path, "cell", compute)
-    assert record["steps_run"] == CONFIG.steps - 4
+    assert record["steps_run"] == STEPS - 4
     assert training_checkpoints(tmp_path / "runs", "cell") == []
     straight = cached_run(tmp_path / "other", "cell", compute)
     assert straight["first"] == record["first"] and straight["second"] == record["second"]
@@ -120,7 +123,7 @@ def test_a_corrupt_checkpoint_is_reported_and_the_call_starts_over(tmp_path, cap
     saved.write_bytes(saved.read_bytes()[:-50])  # truncated
     resumed, history, calls = _train(tmp_path / "killed", "run")
     assert "run.train0.pt' is corrupt or truncated" in capsys.readouterr().err
-    assert len(calls) == CONFIG.steps and (tmp_path / "killed/run.train0.pt.corrupt").exists()
+    assert len(calls) == STEPS and (tmp_path / "killed/run.train0.pt.corrupt").exists()
     assert history.evals == reference_history.evals
 
 

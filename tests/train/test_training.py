@@ -89,7 +89,7 @@ def test_checkpoint_reloads_the_trained_model(tmp_path):
 
 def test_overrides_and_their_errors():
     config = load_config(None, ["--steps=7", "--model.attention", "[local, full]", "--model.depth", "2"])
-    assert config.train.steps == 7 and config.model.attention == ["local", "full"]
+    assert config.train.schedule.steps == 7 and config.model.attention == ["local", "full"]
     with pytest.raises(ValueError, match="unknown config key 'stpes'"):
         load_config(None, ["--stpes", "3"])
     with pytest.raises(ValueError, match="unknown train config key"):

@@ -21,10 +21,10 @@ parser.add_argument("--mechanism", default="meta")
 args = parser.parse_args()
 torch.set_num_threads(1)
 setup = LONG.tasks["mqar_512"]
-last = setup.stages[-1]
+last = setup.stages[-1].schedule
 last = replace(last, lr=args.lr or last.lr,
                warmup_steps=last.warmup_steps if args.warmup is None else args.warmup)
-setup = replace(setup, stages=(*setup.stages[:-1], last))
+setup = replace(setup, stages=(*setup.stages[:-1], replace(setup.stages[-1], schedule=last)))
 job = next(j for j in long_jobs({"mqar_512": setup}, [args.mechanism], args.seed + 1, LONG.spec, "pydoc")
            if j.seed == args.seed)
 result = train_long_job(job)

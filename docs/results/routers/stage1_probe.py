@@ -15,6 +15,7 @@ import torch
 from routeformer.compare.long_budget import LONG
 from routeformer.tasks import build_task
 from routeformer.train.on_task import build_task_model, evaluate_on_task
+from routeformer.train.schedule import Schedule
 from routeformer.train.task_loop import TaskTrainConfig, train_task
 
 parser = argparse.ArgumentParser()
@@ -31,13 +32,15 @@ setup = LONG.tasks["mqar"]
 stage = setup.stages[0]
 task = build_task("mqar", **{**setup.options, **stage.options})
 torch.manual_seed(args.seed)
-steps = args.steps or stage.steps
+schedule = stage.schedule
+steps = args.steps or schedule.steps
 options = setup.options_for(args.mechanism)
 if args.mechanism == "meta":
     options = {**options, "warmup_steps": steps}
 model = build_task_model(task, args.mechanism, options, LONG.spec)
-cfg = TaskTrainConfig(steps=steps, batch_size=args.batch or stage.batch_size, lr=args.lr or stage.lr,
-                      warmup_steps=stage.warmup_steps if args.warmup is None else args.warmup,
+warmup = schedule.warmup_steps if args.warmup is None else args.warmup
+cfg = TaskTrainConfig(Schedule(steps=steps, batch_size=args.batch or schedule.batch_size,
+                               lr=args.lr or schedule.lr, warmup_steps=warmup),
                       seed=args.seed, eval_every=150)
 history = train_task(model, lambda b, g: task.batch(b, g, "train"),
                      lambda m: evaluate_on_task(m, task, "validation", 256), cfg,

@@ -115,7 +115,7 @@ def command_eval(args: argparse.Namespace) -> int:
     ids = vocab.encode(corpus.val)
     density = config.data.meta_density  # a meta-token run is scored as it was trained
     meta = {"meta_density": density, "meta_id": vocab.pause_id} if density > 0 else {}
-    result = evaluate_lm(model, ids, seq_len=config.data.seq_len, batch_size=config.train.batch_size,
+    result = evaluate_lm(model, ids, seq_len=config.data.seq_len, batch_size=config.train.schedule.batch_size,
                          max_tokens=args.max_tokens, **meta)
     print(json.dumps({"checkpoint": str(path), "step": step, "corpus": corpus.name, **result}))
     return 0

@@ -19,6 +19,7 @@ from typing import Any
 
 from routeformer.runner.jobs import TaskSetup
 from routeformer.train.on_task import ModelSpec
+from routeformer.train.schedule import Schedule
 
 TASKS = ("lm", "mqar", "listops")
 META_DENSITY = 0.1
@@ -49,12 +50,12 @@ class CompareBudget:
 QUICK = CompareBudget(
     "quick",
     tasks={
-        "lm": TaskSetup({"corpus": "pydoc", "seq_len": 128}, steps=300, batch_size=32, lr=3e-3,
-                        warmup_steps=30, test_sequences=256),
-        "mqar": TaskSetup({"seq_len": 32, "pairs": 4, "vocab_size": 16}, steps=600, batch_size=64, lr=3e-3,
-                          warmup_steps=200),
-        "listops": TaskSetup({"seq_len": 32, "max_length": 31}, steps=1200, batch_size=64, lr=3e-3,
-                             warmup_steps=100),
+        "lm": TaskSetup({"corpus": "pydoc", "seq_len": 128},
+                        Schedule(steps=300, batch_size=32, lr=3e-3, warmup_steps=30), test_sequences=256),
+        "mqar": TaskSetup({"seq_len": 32, "pairs": 4, "vocab_size": 16},
+                          Schedule(steps=600, batch_size=64, lr=3e-3, warmup_steps=200)),
+        "listops": TaskSetup({"seq_len": 32, "max_length": 31},
+                             Schedule(steps=1200, batch_size=64, lr=3e-3, warmup_steps=100)),
     },
     spec=ModelSpec(dim=64, depth=2, heads=2, mlp_ratio=2.0, positions="rotary"),
     # MiTA left out for time: with it the quick budget took 11.8 min on 2 idle cores (706 s in
@@ -65,12 +66,12 @@ QUICK = CompareBudget(
 FULL = CompareBudget(
     "full",
     tasks={
-        "lm": TaskSetup({"corpus": "pydoc", "seq_len": 256}, steps=1500, batch_size=32, lr=3e-3,
-                        warmup_steps=100, test_sequences=512),
-        "mqar": TaskSetup({"seq_len": 64, "pairs": 8, "vocab_size": 64}, steps=3000, batch_size=64, lr=3e-3,
-                          warmup_steps=200),
-        "listops": TaskSetup({"seq_len": 128, "max_length": 127, "max_depth": 4}, steps=2000, batch_size=64,
-                             lr=3e-3, warmup_steps=200),
+        "lm": TaskSetup({"corpus": "pydoc", "seq_len": 256},
+                        Schedule(steps=1500, batch_size=32, lr=3e-3, warmup_steps=100), test_sequences=512),
+        "mqar": TaskSetup({"seq_len": 64, "pairs": 8, "vocab_size": 64},
+                          Schedule(steps=3000, batch_size=64, lr=3e-3, warmup_steps=200)),
+        "listops": TaskSetup({"seq_len": 128, "max_length": 127, "max_depth": 4},
+                             Schedule(steps=2000, batch_size=64, lr=3e-3, warmup_steps=200)),
     },
     spec=ModelSpec(dim=128, depth=2, heads=4, mlp_ratio=2.0, positions="rotary"),
     bench_lengths=(1024, 4096, 16384), repeats=5,

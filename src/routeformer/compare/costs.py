@@ -22,7 +22,7 @@ def measure_task_costs(task_name: str, mechanism: str, setup: Any, spec: Any, re
     task = build_task(task_name, **task_options)
     torch.manual_seed(0)
     model = build_task_model(task, mechanism, options_for(mechanism, task.seq_len), spec)
-    inputs, labels = task.batch(setup.batch_size, torch.Generator().manual_seed(1), "train")
+    inputs, labels = task.batch(setup.schedule.batch_size, torch.Generator().manual_seed(1), "train")
     mask = task.mask(inputs)
 
     def forward():

@@ -16,16 +16,17 @@ resumes after its last evaluation), chance and shortcut rules beside every numbe
 Training follows a curriculum (`Stage`s): most steps on a short, easy version of the task, where
 attention learns what to look for cheaply, then the rest at T. The mechanism's length-dependent options
 (budgets in keys: compare/budgets.py) are those of T throughout, so at the short stage a local window covers
-the whole sequence. Each stage restarts AdamW's schedule (warm-up and cosine decay).
+the whole sequence. Each stage restarts AdamW's schedule (warm-up and cosine decay: its `Schedule`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from routeformer.runner.jobs import TaskSetup
 from routeformer.train.on_task import ModelSpec
+from routeformer.train.schedule import Schedule
 
 LONG_MECHANISMS = ("full", "linear", "local", "topk", "mita", "meta", "meta_tokens", "expanding")
 EVAL_MULTIPLES = (2, 4)  # evaluated (forward only) at these multiples of the training length
@@ -33,14 +34,11 @@ EVAL_MULTIPLES = (2, 4)  # evaluated (forward only) at these multiples of the tr
 
 @dataclass(frozen=True)
 class Stage:
-    """A curriculum stage: `steps` steps of batch `batch_size` on the task built with `options`
-    overriding the training setup's (e.g. a shorter seq_len, fewer MQAR pairs; {}: the task itself)."""
+    """A curriculum stage: training as `schedule` says on the task built with `options` overriding
+    the training setup's (e.g. a shorter seq_len, fewer MQAR pairs; {}: the task itself)."""
 
     options: dict[str, Any]
-    steps: int
-    batch_size: int
-    lr: float
-    warmup_steps: int
+    schedule: Schedule
 
 
 @dataclass(frozen=True)
@@ -72,14 +70,12 @@ class LongSetup:
         return self.task or key
 
     def as_task_setup(self) -> TaskSetup:
-        """The last stage as compare's TaskSetup (task_options and the report read it)."""
-        last = self.stages[-1]
+        """The last stage as compare's TaskSetup, over the steps of all stages (task_options and the
+        report read it)."""
+        steps = sum(stage.schedule.steps for stage in self.stages)
         return TaskSetup(
             self.options,
-            steps=sum(s.steps for s in self.stages),
-            batch_size=last.batch_size,
-            lr=last.lr,
-            warmup_steps=last.warmup_steps,
+            replace(self.stages[-1].schedule, steps=steps),
             validation_sequences=self.validation_sequences,
             test_sequences=self.test_tokens // self.seq_len,
         )
@@ -123,8 +119,8 @@ META_RECALL_RECIPE = {
 # moved from 3e-3 to 1e-3 (15:20): at 3e-3 meta seeds 3 and 4 solved T = 128 and collapsed to chance
 # in its first 100 steps; at 1e-3 both reach 1.0 (`docs/results/routers/meta_stage3_probe.py`).
 _RECALL_WARMUP = (
-    Stage({"seq_len": 32, "pairs": 4}, steps=600, batch_size=64, lr=1e-3, warmup_steps=200),
-    Stage({"seq_len": 128}, steps=150, batch_size=32, lr=3e-3, warmup_steps=30),
+    Stage({"seq_len": 32, "pairs": 4}, Schedule(steps=600, batch_size=64, lr=1e-3, warmup_steps=200)),
+    Stage({"seq_len": 128}, Schedule(steps=150, batch_size=32, lr=3e-3, warmup_steps=30)),
 )
 LONG = LongBudget(
     tasks={
@@ -133,16 +129,17 @@ LONG = LongBudget(
             {"seq_len": 4096, "pairs": 7, "vocab_size": 16},
             stages=(
                 *_RECALL_WARMUP,
-                Stage({"seq_len": 512}, steps=200, batch_size=16, lr=1e-3, warmup_steps=20),
-                Stage({"seq_len": 1024}, steps=100, batch_size=8, lr=2e-3, warmup_steps=10),
-                Stage({}, steps=150, batch_size=4, lr=1e-3, warmup_steps=10),
+                Stage({"seq_len": 512}, Schedule(steps=200, batch_size=16, lr=1e-3, warmup_steps=20)),
+                Stage({"seq_len": 1024}, Schedule(steps=100, batch_size=8, lr=2e-3, warmup_steps=10)),
+                Stage({}, Schedule(steps=150, batch_size=4, lr=1e-3, warmup_steps=10)),
             ),
             mechanism_options={"meta": META_RECALL_RECIPE},
         ),
         # The earlier long compare's recall at T = 512 (docs/results/compare/long-1k).
         "mqar_512": LongSetup(
             {"seq_len": 512, "pairs": 7, "vocab_size": 16},
-            stages=(*_RECALL_WARMUP, Stage({}, steps=200, batch_size=16, lr=1e-3, warmup_steps=20)),
+            stages=(*_RECALL_WARMUP,
+                    Stage({}, Schedule(steps=200, batch_size=16, lr=1e-3, warmup_steps=20))),
             mechanism_options={"meta": META_RECALL_RECIPE},
             task="mqar",
         ),
@@ -150,8 +147,8 @@ LONG = LongBudget(
         "lm": LongSetup(
             {"seq_len": 1024},
             stages=(
-                Stage({"seq_len": 128}, steps=250, batch_size=32, lr=3e-3, warmup_steps=25),
-                Stage({}, steps=60, batch_size=8, lr=1e-3, warmup_steps=6),
+                Stage({"seq_len": 128}, Schedule(steps=250, batch_size=32, lr=3e-3, warmup_steps=25)),
+                Stage({}, Schedule(steps=60, batch_size=8, lr=1e-3, warmup_steps=6)),
             ),
         ),
         # The long-range LM (issue 45): Python source at T = 4096, one file per window from its first
@@ -161,9 +158,9 @@ LONG = LongBudget(
         "code_lm": LongSetup(
             {"seq_len": 4096},
             stages=(
-                Stage({"seq_len": 256, "documents": "stream"}, steps=1500, batch_size=32, lr=3e-3,
-                      warmup_steps=100),
-                Stage({}, steps=300, batch_size=2, lr=1e-3, warmup_steps=20),
+                Stage({"seq_len": 256, "documents": "stream"},
+                      Schedule(steps=1500, batch_size=32, lr=3e-3, warmup_steps=100)),
+                Stage({}, Schedule(steps=300, batch_size=2, lr=1e-3, warmup_steps=20)),
             ),
             evals_per_stage=4,
         ),

@@ -47,7 +47,7 @@ def measure_long_costs(
         models = {name: model_for(name, tasks[name]) for name in names}
         for model in models.values():
             skip_schedules(model, routing_shares)
-        batch = setup.stages[-1].batch_size
+        batch = setup.stages[-1].schedule.batch_size
         data = {name: tasks[name].batch(batch, torch.Generator().manual_seed(1), "train") for name in names}
 
         def step(name: str) -> Callable[[], None]:

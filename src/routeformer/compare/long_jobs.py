@@ -31,19 +31,14 @@ def train_long_job(job: Job) -> dict[str, Any]:
         return model(inputs, labels, mask=stage_task.mask(inputs), logits_at_labels=True)
 
     validation, train_seconds, done = [], 0.0, 0
-    total = sum(stage.steps for stage in job.setup.stages)
+    total = sum(stage.schedule.steps for stage in job.setup.stages)
     say(f"  {job.key}: started ({total} steps in {len(job.setup.stages)} stages)")
     for index, stage in enumerate(job.setup.stages):
         stage_task = build_task(name, **{**job.task_options, **stage.options})
         length = stage_task.seq_len
-        config = TaskTrainConfig(
-            steps=stage.steps,
-            batch_size=stage.batch_size,
-            lr=stage.lr,
-            warmup_steps=stage.warmup_steps,
-            seed=job.seed,
-            eval_every=max(1, stage.steps // job.setup.evals_per_stage),
-        )
+        steps = stage.schedule.steps
+        config = TaskTrainConfig(stage.schedule, seed=job.seed,
+                                 eval_every=max(1, steps // job.setup.evals_per_stage))
         sequences = max(8, job.setup.validation_sequences * task.seq_len // length)
         history = train_task(
             model,
@@ -55,7 +50,7 @@ def train_long_job(job: Job) -> dict[str, Any]:
         )
         validation += [{**record, "stage": index, "task": stage_task.describe()} for record in history.evals]
         train_seconds += history.train_seconds
-        done += stage.steps
+        done += steps
     tests = {}
     for multiple in (1, *EVAL_MULTIPLES):
         length = task.seq_len * multiple

@@ -99,9 +99,9 @@ def write_long_report(
     for task, by_mechanism in runs.items():
         setup = setups[task]
         stages = "; ".join(
-            f"{s.steps} steps of batch {s.batch_size} on "
+            f"{s.schedule.steps} steps of batch {s.schedule.batch_size} on "
             + (", ".join(f"{k}={v}" for k, v in s.options.items()) or "the task itself")
-            + f" (lr {s.lr:g}, {s.warmup_steps} "
+            + f" (lr {s.schedule.lr:g}, {s.schedule.warmup_steps} "
             "warm-up)"
             for s in setup.stages
         )

@@ -165,7 +165,7 @@ def earlier_invocations(result_json: Path) -> list[dict[str, Any]]:
 
 
 def _task_section(task: str, setup: Any, summary: dict[str, Any], runs: dict[str, list]) -> list[str]:
-    floor, rows = summary["floor"], summary["rows"]
+    floor, rows, schedule = summary["floor"], summary["rows"], setup.schedule
     metric = floor["metric"]
     table = [[("★ " if r["pareto"] else "") + r["mechanism"], r["parameters"],
               f"{r['quality_mean']:.4f} ± {r['quality_sd']:.4f}", "yes" if r["above_floor"] else "no",
@@ -178,8 +178,8 @@ def _task_section(task: str, setup: Any, summary: dict[str, Any], runs: dict[str
     pairs = summary["separated_pairs"]
     lines = [
         f"## {task}",
-        f"Task `{floor['task']}`; {setup.steps} steps of batch {setup.batch_size}, lr {setup.lr:g} "
-        f"({setup.warmup_steps} warm-up); test on {setup.test_sequences} sequences. "
+        f"Task `{floor['task']}`; {schedule.steps} steps of batch {schedule.batch_size}, lr {schedule.lr:g} "
+        f"({schedule.warmup_steps} warm-up); test on {setup.test_sequences} sequences. "
         f"Floor: {chance_word} {floor['chance']:.4f}; shortcut rules (measured on the test split): "
         f"{baselines}.",
         markdown_table(["mechanism", "params", f"{metric} (mean ± sd)", "beats floor by > 3 sd",

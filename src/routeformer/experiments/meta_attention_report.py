@@ -89,6 +89,7 @@ def _routing_cells(entry: dict[str, Any]) -> list[str]:
 
 def write_matched_report(out_dir: Path, runs: dict[str, list[dict]], budget, command: str) -> Path:
     setup, spec = budget.setup, budget.spec
+    schedule = setup.schedule
     train_len = setup.options["seq_len"]
     lengths = [m * train_len for m in budget.length_multiples]
     summary = summarise(runs, lengths)
@@ -158,8 +159,9 @@ def write_matched_report(out_dir: Path, runs: dict[str, list[dict]], budget, com
         provenance(command), "",
         f"Task `lm(corpus={setup.options['corpus']}, seq_len={train_len})` (character LM, "
         f"routeformer.tasks); backbone {spec.depth} layers, D={spec.dim}, {spec.heads} heads, MLP ratio "
-        f"{spec.mlp_ratio}, {spec.positions} positions; {setup.steps} steps of batch {setup.batch_size}, "
-        f"AdamW lr {setup.lr} ({setup.warmup_steps} warm-up, cosine); seeds {seeds}, every variant seeing "
+        f"{spec.mlp_ratio}, {spec.positions} positions; {schedule.steps} steps of batch "
+        f"{schedule.batch_size}, AdamW lr {schedule.lr} ({schedule.warmup_steps} warm-up, cosine); "
+        f"seeds {seeds}, every variant seeing "
         f"the same batches per seed. Meta: local window {train_len // 4}, the layer's other defaults (costs "
         "1.0 / 0.15 / 0.30, β₀ = 1, ε = 0.01, KL weight 1, soft routing sampled in training, posterior mean "
         f"at evaluation). {budget.note} Test: the same "

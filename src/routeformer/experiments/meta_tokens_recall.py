@@ -35,6 +35,7 @@ from routeformer.runner.report import (
 )
 from routeformer.train.on_recall import (
     LENGTH_FACTORS,
+    RECALL_SCHEDULE,
     RecallRun,
     floors,
     pretrain_body,
@@ -73,7 +74,7 @@ def settings(quick: bool) -> Settings:
 def run_key(run: RecallRun) -> str:
     options = "x".join(str(run.task_options[name]) for name in sorted(run.task_options))
     init = "-ft" + Path(run.init).stem if run.init else ""
-    return f"{run.task}{options}-{run.variant}-{run.positions}-s{run.seed}-{run.steps}{init}"
+    return f"{run.task}{options}-{run.variant}-{run.positions}-s{run.seed}-{run.schedule.steps}{init}"
 
 
 def _runs_dir(out_dir: Path) -> Path:
@@ -82,9 +83,9 @@ def _runs_dir(out_dir: Path) -> Path:
 
 def base_run(task: str, variant: str, seed: int, s: Settings, **changes) -> RecallRun:
     steps = max(1, s.steps // 2) if task in HALF_STEPS else s.steps
-    return RecallRun(task, TASK_OPTIONS[task], variant=variant, seed=seed, steps=steps,
-                     validation_sequences=s.validation_sequences, test_sequences=s.test_sequences,
-                     **changes)
+    return RecallRun(task, TASK_OPTIONS[task], variant=variant, seed=seed,
+                     schedule=replace(RECALL_SCHEDULE, steps=steps),
+                     validation_sequences=s.validation_sequences, test_sequences=s.test_sequences, **changes)
 
 
 def train(out_dir: Path, run: RecallRun) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from routeformer.models.config import ModelConfig
 from routeformer.models.vit import VisionConfig, ViT
 from routeformer.runner.jobs import cached_run, run_key, say
 from routeformer.runner.report import line_plot, markdown_table, mean_sd, provenance, write_result
+from routeformer.train.schedule import Schedule
 from routeformer.train.task_loop import TaskTrainConfig, train_task
 
 VIT_SHAPE = {"dim": 64, "depth": 2, "heads": 4, "mlp_ratio": 2.0}
@@ -67,7 +68,7 @@ def train_vit(mechanism: str, options: dict[str, Any], size: int, seed: int, ste
         index = torch.randint(len(train_split.labels), (batch_size,), generator=generator)
         return train_split.images[index], train_split.labels[index]
 
-    config = TaskTrainConfig(steps=steps, batch_size=64, lr=2e-3, warmup_steps=steps // 10,
+    config = TaskTrainConfig(Schedule(steps=steps, batch_size=64, lr=2e-3, warmup_steps=steps // 10),
                              weight_decay=0.05, eval_every=max(1, steps // 4), seed=seed)
     history = train_task(model, make_batch, lambda m: vit_accuracy(m, test_split), config,
                          log=lambda line: say(f"  {line}"))

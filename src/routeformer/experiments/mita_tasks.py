@@ -27,6 +27,7 @@ from routeformer.experiments.registry import register_experiment
 from routeformer.runner.jobs import TaskSetup, cached_run, say
 from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.train.on_task import ModelSpec, build_task_model, evaluate_on_task, train_on_task
+from routeformer.train.schedule import Schedule
 from routeformer.train.task_loop import TaskTrainConfig
 
 SEQ_LEN = 32
@@ -34,15 +35,18 @@ SEQ_LEN = 32
 # MiTA runs below are those of the quick compare plus their Fig. 7/8 evaluations. T = 64 cleared the
 # flat rule as well on validation (full, seed 0: 0.527 vs 0.434 at step 900) but costs twice as much:
 # more than this 2-core machine could give while it was shared.
-LISTOPS = TaskSetup({"seq_len": SEQ_LEN, "max_length": SEQ_LEN - 1}, steps=1200, batch_size=64, lr=3e-3,
-                    warmup_steps=100, validation_sequences=256, test_sequences=1024)
+LISTOPS = TaskSetup({"seq_len": SEQ_LEN, "max_length": SEQ_LEN - 1},
+                    Schedule(steps=1200, batch_size=64, lr=3e-3, warmup_steps=100),
+                    validation_sequences=256, test_sequences=1024)
 # The same task at twice the length (where MiTA's budget T/8 saves more), run after the T = 32
 # results were in; the setup is the T = 32 one with only the length changed (full, seed 0, cleared
 # the flat rule on validation there: 0.527 vs 0.434 at step 900).
-LONG_LISTOPS = TaskSetup({"seq_len": 64, "max_length": 63}, steps=1200, batch_size=64, lr=3e-3,
-                         warmup_steps=100, validation_sequences=256, test_sequences=1024)
-QUICK_LISTOPS = TaskSetup({"seq_len": 32, "max_length": 31, "pool": 2000}, steps=20, batch_size=16, lr=3e-3,
-                          warmup_steps=2, evals=1, validation_sequences=32, test_sequences=64)
+LONG_LISTOPS = TaskSetup({"seq_len": 64, "max_length": 63},
+                         Schedule(steps=1200, batch_size=64, lr=3e-3, warmup_steps=100),
+                         validation_sequences=256, test_sequences=1024)
+QUICK_LISTOPS = TaskSetup({"seq_len": 32, "max_length": 31, "pool": 2000},
+                          Schedule(steps=20, batch_size=16, lr=3e-3, warmup_steps=2),
+                          evals=1, validation_sequences=32, test_sequences=64)
 SPEC = ModelSpec(dim=64, depth=2, heads=2, mlp_ratio=2.0, positions="rotary")
 SEEDS = (0, 1, 2)
 PAPER_LISTOPS = {"full": 37.10, "mita": 37.20}  # LRA ListOps accuracy (%), MiTA paper Table 5
@@ -118,9 +122,8 @@ def listops_run(out: Path, name: str, mechanism: str, options: dict[str, Any], s
     def compute() -> dict[str, Any]:
         torch.set_num_threads(1)
         task = build_task("listops", **setup.options)
-        train = TaskTrainConfig(steps=setup.steps, batch_size=setup.batch_size, lr=setup.lr,
-                                warmup_steps=setup.warmup_steps,
-                                eval_every=max(1, setup.steps // setup.evals), seed=seed)
+        train = TaskTrainConfig(setup.schedule, eval_every=max(1, setup.schedule.steps // setup.evals),
+                                seed=seed)
         return train_on_task(task, mechanism, options, seed=seed, train=train, spec=SPEC,
                              validation_sequences=setup.validation_sequences,
                              test_sequences=setup.test_sequences,
@@ -142,9 +145,11 @@ def _floor_lines(floor: dict[str, Any]) -> str:
 
 def _setup_line(setup: TaskSetup, seeds: tuple[int, ...]) -> str:
     length_note = "" if setup.options["seq_len"] == SEQ_LEN else ", only the length changed here"
+    schedule = setup.schedule
     return (f"Task `listops` ({', '.join(f'{k}={v}' for k, v in setup.options.items())}), bidirectional, "
-            f"the answer read at a `?` token; {setup.steps} steps of batch {setup.batch_size}, lr {setup.lr} "
-            f"({setup.warmup_steps} warm-up), AdamW + cosine; backbone {SPEC}; seeds {list(seeds)}, every "
+            f"the answer read at a `?` token; {schedule.steps} steps of batch {schedule.batch_size}, "
+            f"lr {schedule.lr} ({schedule.warmup_steps} warm-up), AdamW + cosine; backbone {SPEC}; "
+            f"seeds {list(seeds)}, every "
             "mechanism on the same batches per seed. The setup is `compare --quick`'s ListOps (chosen there "
             f"on full's validation accuracy{length_note}); test accuracy on {setup.test_sequences} held-out "
             "sequences.")

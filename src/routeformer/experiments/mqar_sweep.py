@@ -20,6 +20,7 @@ from routeformer.experiments.registry import register_experiment
 from routeformer.runner.jobs import Job, TaskSetup, run_jobs, say
 from routeformer.runner.report import line_plot, markdown_table, mean_sd, provenance, write_result
 from routeformer.train.on_task import ModelSpec
+from routeformer.train.schedule import Schedule
 
 FULL_GRID = {"lengths": (64, 128, 256), "pairs": (4, 8, 16), "widths": (32, 64, 128), "seeds": 3,
              "steps": 2000, "mechanisms": None}
@@ -34,8 +35,8 @@ def sweep_jobs(grid: dict[str, Any], mechanisms: list[str]) -> list[Job]:
             if 4 * pairs > length:
                 continue
             task_options = {"seq_len": length, "pairs": pairs, "vocab_size": max(64, 4 * pairs)}
-            setup = TaskSetup(task_options, steps=grid["steps"], batch_size=64, lr=3e-3,
-                              warmup_steps=grid["steps"] // 10, evals=4, test_sequences=512)
+            schedule = Schedule(steps=grid["steps"], batch_size=64, lr=3e-3, warmup_steps=grid["steps"] // 10)
+            setup = TaskSetup(task_options, schedule, evals=4, test_sequences=512)
             for width in grid["widths"]:
                 spec = ModelSpec(dim=width, depth=2, heads=2, mlp_ratio=2.0, positions="rotary")
                 for mechanism in mechanisms:

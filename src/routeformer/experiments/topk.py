@@ -15,6 +15,7 @@ from typing import Any
 from routeformer.experiments.registry import register_experiment
 from routeformer.runner.jobs import cached_run, run_key, say
 from routeformer.runner.report import line_plot, markdown_table, mean_sd, provenance, write_result
+from routeformer.train.schedule import Schedule
 from routeformer.train.task_loop import TaskTrainConfig
 
 
@@ -99,7 +100,7 @@ def previous_token(out_dir: Path, quick: bool) -> Path:
     spec = ModelSpec(dim=64, depth=1, heads=2, positions="rotary")
     variants, rows = _seeded_variants(
         out_dir, task, PREVIOUS_TOKEN_VARIANTS, seeds,
-        lambda seed: TaskTrainConfig(steps=steps, batch_size=64, lr=3e-3, warmup_steps=steps // 10,
+        lambda seed: TaskTrainConfig(Schedule(steps=steps, batch_size=64, lr=3e-3, warmup_steps=steps // 10),
                                      eval_every=steps, seed=seed), spec, "accuracy")
     result = {"task": task.describe(), "model": spec.__dict__, "steps": steps, "variants": variants}
     command = "routeformer reproduce topk-previous-token" + (" --quick" if quick else "")
@@ -131,7 +132,7 @@ def position_lm(out_dir: Path, quick: bool) -> Path:
     spec = ModelSpec(dim=64, depth=2, heads=2, mlp_ratio=2.0, positions="rotary")
     variants, rows = _seeded_variants(
         out_dir, task, POSITION_LM_VARIANTS, seeds,
-        lambda seed: TaskTrainConfig(steps=steps, batch_size=32, lr=3e-3, warmup_steps=steps // 10,
+        lambda seed: TaskTrainConfig(Schedule(steps=steps, batch_size=32, lr=3e-3, warmup_steps=steps // 10),
                                      eval_every=steps, seed=seed), spec, task.metric, test_sequences=256)
     full = variants["full"]["mean"]
     for row, name in zip(rows, variants, strict=True):

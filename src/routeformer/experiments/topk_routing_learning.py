@@ -21,6 +21,7 @@ holds no parameters) and each task's chance level and measured shortcut rules.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from routeformer.experiments.registry import register_experiment
 from routeformer.runner.jobs import Job, TaskSetup, cached_run, run_jobs, say
 from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.train.on_task import ModelSpec
+from routeformer.train.schedule import Schedule
 
 LEARNING = ("distill", "score_bias", "none")
 POSITIONS = ("recency", "none")
@@ -53,7 +55,8 @@ def variants(seq_len: int) -> dict[str, tuple[str, dict[str, Any]]]:
 
 def _quick_setup(setup: TaskSetup) -> TaskSetup:
     """A smoke-test budget: a few steps, small evaluation samples (checks plumbing, measures nothing)."""
-    return TaskSetup({**setup.options, "seq_len": 32}, steps=4, batch_size=8, lr=setup.lr, warmup_steps=1,
+    return TaskSetup({**setup.options, "seq_len": 32},
+                     Schedule(steps=4, batch_size=8, lr=setup.schedule.lr, warmup_steps=1),
                      evals=1, validation_sequences=16, test_sequences=16)
 
 
@@ -108,7 +111,7 @@ def _fmt(mean_and_sd: tuple[float, float]) -> str:
 
 def task_section(task: str, setup: TaskSetup, rows: dict[str, dict[str, Any]], floor: dict[str, Any],
                  choices: list[dict[str, Any]], spec: ModelSpec) -> str:
-    metric = floor["metric"]
+    metric, schedule = floor["metric"], setup.schedule
     shortcuts = "; ".join(f"{name}: {value:.4f}" for name, value in floor["baselines"].items())
     table = markdown_table(
         ["variant", "params", "attention FLOPs/token", f"validation {metric}", "validation per seed",
@@ -124,8 +127,8 @@ def task_section(task: str, setup: TaskSetup, rows: dict[str, dict[str, Any]], f
         f"{c['not_separated_from'] or 'no other'}." for c in choices)
     return "\n\n".join([
         f"## {task}",
-        f"Task `{floor['task']}`; {setup.steps} steps of batch {setup.batch_size}, lr {setup.lr} "
-        f"({setup.warmup_steps} warm-up); validation on {setup.validation_sequences} sequences at the "
+        f"Task `{floor['task']}`; {schedule.steps} steps of batch {schedule.batch_size}, lr {schedule.lr} "
+        f"({schedule.warmup_steps} warm-up); validation on {setup.validation_sequences} sequences at the "
         f"last evaluation, test on {setup.test_sequences}. Backbone: {spec.depth} layers, D={spec.dim}, "
         f"{spec.heads} heads, MLP ratio {spec.mlp_ratio}, {spec.positions} positions. Floor: chance "
         f"{floor['chance']:.4f}; shortcut rules (test split): {shortcuts}.",
@@ -158,7 +161,7 @@ def routing_learning(out_dir: Path, quick: bool, workers: int = 1) -> Path:
         higher = floor["higher_is_better"]
         choices = [choose(rows, higher, "routing_learning", "positions=recency"),
                    choose(rows, higher, "routing_positions", "topk distill,")]
-        result["tasks"][task] = {"setup": setup.__dict__, "floor": floor, "variants": rows,
+        result["tasks"][task] = {"setup": asdict(setup), "floor": floor, "variants": rows,
                                  "choices": choices}
         sections.append(task_section(task, setup, rows, floor, choices, spec))
     command = "routeformer reproduce topk-routing-learning" + (" --quick" if quick else "")

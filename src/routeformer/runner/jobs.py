@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.train.on_task import ModelSpec
+from routeformer.train.schedule import Schedule
 
 
 def cached_run(out_dir: Path, key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -53,12 +54,10 @@ def run_key(name: str) -> str:
 
 @dataclass(frozen=True)
 class TaskSetup:
-    """One task of a budget: what `build_task` gets, and how every mechanism trains on it."""
+    """One task of a budget: what `build_task` gets, how every mechanism trains on it (`schedule`,
+    evaluated `evals` times on `validation_sequences`), and how many sequences it is tested on."""
     options: dict[str, Any]
-    steps: int
-    batch_size: int
-    lr: float
-    warmup_steps: int
+    schedule: Schedule
     evals: int = 4
     validation_sequences: int = 256
     test_sequences: int = 1024
@@ -83,15 +82,14 @@ def train_job(job: Job) -> dict[str, Any]:
     from routeformer.train.task_loop import TaskTrainConfig
 
     setup = job.setup
+    steps = setup.schedule.steps
     task = build_task(job.task, **job.task_options)
-    train = TaskTrainConfig(steps=setup.steps, batch_size=setup.batch_size, lr=setup.lr,
-                            warmup_steps=setup.warmup_steps, eval_every=max(1, setup.steps // setup.evals),
-                            seed=job.seed)
-    say(f"  {job.key}: started ({setup.steps} steps)")
+    train = TaskTrainConfig(setup.schedule, eval_every=max(1, steps // setup.evals), seed=job.seed)
+    say(f"  {job.key}: started ({steps} steps)")
     record = train_on_task(task, job.mechanism, job.options, seed=job.seed, train=train, spec=job.spec,
                            validation_sequences=setup.validation_sequences,
                            test_sequences=setup.test_sequences,
-                           log=lambda line: say(f"  {job.key}: {_with_total(line, setup.steps)}"))
+                           log=lambda line: say(f"  {job.key}: {_with_total(line, steps)}"))
     return {**record, "task_name": job.task, "task_options": job.task_options}
 
 

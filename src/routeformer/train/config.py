@@ -1,8 +1,13 @@
-"""Run configuration: model + data + training, loaded from YAML with `--key value` overrides."""
+"""Run configuration: model + data + training, loaded from YAML with `--key value` overrides.
+
+A file and the overrides spell every section flat (`train.warmup_steps`, `--lr 3e-4`); in memory the
+`train` section keeps its steps, batch size, learning rate, warm-up, cosine floor and clipping in one
+`Schedule` (train/schedule.py), the type every training loop reads. `RunConfig.to_dict` and
+`from_dict` convert between the two (checkpoints and config.yaml hold the flat layout)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +21,7 @@ from routeformer.train.config_types import (
     field_types,
     parse_override,
 )
+from routeformer.train.schedule import Schedule
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -40,15 +46,12 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 600
-    batch_size: int = 32
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr · min_lr_ratio
-    warmup_steps: int = 100
+    # steps, batch_size, lr, warmup_steps, min_lr_ratio (the cosine decays to lr · min_lr_ratio) and
+    # grad_clip (0 disables clipping): keys of `train` in files and overrides (`train_keys`).
+    schedule: Schedule = Schedule(steps=600, batch_size=32, lr=3e-3, warmup_steps=100)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.99
-    grad_clip: float = 1.0  # 0 disables clipping
     eval_every: int = 200
     eval_tokens: int = 65536  # validation tokens per periodic evaluation
     final_eval_tokens: int | None = None  # validation tokens of the final evaluation (None: all)
@@ -85,9 +88,10 @@ class RunConfig:
     out_dir: str = "runs/default"
 
     def __post_init__(self) -> None:
+        train = train_keys(self.train)
         for name in ("steps", "batch_size", "eval_every", "eval_tokens", "checkpoint_every", "log_every",
                      "max_nonfinite_steps", "keep_checkpoints"):
-            check_positive(f"train.{name}", getattr(self.train, name))
+            check_positive(f"train.{name}", train[name])
         check_positive("data.seq_len", self.data.seq_len)
         from routeformer.tasks.meta_tokens import check_density
 
@@ -97,10 +101,10 @@ class RunConfig:
                              "use one of them")
         if self.train.final_eval_tokens is not None:
             check_positive("train.final_eval_tokens", self.train.final_eval_tokens)
-        if not self.train.lr > 0:
-            raise ValueError(f"train.lr must be > 0; got {self.train.lr!r}")
-        if not 0 <= self.train.min_lr_ratio <= 1:
-            raise ValueError(f"train.min_lr_ratio must be in [0, 1]; got {self.train.min_lr_ratio!r}")
+        if not train["lr"] > 0:
+            raise ValueError(f"train.lr must be > 0; got {train['lr']!r}")
+        if not 0 <= train["min_lr_ratio"] <= 1:
+            raise ValueError(f"train.min_lr_ratio must be in [0, 1]; got {train['min_lr_ratio']!r}")
         if self.train.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"train.device must be 'cpu', 'cuda' or 'auto'; got {self.train.device!r}")
         if self.train.logger not in LOGGERS:
@@ -110,14 +114,15 @@ class RunConfig:
         if self.train.precision not in PRECISIONS:
             raise ValueError(f"train.precision must be one of {PRECISIONS}; got {self.train.precision!r}")
         for name in ("warmup_steps", "grad_clip", "weight_decay"):
-            if getattr(self.train, name) < 0:
-                raise ValueError(f"train.{name} must be >= 0; got {getattr(self.train, name)!r}")
+            if train[name] < 0:
+                raise ValueError(f"train.{name} must be >= 0; got {train[name]!r}")
         for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self.train, name) < 1:
-                raise ValueError(f"train.{name} must be in [0, 1); got {getattr(self.train, name)!r}")
+            if not 0 <= train[name] < 1:
+                raise ValueError(f"train.{name} must be in [0, 1); got {train[name]!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain values in a config file's layout (what config.yaml and checkpoints hold)."""
+        return {**asdict(self), "train": train_keys(self.train)}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:
@@ -130,17 +135,17 @@ class RunConfig:
             raise ValueError(f"unknown config key(s) {unknown}; valid: {sorted(SECTIONS) + ['out_dir']}")
         built = {}
         for name, section in SECTIONS.items():
-            part = coerce_section(name, section, values.get(name) or {})
+            part = coerce_section(name, section_types(name), values.get(name) or {})
             if name == "model":
                 if "attention_options" in part:
                     part["attention_options"] = coerce_attention_options(part["attention_options"])
                 built[name] = ModelConfig.from_dict(part)
                 continue
-            valid = {f.name for f in fields(section)}
-            bad = sorted(set(part) - valid)
+            valid = section_types(name)
+            bad = sorted(set(part) - set(valid))
             if bad:
                 raise ValueError(f"unknown {name} config key(s) {bad}; valid: {sorted(valid)}")
-            built[name] = section(**part)
+            built[name] = _train_config(part) if section is TrainConfig else section(**part)
         out_dir = values.get("out_dir", "runs/default")
         if not isinstance(out_dir, (str, int, float)) or isinstance(out_dir, bool) or out_dir == "":
             raise ValueError(f"out_dir must be a directory path; got {out_dir!r}")
@@ -148,14 +153,39 @@ class RunConfig:
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+_SCHEDULE_KEYS = tuple(f.name for f in fields(Schedule))
+
+
+def train_keys(train: TrainConfig) -> dict[str, Any]:
+    """The `train` section as a file spells it: the schedule's fields, then the others."""
+    values = asdict(train)
+    schedule = values.pop("schedule")
+    return {**schedule, **values}
+
+
+def _train_config(values: dict[str, Any]) -> TrainConfig:
+    """A TrainConfig from flat `train` keys (those not given keep their defaults)."""
+    scheduled = {key: value for key, value in values.items() if key in _SCHEDULE_KEYS}
+    rest = {key: value for key, value in values.items() if key not in _SCHEDULE_KEYS}
+    return TrainConfig(replace(TrainConfig().schedule, **scheduled), **rest)
+
+
+def section_types(name: str) -> dict[str, Any]:
+    """{key: type} of the section `name` as files and overrides spell it (`train`: the schedule's
+    fields beside its own)."""
+    types = field_types(SECTIONS[name])
+    if name == "train":
+        del types["schedule"]
+        types = {**field_types(Schedule), **types}
+    return types
 
 
 def describe_keys() -> str:
     """Every config key as `--section.key TYPE (default VALUE)`, one per line (`train --help`)."""
     defaults = RunConfig().to_dict()
     lines = []
-    for section, schema in SECTIONS.items():
-        for key, annotation in field_types(schema).items():
+    for section in SECTIONS:
+        for key, annotation in section_types(section).items():
             lines.append(f"  --{section}.{key} {_type_name(annotation)} (default {defaults[section][key]!r})")
     lines.append(f"  --out_dir str (default {defaults['out_dir']!r})")
     return "\n".join(lines)
@@ -236,7 +266,7 @@ def _set(values: dict[str, Any], key: str, raw: str) -> None:
     section, leaf = key.split(".", 1)
     if section not in SECTIONS or not isinstance(values.get(section), dict):
         raise ValueError(f"unknown config section {section!r} in --{key}; valid: model, data, train")
-    annotation = field_types(SECTIONS[section]).get(leaf)
+    annotation = section_types(section).get(leaf)
     if annotation is None:  # RunConfig.from_dict names the valid keys
         values[section][leaf] = raw
         return

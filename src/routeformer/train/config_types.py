@@ -32,12 +32,11 @@ def field_types(section: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in fields(section)}
 
 
-def coerce_section(prefix: str, section: type, values: dict[str, Any]) -> dict[str, Any]:
-    """`values` with each known field converted to its annotated type (unknown keys pass through,
-    for the dataclass's own unknown-key error)."""
+def coerce_section(prefix: str, types_by_name: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with each key in `types_by_name` converted to its type (unknown keys pass through,
+    for the section's own unknown-key error)."""
     if not isinstance(values, dict):
         raise ValueError(f"config section {prefix!r} must be a mapping of keys to values; got {values!r}")
-    types_by_name = field_types(section)
     return {key: coerce(f"{prefix}.{key}", value, types_by_name[key]) if key in types_by_name else value
             for key, value in values.items()}
 

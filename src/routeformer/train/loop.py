@@ -78,7 +78,7 @@ from routeformer.train.resume import (
     recorded_final,
     write_config,
 )
-from routeformer.train.steps import Schedule, StepResult, StepState, capture_state, restore_state, run_steps
+from routeformer.train.steps import StepResult, StepState, capture_state, restore_state, run_steps
 
 
 @dataclass
@@ -115,13 +115,14 @@ def train(
 
 def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | None, quiet: bool,
            context: DistributedContext) -> TrainResult:
-    check_shardable(config.train.batch_size, context)
+    schedule = config.train.schedule
+    check_shardable(schedule.batch_size, context)
     device = resolve_device(config.train.device, context)
     check_precision(config.train.precision, device)
     quiet = quiet or not context.is_main
     out_dir = Path(config.out_dir)
     check_out_dir(out_dir)
-    progress = Progress(config.train.steps, 0)
+    progress = Progress(schedule.steps, 0)
     say = (lambda message: None) if quiet else progress.message
     # What happens to the run's files and skipped updates is told even to a quiet run (rank 0).
     notice = (lambda message: progress.message(f"routeformer: {message}")) if context.is_main else say
@@ -149,7 +150,7 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
     torch.manual_seed(settings.seed)
     model = CausalLM(config.model).to(device)
     betas = (settings.beta1, settings.beta2)
-    optimizer = build_optimizer(model, lr=settings.lr, weight_decay=settings.weight_decay, betas=betas)
+    optimizer = build_optimizer(model, lr=schedule.lr, weight_decay=settings.weight_decay, betas=betas)
     scaler = gradient_scaler(settings.precision, device)
     data_generator = torch.Generator().manual_seed(settings.seed)
     log = None  # rank 0 alone writes the run directory (opened below)
@@ -167,7 +168,7 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
         reseeded = restore_rank_rng(state["rng"], context, device, config.train.seed, start)
         if reseeded:
             notice(f"warning: {reseeded}")
-        finished = recorded_final(out_dir, start) if start >= config.train.steps else None
+        finished = recorded_final(out_dir, start) if start >= schedule.steps else None
         if finished is not None:  # nothing to train, nothing to write: no second "final" record
             notice(f"{str(out_dir)!r} already finished at step {start} (final validation bpc "
                    f"{finished.get('bpc', float('nan')):.4f}, recorded in metrics.jsonl); nothing to do "
@@ -192,7 +193,7 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
             log.write({"step": start, "config_changes": {key: list(pair) for key, pair in changes.items()}})
         if kept is not None:
             notice(f"config.yaml differed from this run's config; the earlier one is kept as {kept.name}")
-    progress = Progress(config.train.steps, start)
+    progress = Progress(schedule.steps, start)
     parameters = sum(p.numel() for p in model.parameters())
     say(f"routeformer: {corpus.name}, {len(vocab)} symbols, {len(train_ids):,} training tokens; "
         f"model {parameters / 1e6:.2f}M parameters, attention {config.model.attention}"
@@ -223,11 +224,11 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         packed = {}
         if starts is not None:  # data.pack_documents: windows with document ids (data/documents.py)
-            inputs, labels, documents = packed_random_batch(train_ids, starts, settings.batch_size,
+            inputs, labels, documents = packed_random_batch(train_ids, starts, schedule.batch_size,
                                                             config.data.seq_len, data_generator)
             packed["documents"] = local_shard(documents, context).to(device)
         else:
-            inputs, labels = training_batch(train_ids, settings.batch_size, config.data.seq_len, density,
+            inputs, labels = training_batch(train_ids, schedule.batch_size, config.data.seq_len, density,
                                             vocab, data_generator)
         return local_shard(inputs, context).to(device), local_shard(labels, context).to(device), packed
 
@@ -235,16 +236,14 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
         _after_update(result.step, settings, result.output, result.rate, result.grad_norm,
                       result.inputs.numel() * context.world_size, log, progress, quiet, context, device,
                       lambda: evaluate_lm(model, val_ids, seq_len=config.data.seq_len,
-                                          batch_size=settings.batch_size, max_tokens=settings.eval_tokens,
+                                          batch_size=schedule.batch_size, max_tokens=settings.eval_tokens,
                                           **meta_eval))
 
     def periodic_checkpoint(result: StepResult) -> None:
-        if result.step % settings.checkpoint_every == 0 or result.step == settings.steps:
+        if result.step % settings.checkpoint_every == 0 or result.step == schedule.steps:
             with interrupts.critical():
                 checkpoint(result.step)
 
-    schedule = Schedule(steps=settings.steps, lr=settings.lr, warmup_steps=settings.warmup_steps,
-                        min_lr_ratio=settings.min_lr_ratio, grad_clip=settings.grad_clip)
     position = StepState(start)
     began = time.perf_counter()
     interrupts = DeferredInterrupts(agree=lambda flag: any_rank(flag, context)).install()
@@ -267,7 +266,7 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
         return TrainResult(step, None, model, vocab, out_dir, train_seconds, guard.skipped)
 
     try:
-        final = evaluate_lm(model, val_ids, seq_len=config.data.seq_len, batch_size=settings.batch_size,
+        final = evaluate_lm(model, val_ids, seq_len=config.data.seq_len, batch_size=schedule.batch_size,
                             max_tokens=settings.final_eval_tokens, **meta_eval)
     except KeyboardInterrupt:
         raise RunInterrupted(f"interrupted in the final evaluation; the run is saved at step {step}: "
@@ -295,7 +294,7 @@ def _after_update(
     run_eval: Callable[[], dict[str, float]],
 ) -> None:
     record: dict[str, Any] | None = None
-    if step % settings.log_every == 0 or step == settings.steps:
+    if step % settings.log_every == 0 or step == settings.schedule.steps:
         # Every rank joins the reductions; only rank 0 (which has the log) writes.
         losses = mean_over_ranks(torch.stack([result.loss.detach(), result.aux_loss.detach()]), context)
         if log is None:

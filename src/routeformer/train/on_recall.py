@@ -43,11 +43,13 @@ from routeformer.tasks.base import IGNORE_INDEX, Task
 from routeformer.tasks.meta_tokens import meta_positions
 from routeformer.tasks.recall_sequences import PAUSE
 from routeformer.train.on_task import ModelSpec, parameter_count
+from routeformer.train.schedule import Schedule
 from routeformer.train.task_loop import TaskTrainConfig, train_task
 
 VARIANTS = ("plain", "pause", "meta", "meta_parallel")
 POSITION_SCHEMES = ("keep", "skip", "zero")
 LENGTH_FACTORS = (1, 2)  # evaluation at the training length and at twice the segments
+RECALL_SCHEDULE = Schedule(steps=600, batch_size=32, lr=3e-3, warmup_steps=60)  # a RecallRun's default
 
 
 @dataclass(frozen=True)
@@ -57,10 +59,7 @@ class RecallRun:
     variant: str = "meta"
     positions: str = "skip"
     seed: int = 0
-    steps: int = 600
-    lr: float = 3e-3
-    batch_size: int = 32
-    warmup_steps: int = 60
+    schedule: Schedule = RECALL_SCHEDULE
     evals: int = 4
     spec: ModelSpec = ModelSpec(positions="rotary")
     init: str | None = None  # path of a pre-trained body (state dict), or None: from scratch
@@ -158,9 +157,7 @@ def train_recall(run: RecallRun, log=None) -> dict[str, Any]:
     if run.init is not None:
         load_body(model, run.init)
     task = run.build_task()
-    config = TaskTrainConfig(steps=run.steps, batch_size=run.batch_size, lr=run.lr,
-                             warmup_steps=run.warmup_steps, eval_every=max(1, run.steps // run.evals),
-                             seed=run.seed)
+    config = TaskTrainConfig(run.schedule, eval_every=max(1, run.schedule.steps // run.evals), seed=run.seed)
 
     def forward(m, inputs, labels):
         return m(inputs, labels, positions=positions_of(run, inputs), logits_at_labels=True)
@@ -214,7 +211,7 @@ def pretrain_body(path: Path, seed: int, steps: int, spec: ModelSpec, corpus: st
         m.train(was_training)
         return {"bits_per_char": loss / 0.6931471805599453}
 
-    train = TaskTrainConfig(steps=steps, batch_size=32, lr=lr, warmup_steps=max(1, steps // 10),
+    train = TaskTrainConfig(Schedule(steps=steps, batch_size=32, lr=lr, warmup_steps=max(1, steps // 10)),
                             eval_every=max(1, steps // 4), seed=seed)
     history = train_task(model, lambda size, gen: task.batch(size, gen, "train"), bits, train, log=log)
     path.parent.mkdir(parents=True, exist_ok=True)

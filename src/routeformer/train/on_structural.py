@@ -32,6 +32,7 @@ from routeformer.tasks.structural import (
     recency_batch,
 )
 from routeformer.train.on_task import parameter_count
+from routeformer.train.schedule import Schedule
 from routeformer.train.task_loop import TaskTrainConfig, layer_stat, train_task
 
 VALIDATION_SEQUENCES = 1024
@@ -107,7 +108,7 @@ def run_multihop_model(name: str, task: StructuralTask, steps: int, seed: int, *
 
     history = train_task(
         model, lambda batch, gen: chain_batch(task, weights, batch, gen)[:2], evaluate,
-        TaskTrainConfig(steps=steps, batch_size=128, lr=lr, warmup_steps=50, weight_decay=0.0,
+        TaskTrainConfig(Schedule(steps=steps, batch_size=128, lr=lr, warmup_steps=50), weight_decay=0.0,
                         eval_every=max(1, steps // evals), seed=seed),
     )
     x_test, y_test, positions = held_out(task, chain_batch, seed, "test", TEST_SEQUENCES)
@@ -152,7 +153,7 @@ def run_recency_model(
     history = train_task(
         model, lambda batch, gen: recency_batch(task, weights, batch, gen)[:2],
         lambda m: measure(m, x_val, y_val, "val"),
-        TaskTrainConfig(steps=steps, batch_size=64, lr=lr, warmup_steps=50, weight_decay=0.0,
+        TaskTrainConfig(Schedule(steps=steps, batch_size=64, lr=lr, warmup_steps=50), weight_decay=0.0,
                         eval_every=max(1, steps // evals), seed=seed),
     )
     x_test, y_test, _ = held_out(task, recency_batch, seed, "test", test_sequences)

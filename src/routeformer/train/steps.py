@@ -28,22 +28,7 @@ from torch import Tensor, nn
 
 from routeformer.train.guard import NonFiniteGuard
 from routeformer.train.interrupts import DeferredInterrupts
-from routeformer.train.schedule import learning_rate
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """What the loop reads from a run's config: how long, how fast, how clipped."""
-    steps: int
-    lr: float
-    warmup_steps: int
-    min_lr_ratio: float
-    grad_clip: float  # 0: no clipping (the norm is still measured, for the guard and the logs)
-
-    def rate(self, step: int) -> float:
-        """The learning rate of the update that follows `step` completed steps."""
-        return learning_rate(step, lr=self.lr, warmup_steps=self.warmup_steps, total_steps=self.steps,
-                             min_lr_ratio=self.min_lr_ratio)
+from routeformer.train.schedule import Schedule
 
 
 @dataclass

@@ -35,20 +35,19 @@ from torch import Tensor, nn
 from routeformer.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from routeformer.train.guard import NonFiniteGuard
 from routeformer.train.optim import build_optimizer
-from routeformer.train.steps import Schedule, StepResult, StepState, capture_state, restore_state, run_steps
+from routeformer.train.schedule import Schedule
+from routeformer.train.steps import StepResult, StepState, capture_state, restore_state, run_steps
 
 MAX_NONFINITE_STEPS = 10  # a module constant, not a config field: checkpoints compare configs
-MIN_LR_RATIO = 0.1  # the cosine decays to lr · 0.1
 
 
 @dataclass
 class TaskTrainConfig:
-    steps: int = 1000
-    batch_size: int = 32
-    lr: float = 1e-3
-    warmup_steps: int = 50
+    """A task run: its schedule (steps, batch size, learning rate, warm-up, clipping), AdamW's weight
+    decay, an evaluation every `eval_every` steps (and at the end), and the seed of the weights and
+    the batches."""
+    schedule: Schedule = Schedule(steps=1000, batch_size=32, lr=1e-3, warmup_steps=50)
     weight_decay: float = 0.1
-    grad_clip: float = 1.0
     eval_every: int = 100
     seed: int = 0
 
@@ -121,10 +120,11 @@ def train_task(
     """Train `model` on fresh batches `make_batch(batch_size, generator)`; `forward(model, inputs,
     labels)` returns a ModelOutput (default: `model(inputs, labels)`); `evaluate(model)` runs every
     `eval_every` steps and at the end, in eval mode."""
+    schedule = config.schedule
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
     forward = forward or (lambda m, inputs, labels: m(inputs, labels))
-    optimizer = build_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = build_optimizer(model, lr=schedule.lr, weight_decay=config.weight_decay)
     history, state = TaskHistory(), StepState(0)
     resumable = _RESUMABLE.get()
     checkpoint = None if resumable is None else resumable.next_path()
@@ -142,7 +142,7 @@ def train_task(
     def evaluate_now(result: StepResult) -> None:
         nonlocal began
         step = result.step
-        if step % config.eval_every and step != config.steps:
+        if step % config.eval_every and step != schedule.steps:
             return
         history.train_seconds += time.perf_counter() - began
         model.eval()  # the step loop puts it back in train mode
@@ -157,10 +157,8 @@ def train_task(
                                                       config=asdict(config), history=asdict(history)))
         began = time.perf_counter()
 
-    schedule = Schedule(steps=config.steps, lr=config.lr, warmup_steps=config.warmup_steps,
-                        min_lr_ratio=MIN_LR_RATIO, grad_clip=config.grad_clip)
     run_steps(model, optimizer, schedule, guard, state,
-              lambda: (*make_batch(config.batch_size, generator), {}),
+              lambda: (*make_batch(schedule.batch_size, generator), {}),
               lambda inputs, labels, extra: forward(model, inputs, labels),
               on_step_end=evaluate_now)
     history.final = history.evals[-1]

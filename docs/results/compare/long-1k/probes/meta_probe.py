@@ -21,8 +21,9 @@ seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
 scale = float(sys.argv[2]) if len(sys.argv) > 2 else 1.0
 options = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
 setup = LONG.tasks["mqar"]
-stages = tuple(dataclasses.replace(s, steps=max(1, int(s.steps * scale)),
-                                   warmup_steps=max(1, int(s.warmup_steps * scale))) for s in setup.stages)
+stages = tuple(dataclasses.replace(s, schedule=dataclasses.replace(
+    s.schedule, steps=max(1, int(s.schedule.steps * scale)),
+    warmup_steps=max(1, int(s.schedule.warmup_steps * scale)))) for s in setup.stages)
 setup = dataclasses.replace(setup, stages=stages, test_tokens=8192)
 from routeformer.compare.long_jobs import task_options  # noqa: E402
 

@@ -16,6 +16,7 @@ import torch
 from routeformer.compare.long_budget import LONG
 from routeformer.tasks import build_task
 from routeformer.train.on_task import ModelSpec, build_task_model, evaluate_on_task
+from routeformer.train.schedule import Schedule
 from routeformer.train.task_loop import TaskTrainConfig, train_task
 
 
@@ -58,8 +59,9 @@ model = build_task_model(task, args.mechanism, layer_options, spec)
 start = time.perf_counter()
 for options, steps, batch, lr, warmup in args.stage:
     stage_task = build_task("mqar", **{**final, **options})
-    cfg = TaskTrainConfig(weight_decay=args.weight_decay, steps=steps, batch_size=batch, lr=lr,
-                          warmup_steps=warmup, seed=args.seed, eval_every=max(1, steps // args.evals))
+    cfg = TaskTrainConfig(Schedule(steps=steps, batch_size=batch, lr=lr, warmup_steps=warmup),
+                          weight_decay=args.weight_decay, seed=args.seed,
+                          eval_every=max(1, steps // args.evals))
     history = train_task(model, lambda b, g, t=stage_task: t.batch(b, g, "train"),
                          lambda m, t=stage_task: evaluate_on_task(
                              m, t, "validation", max(8, 64 * 512 // t.seq_len)), cfg,
