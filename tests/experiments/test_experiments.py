@@ -74,3 +74,15 @@ def test_mita_experiments_are_registered_and_train_at_toy_size(tmp_path):
     _, record = train_vit("mita", {"landmarks": 4, "topk": 4}, size=8, seed=0, steps=1)
     assert len(record["history"]) == 1 and 0.0 <= record["accuracy"] <= 1.0
     assert record["attention_flops_per_image"] > 0
+
+
+def test_each_central_claim_at_length_is_a_reproduce_name_that_runs_its_compare_subset(tmp_path):
+    from routeformer.experiments.central_claims import CLAIMS
+
+    assert set(CLAIMS) <= set(list_experiments())
+    report = run_experiment("adsr-recall-4096", tmp_path, quick=True)
+    text = report.read_text()
+    assert "routeformer reproduce adsr-recall-4096 --quick" in text
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert {record["mechanism"] for record in result["records"]} == {"full", "topk"}
+    assert {record["task"] for record in result["records"]} == {"mqar"}

@@ -35,6 +35,7 @@ def register_experiment(name: str, description: str) -> Callable:
 def _load_all() -> None:
     # Importing the modules registers their experiments.
     from routeformer.experiments import (  # noqa: F401
+        central_claims,
         meta_attention,
         meta_attention_matched,
         meta_tokens_recall,
