@@ -9,11 +9,12 @@ reference.py: the naive twins. The native C kernels (ops/native/topk.py) and the
 build depends on their paths)."""
 
 from routeformer.ops.topk.decode import append_routing_keys, cached_routing_keys, route_cached
-from routeformer.ops.topk.gathered import flat_rows, gathered_dot, routed_attention, slot_membership
+from routeformer.ops.topk.gathered import flat_rows, gathered_dot, routed_attention
 from routeformer.ops.topk.reference import (
     gathered_dot_reference,
     route_topk_reference,
     routed_attention_reference,
+    slot_membership,  # the mask of the routed keys, defined once
 )
 from routeformer.ops.topk.routing import DEFAULT_ROUTING_BLOCK, add_random_slots, route_topk
 from routeformer.ops.topk.slots import check_routing, routing_slots

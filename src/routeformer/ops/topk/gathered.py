@@ -148,12 +148,6 @@ def routed_attention(
     return _RoutedAttention.apply(q, k.contiguous(), v.contiguous(), index, valid, scale, block)
 
 
-def slot_membership(index: Tensor, valid: Tensor, num_keys: int) -> Tensor:
-    """Bool [..., T, S]: which keys the valid slots of each row name."""
-    counts = torch.zeros(*index.shape[:-1], num_keys, dtype=torch.int32, device=index.device)
-    return counts.scatter_add_(-1, index, valid.to(torch.int32)) > 0
-
-
 class _GatheredDot(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, index, block):

@@ -4,7 +4,8 @@
 Axes: B batch, R routing heads, H heads, T queries, S keys, r routing dim, d key dim, K slots.
 Written the obvious way: all T×S scores, dense masks, one `topk` (a stable sort) or one masked
 softmax. `block_masks` (the eligibility rule, which ops/topk/routing.py imports from here) and
-`slot_membership` (a plain copy of ops/topk/gathered.py's) keep this twin free of fast-path imports
+`slot_membership` (the routed keys as a mask, which the layer and its loss import from here too) keep
+this twin free of fast-path imports
 (tests/ops/test_references_independent.py); the argument check and slot count come from
 ops/topk/slots.py, which imports nothing but torch.
 """
