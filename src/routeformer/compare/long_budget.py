@@ -109,7 +109,9 @@ META_RECALL_RECIPE = {
 # dense distillation over every key all run did not help (0.371 / 0.413 on seeds 0 / 1); the blind
 # router reached validation 1.0 at T = 1024 and 4096 on seeds 0 and 1
 # (`docs/results/routers/topk_long_probe.py SEED --option "routing_positions='none'"`). Chosen on those
-# validation curves; the T = 512 recall keeps the default (recency solved it on 5 of 5 seeds).
+# validation curves; the T = 512 recall keeps the default (recency solved it on 5 of 5 seeds). Its cost:
+# 3.45x full's step at T = 4096 (docs/results/compare/long-mqar-topk-blind): the blind first layer's
+# routing keys take 15 distinct values, and the selection kernels slow down under the ties.
 TOPK_LONG_RECALL_RECIPE = {"routing_positions": "none"}
 
 # Chosen on validation (accuracy / bits per character of `full`), never on the test numbers the report

@@ -1,0 +1,56 @@
+"""Why topk with a position-blind router (compare --long's T = 4096 recall recipe) trains slowly:
+one thread, compare --long's model and recall batch at T = 4096 (B = 2). Prints the training step
+of full, topk (recency router, the default) and topk (blind), 5 alternating rounds after a warm-up;
+then route_topk on the blind model's first-layer routing vectors, with the speculative kernel
+(position_dim=False) and the tiled one (True), and whether both select the same keys.
+
+    python docs/results/routers/blind_router_costs.py
+"""
+import statistics
+import time
+
+import torch
+
+from routeformer.attention.topk import TopKAttention
+from routeformer.compare.budgets import options_for
+from routeformer.compare.long_budget import LONG
+from routeformer.ops.topk import route_topk
+from routeformer.tasks import build_task
+from routeformer.train.on_task import build_task_model
+
+torch.set_num_threads(1)
+LENGTH = 4096
+task = build_task("mqar", seq_len=LENGTH, pairs=7, vocab_size=16)
+inputs, labels = task.batch(2, torch.Generator().manual_seed(1), "train")
+variants = {"full": ("full", {}), "topk": ("topk", {}), "topk_blind": ("topk", {"routing_positions": "none"})}
+models = {}
+for name, (mechanism, extra) in variants.items():
+    torch.manual_seed(0)
+    models[name] = build_task_model(task, mechanism, {**options_for(mechanism, LENGTH), **extra}, LONG.spec).train()
+times = {name: [] for name in models}
+for round_ in range(6):
+    for name in list(models) if round_ % 2 else list(models)[::-1]:
+        model = models[name]
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        model(inputs, labels, logits_at_labels=True).total_loss.backward()
+        times[name].append(time.perf_counter() - start)
+for name, values in times.items():
+    print(f"training step, {name}: {1000 * statistics.median(values[1:]):.0f} ms")
+
+captured = {}
+layer = next(m for m in models["topk_blind"].modules() if isinstance(m, TopKAttention))
+layer.router.register_forward_hook(lambda module, args, out: captured.setdefault("routing", out))
+with torch.no_grad():
+    models["topk_blind"](inputs, labels, logits_at_labels=True)
+route_q, route_k = captured["routing"]
+for position_dim in (False, True, False, True):
+    start = time.perf_counter()
+    route_topk(route_q, route_k, 64, position_dim=position_dim)
+    print(f"route_topk, first layer, {'tiled' if position_dim else 'speculative'}: "
+          f"{1000 * (time.perf_counter() - start):.0f} ms")
+a, _, _ = route_topk(route_q, route_k, 64, position_dim=False)
+b, _, _ = route_topk(route_q, route_k, 64, position_dim=True)
+print("same selected sets:", torch.equal(a.sort(-1).values, b.sort(-1).values))
+distinct = torch.unique(route_k[0, 0], dim=0).shape[0]
+print(f"distinct routing keys in the first layer (batch 0, head 0): {distinct} of {LENGTH}")
