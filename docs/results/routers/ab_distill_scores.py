@@ -7,11 +7,11 @@ alternating rounds; prints each variant's median ms and its median per-round rat
 """
 import statistics
 import sys
-import time
 
 import torch
 
 from routeformer.attention import topk_distill
+from routeformer.bench.timing import round_times
 from routeformer.compare.budgets import options_for
 from routeformer.compare.long_budget import LONG
 from routeformer.tasks import build_task
@@ -37,15 +37,10 @@ def step(name: str, limit: int) -> None:
     model(inputs, labels, logits_at_labels=True).total_loss.backward()
 
 
-times = {variant: [] for variant in variants}
-names = list(variants)
-for round_ in range(rounds):
-    for variant in names if round_ % 2 else names[::-1]:
-        start = time.perf_counter()
-        step(*variants[variant])
-        times[variant].append(time.perf_counter() - start)
+times = round_times({variant: lambda variant=variant: step(*variants[variant]) for variant in variants},
+                    rounds - 1, warmup=1)
 topk_distill.DENSE_ROW_SCORES = default
-for variant in names:  # the first round warms up
-    ratios = [a / b for a, b in zip(times[variant][1:], times["full"][1:], strict=True)]
-    print(f"T={length} {variant}: {1000 * statistics.median(times[variant][1:]):.1f} ms, "
+for variant in variants:
+    ratios = [a / b for a, b in zip(times[variant], times["full"], strict=True)]
+    print(f"T={length} {variant}: {1000 * statistics.median(times[variant]):.1f} ms, "
           f"{statistics.median(ratios):.3f}x full")

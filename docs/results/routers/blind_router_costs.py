@@ -12,6 +12,7 @@ import time
 import torch
 
 from routeformer.attention.topk import TopKAttention
+from routeformer.bench.timing import round_times
 from routeformer.compare.budgets import options_for
 from routeformer.compare.long_budget import LONG
 from routeformer.ops.topk import route_topk
@@ -26,17 +27,18 @@ variants = {"full": ("full", {}), "topk": ("topk", {}), "topk_blind": ("topk", {
 models = {}
 for name, (mechanism, extra) in variants.items():
     torch.manual_seed(0)
-    models[name] = build_task_model(task, mechanism, {**options_for(mechanism, LENGTH), **extra}, LONG.spec).train()
-times = {name: [] for name in models}
-for round_ in range(6):
-    for name in list(models) if round_ % 2 else list(models)[::-1]:
-        model = models[name]
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        model(inputs, labels, logits_at_labels=True).total_loss.backward()
-        times[name].append(time.perf_counter() - start)
+    options = {**options_for(mechanism, LENGTH), **extra}
+    models[name] = build_task_model(task, mechanism, options, LONG.spec).train()
+
+
+def training_step(model) -> None:
+    model.zero_grad(set_to_none=True)
+    model(inputs, labels, logits_at_labels=True).total_loss.backward()
+
+
+times = round_times({name: lambda model=model: training_step(model) for name, model in models.items()}, 5)
 for name, values in times.items():
-    print(f"training step, {name}: {1000 * statistics.median(values[1:]):.0f} ms")
+    print(f"training step, {name}: {1000 * statistics.median(values):.0f} ms")
 
 captured = {}
 layer = next(m for m in models["topk_blind"].modules() if isinstance(m, TopKAttention))
