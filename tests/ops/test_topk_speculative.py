@@ -41,6 +41,10 @@ def _refuted() -> int:
     return int(kernel("route_topk_spec_refuted")())
 
 
+def _exact_rows() -> int:
+    return int(kernel("route_topk_spec_exact_rows")())
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("local_window, global_tokens, masked", [(0, 0, False), (5, 3, True)])
 def test_float32_selects_what_the_tiled_kernel_selects(causal, local_window, global_tokens, masked):
@@ -54,15 +58,18 @@ def test_float32_selects_what_the_tiled_kernel_selects(causal, local_window, glo
 
 
 def test_refuted_guesses_are_routed_again_exactly():
-    """Keys along one axis and queries that alternate between it and a perpendicular one: the
-    K-th best / |q| ratio jumps between blocks, so guesses fail and those queries are redone."""
+    """Keys twice as spread along one axis and queries that alternate between it and the others:
+    the K-th best / |q| ratio jumps between blocks, so guesses fail and those queries are redone.
+    (Spread far more along one axis, the bf16 margin crowds the K-th best and the row switches to
+    the exact scan instead; see the next tests.)"""
     gen = torch.Generator().manual_seed(1)
-    route_k = torch.randn(1, 1, 2000, 8, generator=gen) * torch.tensor([10.0, *[0.1] * 7])
+    route_k = torch.randn(1, 1, 2000, 8, generator=gen) * torch.tensor([2.0, *[1.0] * 7])
     route_q = torch.randn(1, 1, 2000, 8, generator=gen)
     route_q[..., (torch.arange(2000) // 40) % 2 == 1, 0] = 0.0
-    before = _refuted()
+    before, exact_before = _refuted(), _exact_rows()
     fast, tiled = _both(route_q, route_k, 24)
     assert _refuted() > before
+    assert _exact_rows() == exact_before
     assert torch.equal(fast, tiled)
 
 
@@ -167,3 +174,35 @@ def test_bf16_attention_reads_bf16_within_tolerance_of_fp64(shared_routing):
     for got, expected in zip(*results, strict=True):
         torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=2e-2)
     assert not results[0][0][0, :, 5].any()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("local_window, global_tokens, masked", [(0, 0, False), (7, 2, True)])
+def test_crowded_rows_switch_to_the_exact_scan_and_select_the_same(causal, local_window, global_tokens,
+                                                                   masked):
+    """Routing vectors drawn from 12 distinct ones (a position-blind router's first layer: one vector
+    per token) tie the K-th best by hundreds of keys: those rows switch to the exact scan, and the
+    selection is still route_topk_f32's, ties to the lower index (small integers score exactly, so
+    the float64 reference must agree too). Random vectors do not switch, on one thread or two."""
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 12, (2, 1500), generator=gen)
+    table_q, table_k = (torch.randint(-3, 4, (12, 16), generator=gen).float() for _ in range(2))
+    route_q = table_q[tokens].unsqueeze(1).expand(2, 2, 1500, 16).contiguous()
+    route_k = table_k[tokens].unsqueeze(1).expand(2, 2, 1500, 16).contiguous()
+    key_mask = torch.rand(2, 1500, generator=gen) > 0.1 if masked else None
+    before = _exact_rows()
+    fast, tiled = _both(route_q, route_k, 48, causal, key_mask, local_window, global_tokens)
+    assert _exact_rows() > before
+    assert torch.equal(fast, tiled)
+    if not masked:
+        assert torch.equal(fast, route_topk_reference(route_q.double(), route_k.double(), 48, causal=causal))
+    random_q, random_k = (torch.randn(2, 2, 1500, 16, generator=gen) for _ in range(2))
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            before = _exact_rows()
+            _both(random_q, random_k, 48, causal)
+            assert _exact_rows() == before
+    finally:
+        torch.set_num_threads(threads)

@@ -38,7 +38,8 @@ declare(_INT, [_PTR, _PTR, _PTR, *[_INT] * 7, _I32, _INT, _INT, _I32, _PTR, _PTR
 # queries, keys, bf16, key_mask, rows, heads, length, num_keys, dim, slots, causal, local_window,
 # global_tokens, index, valid, threads -> 0, or < 0 when the kernel cannot serve
 declare(_INT, [_PTR, _PTR, _I32, _PTR, *[_INT] * 6, _I32, _INT, _INT, _PTR, _PTR, _I32], "route_topk_spec")
-declare(_INT, [], "route_topk_spec_available", "route_topk_spec_query_tile", "route_topk_spec_refuted")
+declare(_INT, [], "route_topk_spec_available", "route_topk_spec_query_tile", "route_topk_spec_refuted",
+        "route_topk_spec_exact_rows")
 # q, k, v, index, valid, batch, heads, length, keys, dim, value_dim, slots, index strides (2), scale,
 # out, lse, threads
 declare(None, [*[_PTR] * 5, *[_INT] * 9, _F64, _PTR, _PTR, _I32],

@@ -340,6 +340,24 @@ DEFINE_ATTEND(routed_attention_f32, float, logf)
 DEFINE_ATTEND(routed_attention_f64, double, log)
 
 /* Keys per scoring tile: the routing keys must be zero-padded to a multiple of it. */
+/* Queries [i0, i0 + nq) of one routing row by the tiled fp32 scan (forward), in blocks of QB:
+ * the speculative kernel's exact fallback (topk_speculative_kernels.c). rq [T, r]; rkt the row's
+ * keys in this file's tile layout (whole tiles of V keys, zero-padded); index, valid the row's
+ * [T, slots] outputs; buffer_scores, buffer_keys hold QB x (4·slots + V) entries. Call
+ * route_topk_f32_exact_init once before the threads that call it. */
+void route_topk_f32_exact_init(void) { init_compress_lut(); }
+
+void route_topk_f32_exact_block(const float *rq, const float *rkt, const uint8_t *mask, int64_t keys,
+                                int64_t dim, int64_t slots, int causal, int64_t local_window,
+                                int64_t global_tokens, int64_t i0, int64_t nq, int64_t *index, uint8_t *valid,
+                                float *buffer_scores, int64_t *buffer_keys) {
+    int64_t stride = (keys + V - 1) / V * V;
+    for (int64_t start = i0; start < i0 + nq; start += QB)
+        route_topk_f32_block(rq, rkt, mask, keys, stride, dim, slots, causal, local_window, global_tokens, 0,
+                             start, i0 + nq - start < QB ? i0 + nq - start : QB, index, valid, buffer_scores,
+                             buffer_keys, 4 * slots + V);
+}
+
 int64_t route_topk_chunk(void) { return V; }
 /* Queries per scoring tile. */
 int64_t route_topk_query_tile(void) { return QB; }

@@ -27,6 +27,19 @@
  * 2^-100·(1 + |q| + kmax) for the instruction's flushing of subnormal inputs and products. Rows
  * with non-finite or huge values (|q|, kmax >= 2^60) skip the prefilter (every key is rescored).
  *
+ * 3. An exact fallback. A block is crowded when it appends more than EXACT_ABOVE x slots
+ *    candidates a query and more than 1 / EXACT_SHARE of the keys it scanned; a row with
+ *    EXACT_AFTER crowded speculating blocks in a row is routed on from there by route_topk_f32's
+ *    own fp32 tile scan (exact scores, forward, a key kept only if it beats the K-th best). Such
+ *    rows have routing scores crowded within the bf16 margin of the K-th best: repeated vectors
+ *    (a position-blind router's first layer reads only the token; 15 distinct routing keys at
+ *    vocabulary 16) or near-repeats. Every crowded key passed the prefilter and was rescored; the
+ *    exact scan drops a key that only ties the K-th best (ties go to the lower index, and the scan
+ *    is forward). Measured on compare --long's T = 4096 recall model, one thread
+ *    (docs/results/routers/blind_router_costs.py): route_topk on its first layer ~1070 ms before,
+ *    ~70 ms after. One crowded block is a guess that lagged a change of scale (the slack then
+ *    adapts); random vectors do not switch (tests/ops/test_topk_speculative.py).
+ *
  * Layouts: rq [BR, T, r], rk [BR, S, r] row-major, float32 or bfloat16 (`bf16` = 1); key_mask
  * [B, S] (1 = real) or NULL; index [BR, T, slots] int64, valid [BR, T, slots] uint8; forced keys
  * first in a row, as route_topk_f32. Batch of row bh: bh / heads.
@@ -39,6 +52,11 @@
 #include "common.h"
 
 float route_topk_keep_best_f32(float *score, int64_t *key, int64_t n, int64_t m); /* topk_kernels.c */
+void route_topk_f32_exact_block(const float *rq, const float *rkt, const uint8_t *mask, int64_t keys,
+                                int64_t dim, int64_t slots, int causal, int64_t local_window,
+                                int64_t global_tokens, int64_t i0, int64_t nq, int64_t *index, uint8_t *valid,
+                                float *buffer_scores, int64_t *buffer_keys); /* topk_kernels.c */
+void route_topk_f32_exact_init(void);
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -48,9 +66,14 @@ float route_topk_keep_best_f32(float *score, int64_t *key, int64_t n, int64_t m)
 #define MAX_DIM 64
 
 static int64_t refuted_total; /* queries routed again since the library was loaded (tests read it) */
+static int64_t exact_total;   /* rows switched to the exact scan (per thread that routed them; tests read it) */
+#define EXACT_ABOVE 4         /* a block is crowded (see 3.) above EXACT_ABOVE x slots candidates a query */
+#define EXACT_SHARE 8         /* ... and above 1 / EXACT_SHARE of the keys it scanned */
+#define EXACT_AFTER 8         /* crowded blocks in a row after which the row switches */
 
 int64_t route_topk_spec_available(void) { return 1; }
 int64_t route_topk_spec_refuted(void) { return refuted_total; }
+int64_t route_topk_spec_exact_rows(void) { return exact_total; }
 int64_t route_topk_spec_query_tile(void) { return QB; }
 
 /* One routing row, prepared once per call: exact fp32 rows and bf16 pairs [tiles, pairs, V]
@@ -59,13 +82,14 @@ typedef struct {
     const float *keys, *queries;           /* [S, r] fp32 keys (NULL when bf16), [T, r] fp32 queries */
     const uint16_t *keys_bf16;             /* [S, r] bf16 keys as stored (NULL when fp32) */
     const uint32_t *key_pairs, *query_pairs; /* [tiles, pairs, V], [T, pairs] */
+    const float *key_tiles;                /* [tiles, r, V] fp32 keys, zero-padded: route_topk_f32's layout */
     float key_norm;                        /* max |k| (rounded up), +inf when unguarded */
     float key_max[MAX_DIM];                /* per dim: max over keys of |k_d| (rounded up) */
     int64_t num_keys, dim, pairs;
 } Row;
 
 /* Per-thread speculation state: ratio = min over the last block of (K-th best) / |q|. */
-typedef struct { int64_t bh, last_i0; float ratio, slack; } Guess;
+typedef struct { int64_t bh, last_i0; float ratio, slack; int crowded, exact; } Guess;
 
 static inline float exact_score(const float *q, const float *k, int64_t dim) {
     float s = 0.0f; /* the lane order of route_topk_f32's tiles: bitwise the same score */
@@ -291,7 +315,7 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
 /* Pack one row: fp32 queries (widened when bf16; keys are read as stored), bf16 pairs of keys
  * (zero-padded tiles) and of queries, the guard's max key norm. */
 static void prepare_row(const void *rq, const void *rk, int bf16, int64_t length, int64_t keys, int64_t dim,
-                        float *wide_q, uint32_t *key_pairs, uint32_t *query_pairs, Row *row) {
+                        float *wide_q, uint32_t *key_pairs, float *key_tiles, uint32_t *query_pairs, Row *row) {
     int64_t pairs = (dim + 1) / 2;
     const uint16_t *half_q = rq, *half_k = rk;
     const float *qf = bf16 ? wide_q : rq, *kf = bf16 ? NULL : rk;
@@ -318,7 +342,9 @@ static void prepare_row(const void *rq, const void *rk, int bf16, int64_t length
     if (bf16)
         for (int64_t e = 0; e < length * dim; e++) wide_q[e] = bf16_to_float(half_q[e]);
     *row = (Row){.keys = kf, .queries = qf, .keys_bf16 = bf16 ? half_k : NULL, .key_pairs = key_pairs,
-                 .query_pairs = query_pairs, .num_keys = keys, .dim = dim, .pairs = pairs};
+                 .key_tiles = key_tiles, .query_pairs = query_pairs, .num_keys = keys, .dim = dim, .pairs = pairs};
+    for (int64_t t = 0; t < keys; t++)
+        for (int64_t d = 0; d < dim; d++) key_tiles[(t / V) * dim * V + d * V + t % V] = key_at(row, t, d);
     double largest = 0;
     for (int64_t t = 0; t < keys; t++) {
         double sum = 0;
@@ -366,13 +392,16 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
     int64_t pairs = (dim + 1) / 2, tiles = (keys + V - 1) / V, blocks = (length + QB - 1) / QB, scored = 0;
     size_t element = bf16 ? 2 : 4;
     uint32_t *key_pairs = calloc((size_t)(rows * tiles * pairs * V), sizeof(uint32_t));
+    float *key_tiles = calloc((size_t)(rows * tiles * dim * V), sizeof(float));
     uint32_t *query_pairs = malloc((size_t)(rows * length * pairs) * sizeof(uint32_t) + 1);
     float *wide_q = bf16 ? malloc((size_t)(rows * length * dim) * sizeof(float) + 1) : NULL;
     Row *row = malloc(sizeof(Row) * (size_t)rows);
+    route_topk_f32_exact_init(); /* the exact fallback's tables, before the threads */
     _Pragma("omp parallel for num_threads(threads) schedule(static)")
     for (int64_t bh = 0; bh < rows; bh++)
         prepare_row((const char *)rq + bh * length * dim * element, (const char *)rk + bh * keys * dim * element,
                     bf16, length, keys, dim, bf16 ? wide_q + bh * length * dim : NULL, key_pairs + bh * tiles * pairs * V,
+                    key_tiles + bh * tiles * dim * V,
                     query_pairs + bh * length * pairs, &row[bh]);
     _Pragma("omp parallel num_threads(threads) reduction(+:scored)")
     {
@@ -387,11 +416,18 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
         for (int64_t task = 0; task < rows * blocks; task++) {
             int64_t bh = task / blocks, i0 = (task % blocks) * QB, nq = length - i0 < QB ? length - i0 : QB;
             if (bh != guess.bh || i0 < guess.last_i0) /* a new row, or back to its start: no guess yet */
-                guess = (Guess){.bh = bh, .ratio = NAN, .slack = 0.25f * row[bh].key_norm};
+                guess = (Guess){.bh = bh, .ratio = NAN, .slack = 0.25f * row[bh].key_norm, .crowded = 0, .exact = 0};
             guess.last_i0 = i0;
             const uint8_t *mask = key_mask ? key_mask + (bh / heads) * keys : NULL;
             Out out = {index + bh * length * slots, valid + bh * length * slots, scores, buffer_keys, buffer, bits,
                        tiles + 1};
+            if (guess.exact) { /* see 3.: the rest of this row by the exact scan */
+                route_topk_f32_exact_block(row[bh].queries, row[bh].key_tiles, mask, keys, dim, slots, causal,
+                                           local_window, global_tokens, i0, nq, out.index, out.valid, scores,
+                                           buffer_keys);
+                scored += QB * ((causal ? i0 + nq : keys) + V - 1) / V * V;
+                continue;
+            }
             float kth[QB], kth_one[QB];
             int64_t appended[QB], appended_one[QB];
             int failed[QB], failed_one[QB];
@@ -404,19 +440,34 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
                     scored += route_block(&row[bh], mask, slots, causal, local_window, global_tokens, i0 + a, 1,
                                           NAN, 0, &out, kth_one, appended_one, failed_one);
                 }
+            if (guess.ratio == guess.ratio && isfinite(guess.slack)) { /* it speculated: is that paying? */
+                int64_t total = 0, eligible = 0;
+                for (int64_t a = 0; a < nq; a++) {
+                    total += appended[a];
+                    eligible += causal ? i0 + a + 1 : keys;
+                }
+                int crowded = total > EXACT_ABOVE * nq * slots && EXACT_SHARE * total > eligible;
+                guess.crowded = crowded ? guess.crowded + 1 : 0;
+                if (guess.crowded >= EXACT_AFTER) {
+                    guess.exact = 1;
+                    _Pragma("omp atomic")
+                    exact_total++;
+                }
+            }
             update_guess(&guess, &row[bh], i0, nq, kth, appended, failed, slots);
         }
         free(scores);
         free(buffer_keys);
         free(bits);
     }
-    free(key_pairs); free(query_pairs); free(wide_q); free(row);
+    free(key_pairs); free(key_tiles); free(query_pairs); free(wide_q); free(row);
     return scored;
 }
 
 #else /* no AVX-512 BF16: ops/native/topk.py uses route_topk_f32 */
 int64_t route_topk_spec_available(void) { return 0; }
 int64_t route_topk_spec_refuted(void) { return 0; }
+int64_t route_topk_spec_exact_rows(void) { return 0; }
 int64_t route_topk_spec_query_tile(void) { return 1; }
 int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t *key_mask, int64_t rows,
                         int64_t heads, int64_t length, int64_t keys, int64_t dim, int64_t slots, int causal,
