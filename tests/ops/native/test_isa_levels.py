@@ -37,6 +37,7 @@ CHECKS = (
     "tests/ops/test_topk_ops.py::test_routed_attention_matches_reference_forward_and_gradients",
     "tests/ops/test_topk_ops.py::test_float64_routing_selects_the_reference_set_in_both_scan_orders",
     "tests/ops/test_topk_ops.py::test_ties_go_to_the_lower_key_index",
+    "tests/ops/test_topk_repeated.py::test_groups_select_what_the_reference_selects",
     "tests/ops/test_mita_native.py::test_routed_step_matches_its_pytorch_twin",
     "tests/ops/test_mita_native.py::test_inference_at_kernel_sizes_matches_the_reference",
     "tests/ops/test_rotary.py::test_rotary_matches_reference_forward_and_backward",

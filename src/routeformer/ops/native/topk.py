@@ -40,6 +40,9 @@ declare(_INT, [_PTR, _PTR, _PTR, *[_INT] * 7, _I32, _INT, _INT, _I32, _PTR, _PTR
 declare(_INT, [_PTR, _PTR, _I32, _PTR, *[_INT] * 6, _I32, _INT, _INT, _PTR, _PTR, _I32], "route_topk_spec")
 declare(_INT, [], "route_topk_spec_available", "route_topk_spec_query_tile", "route_topk_spec_refuted",
         "route_topk_spec_exact_rows")
+# queries, groups, members, starts, key_group, key_mask, rows, heads, length, count, dim, slots,
+# local_window, global_tokens, index, valid, threads -> scores computed (topk_groups_kernels.c)
+declare(_INT, [*[_PTR] * 6, *[_INT] * 8, _PTR, _PTR, _I32], "route_topk_groups")
 # q, k, v, index, valid, batch, heads, length, keys, dim, value_dim, slots, index strides (2), scale,
 # out, lse, threads
 declare(None, [*[_PTR] * 5, *[_INT] * 9, _F64, _PTR, _PTR, _I32],
@@ -269,3 +272,25 @@ def _routed_attention_backward(ctx, grad_out, _grad_lse):
 
 
 routed_attention_op.op.register_autograd(_routed_attention_backward, setup_context=_routed_attention_setup)
+
+
+def route_topk_groups(queries: Tensor, groups: Tensor, members: Tensor, starts: Tensor, key_group: Tensor,
+                      key_mask: Tensor | None, heads: int, slots: int, local_window: int,
+                      global_tokens: int) -> tuple[Tensor, Tensor]:
+    """Causal routing by groups of equal keys (topk_groups_kernels.c; eager only, no custom op):
+    queries [N, T, r] and groups [N, U, r] float32, members / key_group [N, T] and starts
+    [N, U + 1] int64 as ops/topk/repeated.py builds them, key_mask [B, T] or None ->
+    (index [N, T, slots] long, valid bool), the selection of route_topk_f32."""
+    rows, length, dim = queries.shape
+    tensors = [t.contiguous() for t in (queries, groups, members, starts, key_group)]
+    mask = None if key_mask is None else key_mask.to(torch.uint8).contiguous()
+    index = torch.empty(rows, length, slots, dtype=torch.long)
+    valid = torch.empty(rows, length, slots, dtype=torch.bool)
+    done = kernel("route_topk_groups")(
+        *map(pointer, tensors), pointer(mask), rows, heads, length, groups.shape[1], dim, slots, local_window,
+        global_tokens, pointer(index), valid.data_ptr(), torch.get_num_threads())
+    if done < 0:
+        raise ValueError(f"route_topk_groups: bad sizes (rows {rows}, length {length}, dim {dim}, "
+                         f"slots {slots})")
+    return index, valid
+

@@ -41,6 +41,7 @@ from routeformer.ops.native.topk import (
     speculative_query_tile,
 )
 from routeformer.ops.topk.reference import block_masks  # the eligibility rule, defined once
+from routeformer.ops.topk.repeated import route_repeated_keys
 from routeformer.ops.topk.slots import check_routing, routing_slots
 
 DEFAULT_ROUTING_BLOCK = 64
@@ -88,6 +89,10 @@ def route_topk(
     layer's recency feature): the native CPU path then takes the tiled kernel, which such a dim
     does not slow down (see `_one_dim_dominates`), without reading the data — the same choice
     eagerly and under torch.compile. The selection is the same either way.
+
+    Causal routing on CPU whose keys repeat (few distinct routing vectors: a position-blind
+    router's first layer) is routed by groups of equal keys (ops/topk/repeated.py), eagerly,
+    with the same selection; the check costs one sort of S numbers a row.
     """
     check_routing(route_q, route_k, key_mask, causal)
     check_positive("topk", topk)
@@ -95,6 +100,11 @@ def route_topk(
     check_positive("group", group)
     if local_window < 0 or global_tokens < 0:
         raise ValueError(f"local_window and global_tokens must be >= 0; got {local_window}, {global_tokens}")
+    if causal and not position_dim and route_q.device.type == "cpu":
+        # Routing keys that repeat (a position-blind router's first layer): route by groups.
+        repeated = route_repeated_keys(route_q, route_k, topk, key_mask, local_window, global_tokens)
+        if repeated is not None:
+            return repeated
     batch, heads, length, _ = route_q.shape
     num_keys = route_k.shape[2]
     slots = routing_slots(topk, local_window, global_tokens, num_keys)
