@@ -1,18 +1,22 @@
-"""Why topk with a position-blind router (compare --long's T = 4096 recall recipe) trains slowly:
-one thread, compare --long's model and recall batch at T = 4096 (B = 2). Prints the training step
-of full, topk (recency router, the default) and topk (blind), 5 alternating rounds after a warm-up;
-then route_topk on the blind model's first-layer routing vectors, with the speculative kernel
-(position_dim=False) and the tiled one (True), and whether both select the same keys.
+"""What topk with a position-blind router (compare --long's T = 4096 recall recipe) costs to train:
+one thread, compare --long's model and recall batch at T = 4096 (B = 4, its last stage's). Prints the
+training step of full, topk (recency router, the default) and topk (blind), ROUNDS alternating
+rounds after a warm-up (default 5), with the quartiles of the per-round ratio to full;
+then route_topk on the blind model's first-layer routing vectors as the layer routes them
+(position_dim=False: by groups of equal keys since d3da98e, ops/topk/repeated.py; before, the
+speculative kernel) and by the tiled kernel (True, newest first), and whether both select the
+same keys.
 
-    python docs/results/routers/blind_router_costs.py
+    python docs/results/routers/blind_router_costs.py [ROUNDS]
 """
 import statistics
+import sys
 import time
 
 import torch
 
 from routeformer.attention.topk import TopKAttention
-from routeformer.bench.timing import round_times
+from routeformer.bench.timing import ratio_quartiles, round_times
 from routeformer.compare.budgets import options_for
 from routeformer.compare.long_budget import LONG
 from routeformer.ops.topk import route_topk
@@ -22,7 +26,8 @@ from routeformer.train.on_task import build_task_model
 torch.set_num_threads(1)
 LENGTH = 4096
 task = build_task("mqar", seq_len=LENGTH, pairs=7, vocab_size=16)
-inputs, labels = task.batch(2, torch.Generator().manual_seed(1), "train")
+BATCH = LONG.tasks["mqar"].stages[-1].schedule.batch_size
+inputs, labels = task.batch(BATCH, torch.Generator().manual_seed(1), "train")
 variants = {"full": ("full", {}), "topk": ("topk", {}), "topk_blind": ("topk", {"routing_positions": "none"})}
 models = {}
 for name, (mechanism, extra) in variants.items():
@@ -36,9 +41,13 @@ def training_step(model) -> None:
     model(inputs, labels, logits_at_labels=True).total_loss.backward()
 
 
-times = round_times({name: lambda model=model: training_step(model) for name, model in models.items()}, 5)
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+steps = {name: lambda model=model: training_step(model) for name, model in models.items()}
+times = round_times(steps, ROUNDS)
 for name, values in times.items():
-    print(f"training step, {name}: {1000 * statistics.median(values):.0f} ms")
+    low, median, high = ratio_quartiles(values, times["full"])
+    print(f"training step, {name}: {1000 * statistics.median(values):.0f} ms; / full {median:.2f} "
+          f"(quartiles {low:.2f}-{high:.2f}, {ROUNDS} rounds)")
 
 captured = {}
 layer = next(m for m in models["topk_blind"].modules() if isinstance(m, TopKAttention))
@@ -49,7 +58,7 @@ route_q, route_k = captured["routing"]
 for position_dim in (False, True, False, True):
     start = time.perf_counter()
     route_topk(route_q, route_k, 64, position_dim=position_dim)
-    print(f"route_topk, first layer, {'tiled' if position_dim else 'speculative'}: "
+    print(f"route_topk, first layer, {'tiled (newest first)' if position_dim else 'as the layer routes'}: "
           f"{1000 * (time.perf_counter() - start):.0f} ms")
 a, _, _ = route_topk(route_q, route_k, 64, position_dim=False)
 b, _, _ = route_topk(route_q, route_k, 64, position_dim=True)

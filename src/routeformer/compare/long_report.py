@@ -323,5 +323,6 @@ def _pays_section(task: str, by_length: dict[str, dict], floor: dict[str, Any]) 
         ),
         f"Stretch bar (within {STRETCH_MARGIN} of full at ≥ {STRETCH_SPEEDUP:g}x less training time per "
         f"step, at T={train_length}): "
-        + (", ".join(meets) + " meet it." if meets else "no mechanism meets it."),
+        + (", ".join(meets) + (" meets it." if len(meets) == 1 else " meet it.") if meets
+           else "no mechanism meets it."),
     ]
