@@ -94,10 +94,10 @@ def lm_only(mechanism: str) -> bool:
 
 
 def task_options(task: str, mechanism: str, setup: TaskSetup) -> dict[str, Any]:
-    """What `build_task` gets for `mechanism`: the setup's options (+ meta-tokens for a mechanism
-    that needs them)."""
+    """What `build_task` gets for `mechanism`: the setup's options (+ meta-tokens at META_DENSITY for
+    a mechanism that needs them, unless the setup states its own density)."""
     if lm_only(mechanism):
-        return {**setup.options, "meta_density": META_DENSITY}
+        return {**setup.options, "meta_density": setup.options.get("meta_density", META_DENSITY)}
     return dict(setup.options)
 
 
