@@ -3,6 +3,8 @@
     routeformer compare [--quick | --long] [--mechanisms NAME ...] [--tasks lm mqar listops] [--corpus SPEC]
                         [--seeds N] [--workers N] [--out DIR] [--no-bench]
     routeformer train [--config NAME|PATH] [--fresh] [--key value ...]
+    routeformer train --task NAME [--mechanism M] [--seq-len T] [--option KEY=VALUE ...] [--steps N]
+                      [--batch-size N] [--lr LR] [--evals N] [--seed S] [--out DIR] [--fresh]
     routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N]
     routeformer sample RUN_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
     routeformer list

@@ -70,10 +70,15 @@ def _compare_long(args: argparse.Namespace):
 
 
 def command_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from routeformer.cli.parser import DEFAULT_CONFIG
     from routeformer.train import load_config, train
     from routeformer.train.interrupts import RunInterrupted
 
-    config = load_config(resolve_config(args.config), overrides)
+    if args.task is not None:  # any registered task, through compare's run path
+        from routeformer.cli.task_train import command_train_task
+
+        return command_train_task(args, overrides)
+    config = load_config(resolve_config(args.config or DEFAULT_CONFIG), overrides)
     try:
         result = train(config, resume=not args.fresh)
     except RunInterrupted as interrupted:  # one line saying what was saved (rank 0 of torchrun only)

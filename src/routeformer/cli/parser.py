@@ -58,6 +58,47 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0; got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0; got {text!r}")
+    return value
+
+
+def build_task_train_parser() -> argparse.ArgumentParser:
+    """The arguments of `routeformer train --task NAME` (parsed after `train`'s own: without --task
+    the rest of the line is config overrides of the LM run)."""
+    parser = _Parser(prog="routeformer train --task NAME", add_help=False)
+    parser.add_argument("--mechanism", default=None,
+                        help="registered attention (routeformer list; default: the baseline, full)")
+    parser.add_argument("--seq-len", type=positive_int, default=None, help="the task's seq_len option")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="any other task option (repeatable; routeformer.tasks.list_tasks() names them)")
+    parser.add_argument("--steps", type=positive_int, default=None,
+                        help="training steps (default: compare --quick's for the task; the warm-up keeps its "
+                             "share of the steps)")
+    parser.add_argument("--batch-size", type=positive_int, default=None)
+    parser.add_argument("--lr", type=positive_float, default=None, help="peak learning rate")
+    parser.add_argument("--evals", type=positive_int, default=None,
+                        help="validation evaluations (and checkpoints) during training")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the weights and batches")
+    parser.add_argument("--out", default=None,
+                        help="run directory (default: runs/train-TASK-MECHANISM-seedS)")
+    return parser
+
+
+def _train_help() -> str:
+    task_arguments = build_task_train_parser().format_help().partition("\n\n")[2]
+    return ("\nwith --task NAME (any registered task, trained as compare trains it; a re-run resumes):\n"
+            + task_arguments + _config_keys_help())
+
+
 def _config_keys_help() -> str:
     from routeformer.train.config import describe_keys
 
@@ -99,14 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--no-bench", action="store_true", help="skip the layer time/memory benchmark")
 
     train = commands.add_parser(
-        "train", help="train a character-level language model",
+        "train", help="train a character-level language model, or a model on any task (--task)",
         description="Train a char-level LM. Extra --key value pairs override the config "
                     "(dotted, e.g. --model.attention local, or bare when unambiguous, e.g. --steps 100). "
-                    "A run whose out_dir holds a checkpoint resumes from it.")
-    train.add_argument("--config", default=DEFAULT_CONFIG,
-                       help=f"YAML file or bundled config name (default: {DEFAULT_CONFIG})")
+                    "A run whose out_dir holds a checkpoint resumes from it. With --task NAME: train on a "
+                    "registered task through compare's run path (below).")
+    train.add_argument("--config", default=None,
+                       help=f"YAML file or bundled config name (default: {DEFAULT_CONFIG}; not with --task)")
+    train.add_argument("--task", default=None, help="a registered task (mqar, lm, listops, ...)")
     train.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint and start over")
-    train.help_tail = _config_keys_help
+    train.help_tail = _train_help
 
     evaluate = commands.add_parser("eval", help="evaluate a checkpoint on its validation split")
     evaluate.add_argument("checkpoint", help="run directory or checkpoint file")

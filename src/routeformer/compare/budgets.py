@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from routeformer.runner.jobs import TaskSetup
+from routeformer.runner.jobs import Job, TaskSetup
 from routeformer.train.on_task import ModelSpec
 from routeformer.train.schedule import Schedule
 
@@ -94,11 +94,25 @@ def lm_only(mechanism: str) -> bool:
 
 
 def task_options(task: str, mechanism: str, setup: TaskSetup) -> dict[str, Any]:
-    """What `build_task` gets for `mechanism`: the setup's options (+ meta-tokens for a mechanism
-    that needs them)."""
+    """What `build_task` gets for `mechanism`: the setup's options (+ meta-tokens at META_DENSITY for
+    a mechanism that needs them, unless the setup states its own density)."""
     if lm_only(mechanism):
-        return {**setup.options, "meta_density": META_DENSITY}
+        return {**setup.options, "meta_density": setup.options.get("meta_density", META_DENSITY)}
     return dict(setup.options)
+
+
+def task_job(key: str, task: str, mechanism: str, seed: int, setup: TaskSetup, spec: ModelSpec) -> Job:
+    """The run of `mechanism` on `task` with `seed` as compare trains it: the task built from the
+    setup's options (+ meta-tokens where the mechanism needs them), the mechanism's options at the
+    task's length (`options_for`), the setup's schedule and the backbone `spec`."""
+    options = task_options(task, mechanism, setup)
+    if "seq_len" in options:
+        seq_len = options["seq_len"]
+    else:  # a task whose length follows from other options (the recall tasks)
+        from routeformer.tasks import build_task
+
+        seq_len = build_task(task, **options).seq_len
+    return Job(key, task, options, mechanism, options_for(mechanism, seq_len), seed, setup, spec)
 
 
 def check_selection(

@@ -32,6 +32,7 @@ from routeformer.compare.budgets import (
     check_selection,
     lm_only,
     options_for,
+    task_job,
     task_options,
 )
 from routeformer.compare.costs import measure_task_costs
@@ -50,11 +51,9 @@ def compare_jobs(tasks: list[str], mechanisms: list[str], budget: CompareBudget,
         for mechanism in mechanisms:
             if task != "lm" and lm_only(mechanism):
                 continue
-            options = task_options(task, mechanism, setup)
-            seq_len = options["seq_len"]
             for seed in range(budget.seeds):
-                jobs.append(Job(f"{budget.name}-{task}{corpus_tag}-{mechanism}-seed{seed}", task, options,
-                                mechanism, options_for(mechanism, seq_len), seed, setup, budget.spec))
+                jobs.append(task_job(f"{budget.name}-{task}{corpus_tag}-{mechanism}-seed{seed}", task,
+                                     mechanism, seed, setup, budget.spec))
     return jobs
 
 

@@ -30,19 +30,25 @@ def cached_run(out_dir: Path, key: str, compute: Callable[[], dict[str, Any]]) -
     experiment picks up after its last finished run, and within the unfinished run after the last
     evaluation of its `train_task` calls (`train.task_loop.resumable_training`); those checkpoints
     are deleted once the record is stored."""
+    return cached_record(out_dir / "runs" / f"{key}.json", compute)
+
+
+def cached_record(path: Path, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`cached_run` for a record at `path` (`<stem>.json`): the stored record, or `compute()` run
+    inside `resumable_training(path.parent, stem)` (checkpoints `<stem>.train<n>.pt` beside it,
+    deleted once the record is stored atomically)."""
     from routeformer.train.task_loop import resumable_training, training_checkpoints
 
-    runs = out_dir / "runs"
-    path = runs / f"{key}.json"
     if path.exists():
         return json.loads(path.read_text())
-    with resumable_training(runs, key):
+    key = path.stem
+    with resumable_training(path.parent, key):
         record = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".json.partial")
     partial.write_text(json.dumps(record, indent=1))
     os.replace(partial, path)
-    for checkpoint in training_checkpoints(runs, key):
+    for checkpoint in training_checkpoints(path.parent, key):
         checkpoint.unlink()
     return record
 
@@ -75,8 +81,9 @@ class Job:
     spec: ModelSpec = field(default_factory=ModelSpec)
 
 
-def train_job(job: Job) -> dict[str, Any]:
-    """Train one fresh model on the job's task and test it once (see train.on_task)."""
+def train_job(job: Job, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Train one fresh model on the job's task and test it once (see train.on_task). `log` hears
+    the run's progress lines (default: `say`, prefixed with the job's key)."""
     from routeformer.tasks import build_task
     from routeformer.train.on_task import train_on_task
     from routeformer.train.task_loop import TaskTrainConfig
@@ -85,11 +92,12 @@ def train_job(job: Job) -> dict[str, Any]:
     steps = setup.schedule.steps
     task = build_task(job.task, **job.task_options)
     train = TaskTrainConfig(setup.schedule, eval_every=max(1, steps // setup.evals), seed=job.seed)
-    say(f"  {job.key}: started ({steps} steps)")
+    log = log or (lambda line: say(f"  {job.key}: {line}"))
+    log(f"started ({steps} steps)")
     record = train_on_task(task, job.mechanism, job.options, seed=job.seed, train=train, spec=job.spec,
                            validation_sequences=setup.validation_sequences,
                            test_sequences=setup.test_sequences,
-                           log=lambda line: say(f"  {job.key}: {_with_total(line, steps)}"))
+                           log=lambda line: log(_with_total(line, steps)))
     return {**record, "task_name": job.task, "task_options": job.task_options}
 
 

@@ -1,0 +1,99 @@
+"""`routeformer train --task NAME`: one model trained on any registered task, through the run path
+compare uses (`compare.budgets.task_job` -> `runner.jobs.train_job` -> `train.on_task.train_on_task`:
+`build_task_model`, the task loop, `evaluate_on_task`) in a run directory that resumes
+(`runner.run_dir`).
+
+The setup is compare --quick's for the task where it has one (lm, mqar, listops: task options,
+schedule, evaluations, test sample) and otherwise the task's own defaults with the task loop's
+default schedule; the backbone is compare --quick's. --steps, --batch-size, --lr, --evals,
+--seq-len and --option change it; with --steps the warm-up keeps its share of the steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from typing import Any
+
+import yaml
+
+from routeformer.cli.exit_status import EXIT_INTERRUPTED
+from routeformer.cli.parser import build_task_train_parser
+from routeformer.runner.jobs import Job, TaskSetup
+
+
+def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
+    from routeformer.runner.jobs import say
+    from routeformer.runner.run_dir import RECORD_FILE, run_in_directory
+
+    if args.config is not None:
+        raise ValueError("argument --config: applies to the LM run (train without --task); "
+                         "with --task use --steps, --seq-len, --option ...")
+    options = build_task_train_parser().parse_args(extra)
+    job = task_run_job(args.task, options)
+    out = options.out or f"runs/train-{args.task}-{job.mechanism}-seed{job.seed}"
+    try:
+        record = run_in_directory(out, job, fresh=args.fresh, log=lambda line: say(f"  {job.key}: {line}"))
+    except KeyboardInterrupt:
+        print(f"routeformer: interrupted; run the same command again to resume {out!r} after its last "
+              "evaluation", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    test = {key: value for key, value in record["test"].items() if not isinstance(value, dict)}
+    print(json.dumps({"out_dir": out, "record": f"{out}/{RECORD_FILE}", "task": record["task"],
+                      "mechanism": record["mechanism"], "seed": record["seed"],
+                      "steps": record["validation"][-1]["step"], "parameters": record["parameters"],
+                      "quality": record["quality"], "test": test,
+                      "train_seconds": round(record["train_seconds"], 1), "resumed": record["resumed"]}))
+    return 0
+
+
+def task_run_job(task: str, options: argparse.Namespace) -> Job:
+    """The compare job the command line asks for (ValueError naming the argument when it is bad)."""
+    from routeformer.attention import baseline_name, list_attentions
+    from routeformer.compare.budgets import QUICK, lm_only, task_job
+    from routeformer.tasks import list_tasks
+    from routeformer.train.task_loop import TaskTrainConfig
+
+    tasks = list_tasks()
+    if task not in tasks:
+        raise ValueError(f"argument --task: unknown task {task!r}; registered: {sorted(tasks)}")
+    mechanisms = sorted(list_attentions())
+    mechanism = options.mechanism or baseline_name()
+    if mechanism not in mechanisms:
+        raise ValueError(f"argument --mechanism: unknown mechanism {mechanism!r}; registered: {mechanisms}")
+    setup = QUICK.tasks.get(task) or TaskSetup({}, TaskTrainConfig().schedule)
+    task_options = {**setup.options, **_task_options(task, tasks[task], options)}
+    if lm_only(mechanism) and "meta_density" not in tasks[task]:
+        with_meta = sorted(name for name, known in tasks.items() if "meta_density" in known)
+        raise ValueError(f"argument --mechanism: {mechanism!r} needs injected meta-tokens, which task "
+                         f"{task!r} has not; tasks that have them: {with_meta}")
+    schedule = setup.schedule
+    if options.steps is not None:
+        warmup = round(schedule.warmup_steps * options.steps / schedule.steps)
+        schedule = replace(schedule, steps=options.steps, warmup_steps=min(options.steps, max(1, warmup)))
+    if options.batch_size is not None:
+        schedule = replace(schedule, batch_size=options.batch_size)
+    if options.lr is not None:
+        schedule = replace(schedule, lr=options.lr)
+    setup = replace(setup, options=task_options, schedule=schedule, evals=options.evals or setup.evals)
+    return task_job(f"train-{task}-{mechanism}-seed{options.seed}", task, mechanism, options.seed, setup,
+                    QUICK.spec)
+
+
+def _task_options(task: str, known: dict[str, Any], options: argparse.Namespace) -> dict[str, Any]:
+    """The task options --seq-len and --option set."""
+    chosen: dict[str, Any] = {}
+    for item in options.option:
+        key, equals, value = item.partition("=")
+        if not equals or key not in known:
+            raise ValueError(f"argument --option: expected KEY=VALUE with KEY an option of task {task!r} "
+                             f"{sorted(known)}; got {item!r}")
+        chosen[key] = yaml.safe_load(value) if value else value
+    if options.seq_len is not None:
+        if "seq_len" not in known:
+            raise ValueError(f"argument --seq-len: task {task!r} has no seq_len option (its length follows "
+                             f"from {sorted(known)}; set them with --option KEY=VALUE)")
+        chosen["seq_len"] = options.seq_len
+    return chosen

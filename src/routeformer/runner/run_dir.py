@@ -1,0 +1,64 @@
+"""One task run in its own directory (`routeformer train --task`): the job compare would train,
+stored the way compare stores its runs.
+
+The directory holds `config.json` (the job: task and its options, mechanism and its options, seed,
+schedule, backbone) and, once the run has finished, `record.json` (train_on_task's record: the
+validation history, the test metrics, the parameter count). While it trains, the task loop's
+checkpoints `record.train<n>.pt` sit beside them (`cached_record`, train/task_loop.py): a run that
+is interrupted and started again resumes after its last evaluation and ends with the same weights
+and record as one that never stopped; a finished run is read back, not trained again. A directory
+holding a run of another config is refused with the differences named (`fresh` starts over).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from routeformer.runner.jobs import Job, cached_record, train_job
+
+CONFIG_FILE, RECORD_FILE = "config.json", "record.json"
+RESUME_LINE = "resumed from "  # how the task loop's log says it resumed (train/task_loop.py)
+
+
+def job_config(job: Job) -> dict[str, Any]:
+    """The job as JSON-ready data (what config.json holds)."""
+    return json.loads(json.dumps(asdict(job)))
+
+
+def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
+                     log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Train `job` in `out_dir` (or resume it, or read back its finished record); the record gains
+    `resumed`: the loop's lines saying where it resumed (empty for a run that never stopped)."""
+    from routeformer.train.progress import write_text_atomic
+    from routeformer.train.resume import check_out_dir, describe, flatten
+    from routeformer.train.task_loop import training_checkpoints
+
+    out_dir = Path(out_dir)
+    check_out_dir(out_dir)
+    record_path, config_path = out_dir / RECORD_FILE, out_dir / CONFIG_FILE
+    config = job_config(job)
+    if fresh:
+        for path in (record_path, config_path, *training_checkpoints(out_dir, record_path.stem)):
+            path.unlink(missing_ok=True)
+    if config_path.is_file():
+        before, after = flatten(json.loads(config_path.read_text())), flatten(config)
+        changes = {key: (before.get(key), after.get(key)) for key in sorted(set(before) | set(after))
+                   if before.get(key) != after.get(key)}
+        if changes:
+            raise ValueError(f"{str(out_dir)!r} holds a run of another config ({describe(changes)}); "
+                             "use --fresh to start over, or another --out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(config_path, json.dumps(config, indent=1) + "\n")
+    resumed: list[str] = []
+
+    def hear(line: str) -> None:
+        if line.startswith(RESUME_LINE):
+            resumed.append(line)
+        if log is not None:
+            log(line)
+
+    return cached_record(record_path, lambda: {**train_job(job, log=hear), "resumed": resumed})
