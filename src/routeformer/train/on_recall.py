@@ -29,7 +29,7 @@ The record holds the validation history (1×), validation and test accuracy at t
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,9 @@ class RecallRun:
     evals: int = 4
     spec: ModelSpec = ModelSpec(positions="rotary")
     init: str | None = None  # path of a pre-trained body (state dict), or None: from scratch
+    # stages trained before `schedule`, shortest first: (task option overrides, e.g. {"segments": 8},
+    # steps), each with `schedule`'s batch and learning rate and a 10 % warm-up; () = none
+    curriculum: tuple[tuple[dict[str, Any], int], ...] = ()
     validation_sequences: int = 256
     test_sequences: int = 512
 
@@ -71,6 +74,10 @@ class RecallRun:
             raise ValueError(f"variant must be one of {VARIANTS}; got {self.variant!r}")
         if self.positions not in POSITION_SCHEMES:
             raise ValueError(f"positions must be one of {POSITION_SCHEMES}; got {self.positions!r}")
+        for options, steps in self.curriculum:
+            if not isinstance(options, dict) or not isinstance(steps, int) or steps < 1:
+                raise ValueError(f"curriculum entries are (task option overrides, steps >= 1); got "
+                                 f"{(options, steps)!r}")
         if self.spec.positions != "rotary":
             raise ValueError(f"spec.positions must be 'rotary' (2x lengths need no unseen learned "
                              f"positions); got {self.spec.positions!r}")
@@ -79,9 +86,10 @@ class RecallRun:
     def with_pause(self) -> bool:
         return self.variant != "plain"
 
-    def build_task(self, factor: int = 1, meta: bool = True) -> Task:
-        """The task the sequences are drawn from (with `_PAUSE_`; see `read`), `factor` × the segments."""
-        options = dict(self.task_options, meta=meta)
+    def build_task(self, factor: int = 1, meta: bool = True, overrides: dict[str, Any] | None = None) -> Task:
+        """The task the sequences are drawn from (with `_PAUSE_`; see `read`), `factor` × the segments
+        (of the task options with `overrides`: a curriculum stage's)."""
+        options = dict(self.task_options, **(overrides or {}), meta=meta)
         options["segments"] = options.get("segments", 8) * factor
         return build_task(self.task, **options)
 
@@ -156,22 +164,28 @@ def train_recall(run: RecallRun, log=None) -> dict[str, Any]:
     model = build_model(run)
     if run.init is not None:
         load_body(model, run.init)
-    task = run.build_task()
-    config = TaskTrainConfig(run.schedule, eval_every=max(1, run.schedule.steps // run.evals), seed=run.seed)
-
     def forward(m, inputs, labels):
         return m(inputs, labels, positions=positions_of(run, inputs), logits_at_labels=True)
 
     began = time.perf_counter()
-    def validate(m) -> dict[str, float]:
-        return {"accuracy": accuracy(m, run, task, "validation", run.validation_sequences)}
+    stages = [(overrides, replace(run.schedule, steps=steps, warmup_steps=max(1, steps // 10)))
+              for overrides, steps in run.curriculum] + [({}, run.schedule)]
+    evals, train_seconds = [], 0.0
+    for index, (overrides, schedule) in enumerate(stages):
+        task = run.build_task(overrides=overrides)
+        config = TaskTrainConfig(schedule, eval_every=max(1, schedule.steps // run.evals), seed=run.seed)
 
-    def make_batch(size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        return run.read(*task.batch(size, generator, "train"))
+        def validate(m, task=task) -> dict[str, float]:
+            return {"accuracy": accuracy(m, run, task, "validation", run.validation_sequences)}
 
-    history = train_task(model, make_batch, validate, config, forward=forward, log=log)
+        def make_batch(size: int, generator: torch.Generator, task=task) -> tuple[Tensor, Tensor]:
+            return run.read(*task.batch(size, generator, "train"))
+
+        history = train_task(model, make_batch, validate, config, forward=forward, log=log)
+        tagged = [{**entry, "stage": index} for entry in history.evals] if run.curriculum else history.evals
+        evals, train_seconds = evals + tagged, train_seconds + history.train_seconds
     record: dict[str, Any] = {"run": asdict(run), "parameters": parameter_count(model),
-                              "validation_history": history.evals, "train_seconds": history.train_seconds}
+                              "validation_history": evals, "train_seconds": train_seconds}
     for factor in LENGTH_FACTORS:
         long_task = run.build_task(factor)
         sample = run.read(*long_task.batch(1, torch.Generator().manual_seed(0)))[0]
