@@ -3,6 +3,8 @@ what they measured (accuracies at 1x and 2x, chance and floors, parameters)."""
 
 import json
 
+import pytest
+
 import routeformer.experiments.meta_tokens_recall as recall
 from routeformer.experiments.registry import _EXPERIMENTS
 
@@ -35,3 +37,38 @@ def test_experiments_run_at_toy_size_and_share_their_runs(tmp_path, monkeypatch)
             continue
         assert len(stats["test_2x"]["values"]) == 2
         assert all(0 <= v <= 1 for v in stats["test_1x"]["values"] + stats["test_2x"]["values"])
+
+
+def test_curriculum_trains_each_stage_and_tests_at_the_final_length(tmp_path):
+    from dataclasses import replace
+
+    from routeformer.train.on_recall import RECALL_SCHEDULE, RecallRun, train_recall
+
+    run = RecallRun("copying", {"segments": 6, "segment_length": 2}, variant="plain",
+                    schedule=replace(RECALL_SCHEDULE, steps=4), evals=2, validation_sequences=8,
+                    test_sequences=8, curriculum=(({"segments": 2}, 4),))
+    record = train_recall(run)
+    assert [entry["stage"] for entry in record["validation_history"]] == [0, 0, 1, 1]
+    plain_length = 6 * (2 + 2) + 2 + 2 - 1  # without the `_PAUSE_` columns
+    assert record["seq_len_1x"] == plain_length and record["seq_len_2x"] == 12 * 4 + 3
+    # the curriculum is part of the run's cache key, so a run without it is another run
+    assert recall.run_key(run) != recall.run_key(replace(run, curriculum=()))
+    with pytest.raises(ValueError, match="curriculum entries"):
+        replace(run, curriculum=(({"segments": 2}, 0),))
+
+
+def test_copying_takes_more_segments_than_there_are_segment_names():
+    from routeformer.tasks import build_task
+
+    task = build_task("copying", segments=128, segment_length=2)
+    assert task.seq_len == 128 * 4 + 2 + 2 - 1
+    with pytest.raises(ValueError, match="segments must be <= 32"):
+        build_task("list_recall", segments=33, segment_length=2)
+
+
+def test_recall_512_runs_at_toy_size(tmp_path):
+    out = tmp_path / "recall-512"
+    out.mkdir()
+    report = recall.run_recall_long(out, True).read_text()
+    assert "test 2×" in report and "shortcut floor" in report
+    assert "meta-tokens-recall-512" in _EXPERIMENTS

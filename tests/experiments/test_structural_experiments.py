@@ -19,7 +19,8 @@ from routeformer.tasks.structural import StructuralTask, StructuralWeights, rece
 
 def test_the_new_experiments_are_registered():
     names = set(list_experiments())
-    assert {"structural-multihop", "structural-recency", "structural-speed", "structural-update"} <= names
+    assert {"structural-multihop", "structural-multihop-long", "structural-recency", "structural-speed",
+            "structural-update"} <= names
 
 
 def test_chain_study_picks_the_lr_on_validation_and_reports_test(tmp_path, monkeypatch):
