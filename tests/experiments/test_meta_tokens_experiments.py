@@ -46,7 +46,7 @@ def test_curriculum_trains_each_stage_and_tests_at_the_final_length(tmp_path):
 
     run = RecallRun("copying", {"segments": 6, "segment_length": 2}, variant="plain",
                     schedule=replace(RECALL_SCHEDULE, steps=4), evals=2, validation_sequences=8,
-                    test_sequences=8, curriculum=(({"segments": 2}, 4),))
+                    test_sequences=8, curriculum=(({"segments": 2}, replace(RECALL_SCHEDULE, steps=4)),))
     record = train_recall(run)
     assert [entry["stage"] for entry in record["validation_history"]] == [0, 0, 1, 1]
     plain_length = 6 * (2 + 2) + 2 + 2 - 1  # without the `_PAUSE_` columns
@@ -54,7 +54,7 @@ def test_curriculum_trains_each_stage_and_tests_at_the_final_length(tmp_path):
     # the curriculum is part of the run's cache key, so a run without it is another run
     assert recall.run_key(run) != recall.run_key(replace(run, curriculum=()))
     with pytest.raises(ValueError, match="curriculum entries"):
-        replace(run, curriculum=(({"segments": 2}, 0),))
+        replace(run, curriculum=(({"segments": 2}, 4),))
 
 
 def test_copying_takes_more_segments_than_there_are_segment_names():

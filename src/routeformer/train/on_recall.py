@@ -29,7 +29,7 @@ The record holds the validation history (1×), validation and test accuracy at t
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +63,9 @@ class RecallRun:
     evals: int = 4
     spec: ModelSpec = ModelSpec(positions="rotary")
     init: str | None = None  # path of a pre-trained body (state dict), or None: from scratch
-    # stages trained before `schedule`, shortest first: (task option overrides, e.g. {"segments": 8},
-    # steps), each with `schedule`'s batch and learning rate and a 10 % warm-up; () = none
-    curriculum: tuple[tuple[dict[str, Any], int], ...] = ()
+    # stages trained before `schedule`, shortest first: (task option overrides, e.g. {"segments": 4},
+    # the stage's Schedule); () = none
+    curriculum: tuple[tuple[dict[str, Any], Schedule], ...] = ()
     validation_sequences: int = 256
     test_sequences: int = 512
 
@@ -74,10 +74,10 @@ class RecallRun:
             raise ValueError(f"variant must be one of {VARIANTS}; got {self.variant!r}")
         if self.positions not in POSITION_SCHEMES:
             raise ValueError(f"positions must be one of {POSITION_SCHEMES}; got {self.positions!r}")
-        for options, steps in self.curriculum:
-            if not isinstance(options, dict) or not isinstance(steps, int) or steps < 1:
-                raise ValueError(f"curriculum entries are (task option overrides, steps >= 1); got "
-                                 f"{(options, steps)!r}")
+        for entry in self.curriculum:
+            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], dict)
+                    and isinstance(entry[1], Schedule)):
+                raise ValueError(f"curriculum entries are (task option overrides, Schedule); got {entry!r}")
         if self.spec.positions != "rotary":
             raise ValueError(f"spec.positions must be 'rotary' (2x lengths need no unseen learned "
                              f"positions); got {self.spec.positions!r}")
@@ -168,8 +168,7 @@ def train_recall(run: RecallRun, log=None) -> dict[str, Any]:
         return m(inputs, labels, positions=positions_of(run, inputs), logits_at_labels=True)
 
     began = time.perf_counter()
-    stages = [(overrides, replace(run.schedule, steps=steps, warmup_steps=max(1, steps // 10)))
-              for overrides, steps in run.curriculum] + [({}, run.schedule)]
+    stages = [*run.curriculum, ({}, run.schedule)]
     evals, train_seconds = [], 0.0
     for index, (overrides, schedule) in enumerate(stages):
         task = run.build_task(overrides=overrides)
