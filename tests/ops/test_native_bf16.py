@@ -62,14 +62,15 @@ def _assert_matches(out, grads, expected, expected_grads):
         torch.testing.assert_close(grad.double(), expected_grad, **TOLERANCE)
 
 
-def test_topk_routing_and_attention_in_bf16(kernel_calls):
+@pytest.mark.parametrize("dim", [16, 21])  # 21: the vector loops' scalar tails (8- and 16-lane)
+def test_topk_routing_and_attention_in_bf16(kernel_calls, dim):
     route_q, route_k = _bf16(2, 2, 50, 8, seed=0), _bf16(2, 2, 50, 8, seed=1)
     index, valid, _ = route_topk(route_q, route_k, 6, causal=True, local_window=2)
     # The kernel scores the bf16 values in fp32: the reference's fp32 selection, exactly.
     expected_set = route_topk_reference(route_q.float(), route_k.float(), 6, causal=True, local_window=2)
     assert torch.equal(slot_membership(index, valid, 50), expected_set)
-    q, k, v = (_bf16(2, 2, 50, 16, seed=seed) for seed in (2, 3, 4))
-    weights = _bf16(2, 2, 50, 16, seed=5)
+    q, k, v = (_bf16(2, 2, 50, dim, seed=seed) for seed in (2, 3, 4))
+    weights = _bf16(2, 2, 50, dim, seed=5)
     out, grads = _grads(lambda q, k, v: routed_attention(q, k, v, index, valid)[0], (q, k, v), weights)
     expected, expected_grads = _grads(lambda q, k, v: routed_attention_reference(q, k, v, index, valid),
                                       (q.double(), k.double(), v.double()), weights.double())

@@ -238,6 +238,13 @@ static inline void store_bf16_ps(uint16_t *y, __m512 x) {
     _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(rounded));
 }
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+/* 8 bf16 -> 8 float32 lanes (the AVX2 twin of load_bf16_ps). */
+static inline __m256 load_bf16_ps8(const uint16_t *x) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#endif
 
 #if defined(__AVX512F__)
 /* e^x on 16 lanes for x >= -87 (below, the lanes compute e^-87; callers clamp or mask them): the

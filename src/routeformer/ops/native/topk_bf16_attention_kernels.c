@@ -30,6 +30,10 @@ static inline float dot_mixed(const float *x, const uint16_t *y, int64_t n) {
     __m512 acc = _mm512_setzero_ps();
     for (; c + 16 <= n; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + c), load_bf16_ps(y + c), acc);
     total = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; c + 8 <= n; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + c), load_bf16_ps8(y + c), acc);
+    total = horizontal_sum_ps(acc);
 #endif
     for (; c < n; c++) total += x[c] * bf16_to_float(y[c]);
     return total;
@@ -42,6 +46,10 @@ static inline void add_scaled_bf16(float *y, float w, const uint16_t *x, int64_t
     __m512 weight = _mm512_set1_ps(w);
     for (; c + 16 <= n; c += 16)
         _mm512_storeu_ps(y + c, _mm512_fmadd_ps(weight, load_bf16_ps(x + c), _mm512_loadu_ps(y + c)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 weight = _mm256_set1_ps(w);
+    for (; c + 8 <= n; c += 8)
+        _mm256_storeu_ps(y + c, _mm256_fmadd_ps(weight, load_bf16_ps8(x + c), _mm256_loadu_ps(y + c)));
 #endif
     for (; c < n; c++) y[c] += w * bf16_to_float(x[c]);
 }
