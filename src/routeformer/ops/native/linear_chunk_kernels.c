@@ -33,6 +33,25 @@ static inline __mmask16 lanes_left(int64_t count) {
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* The 8-lane (AVX2) twins of the loops below: 8 values of a row from fp32 or bf16 storage, phi and
+ * phi' on 8 lanes (exp clamped at -87 as the 16-lane version; a NaN lane reads as -87 there too). */
+static inline __m256 load8(const void *src, int64_t at, int bf16) {
+    return bf16 ? load_bf16_ps8((const uint16_t *)src + at) : _mm256_loadu_ps((const float *)src + at);
+}
+static inline __m256 exp_of_nonpositive_part(__m256 x) {
+    return exp_nonpositive_ps(_mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_setzero_ps()));
+}
+static inline __m256 feature8(__m256 x) {
+    __m256 positive = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ);
+    return _mm256_blendv_ps(exp_of_nonpositive_part(x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)), positive);
+}
+static inline __m256 feature_slope8(__m256 x) {
+    __m256 positive = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ);
+    return _mm256_blendv_ps(exp_of_nonpositive_part(x), _mm256_set1_ps(1.0f), positive);
+}
+#endif
+
 /* dst[i, :width] = x (or phi(x) when `features`) for `rows` rows of src (row stride in elements),
  * zeros in dst[i, width:padded] and in the rows whose keep[i] is 0; also dst_t[:, i] = dst[i, :]
  * when dst_t is given (row length ldt). */
@@ -57,7 +76,15 @@ void rf_linear_load_rows(const void *src, int64_t stride, int bf16, int64_t rows
             _mm512_storeu_ps(out + u, x);
         }
 #else
-        for (int64_t u = 0; u < padded; u++) {
+        int64_t u = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; real && u + 8 <= width; u += 8) {
+            __m256 x = load8(line, u, bf16);
+            if (features) x = feature8(x);
+            _mm256_storeu_ps(out + u, x);
+        }
+#endif
+        for (; u < padded; u++) {
             float x = 0;
             if (real && u < width) {
                 x = bf16 ? bf16_to_float(((const uint16_t *)line)[u]) : ((const float *)line)[u];
@@ -112,7 +139,21 @@ void rf_linear_store_rows(const float *grad, int64_t padded, int64_t rows, int64
             store16(line, u, bf16, live, value);
         }
 #else
-        for (int64_t u = 0; u < width; u++) {
+        int64_t u = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; real && u + 8 <= width; u += 8) {
+            __m256 value = _mm256_loadu_ps(g + u);
+            if (raw != NULL) value = _mm256_mul_ps(value, feature_slope8(load8(raw, u, bf16)));
+            if (bf16) {
+                float lanes[8];
+                _mm256_storeu_ps(lanes, value);
+                for (int c = 0; c < 8; c++) ((uint16_t *)line)[u + c] = float_to_bf16(lanes[c]);
+            } else {
+                _mm256_storeu_ps((float *)line + u, value);
+            }
+        }
+#endif
+        for (; u < width; u++) {
             float value = g[u];
             if (raw != NULL) {
                 float x = bf16 ? bf16_to_float(((const uint16_t *)raw)[u]) : ((const float *)raw)[u];
