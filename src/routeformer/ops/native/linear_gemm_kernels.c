@@ -73,8 +73,48 @@ static void tile_dispatch(int rows, int lanes, int64_t k0, int64_t k1, const flo
     default: TILE_LANES(6) break;
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 (16 ymm registers): the block as 16-column strips of rows × 2 lanes of 8 (12 accumulators, 2
+ * b lanes and a broadcast), each strip as the AVX-512 tile's inner loop. */
+static inline __attribute__((always_inline)) void strip(const int rows, int64_t k0, int64_t k1, const float *a,
+        int64_t ars, int64_t acs, const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate) {
+    __m256 acc[TILE_ROWS][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < 2; h++)
+            acc[r][h] = accumulate ? _mm256_loadu_ps(c + r * ldc + 8 * h) : _mm256_setzero_ps();
+    for (int64_t k = k0; k < k1; k++) {
+        const float *row = b + k * ldb;
+        __m256 low = _mm256_loadu_ps(row), high = _mm256_loadu_ps(row + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < rows; r++) {
+            __m256 scale = _mm256_set1_ps(a[r * ars + k * acs]);
+            acc[r][0] = _mm256_fmadd_ps(scale, low, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(scale, high, acc[r][1]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(c + r * ldc + 8 * h, acc[r][h]);
+}
+
+static void tile_dispatch(int rows, int lanes, int64_t k0, int64_t k1, const float *a, int64_t ars,
+                          int64_t acs, const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate) {
+    for (int l = 0; l < lanes; l++) {
+        const float *bl = b + 16 * l;
+        float *cl = c + 16 * l;
+        switch (rows) {
+        case 1: strip(1, k0, k1, a, ars, acs, bl, ldb, cl, ldc, accumulate); break;
+        case 2: strip(2, k0, k1, a, ars, acs, bl, ldb, cl, ldc, accumulate); break;
+        case 3: strip(3, k0, k1, a, ars, acs, bl, ldb, cl, ldc, accumulate); break;
+        case 4: strip(4, k0, k1, a, ars, acs, bl, ldb, cl, ldc, accumulate); break;
+        case 5: strip(5, k0, k1, a, ars, acs, bl, ldb, cl, ldc, accumulate); break;
+        default: strip(6, k0, k1, a, ars, acs, bl, ldb, cl, ldc, accumulate); break;
+        }
+    }
+}
 #else
-/* Portable fallback (no AVX-512): the same block, scalar; the compiler vectorises the n loop. */
+/* Portable fallback (no AVX-512, no AVX2): the same block, scalar; the compiler vectorises the n loop. */
 static void tile_dispatch(int rows, int lanes, int64_t k0, int64_t k1, const float *a, int64_t ars,
                           int64_t acs, const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate) {
     for (int r = 0; r < rows; r++) {

@@ -114,6 +114,13 @@ static inline float dot(const float *x, const float *y, int64_t n) {
     __m512 total = _mm512_setzero_ps();
     for (int64_t u = 0; u < n; u += 16) total = _mm512_fmadd_ps(_mm512_loadu_ps(x + u), _mm512_loadu_ps(y + u), total);
     return _mm512_reduce_add_ps(total);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
+    for (int64_t u = 0; u < n; u += 16) {
+        low = _mm256_fmadd_ps(_mm256_loadu_ps(x + u), _mm256_loadu_ps(y + u), low);
+        high = _mm256_fmadd_ps(_mm256_loadu_ps(x + u + 8), _mm256_loadu_ps(y + u + 8), high);
+    }
+    return horizontal_sum_ps(_mm256_add_ps(low, high));
 #else
     float total = 0;
     for (int64_t u = 0; u < n; u++) total += x[u] * y[u];
@@ -126,6 +133,13 @@ static inline float sum(const float *x, int64_t n) {
     __m512 total = _mm512_setzero_ps();
     for (int64_t u = 0; u < n; u += 16) total = _mm512_add_ps(_mm512_loadu_ps(x + u), total);
     return _mm512_reduce_add_ps(total);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
+    for (int64_t u = 0; u < n; u += 16) {
+        low = _mm256_add_ps(_mm256_loadu_ps(x + u), low);
+        high = _mm256_add_ps(_mm256_loadu_ps(x + u + 8), high);
+    }
+    return horizontal_sum_ps(_mm256_add_ps(low, high));
 #else
     float total = 0;
     for (int64_t u = 0; u < n; u++) total += x[u];
