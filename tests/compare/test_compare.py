@@ -5,7 +5,7 @@ import json
 import pytest
 
 from routeformer.cli import main
-from routeformer.compare import budgets, run
+from routeformer.compare import budgets, costs
 from routeformer.compare.budgets import CompareBudget, check_selection
 from routeformer.compare.report import pareto_front, separated
 from routeformer.compare.run import run_compare
@@ -88,7 +88,7 @@ def test_toy_compare_writes_the_report_and_resumes(tmp_path, monkeypatch):
         raise AssertionError("a finished run was run again")
 
     monkeypatch.setattr(jobs, "train_job", must_not_run)
-    monkeypatch.setattr(run, "measure_task_costs", must_not_run)
+    monkeypatch.setattr(costs, "measure_alone", must_not_run)
     run_compare(out, mechanisms=["full", "local", "meta_tokens"], budget=toy_budget(), workers=1)
 
 

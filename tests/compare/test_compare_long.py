@@ -2,14 +2,18 @@
 ratios, result.json's per-(task, length, mechanism, seed) records, resume, the CLI's errors."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from routeformer.cli import main
-from routeformer.compare import long_budget, long_run
-from routeformer.compare.long_budget import LongBudget, LongSetup, Stage, check_long_selection
-from routeformer.compare.long_report import _position_section, paired_delta
-from routeformer.compare.long_run import run_compare_long
+from routeformer.compare import budgets, costs
+from routeformer.compare.budgets import LONG, check_long_selection, curriculum_setup
+from routeformer.compare.run import compare_jobs, run_compare
+from routeformer.compare.staged_report import _position_section, paired_delta
+from routeformer.runner import jobs
+from routeformer.runner.jobs import Job, train_job
+from routeformer.runner.setups import Stage
 from routeformer.train.on_task import ModelSpec
 from routeformer.train.schedule import Schedule
 
@@ -30,27 +34,16 @@ TOY_SCHEDULE = Schedule(steps=2, batch_size=4, lr=1e-3, warmup_steps=1)
 
 
 def toy_budget():
-    return LongBudget(
+    toy = {"evals": 1, "validation_sequences": 8, "test_tokens": 256, "cost_batch": 2}
+    return replace(
+        LONG,
         tasks={
-            "mqar": LongSetup(
+            "mqar": curriculum_setup(
                 {"seq_len": 32, "pairs": 4, "vocab_size": 16},
-                stages=(
-                    Stage({"seq_len": 16, "pairs": 2}, TOY_SCHEDULE),
-                    Stage({}, TOY_SCHEDULE),
-                ),
-                evals_per_stage=1,
-                validation_sequences=8,
-                test_tokens=256,
-                cost_batch=2,
+                (Stage({"seq_len": 16, "pairs": 2}, TOY_SCHEDULE), Stage({}, TOY_SCHEDULE)),
+                **toy,
             ),
-            "lm": LongSetup(
-                {"seq_len": 32},
-                stages=(Stage({}, TOY_SCHEDULE),),
-                evals_per_stage=1,
-                validation_sequences=8,
-                test_tokens=256,
-                cost_batch=2,
-            ),
+            "lm": curriculum_setup({"seq_len": 32}, (Stage({}, TOY_SCHEDULE),), **toy),
         },
         spec=ModelSpec(dim=16, depth=1, heads=2, positions="rotary"),
         seeds=2,
@@ -59,8 +52,8 @@ def toy_budget():
 
 
 def run_toy(out):
-    return run_compare_long(toy_budget(), out, mechanisms=["full", "local", "meta_tokens"],
-                            tasks=["mqar", "lm"], seeds=2, workers=1, corpus="pydoc")
+    return run_compare(out, mechanisms=["full", "local", "meta_tokens"], tasks=["mqar", "lm"],
+                       budget=toy_budget(), seeds=2, workers=1, corpus="pydoc")
 
 
 def test_toy_long_compare_reports_every_length_and_resumes(tmp_path, monkeypatch):
@@ -108,18 +101,15 @@ def test_toy_long_compare_reports_every_length_and_resumes(tmp_path, monkeypatch
     def must_not_run(*args, **kwargs):
         raise AssertionError("a finished run was run again")
 
-    monkeypatch.setattr(long_run, "train_long_job", must_not_run)
-    monkeypatch.setattr(long_run, "measure_long_costs", must_not_run)
+    monkeypatch.setattr(jobs, "train_job", must_not_run)
+    monkeypatch.setattr(costs, "measure_beside_full", must_not_run)
     run_toy(out)
     assert json.loads((out / "result.json").read_text())["records"] == records
 
 
 def test_stages_train_one_model_on_each_stage_task():
-    from routeformer.compare.long_jobs import train_long_job
-    from routeformer.runner.jobs import Job
-
     setup = toy_budget().tasks["mqar"]
-    record = train_long_job(
+    record = train_job(
         Job(
             "k",
             "mqar",
@@ -141,18 +131,37 @@ def test_stages_train_one_model_on_each_stage_task():
 
 def test_a_setup_named_apart_from_its_task_builds_that_task():
     """`mqar_512` builds `mqar`: the setup's key names the jobs, `task` the registered task."""
-    from dataclasses import replace
+    setup = replace(toy_budget().tasks["mqar"], task="mqar")
 
-    from routeformer.compare.long_jobs import long_jobs, train_long_job
+    def jobs_of(setup):
+        return compare_jobs(["recall_short"], ["full"], replace(toy_budget(), tasks={"recall_short": setup},
+                                                               seeds=1), "pydoc")
 
-    setup, spec = replace(toy_budget().tasks["mqar"], task="mqar"), toy_budget().spec
-    jobs = long_jobs({"recall_short": setup}, ["full"], 1, spec, "pydoc")
-    assert [job.key for job in jobs] == ["long-recall_short-full-seed0"]
-    record = train_long_job(jobs[0])
+    assert [job.key for job in jobs_of(setup)] == ["long-recall_short-full-seed0"]
+    record = train_job(jobs_of(setup)[0])
     assert (record["setup"], record["task_name"]) == ("recall_short", "mqar")
     assert record["validation"][-1]["task"].startswith("mqar(seq_len=32")
     with pytest.raises(ValueError, match="unknown task"):
-        train_long_job(long_jobs({"recall_short": replace(setup, task="")}, ["full"], 1, spec, "pydoc")[0])
+        train_job(jobs_of(replace(setup, task=""))[0])
+
+
+def test_one_stage_trains_as_the_plain_compare_path():
+    """A staged setup whose only stage is the task itself trains and tests the same model as compare
+    --quick's one-stage setup: the same validation history, the same test at T, bit for bit."""
+    plain = replace(toy_budget().tasks["mqar"], curriculum=(), eval_multiples=())
+    staged = replace(plain, eval_multiples=(2,))
+    assert not plain.staged and staged.staged and staged.stages == plain.stages
+
+    def record(setup):
+        return train_job(Job("k", "mqar", setup.options, "local", {"window": 8}, 1, setup, toy_budget().spec))
+
+    one, stages = record(plain), record(staged)
+    assert [{k: v for k, v in e.items() if k not in ("stage", "task")} for e in stages["validation"]] \
+        == one["validation"]
+    assert {k: v for k, v in stages["tests"]["32"].items() if k != "seconds"} == one["test"]
+    assert (stages["quality"], stages["parameters"], stages["stages"]) == (
+        one["quality"], one["parameters"], [{"options": {}, "schedule": one["train"]["schedule"]}])
+    assert set(stages["tests"]) == {"32", "64"}
 
 
 def test_paired_delta_pairs_by_seed():
@@ -167,7 +176,7 @@ def test_paired_delta_pairs_by_seed():
 
 def test_long_selection_and_cli_errors(tmp_path, capsys):
     assert check_long_selection(["local", "full", "local"], None) == (
-        ["full", "local"], list(long_budget.default_long_tasks()))
+        ["full", "local"], list(budgets.default_long_tasks()))
     with pytest.raises(ValueError, match="tasks: --long has"):
         check_long_selection(None, ["listops"])
     assert main(["compare", "--long", "--quick", "--out", str(tmp_path)]) == 2
@@ -179,14 +188,14 @@ def test_long_selection_and_cli_errors(tmp_path, capsys):
 def test_the_default_long_tasks_read_the_python_source_only_where_it_is_on_disk(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no data/ or ../shared/data here
     monkeypatch.setenv("ROUTEFORMER_DATA_DIR", str(tmp_path / "nowhere"))
-    assert long_budget.default_long_tasks() == ("mqar", "lm")
+    assert budgets.default_long_tasks() == ("mqar", "lm")
     (tmp_path / "nowhere" / "python-stdlib").mkdir(parents=True)
     (tmp_path / "nowhere" / "python-stdlib" / "train.jsonl").write_text("")
-    assert long_budget.default_long_tasks() == ("mqar", "code_lm")
+    assert budgets.default_long_tasks() == ("mqar", "code_lm")
 
 
 def test_the_long_budget_trains_at_long_lengths():
-    budget = long_budget.LONG
+    budget = LONG
     assert budget.tasks["mqar"].seq_len >= 4096 and budget.tasks["code_lm"].seq_len >= 4096
     assert budget.tasks["mqar_512"].task_name("mqar_512") == "mqar"
     assert budget.seeds >= 3 and budget.tasks["mqar"].stages[-1].options == {}
@@ -226,7 +235,7 @@ def test_position_section_averages_buckets_over_seeds_beside_the_floors():
 
 
 def test_meta_costs_are_timed_at_the_trained_shares_past_the_warmup():
-    from routeformer.compare.long_costs import measure_long_costs, trained_routing_shares
+    from routeformer.compare.costs import measure_beside_full, trained_routing_shares
 
     hard = {"hard_fraction": 1.0, "rows_full": 0.02, "rows_linear": 0.98, "rows_local": 0.0}
     records = [{"tests": {"32": hard}}, {"tests": {"32": {**hard, "rows_full": 0.04, "rows_linear": 0.96}}}]
@@ -234,6 +243,6 @@ def test_meta_costs_are_timed_at_the_trained_shares_past_the_warmup():
     assert trained_routing_shares([{"tests": {"32": {**hard, "hard_fraction": 0.5}}}], 32) is None
     assert trained_routing_shares([{"tests": {"32": {"accuracy": 1.0}}}], 32) is None  # no router
     setup = toy_budget().tasks["mqar"]
-    costs = measure_long_costs("mqar", "meta", setup, toy_budget().spec, lambda name: setup.options, 1,
-                               routing_shares=(0.25, 0.75, 0.0))
-    assert costs["routing_shares"] == (0.25, 0.75, 0.0) and costs["train_ms_per_step"] > 0
+    measured = measure_beside_full("mqar", "meta", setup, toy_budget().spec, lambda name: setup.options, 1,
+                                   routing_shares=(0.25, 0.75, 0.0))
+    assert measured["routing_shares"] == (0.25, 0.75, 0.0) and measured["train_ms_per_step"] > 0

@@ -13,7 +13,7 @@ import torch
 from routeformer.attention import topk_distill
 from routeformer.bench.timing import round_times
 from routeformer.compare.budgets import options_for
-from routeformer.compare.long_budget import LONG
+from routeformer.compare.budgets import LONG
 from routeformer.tasks import build_task
 from routeformer.train.on_task import build_task_model
 

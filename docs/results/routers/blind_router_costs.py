@@ -18,7 +18,7 @@ import torch
 from routeformer.attention.topk import TopKAttention
 from routeformer.bench.timing import ratio_quartiles, round_times
 from routeformer.compare.budgets import options_for
-from routeformer.compare.long_budget import LONG
+from routeformer.compare.budgets import LONG
 from routeformer.ops.topk import route_topk
 from routeformer.tasks import build_task
 from routeformer.train.on_task import build_task_model

@@ -10,8 +10,9 @@ from dataclasses import replace
 
 import torch
 
-from routeformer.compare.long_budget import LONG
-from routeformer.compare.long_jobs import long_jobs, train_long_job
+from routeformer.compare.budgets import LONG
+from routeformer.compare.run import compare_jobs
+from routeformer.runner.jobs import train_job
 
 parser = argparse.ArgumentParser()
 parser.add_argument("seed", type=int)
@@ -21,13 +22,13 @@ parser.add_argument("--mechanism", default="meta")
 args = parser.parse_args()
 torch.set_num_threads(1)
 setup = LONG.tasks["mqar_512"]
-last = setup.stages[-1].schedule
+last = setup.schedule  # the last stage's: on the task itself
 last = replace(last, lr=args.lr or last.lr,
                warmup_steps=last.warmup_steps if args.warmup is None else args.warmup)
-setup = replace(setup, stages=(*setup.stages[:-1], replace(setup.stages[-1], schedule=last)))
-job = next(j for j in long_jobs({"mqar_512": setup}, [args.mechanism], args.seed + 1, LONG.spec, "pydoc")
-           if j.seed == args.seed)
-result = train_long_job(job)
+setup = replace(setup, schedule=last)
+budget = replace(LONG, tasks={"mqar_512": setup}, seeds=args.seed + 1)
+job = next(j for j in compare_jobs(["mqar_512"], [args.mechanism], budget, "pydoc") if j.seed == args.seed)
+result = train_job(job)
 print(args.mechanism, args.seed, "last stage lr", last.lr, "warm-up", last.warmup_steps, "| validation:",
       [(v["stage"], round(v["accuracy"], 3)) for v in result["validation"]], "| test at T:",
       round(result["quality"], 4), flush=True)

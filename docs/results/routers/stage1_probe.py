@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from routeformer.compare.long_budget import LONG
+from routeformer.compare.budgets import LONG, layer_options
 from routeformer.tasks import build_task
 from routeformer.train.on_task import build_task_model, evaluate_on_task
 from routeformer.train.schedule import Schedule
@@ -34,7 +34,7 @@ task = build_task("mqar", **{**setup.options, **stage.options})
 torch.manual_seed(args.seed)
 schedule = stage.schedule
 steps = args.steps or schedule.steps
-options = setup.options_for(args.mechanism)
+options = layer_options(setup, args.mechanism, setup.seq_len)
 if args.mechanism == "meta":
     options = {**options, "warmup_steps": steps}
 model = build_task_model(task, args.mechanism, options, LONG.spec)

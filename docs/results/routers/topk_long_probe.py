@@ -13,8 +13,9 @@ from dataclasses import replace
 
 import torch
 
-from routeformer.compare.long_budget import LONG
-from routeformer.compare.long_jobs import long_jobs, train_long_job
+from routeformer.compare.budgets import LONG
+from routeformer.compare.run import compare_jobs
+from routeformer.runner.jobs import train_job
 
 parser = argparse.ArgumentParser()
 parser.add_argument("seed", type=int)
@@ -30,9 +31,9 @@ for item in args.option:
 setup = LONG.tasks[args.task]
 recipe = {**setup.mechanism_options.get(args.mechanism, {}), **overrides}
 setup = replace(setup, mechanism_options={**setup.mechanism_options, args.mechanism: recipe})
-job = next(j for j in long_jobs({args.task: setup}, [args.mechanism], args.seed + 1, LONG.spec, "pydoc")
-           if j.seed == args.seed)
-result = train_long_job(job)
+budget = replace(LONG, tasks={args.task: setup}, seeds=args.seed + 1)
+job = next(j for j in compare_jobs([args.task], [args.mechanism], budget, "pydoc") if j.seed == args.seed)
+result = train_job(job)
 print(args.mechanism, args.seed, overrides, "| validation:",
       [(v["stage"], round(v["accuracy"], 3)) for v in result["validation"]], "| test at T:",
       round(result["quality"], 4), flush=True)

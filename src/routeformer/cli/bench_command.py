@@ -192,8 +192,7 @@ def _bench_steps(args: argparse.Namespace) -> int:
     from routeformer.attention import list_attentions
     from routeformer.bench.model_steps import STEP_HEADER, model_step_rows
     from routeformer.bench.timing import machine_description
-    from routeformer.compare.budgets import options_for
-    from routeformer.compare.long_budget import LONG
+    from routeformer.compare.budgets import LONG, options_for
 
     mechanisms = args.mechanisms or ["topk", "mita", "meta"]
     unknown = [m for m in mechanisms if m not in list_attentions()]

@@ -45,11 +45,9 @@ def command_compare(args: argparse.Namespace) -> int:
 
 
 def _compare_long(args: argparse.Namespace):
-    """`compare --long`: the long budget (compare/long_budget.py)."""
-    from dataclasses import replace
-
-    from routeformer.compare.long_budget import LONG, check_long_selection
-    from routeformer.compare.long_run import run_compare_long
+    """`compare --long`: compare's LONG budget (compare/budgets.py)."""
+    from routeformer.compare.budgets import LONG, check_long_selection
+    from routeformer.compare.run import run_compare
 
     if args.quick:
         raise ValueError("--quick and --long: choose one budget")
@@ -58,15 +56,14 @@ def _compare_long(args: argparse.Namespace):
     if args.seeds is not None and (args.seeds < 1):
         raise ValueError(f"--seeds must be a positive integer; got {args.seeds}")
     mechanisms, tasks = check_long_selection(args.mechanisms, args.tasks)
-    budget = LONG if args.seeds is None else replace(LONG, seeds=args.seeds)
     command = "routeformer compare --long" + "".join([
         f" --tasks {' '.join(args.tasks)}" if args.tasks else "",
         f" --mechanisms {' '.join(args.mechanisms)}" if args.mechanisms else "",
         f" --seeds {args.seeds}" if args.seeds is not None else "",
         f" --corpus {args.corpus}" if args.corpus else ""])
     out = args.out or "runs/compare-long"
-    return run_compare_long(budget, out, mechanisms=mechanisms, tasks=tasks, seeds=budget.seeds,
-                            workers=args.workers, corpus=args.corpus, command=command)
+    return run_compare(out, mechanisms=mechanisms, tasks=tasks, budget=LONG, seeds=args.seeds,
+                       workers=args.workers, corpus=args.corpus, command=command)
 
 
 def command_train(args: argparse.Namespace, overrides: list[str]) -> int:

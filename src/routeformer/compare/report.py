@@ -13,32 +13,8 @@ from typing import Any
 from routeformer.attention import attention_class, baseline_name
 from routeformer.bench.layers_bench import layer_bench_section
 from routeformer.compare.budgets import budget_summary
+from routeformer.compare.stats import SEPARATION_SDS, pareto_front, separated
 from routeformer.runner.report import markdown_table, mean_sd, provenance, scatter_plot, write_result
-
-SEPARATION_SDS = 3.0
-
-
-def separated(a: tuple[float, float], b: tuple[float, float], sds: float = SEPARATION_SDS) -> bool:
-    """Whether two (mean, sd) results differ by more than `sds` times the larger sd. (Callers ask
-    for at least two seeds: a single seed's sd of 0 would separate everything.)"""
-    (mean_a, sd_a), (mean_b, sd_b) = a, b
-    return abs(mean_a - mean_b) > sds * max(sd_a, sd_b)
-
-
-def pareto_front(points: dict[str, tuple[float, float]], higher_is_better: bool) -> set[str]:
-    """Names not dominated by another point with fewer (or equal) FLOPs and better (or equal)
-    quality, one of them strictly. points: name -> (flops, quality)."""
-    def better_or_equal(a: float, b: float) -> bool:
-        return a >= b if higher_is_better else a <= b
-
-    front = set()
-    for name, (flops, quality) in points.items():
-        dominated = any(
-            other != name and f <= flops and better_or_equal(q, quality) and (f < flops or q != quality)
-            for other, (f, q) in points.items())
-        if not dominated:
-            front.add(name)
-    return front
 
 
 def task_floor(task: str, options: dict[str, Any], position_sequences: int = 0) -> dict[str, Any]:
@@ -88,24 +64,83 @@ def summarise_task(task: str, runs: dict[str, list[dict[str, Any]]], costs: dict
 
 
 def write_compare_report(
-    out: Path, by_task: dict[str, dict[str, list[dict[str, Any]]]], floors: dict[str, dict[str, Any]],
-    costs: dict[str, dict[str, Any]], bench_rows: list[dict[str, Any]], budget: Any, command: str, *,
-    elapsed: float, workers: int, failed: dict[str, dict[str, str]] | None = None,
-    bench_from_earlier: bool = False,
+    out: Path, by_task: dict[str, dict[str, list[dict[str, Any]]]],
+    floors: dict[str, dict[int, dict[str, Any]]], costs: dict[str, dict[str, Any]],
+    bench_rows: list[dict[str, Any]], budget: Any, command: str, *,
+    elapsed: float, workers: int, setups: dict[str, Any] | None = None,
+    failed: dict[str, dict[str, str]] | None = None, bench_from_earlier: bool = False,
 ) -> Path:
-    """report.md + result.json in `out`. A rerun keeps the wall-clock times of the invocations that
+    """report.md + result.json in `out`, from each task's runs by mechanism (`by_task`), floors by
+    length (a one-stage setup's under 0), costs by mechanism and failed runs by label. A staged
+    task (runner/setups.py) gets the sections of compare/staged_report.py (per length, Δ vs full,
+    where routing pays) and result.json its per-(length, mechanism, seed) `records`; a report with
+    one opens as `compare --long`'s. A rerun keeps the wall-clock times of the invocations that
     wrote the report before (result.json `invocations`, named in report.md)."""
+    from routeformer.compare.staged_report import flat_records, staged_task_sections
+
+    setups = {task: (setups or {}).get(task, budget.tasks[task]) for task in by_task}
+    failed = failed or {}
+    staged = any(setup.staged for setup in setups.values())
     earlier = earlier_invocations(out / "result.json")
-    summary: dict[str, Any] = {"budget": budget_summary(budget), "elapsed_seconds": elapsed, "tasks": {},
-                               "invocations": [*earlier, {"command": command, "elapsed_seconds": elapsed}]}
+    invocations = [*earlier, {"command": command, "elapsed_seconds": elapsed}]
+    failures = {f"{task}: {label}": error for task, labels in failed.items()
+                for label, error in labels.items()}
+    summary: dict[str, Any] = (
+        {"command": command, "elapsed_seconds": elapsed, "tasks": {}, "failed": failures,
+         "invocations": invocations} if staged else
+        {"budget": budget_summary(budget), "elapsed_seconds": elapsed, "tasks": {},
+         "invocations": invocations})
+    sections = _opening(budget, command, elapsed, workers, earlier, staged)
+    records = []
+    for task, runs in by_task.items():
+        setup = setups[task]
+        if not runs:
+            sections += [f"## {task}", "Every run failed: " + "; ".join(
+                f"{name}: {error}" for name, error in failed.get(task, {}).items())]
+            continue
+        if setup.staged:
+            task_sections, summary["tasks"][task] = staged_task_sections(out, task, setup, runs, costs[task],
+                                                                         floors[task])
+            sections += task_sections
+            records += flat_records(task, runs, costs[task], floors[task])
+        else:
+            summary["tasks"][task] = _plain_task(out, task, setup, runs, costs.get(task, {}), floors[task][0],
+                                                 budget.seeds, sections)
+        if failed.get(task):
+            if not setup.staged:
+                summary["tasks"][task]["failed"] = failed[task]
+            sections.append("Failed runs (left out of the table; a re-run retries them): " + "; ".join(
+                f"{name}: {error}" for name, error in failed[task].items()) + ".")
+    if staged:
+        summary["records"] = records
+    if bench_rows:
+        summary["bench"] = bench_rows
+        sections += layer_bench_section(out, bench_rows)
+        if bench_from_earlier:
+            summary["bench_from_earlier_invocation"] = True
+            sections.append("(Measured by an earlier invocation; this one ran with `--no-bench`.)")
+    return write_result(out, summary, "\n\n".join(sections) + "\n")
+
+
+def _opening(budget: Any, command: str, elapsed: float, workers: int, earlier: list[dict[str, Any]],
+             staged: bool) -> list[str]:
+    """The title, provenance and what the numbers mean (a report with a staged task: compare --long's)."""
+    before = ("; earlier invocations that wrote this report: " + ", ".join(
+        f"{run['elapsed_seconds']:.0f} s (`{run['command']}`)" for run in earlier) if earlier else "")
     spec = budget.spec
-    sections = [
+    if staged:
+        from routeformer.compare.staged_report import staged_intro
+
+        return [
+            "# routeformer compare --long: quality and cost where routing pays",
+            provenance(command) + f" Wall-clock of this invocation: {elapsed:.0f} s ({elapsed / 60:.1f} min; "
+            f"{workers} training processes, one thread each, then the cost measurements in one thread; runs "
+            "finished by an earlier invocation are read, not re-run)" + before + ".",
+            staged_intro(spec, budget.repeats)]
+    return [
         "# routeformer compare",
         provenance(command) + f" Wall-clock of this invocation: {elapsed:.0f} s ({workers} training "
-        "process(es), one thread each; finished runs found on disk are not re-timed)" + (
-            "; earlier invocations that wrote this report: " + ", ".join(
-                f"{run['elapsed_seconds']:.0f} s (`{run['command']}`)" for run in earlier) if earlier else "")
-        + ".",
+        "process(es), one thread each; finished runs found on disk are not re-timed)" + before + ".",
         f"Budget `{budget.name}`: one backbone for every mechanism ({spec.depth} layers, D={spec.dim}, "
         f"{spec.heads} heads, MLP ratio {spec.mlp_ratio}, {spec.positions} positions), AdamW with warm-up "
         f"and cosine decay; {budget.seeds} seeds per mechanism, and with the same seed every mechanism sees "
@@ -119,35 +154,23 @@ def write_compare_report(
         f"against executed FLOPs. A difference counts as real only beyond {SEPARATION_SDS:g} sd (the larger "
         "of the two).",
     ]
-    for task, runs in by_task.items():
-        setup = budget.tasks[task]
-        if not runs:
-            sections += [f"## {task}", "Every run failed: " + "; ".join(
-                f"{name}: {error}" for name, error in (failed or {}).get(task, {}).items())]
-            continue
-        task_summary = summarise_task(task, runs, costs.get(task, {}), floors[task])
-        summary["tasks"][task] = task_summary
-        sections += _task_section(task, setup, task_summary, runs)
-        if (failed or {}).get(task):
-            task_summary["failed"] = failed[task]
-            sections.append("Failed runs (left out of the table; a re-run retries them): " + "; ".join(
-                f"{name}: {error}" for name, error in failed[task].items()) + ".")
-        floor = task_summary["floor"]
-        rows = task_summary["rows"]
-        scatter_plot(out / f"pareto_{task}.png",
-                     {r["mechanism"]: (r["flops_per_token"], r["quality_mean"]) for r in rows},
-                     {r["mechanism"] for r in rows if r["pareto"]},
-                     xlabel="attention FLOPs per token (executed)", ylabel=floor["metric"],
-                     title=f"{task}: quality (mean ± sd, {budget.seeds} seeds) vs executed FLOPs",
-                     errors={r["mechanism"]: r["quality_sd"] for r in rows},
-                     reference=("best floor", task_summary["best_floor"]))
-    if bench_rows:
-        summary["bench"] = bench_rows
-        sections += layer_bench_section(out, bench_rows)
-        if bench_from_earlier:
-            summary["bench_from_earlier_invocation"] = True
-            sections.append("(Measured by an earlier invocation; this one ran with `--no-bench`.)")
-    return write_result(out, summary, "\n\n".join(sections) + "\n")
+
+
+def _plain_task(out: Path, task: str, setup: Any, runs: dict[str, list[dict[str, Any]]],
+                costs: dict[str, Any], floor: dict[str, Any], seeds: int, sections: list[str],
+                ) -> dict[str, Any]:
+    """A one-stage task's summary; appends its sections and writes `pareto_{task}.png`."""
+    task_summary = summarise_task(task, runs, costs, floor)
+    sections += _task_section(task, setup, task_summary, runs)
+    rows = task_summary["rows"]
+    scatter_plot(out / f"pareto_{task}.png",
+                 {r["mechanism"]: (r["flops_per_token"], r["quality_mean"]) for r in rows},
+                 {r["mechanism"] for r in rows if r["pareto"]},
+                 xlabel="attention FLOPs per token (executed)", ylabel=floor["metric"],
+                 title=f"{task}: quality (mean ± sd, {seeds} seeds) vs executed FLOPs",
+                 errors={r["mechanism"]: r["quality_sd"] for r in rows},
+                 reference=("best floor", task_summary["best_floor"]))
+    return task_summary
 
 
 def earlier_invocations(result_json: Path) -> list[dict[str, Any]]:

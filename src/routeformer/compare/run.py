@@ -5,7 +5,9 @@ schedule and, per seed, the same batches (the batch stream depends on the seed o
 attention layers differ. Quality is the task's metric on its test split, reported as mean ± sd
 over the seeds beside the task's chance level and the measured accuracy of its shortcut rules.
 
-The budgets (QUICK, FULL) and the options each mechanism gets are in compare/budgets.py.
+The budgets (QUICK, FULL, LONG) and the options each mechanism gets are in compare/budgets.py. A
+budget's task setup may train in stages and be tested at multiples of its length (runner/setups.py;
+`compare --long`): its floors and costs are then measured at every length, its costs beside `full`.
 
 Runs are independent jobs (task, mechanism, seed): they run in `workers` processes with one
 thread each (tiny models use one core better than two), each stored as JSON when it finishes, so a
@@ -30,26 +32,30 @@ from routeformer.compare.budgets import (
     TASKS,
     CompareBudget,
     check_selection,
+    default_corpus,
     lm_only,
-    options_for,
     task_job,
-    task_options,
 )
-from routeformer.compare.costs import measure_task_costs
+from routeformer.compare.costs import task_costs
 from routeformer.compare.report import task_floor, write_compare_report
 from routeformer.runner.jobs import Job, cached_run, run_jobs, say
+from routeformer.runner.setups import MIN_TEST_SEQUENCES
 
 
 def compare_jobs(tasks: list[str], mechanisms: list[str], budget: CompareBudget, corpus: str) -> list[Job]:
-    """One job per (task, mechanism, seed); meta_tokens on the LM only."""
+    """One job per (task, mechanism, seed); a mechanism that needs injected meta-tokens only on tasks
+    that inject them (an option `meta_density`: the LM tasks)."""
+    from routeformer.tasks.registry import task_options as options_of_task
+
     jobs = []
     for task in tasks:
         setup = budget.tasks[task]
         if task == "lm":
             setup = replace(setup, options={**setup.options, "corpus": corpus})
-        corpus_tag = "-" + corpus.replace(":", "_").replace("/", "_") if task == "lm" else ""
+        named = task == "lm" and budget.corpus_in_keys
+        corpus_tag = "-" + corpus.replace(":", "_").replace("/", "_") if named else ""
         for mechanism in mechanisms:
-            if task != "lm" and lm_only(mechanism):
+            if lm_only(mechanism) and "meta_density" not in options_of_task(setup.task_name(task)):
                 continue
             for seed in range(budget.seeds):
                 jobs.append(task_job(f"{budget.name}-{task}{corpus_tag}-{mechanism}-seed{seed}", task,
@@ -57,13 +63,29 @@ def compare_jobs(tasks: list[str], mechanisms: list[str], budget: CompareBudget,
     return jobs
 
 
+def task_floors(out: Path, budget: CompareBudget, task: str, setup: Any) -> dict[int, dict[str, Any]]:
+    """The task's chance level and shortcut rules (`task_floor`), by length: at T (key
+    `{budget}-{task}-floor`); a staged setup at T and every evaluation multiple (`...-floor-{length}`,
+    with the LM's n-gram floors per position bucket on as many test windows as its runs read)."""
+    name = setup.task_name(task)
+    if not setup.staged:
+        return {0: cached_run(out, f"{budget.name}-{task}-floor", lambda: task_floor(name, setup.options))}
+    return {length: cached_run(out, f"{budget.name}-{task}-floor-{length}", lambda length=length, m=multiple:
+                               task_floor(name, {**setup.options, "seq_len": length},
+                                          max(MIN_TEST_SEQUENCES, setup.test_sequences_at(m))))
+            for multiple, length in zip((1, *setup.eval_multiples), setup.lengths, strict=True)}
+
+
 def run_compare(
     out_dir: str | Path = "runs/compare", *, mechanisms: Sequence[str] | None = None,
-    tasks: Sequence[str] | None = None, quick: bool = False, corpus: str = "pydoc", bench: bool = True,
+    tasks: Sequence[str] | None = None, quick: bool = False, corpus: str | None = None, bench: bool = True,
     budget: CompareBudget | None = None, seeds: int | None = None, workers: int = 2,
+    command: str | None = None,
 ) -> Path:
     """Run the comparison described in the module docstring; returns the report's path.
-    `budget` overrides the QUICK / FULL presets (tests run a toy one); `seeds` overrides its seeds."""
+    `budget` overrides the QUICK / FULL presets (LONG, or a toy one in tests); `seeds` overrides its
+    seeds; `corpus` the LM's (None: the budget's); `command`, the command the report names (None:
+    the `routeformer compare` these arguments make)."""
     budget = budget or (QUICK if quick else FULL)
     if seeds is not None:
         if not isinstance(seeds, int) or seeds < 1:
@@ -72,10 +94,14 @@ def run_compare(
     mechanisms, tasks = check_selection(mechanisms, tasks, budget)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    corpus = corpus or budget.corpus or default_corpus()
     jobs = compare_jobs(tasks, mechanisms, budget, corpus)
+    setups = {job.task: job.setup for job in jobs}  # the LM's with the corpus it trains on
+    setups.update({task: budget.tasks[task] for task in tasks if task not in setups})
     began = time.perf_counter()
     say(f"compare ({budget.name}): {len(jobs)} runs = {len(tasks)} tasks x {len(mechanisms)} mechanisms x "
-        f"{budget.seeds} seeds, {workers} worker process(es)")
+        f"{budget.seeds} seeds, {workers} worker process(es)"
+        + (f"; lm's corpus {corpus}" if "lm" in tasks else ""))
     records = run_jobs(out, jobs, workers, say)
     by_task: dict[str, dict[str, list[dict[str, Any]]]] = {task: {} for task in tasks}
     failed: dict[str, dict[str, str]] = {task: {} for task in tasks}
@@ -85,26 +111,14 @@ def run_compare(
             failed[job.task][f"{job.mechanism} seed {job.seed}"] = record["error"]
         else:
             by_task[job.task].setdefault(job.mechanism, []).append(record)
-    floors = {task: cached_run(out, f"{budget.name}-{task}-floor", lambda task=task: task_floor(
-        task, dict(budget.tasks[task].options, **({"corpus": corpus} if task == "lm" else {}))))
-        for task in tasks}
-
-    def task_costs(task: str) -> dict[str, Any]:
-        setup, costs = budget.tasks[task], {}
-        for m in by_task[task]:
-            try:
-                costs[m] = measure_task_costs(task, m, setup, budget.spec, budget.repeats,
-                                              task_options(task, m, setup), options_for)
-            except Exception as error:  # noqa: BLE001 - a cost we could not measure is shown as "-"
-                say(f"  costs of {m} on {task} not measured: {type(error).__name__}: {error}")
-                costs[m] = {}
-        return costs
-
-    costs = {task: cached_run(out, f"{budget.name}-{task}-costs-{'-'.join(by_task[task])}",
-                              lambda task=task: task_costs(task)) for task in tasks}
+    floors = {task: task_floors(out, budget, task, setups[task]) for task in tasks}
+    options_of = {(job.task, job.mechanism): job.task_options for job in jobs}
+    costs = {task: task_costs(out, budget, task, setups[task], by_task[task],
+                              lambda name, task=task: options_of.get((task, name), setups[task].options))
+             for task in tasks}
     bench_rows, bench_key = [], f"{budget.name}-bench-{'-'.join(mechanisms)}"
     kept_bench = not bench and (out / "runs" / f"{bench_key}.json").is_file()
-    if bench:
+    if bench and budget.bench_lengths:
         from routeformer.bench.layers_bench import bench_layers
 
         say(f"compare: layer benchmark at T = {list(budget.bench_lengths)}")
@@ -115,12 +129,12 @@ def run_compare(
         say("compare: --no-bench; the report keeps the layer benchmark an earlier invocation measured")
     say(f"compare: done in {time.perf_counter() - began:.0f} s")
     default_mechanisms = check_selection(None, None, budget)[0]
-    command = "routeformer compare" + "".join([
+    command = command or "routeformer compare" + "".join([
         " --quick" if quick else "",
         f" --tasks {' '.join(tasks)}" if tasks != list(TASKS) else "",
         f" --mechanisms {' '.join(mechanisms)}" if mechanisms != default_mechanisms else "",
         f" --seeds {budget.seeds}" if seeds is not None else "",
         f" --corpus {corpus}" if corpus != "pydoc" else "", "" if bench else " --no-bench"])
-    return write_compare_report(out, by_task, floors, costs, bench_rows, budget, command,
+    return write_compare_report(out, by_task, floors, costs, bench_rows, budget, command, setups=setups,
                                 elapsed=time.perf_counter() - began, workers=workers, failed=failed,
                                 bench_from_earlier=kept_bench)

@@ -2,7 +2,7 @@
 
 `routeformer reproduce NAME` runs exactly the compare --long command that the claim's row in
 docs/results/claims.md ("Central claims at the papers' settings") cites: the same budget
-(`compare.long_budget.LONG`: curriculum, model, budgets in keys, each task's mechanism recipes), the
+(`compare.budgets.LONG`: curriculum, model, budgets in keys, each task's mechanism recipes), the
 mechanisms the claim compares, 3 seeds, 2 worker processes. Runs are cached under OUT/runs, so an
 interrupted reproduction resumes after its finished runs, and a directory holding an earlier
 compare --long's runs is read rather than re-trained. `--quick` trains a toy version of the same
@@ -50,34 +50,38 @@ CLAIMS = {
 
 def quick_budget():
     """A toy long budget with the same task names (plumbing only: seconds, not results)."""
-    from routeformer.compare.long_budget import LongBudget, LongSetup, Stage
+    from dataclasses import replace
+
+    from routeformer.compare.budgets import LONG, curriculum_setup
+    from routeformer.runner.setups import Stage
     from routeformer.train.on_task import ModelSpec
     from routeformer.train.schedule import Schedule
 
     schedule = Schedule(steps=2, batch_size=4, lr=1e-3, warmup_steps=1)
-    toy = {"evals_per_stage": 1, "validation_sequences": 8, "test_tokens": 256, "cost_batch": 2}
-    return LongBudget(
-        tasks={"mqar": LongSetup({"seq_len": 32, "pairs": 4, "vocab_size": 16},
-                                 stages=(Stage({"seq_len": 16, "pairs": 2}, schedule), Stage({}, schedule)),
-                                 **toy),
-               "code_lm": LongSetup({"seq_len": 32}, stages=(Stage({}, schedule),), task="lm", **toy)},
+    toy = {"evals": 1, "validation_sequences": 8, "test_tokens": 256, "cost_batch": 2}
+    return replace(
+        LONG,
+        tasks={"mqar": curriculum_setup({"seq_len": 32, "pairs": 4, "vocab_size": 16},
+                                        (Stage({"seq_len": 16, "pairs": 2}, schedule), Stage({}, schedule)),
+                                        **toy),
+               "code_lm": curriculum_setup({"seq_len": 32}, (Stage({}, schedule),), task="lm", **toy)},
         spec=ModelSpec(dim=16, depth=1, heads=2, positions="rotary"), seeds=1, repeats=1)
 
 
 def reproduce_long_claim(name: str, out_dir: Path, quick: bool) -> Path:
     """Run claim `name`'s compare --long subset into out_dir; returns report.md's path."""
-    from routeformer.compare.long_budget import LONG
-    from routeformer.compare.long_run import run_compare_long
+    from routeformer.compare.budgets import LONG
+    from routeformer.compare.run import run_compare
 
     claim = CLAIMS[name]
     command = (f"routeformer compare --long --tasks {' '.join(claim.tasks)} --mechanisms "
                f"{' '.join(claim.mechanisms)} --seeds {claim.seeds}")
     if quick:
-        return run_compare_long(quick_budget(), out_dir, mechanisms=list(claim.mechanisms),
-                                tasks=list(claim.tasks), seeds=1, workers=1, corpus="pydoc",
-                                command=f"routeformer reproduce {name} --quick")
-    return run_compare_long(LONG, out_dir, mechanisms=list(claim.mechanisms), tasks=list(claim.tasks),
-                            seeds=claim.seeds, workers=2, command=command)
+        return run_compare(out_dir, mechanisms=list(claim.mechanisms), tasks=list(claim.tasks),
+                           budget=quick_budget(), seeds=1, workers=1, corpus="pydoc",
+                           command=f"routeformer reproduce {name} --quick")
+    return run_compare(out_dir, mechanisms=list(claim.mechanisms), tasks=list(claim.tasks), budget=LONG,
+                       seeds=claim.seeds, workers=2, command=command)
 
 
 def _register(name: str, claim: LongClaim) -> None:

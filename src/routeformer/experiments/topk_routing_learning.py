@@ -21,7 +21,6 @@ holds no parameters) and each task's chance level and measured shortcut rules.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +160,7 @@ def routing_learning(out_dir: Path, quick: bool, workers: int = 1) -> Path:
         higher = floor["higher_is_better"]
         choices = [choose(rows, higher, "routing_learning", "positions=recency"),
                    choose(rows, higher, "routing_positions", "topk distill,")]
-        result["tasks"][task] = {"setup": asdict(setup), "floor": floor, "variants": rows,
+        result["tasks"][task] = {"setup": setup.as_dict(), "floor": floor, "variants": rows,
                                  "choices": choices}
         sections.append(task_section(task, setup, rows, floor, choices, spec))
     command = "routeformer reproduce topk-routing-learning" + (" --quick" if quick else "")

@@ -17,12 +17,12 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from routeformer.runner.setups import TaskSetup
 from routeformer.train.on_task import ModelSpec
-from routeformer.train.schedule import Schedule
 
 
 def cached_run(out_dir: Path, key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -59,17 +59,6 @@ def run_key(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class TaskSetup:
-    """One task of a budget: what `build_task` gets, how every mechanism trains on it (`schedule`,
-    evaluated `evals` times on `validation_sequences`), and how many sequences it is tested on."""
-    options: dict[str, Any]
-    schedule: Schedule
-    evals: int = 4
-    validation_sequences: int = 256
-    test_sequences: int = 1024
-
-
-@dataclass(frozen=True)
 class Job:
     key: str  # file-name-safe and unique within an output directory
     task: str
@@ -77,28 +66,78 @@ class Job:
     mechanism: str
     options: dict[str, Any]
     seed: int
-    setup: Any  # a TaskSetup; compare --long's jobs carry a LongSetup (compare/long_budget.py)
+    setup: TaskSetup  # `task` is its name in the budget (`setup.task_name(task)` builds the task)
     spec: ModelSpec = field(default_factory=ModelSpec)
 
 
 def train_job(job: Job, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Train one fresh model on the job's task and test it once (see train.on_task). `log` hears
-    the run's progress lines (default: `say`, prefixed with the job's key)."""
+    """Train one fresh model through the stages of the job's setup, then test it at T and at each of
+    its evaluation multiples (see runner/setups.py). `log` hears the run's progress lines (default:
+    `say`, prefixed with the job's key).
+
+    A one-stage setup tested at T alone gives train.on_task's record (`train`, `validation`, `test`);
+    a staged one gives the record of `staged_record` (each evaluation's stage, `tests` per length)."""
+    import torch
+
     from routeformer.tasks import build_task
-    from routeformer.train.on_task import train_on_task
+    from routeformer.train.on_task import build_task_model, train_on_task, train_stages
     from routeformer.train.task_loop import TaskTrainConfig
 
     setup = job.setup
-    steps = setup.schedule.steps
-    task = build_task(job.task, **job.task_options)
-    train = TaskTrainConfig(setup.schedule, eval_every=max(1, steps // setup.evals), seed=job.seed)
+    name = setup.task_name(job.task)
+    task = build_task(name, **job.task_options)
+    total = sum(stage.schedule.steps for stage in setup.stages)
+    configs = [TaskTrainConfig(stage.schedule, eval_every=max(1, stage.schedule.steps // setup.evals),
+                               seed=job.seed) for stage in setup.stages]
     log = log or (lambda line: say(f"  {job.key}: {line}"))
-    log(f"started ({steps} steps)")
-    record = train_on_task(task, job.mechanism, job.options, seed=job.seed, train=train, spec=job.spec,
-                           validation_sequences=setup.validation_sequences,
-                           test_sequences=setup.test_sequences,
-                           log=lambda line: log(_with_total(line, steps)))
-    return {**record, "task_name": job.task, "task_options": job.task_options}
+    if not setup.staged:
+        log(f"started ({total} steps)")
+        record = train_on_task(task, job.mechanism, job.options, seed=job.seed, train=configs[0],
+                               spec=job.spec, validation_sequences=setup.validation_sequences,
+                               test_sequences=setup.test_sequences,
+                               log=lambda line: log(_with_total(line, total)))
+        return {**record, "task_name": job.task, "task_options": job.task_options}
+    log(f"started ({total} steps in {len(setup.stages)} stages)")
+    done = [sum(stage.schedule.steps for stage in setup.stages[:index]) for index in range(len(setup.stages))]
+    torch.manual_seed(job.seed)
+    model = build_task_model(task, job.mechanism, job.options, job.spec)
+    stage_tasks: list[Any] = []  # each built when its stage begins
+
+    def stage(index: int) -> tuple[Any, Any, int]:
+        built = build_task(name, **{**job.task_options, **setup.stages[index].options})
+        stage_tasks.append(built)
+        return built, configs[index], setup.validation_sequences_at(built.seq_len, task.seq_len)
+
+    histories = train_stages(
+        model, (stage(index) for index in range(len(configs))),
+        lambda index, t: lambda line: log(f"T={t.seq_len} {_with_progress(line, done[index], total)}"))
+    validation = [{**record, "stage": index, "task": t.describe()}
+                  for index, (t, history) in enumerate(zip(stage_tasks, histories, strict=True))
+                  for record in history.evals]
+    return staged_record(job, task, model, validation, sum(h.train_seconds for h in histories))
+
+
+def staged_record(job: Job, task: Any, model: Any, validation: list[dict[str, Any]],
+                  train_seconds: float) -> dict[str, Any]:
+    """A staged run's record: `model` (trained) tested at T and, forward only, at each evaluation
+    multiple (`tests`, by length), beside the validation history of every stage."""
+    from routeformer.tasks import build_task
+    from routeformer.train.on_task import evaluate_on_task, parameter_count
+
+    setup, tests = job.setup, {}
+    for multiple in (1, *setup.eval_multiples):
+        length = task.seq_len * multiple
+        eval_task = build_task(setup.task_name(job.task), **{**job.task_options, "seq_len": length})
+        began = time.perf_counter()
+        tests[str(length)] = {**evaluate_on_task(model, eval_task, "test", setup.test_sequences_at(multiple)),
+                              "seconds": time.perf_counter() - began}
+    return {
+        "task": task.describe(), "task_name": setup.task_name(job.task), "setup": job.task,
+        "task_options": job.task_options, "mechanism": job.mechanism, "options": job.options,
+        "seed": job.seed, "model": asdict(job.spec), "stages": [asdict(stage) for stage in setup.stages],
+        "parameters": parameter_count(model), "validation": validation, "tests": tests,
+        "quality": tests[str(task.seq_len)][task.metric], "train_seconds": train_seconds,
+    }
 
 
 def say(line: str) -> None:
@@ -110,6 +149,14 @@ def _with_total(line: str, steps: int) -> str:
     """`step=150 ...` -> `step=150/600 ...` (the run's evaluation lines say how far it is)."""
     head, _, rest = line.partition(" ")
     return f"{head}/{steps} {rest}" if head.startswith("step=") else line
+
+
+def _with_progress(line: str, done: int, total: int) -> str:
+    """`step=150 ...` of a stage -> `step=150 (650/1800) ...`: how far the whole run is."""
+    head, _, rest = line.partition(" ")
+    if not head.startswith("step="):
+        return line
+    return f"{head} ({done + int(head[5:])}/{total}) {rest}"
 
 
 def _run_one(out: Path, job: Any, threads: int | None,

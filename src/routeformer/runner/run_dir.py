@@ -25,8 +25,9 @@ RESUME_LINE = "resumed from "  # how the task loop's log says it resumed (train/
 
 
 def job_config(job: Job) -> dict[str, Any]:
-    """The job as JSON-ready data (what config.json holds)."""
-    return json.loads(json.dumps(asdict(job)))
+    """The job as JSON-ready data (what config.json holds; a one-stage setup as it read before setups
+    had stages, so earlier run directories resume)."""
+    return json.loads(json.dumps({**asdict(job), "setup": job.setup.as_dict()}))
 
 
 def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,

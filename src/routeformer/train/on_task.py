@@ -11,7 +11,7 @@ measured once, after training, on a fixed test sample.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ from routeformer.models.config import ModelConfig
 from routeformer.models.heads import TokenPredictor
 from routeformer.tasks.base import IGNORE_INDEX, Task
 from routeformer.tasks.positions import PositionBucketSums
-from routeformer.train.task_loop import TaskTrainConfig, layer_stat, train_task
+from routeformer.train.task_loop import TaskHistory, TaskTrainConfig, layer_stat, train_task
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,26 @@ def evaluate_on_task(model: TokenPredictor, task: Task, split: str, sequences: i
     return record
 
 
+def train_stages(
+    model: TokenPredictor, stages: Iterable[tuple[Task, TaskTrainConfig, int]],
+    log_for: Callable[[int, Task], Callable[[str], None] | None] = lambda index, task: None,
+) -> list[TaskHistory]:
+    """Train `model` on each stage in turn: (task, config, validation sequences), the task's training
+    batches for `config`'s schedule, evaluated every `config.eval_every` steps on that many of its
+    validation sequences (an iterable: a stage's task may be built when the stage begins). Returns each
+    stage's history; `log_for(index, task)` hears a stage's lines."""
+    histories = []
+    for index, (task, config, sequences) in enumerate(stages):
+        def forward(model, inputs, labels, task=task):
+            return model(inputs, labels, mask=task.mask(inputs), logits_at_labels=True)
+
+        histories.append(train_task(
+            model, lambda batch_size, generator, task=task: task.batch(batch_size, generator, "train"),
+            lambda m, task=task, sequences=sequences: evaluate_on_task(m, task, "validation", sequences),
+            config, forward=forward, log=log_for(index, task)))
+    return histories
+
+
 def train_on_task(
     task: Task, mechanism: str, options: dict[str, Any], *, seed: int, train: TaskTrainConfig,
     spec: ModelSpec = ModelSpec(), validation_sequences: int = 256, test_sequences: int = 1024,
@@ -117,14 +137,7 @@ def train_on_task(
         raise ValueError(f"train.seed ({train.seed}) must equal seed ({seed})")
     torch.manual_seed(seed)
     model = build_task_model(task, mechanism, options, spec)
-
-    def forward(model, inputs, labels):
-        return model(inputs, labels, mask=task.mask(inputs), logits_at_labels=True)
-
-    history = train_task(
-        model, lambda batch_size, generator: task.batch(batch_size, generator, "train"),
-        lambda m: evaluate_on_task(m, task, "validation", validation_sequences), train,
-        forward=forward, log=log)
+    history, = train_stages(model, [(task, train, validation_sequences)], lambda index, stage_task: log)
     test = evaluate_on_task(model, task, "test", test_sequences)
     record = {"task": task.describe(), "mechanism": mechanism, "options": options, "seed": seed,
               "model": asdict(spec), "train": asdict(train), "parameters": parameter_count(model),

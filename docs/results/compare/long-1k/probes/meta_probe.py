@@ -12,22 +12,25 @@ import sys
 import torch
 
 from routeformer.attention.meta import MetaAttention
-from routeformer.compare.long_budget import LONG
-from routeformer.compare.long_jobs import train_long_job
-from routeformer.runner.jobs import Job
+from routeformer.compare.budgets import LONG, task_options
+from routeformer.runner.jobs import Job, train_job
 
 torch.set_num_threads(1)
 seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
 scale = float(sys.argv[2]) if len(sys.argv) > 2 else 1.0
 options = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
 setup = LONG.tasks["mqar"]
-stages = tuple(dataclasses.replace(s, schedule=dataclasses.replace(
-    s.schedule, steps=max(1, int(s.schedule.steps * scale)),
-    warmup_steps=max(1, int(s.schedule.warmup_steps * scale)))) for s in setup.stages)
-setup = dataclasses.replace(setup, stages=stages, test_tokens=8192)
-from routeformer.compare.long_jobs import task_options  # noqa: E402
 
-built = task_options("mqar", "meta", setup.as_task_setup())
+
+def scaled(schedule):
+    return dataclasses.replace(schedule, steps=max(1, int(schedule.steps * scale)),
+                               warmup_steps=max(1, int(schedule.warmup_steps * scale)))
+
+
+setup = dataclasses.replace(
+    setup, schedule=scaled(setup.schedule), test_sequences=max(1, 8192 // setup.seq_len),
+    curriculum=tuple(dataclasses.replace(s, schedule=scaled(s.schedule)) for s in setup.curriculum))
+built = task_options("mqar", "meta", setup)
 job = Job(f"probe-meta-seed{seed}", "mqar", built, "meta", options, seed, setup, LONG.spec)
 
 captured = []
@@ -42,7 +45,7 @@ def forward(self, *args, **kwargs):
 
 
 MetaAttention.forward = forward
-result = train_long_job(job)
+result = train_job(job)
 for record in result["validation"]:
     print(json.dumps({k: record[k] for k in record if k != "task"}))
 keys = ("flops_vs_full", "rows_full", "rows_linear", "rows_local", "hard_fraction", "weight_full")

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from routeformer.compare.long_budget import LONG
+from routeformer.compare.budgets import LONG
 from routeformer.tasks import build_task
 from routeformer.train.on_task import ModelSpec, build_task_model, evaluate_on_task
 from routeformer.train.schedule import Schedule

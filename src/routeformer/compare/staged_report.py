@@ -1,7 +1,8 @@
-"""The report of `routeformer compare --long`: per task and evaluated length, quality (mean ± sd over
-seeds) beside chance and the shortcut rules, the paired difference from `full` (per seed: every
-mechanism saw the same batches), and the cost ratios measured in the same run — the "where routing
-pays" table; result.json holds one record per (task, length, mechanism, seed)."""
+"""The report's sections for a staged task (`compare --long`: a curriculum, tests at multiples of T):
+per evaluated length, quality (mean ± sd over seeds) beside chance and the shortcut rules, the
+paired difference from `full` (per seed: every mechanism saw the same batches), and the cost ratios
+measured in the same run — the "where routing pays" table; result.json's `records` hold one record
+per (task, length, mechanism, seed). compare/report.py writes the report around them."""
 
 from __future__ import annotations
 
@@ -10,75 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.attention import baseline_name
-from routeformer.compare.long_budget import EVAL_MULTIPLES, LongSetup
-from routeformer.compare.report import earlier_invocations, pareto_front, separated
-from routeformer.runner.report import markdown_table, mean_sd, provenance, scatter_plot, write_result
+from routeformer.compare.stats import pareto_front, separated
+from routeformer.runner.report import markdown_table, mean_sd, scatter_plot
+from routeformer.runner.setups import TaskSetup
 from routeformer.train.on_task import ModelSpec
 
 
-def flat_records(runs: dict[str, dict[str, list[dict[str, Any]]]], costs: dict, floors: dict) -> list[dict]:
-    """One record per (task, evaluated length, mechanism, seed), the fields result.json promises."""
-    rows = []
-    for task, by_mechanism in runs.items():
-        for mechanism, records in by_mechanism.items():
-            cost = costs[(task, mechanism)]
-            for record in records:
-                train_len = int(record["task_options"]["seq_len"])
-                for length, test in record["tests"].items():
-                    floor = floors[(task, int(length))]
-                    inference = cost["inference"][length]
-                    rows.append(
-                        {
-                            "task": task,
-                            "seq_len": int(length),
-                            "train_seq_len": train_len,
-                            "mechanism": mechanism,
-                            "seed": record["seed"],
-                            "quality": {
-                                "name": floor["metric"],
-                                "higher_is_better": floor["higher_is_better"],
-                                "value": test[floor["metric"]],
-                            },
-                            "params": record["parameters"],
-                            "train_ms_per_step": cost["train_ms_per_step"],
-                            "infer_ms_per_seq": inference["infer_ms_per_seq"],
-                            "attention_flops": test["attention_flops_per_token"] * int(length),
-                            "peak_mib": cost["peak_mib"],
-                            "train_seconds": record["train_seconds"],
-                        }
-                    )
-    return rows
-
-
-def paired_delta(records: list[dict], full: list[dict], length: str, metric: str) -> tuple[float, float]:
-    """Mean ± sd over seeds of (mechanism - full) at `length`: the same seed saw the same batches."""
-    by_seed = {r["seed"]: r["tests"][length][metric] for r in full}
-    deltas = [r["tests"][length][metric] - by_seed[r["seed"]] for r in records if r["seed"] in by_seed]
-    return mean_sd(deltas) if deltas else (float("nan"), float("nan"))
-
-
-def write_long_report(
-    out: Path,
-    runs: dict,
-    floors: dict,
-    costs: dict,
-    budget: Any,
-    setups: dict[str, LongSetup],
-    command: str,
-    elapsed: float,
-    workers: int,
-    failed: dict[str, str],
-) -> Path:
-    spec: ModelSpec = budget.spec
-    earlier = earlier_invocations(out / "result.json")
-    sections = [
-        "# routeformer compare --long: quality and cost where routing pays",
-        provenance(command) + f" Wall-clock of this invocation: {elapsed:.0f} s ({elapsed / 60:.1f} min; "
-        f"{workers} training processes, one thread each, then the cost measurements in one thread; runs "
-        "finished by an earlier invocation are read, not re-run)" + (
-            "; earlier invocations that wrote this report: " + ", ".join(
-                f"{run['elapsed_seconds']:.0f} s (`{run['command']}`)" for run in earlier) if earlier else "")
-        + ".",
+def staged_intro(spec: ModelSpec, repeats: int) -> str:
+    """What every staged task's numbers mean (the report's opening paragraph)."""
+    return (
         f"One backbone for every mechanism ({spec.depth} layers, D={spec.dim}, {spec.heads} heads, MLP ratio "
         f"{spec.mlp_ratio}, {spec.positions} positions); per seed every mechanism sees the same batches. "
         "Training follows a curriculum (stages below: shorter, easier versions of the task first; "
@@ -89,82 +30,111 @@ def write_long_report(
         "split (the setups were chosen on "
         "validation), mean ± sd over seeds; Δ vs full: mean ± sd over seeds of the per-seed difference. "
         "2T and 4T: the trained model evaluated forward only on longer test sequences. Costs: medians of "
-        f"{budget.repeats} rounds alternating the mechanism with `full` (one thread), time ratio = the "
+        f"{repeats} rounds alternating the mechanism with `full` (one thread), time ratio = the "
         "median of the per-round ratios (< 1: cheaper than full); FLOPs: attention FLOPs executed per "
-        "sequence; peak MiB: extra memory of one training step at T. A difference counts only beyond 3 sd.",
-    ]
-    summary: dict[str, Any] = {
-        "command": command, "elapsed_seconds": elapsed, "tasks": {}, "failed": failed,
-        "invocations": [*earlier, {"command": command, "elapsed_seconds": elapsed}]}
-    for task, by_mechanism in runs.items():
-        setup = setups[task]
-        stages = "; ".join(
-            f"{s.schedule.steps} steps of batch {s.schedule.batch_size} on "
-            + (", ".join(f"{k}={v}" for k, v in s.options.items()) or "the task itself")
-            + f" (lr {s.schedule.lr:g}, {s.schedule.warmup_steps} "
-            "warm-up)"
-            for s in setup.stages
-        )
-        sections += [f"## {task} (trained at T = {setup.seq_len})", f"Stages: {stages}.",
-                     "Layer options at T (budgets in keys from T = 512: compare/budgets.py; the task's "
-                     "recipe on top): " + "; ".join(
-                         f"{m}: " + (", ".join(f"{k}={v}" for k, v in records[0]["options"].items())
-                                     or "defaults")
-                         for m, records in by_mechanism.items()) + "."]
-        forced = {m: costs[(task, m)].get("routing_shares") for m in by_mechanism if (task, m) in costs}
-        sections += [
-            f"Costs of {m} timed as it trains at T: hard-routed at the trained runs' mean share of tokens "
-            "per expert (" + " / ".join(f"{share:.3f}" for share in shares) + "; full / linear / local), "
-            "past its warm-up."
-            for m, shares in forced.items() if shares]
-        summary["tasks"][task], details = {}, []
-        for multiple in (1, *EVAL_MULTIPLES):
-            length = str(setup.seq_len * multiple)
-            rows, table = _length_rows(by_mechanism, costs, floors[(task, int(length))], task, length)
-            summary["tasks"][task][length] = rows
-            details += _length_section(task, length, multiple, rows, table, floors[(task, int(length))])
-            details += _position_section(by_mechanism, length, floors[(task, int(length))])
-        sections += _pays_section(task, summary["tasks"][task], floors[(task, setup.seq_len)]) + details
-        points = {
-            m: (r["train_ms_per_step"], r["quality_mean"])
-            for m, r in summary["tasks"][task][str(setup.seq_len)].items()
-        }
-        floor = floors[(task, setup.seq_len)]
-        front = pareto_front(
-            {m: (ms, q) for m, (ms, q) in points.items()}, floors[(task, setup.seq_len)]["higher_is_better"]
-        )
-        scatter_plot(
-            out / f"pareto_{task}.png",
-            points,
-            front,
-            xlabel="training ms per step at T (one thread)",
-            ylabel=floor["metric"],
-            title=f"{task} at T={setup.seq_len}: quality (mean ± sd) vs step time",
-            errors={m: r["quality_sd"] for m, r in summary["tasks"][task][str(setup.seq_len)].items()},
-            reference=("best shortcut / chance", _best_floor(floor)),
-            samples={m: [rec["tests"][str(setup.seq_len)][floor["metric"]] for rec in records]
-                     for m, records in by_mechanism.items()},
-            limits=(0.0, 1.0) if floor["metric"] == "accuracy" else (0.0, float("inf")),
-        )
-        sections.append(
-            f"Plot: `pareto_{task}.png` (quality at T against training time per step; filled: "
-            "the Pareto front)."
-        )
-    if failed:
-        sections.append(
-            "Failed runs (left out; a re-run retries them): "
-            + "; ".join(f"{key}: {error}" for key, error in failed.items())
-            + "."
-        )
-    summary["records"] = flat_records(runs, costs, floors)
-    return write_result(out, summary, "\n\n".join(sections) + "\n")
+        "sequence; peak MiB: extra memory of one training step at T. A difference counts only beyond 3 sd.")
+
+
+def flat_records(task: str, by_mechanism: dict[str, list[dict[str, Any]]], costs: dict, floors: dict
+                 ) -> list[dict]:
+    """One record per (evaluated length, mechanism, seed) of `task`, the fields result.json promises."""
+    rows = []
+    for mechanism, records in by_mechanism.items():
+        cost = costs[mechanism]
+        for record in records:
+            train_len = int(record["task_options"]["seq_len"])
+            for length, test in record["tests"].items():
+                floor = floors[int(length)]
+                inference = cost["inference"][length]
+                rows.append(
+                    {
+                        "task": task,
+                        "seq_len": int(length),
+                        "train_seq_len": train_len,
+                        "mechanism": mechanism,
+                        "seed": record["seed"],
+                        "quality": {
+                            "name": floor["metric"],
+                            "higher_is_better": floor["higher_is_better"],
+                            "value": test[floor["metric"]],
+                        },
+                        "params": record["parameters"],
+                        "train_ms_per_step": cost["train_ms_per_step"],
+                        "infer_ms_per_seq": inference["infer_ms_per_seq"],
+                        "attention_flops": test["attention_flops_per_token"] * int(length),
+                        "peak_mib": cost["peak_mib"],
+                        "train_seconds": record["train_seconds"],
+                    }
+                )
+    return rows
+
+
+def paired_delta(records: list[dict], full: list[dict], length: str, metric: str) -> tuple[float, float]:
+    """Mean ± sd over seeds of (mechanism - full) at `length`: the same seed saw the same batches."""
+    by_seed = {r["seed"]: r["tests"][length][metric] for r in full}
+    deltas = [r["tests"][length][metric] - by_seed[r["seed"]] for r in records if r["seed"] in by_seed]
+    return mean_sd(deltas) if deltas else (float("nan"), float("nan"))
+
+
+def staged_task_sections(
+    out: Path, task: str, setup: TaskSetup, by_mechanism: dict[str, list[dict]], costs: dict[str, dict],
+    floors: dict[int, dict],
+) -> tuple[list[str], dict[str, dict]]:
+    """A staged task's report sections and its result.json summary (rows by length, by mechanism);
+    writes `pareto_{task}.png`. `costs` by mechanism; `floors` by length."""
+    stages = "; ".join(
+        f"{s.schedule.steps} steps of batch {s.schedule.batch_size} on "
+        + (", ".join(f"{k}={v}" for k, v in s.options.items()) or "the task itself")
+        + f" (lr {s.schedule.lr:g}, {s.schedule.warmup_steps} "
+        "warm-up)"
+        for s in setup.stages
+    )
+    sections = [f"## {task} (trained at T = {setup.seq_len})", f"Stages: {stages}.",
+                "Layer options at T (budgets in keys from T = 512: compare/budgets.py; the task's "
+                "recipe on top): " + "; ".join(
+                    f"{m}: " + (", ".join(f"{k}={v}" for k, v in records[0]["options"].items())
+                                or "defaults")
+                    for m, records in by_mechanism.items()) + "."]
+    forced = {m: costs[m].get("routing_shares") for m in by_mechanism if m in costs}
+    sections += [
+        f"Costs of {m} timed as it trains at T: hard-routed at the trained runs' mean share of tokens "
+        "per expert (" + " / ".join(f"{share:.3f}" for share in shares) + "; full / linear / local), "
+        "past its warm-up."
+        for m, shares in forced.items() if shares]
+    summary, details = {}, []
+    for multiple, length in zip((1, *setup.eval_multiples), map(str, setup.lengths), strict=True):
+        rows, table = _length_rows(by_mechanism, costs, floors[int(length)], length)
+        summary[length] = rows
+        details += _length_section(task, length, multiple, rows, table, floors[int(length)])
+        details += _position_section(by_mechanism, length, floors[int(length)])
+    floor = floors[setup.seq_len]
+    sections += _pays_section(task, summary, floor) + details
+    points = {m: (r["train_ms_per_step"], r["quality_mean"]) for m, r in summary[str(setup.seq_len)].items()}
+    scatter_plot(
+        out / f"pareto_{task}.png",
+        points,
+        pareto_front(points, floor["higher_is_better"]),
+        xlabel="training ms per step at T (one thread)",
+        ylabel=floor["metric"],
+        title=f"{task} at T={setup.seq_len}: quality (mean ± sd) vs step time",
+        errors={m: r["quality_sd"] for m, r in summary[str(setup.seq_len)].items()},
+        reference=("best shortcut / chance", _best_floor(floor)),
+        samples={m: [rec["tests"][str(setup.seq_len)][floor["metric"]] for rec in records]
+                 for m, records in by_mechanism.items()},
+        limits=(0.0, 1.0) if floor["metric"] == "accuracy" else (0.0, float("inf")),
+    )
+    sections.append(
+        f"Plot: `pareto_{task}.png` (quality at T against training time per step; filled: "
+        "the Pareto front)."
+    )
+    return sections, summary
 
 
 def _best_floor(floor: dict[str, Any]) -> float:
     return (max if floor["higher_is_better"] else min)([floor["chance"], *floor["baselines"].values()])
 
 
-def _length_rows(by_mechanism: dict, costs: dict, floor: dict, task: str, length: str) -> tuple[dict, list]:
+def _length_rows(by_mechanism: dict, costs: dict, floor: dict, length: str) -> tuple[dict, list]:
     metric, higher = floor["metric"], floor["higher_is_better"]
     baseline = baseline_name()  # full: the deltas and ratios are against it
     full = by_mechanism.get(baseline, [])
@@ -174,7 +144,7 @@ def _length_rows(by_mechanism: dict, costs: dict, floor: dict, task: str, length
         values = [r["tests"][length][metric] for r in records]
         mean, sd = mean_sd(values)
         delta = paired_delta(records, full, length, metric) if full and mechanism != baseline else (0.0, 0.0)
-        cost = costs[(task, mechanism)]
+        cost = costs[mechanism]
         inference = cost["inference"][length]
         flops = statistics.fmean(r["tests"][length]["attention_flops_per_token"] for r in records) * int(
             length
