@@ -5,79 +5,90 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 
+def _op_settings(args: argparse.Namespace) -> dict:
+    return {"B": args.batch, "H": args.heads, "d": args.head_dim, "dtype": "fp32",
+            "causal": True, "window": args.window, "repeats": args.repeats}
+
+
 def command_bench(args: argparse.Namespace) -> int:
-    from routeformer.bench.ops_bench import TABLE_HEADER, bench_ops, markdown_report, rows_as_dicts
+    """Run the suite `args.suite` names (SUITES below)."""
+    return SUITES[args.suite](args)
 
-    settings = {"B": args.batch, "H": args.heads, "d": args.head_dim, "dtype": "fp32",
-                "causal": True, "window": args.window, "repeats": args.repeats}
-    if args.suite == "ops":
-        from routeformer.bench.ops_suite import command_ops
 
-        return command_ops(args)
-    if args.suite == "layers":  # whole layers, projections included, against the full layer
-        from routeformer.bench.layers_bench import command_layers
+def _bench_ops(args: argparse.Namespace) -> int:
+    from routeformer.bench.ops_suite import command_ops
 
-        return command_layers(args)
-    if args.suite == "steps":  # a whole model's training step, compare --long's budgets
-        return _bench_steps(args)
-    if args.suite == "meta":
-        return _bench_meta(args, settings)
-    if args.suite == "compile":
-        return _bench_compile(args)
-    if args.suite == "generate":
-        return _bench_generate(args)
-    if args.suite == "mita":
-        return _bench_mita(args, settings)
-    if args.suite == "gpu":  # the Triton kernels on CUDA vs SDPA flash and FlexAttention
-        from routeformer.bench.gpu_bench import command_gpu
+    return command_ops(args)
 
-        return command_gpu(args)
-    print(TABLE_HEADER, flush=True)
-    ops = None
-    if args.suite == "meta_tokens":
-        from routeformer.bench.meta_tokens_bench import meta_tokens_op_table
 
-        ops = meta_tokens_op_table(args.batch, args.density)
-        settings.update(density=args.density)
-        settings.pop("window")
-    if args.suite == "topk":
-        from routeformer.bench.topk_bench import topk_op_table
+def _bench_layers(args: argparse.Namespace) -> int:  # whole layers, projections included, vs full
+    from routeformer.bench.layers_bench import command_layers
 
-        ops = topk_op_table(args.batch, args.heads, args.routing_dim, args.topk)
-        settings.update(routing_dim=args.routing_dim, topk=args.topk)
-    windows = []
-    if args.suite == "structural":
-        from routeformer.bench.structural_bench import (
-            WINDOW_HEADER,
-            expanding_windows,
-            format_window_row,
-            structural_op_table,
-        )
+    return command_layers(args)
 
-        ops = structural_op_table(args.heads)
-        windows = expanding_windows(args.lengths, batch=args.batch, heads=args.heads,
-                                    head_dim=args.head_dim)
-    rows = bench_ops(args.lengths, repeats=args.repeats, window=args.window, batch=args.batch,
-                     heads=args.heads, head_dim=args.head_dim, ops=ops,
-                     progress=lambda line: print(line, flush=True))
-    if windows:
-        print("\n" + WINDOW_HEADER + "\n" + "\n".join(format_window_row(w) for w in windows), flush=True)
-    if args.output:
-        output = Path(args.output)
-        output.parent.mkdir(parents=True, exist_ok=True)
-        report = markdown_report(rows, settings, title=f"{args.suite} benchmark")
+
+def _bench_gpu(args: argparse.Namespace) -> int:  # the Triton kernels on CUDA vs SDPA flash and Flex
+    from routeformer.bench.gpu_bench import command_gpu
+
+    return command_gpu(args)
+
+
+def _meta_tokens_table(args: argparse.Namespace, settings: dict) -> tuple[list, list]:
+    from routeformer.bench.meta_tokens_bench import meta_tokens_op_table
+
+    settings.update(density=args.density)
+    settings.pop("window")
+    return meta_tokens_op_table(args.batch, args.density), []
+
+
+def _topk_table(args: argparse.Namespace, settings: dict) -> tuple[list, list]:
+    from routeformer.bench.topk_bench import topk_op_table
+
+    settings.update(routing_dim=args.routing_dim, topk=args.topk)
+    return topk_op_table(args.batch, args.heads, args.routing_dim, args.topk), []
+
+
+def _structural_table(args: argparse.Namespace, settings: dict) -> tuple[list, list]:
+    from routeformer.bench.structural_bench import expanding_windows, structural_op_table
+
+    windows = expanding_windows(args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim)
+    return structural_op_table(args.heads), windows
+
+
+def _op_table_suite(tables: Callable[[argparse.Namespace, dict], tuple[list, list]]
+                    ) -> Callable[[argparse.Namespace], int]:
+    """A suite that times an op table against SDPA (bench_ops) and writes it as Markdown + JSON;
+    `tables(args, settings)` gives the ops (and, for structural, expanding's windows)."""
+    def run(args: argparse.Namespace) -> int:
+        from routeformer.bench.ops_bench import TABLE_HEADER, bench_ops, markdown_report, rows_as_dicts
+        from routeformer.bench.structural_bench import WINDOW_HEADER, format_window_row
+
+        settings = _op_settings(args)
+        print(TABLE_HEADER, flush=True)
+        ops, windows = tables(args, settings)
+        rows = bench_ops(args.lengths, repeats=args.repeats, window=args.window, batch=args.batch,
+                         heads=args.heads, head_dim=args.head_dim, ops=ops,
+                         progress=lambda line: print(line, flush=True))
         if windows:
-            report += "\nexpanding's final windows on the same inputs:\n\n" + WINDOW_HEADER + "\n"
-            report += "\n".join(format_window_row(w) for w in windows) + "\n"
-        output.write_text(report)
-        output.with_suffix(".json").write_text(json.dumps(
-            {"settings": settings, "rows": rows_as_dicts(rows), "expanding_windows": windows}, indent=2))
-        print(f"wrote {output} and {output.with_suffix('.json')}")
-    return 0
+            print("\n" + WINDOW_HEADER + "\n" + "\n".join(format_window_row(w) for w in windows), flush=True)
+        if args.output:
+            output = Path(args.output)
+            output.parent.mkdir(parents=True, exist_ok=True)
+            report = markdown_report(rows, settings, title=f"{args.suite} benchmark")
+            if windows:
+                report += "\nexpanding's final windows on the same inputs:\n\n" + WINDOW_HEADER + "\n"
+                report += "\n".join(format_window_row(w) for w in windows) + "\n"
+            output.write_text(report)
+            output.with_suffix(".json").write_text(json.dumps(
+                {"settings": settings, "rows": rows_as_dicts(rows), "expanding_windows": windows}, indent=2))
+            print(f"wrote {output} and {output.with_suffix('.json')}")
+        return 0
+    return run
 
 
 def _bench_generate(args: argparse.Namespace) -> int:
@@ -126,11 +137,11 @@ def _bench_compile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_mita(args: argparse.Namespace, settings: dict) -> int:
+def _bench_mita(args: argparse.Namespace) -> int:
     from routeformer.bench.mita_bench import SCALING_HEADER, bench_mita, scaling_rows
     from routeformer.bench.ops_bench import TABLE_HEADER, markdown_report, rows_as_dicts
 
-    settings = {**settings, "causal": "both", "landmarks": args.landmarks, "topk": args.topk,
+    settings = {**_op_settings(args), "causal": "both", "landmarks": args.landmarks, "topk": args.topk,
                 "sdpa_up_to": args.sdpa_up_to, "causal_up_to": args.causal_up_to}
     settings.pop("window")
     print(TABLE_HEADER, flush=True)
@@ -151,7 +162,7 @@ def _bench_mita(args: argparse.Namespace, settings: dict) -> int:
     return 0
 
 
-def _bench_meta(args: argparse.Namespace, settings: dict) -> int:
+def _bench_meta(args: argparse.Namespace) -> int:
     from routeformer.bench.meta_bench import (
         META_HEADER,
         ROUTING_HEADER,
@@ -161,7 +172,7 @@ def _bench_meta(args: argparse.Namespace, settings: dict) -> int:
     from routeformer.bench.ops_bench import format_row
     from routeformer.bench.timing import machine_description
 
-    settings.update(D=args.dim, layer="meta vs full (projections included)")
+    settings = {**_op_settings(args), "D": args.dim, "layer": "meta vs full (projections included)"}
     print(META_HEADER, flush=True)
     rows, routing = bench_meta(args.lengths, dim=args.dim, heads=args.heads, window=args.window,
                                batch=args.batch, repeats=args.repeats,
@@ -229,3 +240,12 @@ def _bench_steps(args: argparse.Namespace) -> int:
         output.with_suffix(".json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
         print(f"wrote {output} and {output.with_suffix('.json')}")
     return 0
+
+
+# `routeformer bench SUITE`: each suite's runner (the parser's choices are these keys).
+SUITES = {
+    "ops": _bench_ops, "layers": _bench_layers, "steps": _bench_steps, "meta": _bench_meta,
+    "compile": _bench_compile, "generate": _bench_generate, "mita": _bench_mita, "gpu": _bench_gpu,
+    "meta_tokens": _op_table_suite(_meta_tokens_table), "topk": _op_table_suite(_topk_table),
+    "structural": _op_table_suite(_structural_table),
+}

@@ -176,8 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     export_hf.add_argument("out_dir", help="new directory for config.json + model.safetensors")
 
     bench = commands.add_parser("bench", help="speed and memory benchmarks")
-    bench.add_argument("suite", choices=["ops", "layers", "topk", "structural", "meta", "mita", "meta_tokens",
-                                         "compile", "generate", "gpu", "steps"])
+    from routeformer.cli.bench_command import SUITES
+
+    bench.add_argument("suite", choices=list(SUITES))
     bench.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 4096, 16384])
     bench.add_argument("--repeats", type=positive_int, default=5)
     bench.add_argument("--window", type=positive_int, default=256)
