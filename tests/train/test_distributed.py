@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
+from routeformer.attention import attention_class, list_attentions
 from routeformer.train import load_config, train
 from routeformer.train.checkpoint import load_checkpoint
 from routeformer.train.distributed import (
-    EVERY_PARAMETER_USED,
     DistributedContext,
     check_shardable,
     local_shard,
@@ -162,9 +162,13 @@ def test_the_unused_parameter_search_is_on_only_where_a_parameter_can_go_unused(
     assert not needs_unused_parameter_search(["full", "local", "linear"])
     assert needs_unused_parameter_search(["full", "meta"])
     assert needs_unused_parameter_search(["a-new-mechanism"])  # unknown: the safe setting
+    assert needs_unused_parameter_search(["local", "topk"])  # one layer that can leave a parameter unused
+    routed = ("meta", "topk", "mita", "meta_tokens")  # data-dependent experts, routers, meta-tokens
+    assert not any(attention_class(name).every_parameter_used for name in routed)
 
 
-@pytest.mark.parametrize("mechanism", sorted(EVERY_PARAMETER_USED))
+@pytest.mark.parametrize("mechanism", sorted(name for name in list_attentions()
+                                              if attention_class(name).every_parameter_used))
 def test_the_mechanisms_said_to_use_every_parameter_do(mechanism):
     from routeformer.models.config import ModelConfig
     from routeformer.models.heads import CausalLM

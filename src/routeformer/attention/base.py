@@ -109,6 +109,7 @@ class AttentionLayer(nn.Module):
     is_baseline = False  # the mechanism the others are measured against (full)
     needs_meta_tokens = False  # reads meta-tokens a task injects (meta_tokens): the LM only
     grid_aware = False  # takes a ViT's patch grid and CLS token (options grid, extra_tokens)
+    every_parameter_used = False  # no parameter can go without gradient (DDP: no unused search)
 
     @classmethod
     def budget_options(cls, seq_len: int, keys: int) -> dict[str, Any]:

@@ -42,7 +42,7 @@ def _band_path_outside_compiled_graphs(*args, **kwargs):
     return expanding_attention(*args, **kwargs)
 
 
-@register_attention("expanding")
+@register_attention("expanding", every_parameter_used=True)
 class ExpandingAttention(AttentionLayer):
     """Expanding attention with a learnable per-head Beta(α, β) prior on the geometric decay.
 

@@ -10,7 +10,7 @@ from routeformer.ops.decode import append_keys_values, cached_softmax_attention
 from routeformer.ops.full import full_attention, full_attention_flops
 
 
-@register_attention("full", baseline=True)
+@register_attention("full", baseline=True, every_parameter_used=True)
 class FullAttention(AttentionLayer):
     """Standard multi-head attention: softmax(q kᵀ / sqrt(d)) v, O(T²) time."""
 

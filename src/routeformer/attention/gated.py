@@ -14,7 +14,7 @@ from routeformer.attention.full import FullAttention
 from routeformer.attention.registry import register_attention
 
 
-@register_attention("gated")
+@register_attention("gated", every_parameter_used=True)
 class GatedAttention(FullAttention):
     def __init__(self, dim: int, heads: int, causal: bool = True, **common) -> None:
         super().__init__(dim, heads, causal, **common)

@@ -11,7 +11,7 @@ from routeformer.ops.decode import linear_attention_step, start_linear_state
 from routeformer.ops.linear import DEFAULT_EPS, feature_map, linear_attention, linear_attention_flops
 
 
-@register_attention("linear")
+@register_attention("linear", every_parameter_used=True)
 class LinearAttention(AttentionLayer):
     """Katharopoulos et al. (2020) linear attention; causal runs chunk by chunk (`chunk` tokens).
     Cached decoding carries the d×d state, O(1) per token."""

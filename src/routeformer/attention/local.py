@@ -13,7 +13,7 @@ from routeformer.ops.documents import document_positions
 from routeformer.ops.local import local_attention, local_attention_flops
 
 
-@register_attention("local")
+@register_attention("local", every_parameter_used=True)
 class LocalAttention(AttentionLayer):
     """Each token attends to `window` tokens: [i - window + 1, i] causal, [i - window, i + window]
     otherwise. `block` sets the query block length of the blockwise kernel (default min(window, 128)).

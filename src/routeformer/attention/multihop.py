@@ -21,7 +21,7 @@ from routeformer.ops.multihop import (
 )
 
 
-@register_attention("multihop")
+@register_attention("multihop", every_parameter_used=True)
 class MultihopAttention(AttentionLayer):
     """Multi-hop attention: out = W_o Σ_{h=1..hops} Pʰ V (+ V with `identity`).
 

@@ -4,7 +4,8 @@ A mechanism's options are the keyword arguments of its constructor beyond (dim, 
 `build_attention` checks them and names the valid ones when a user gets one wrong.
 
 What callers ask of a mechanism is asked of its class (`attention_class(name)`), never of its name:
-the traits declared where it is registered (`is_baseline`, `needs_meta_tokens`, `grid_aware`), and
+the traits declared where it is registered (`is_baseline`, `needs_meta_tokens`, `grid_aware`,
+`every_parameter_used`), and
 what the class itself knows (`supports_cache`, `budget_options(seq_len, keys)`, and on a built
 layer `decode_read_bytes(cache)`). `baseline_first` / `with_baseline` hold the one definition of
 "the baseline goes first".
@@ -24,6 +25,7 @@ _CORE_ARGUMENTS = ("dim", "heads", "causal")
 
 def register_attention(
     name: str, *, baseline: bool = False, needs_meta_tokens: bool = False, grid_aware: bool = False,
+    every_parameter_used: bool = False,
 ) -> Callable[[type[nn.Module]], type[nn.Module]]:
     """Class decorator: make the layer buildable as `build_attention(name, ...)`.
 
@@ -33,7 +35,10 @@ def register_attention(
       listed first); one registered mechanism at most;
     - `needs_meta_tokens`: it reads meta-tokens a task injects, so it trains on tasks that inject
       them (the LM) and its models get a `meta_token_id`;
-    - `grid_aware`: a ViT tells it the patch grid and the CLS token (options `grid`, `extra_tokens`).
+    - `grid_aware`: a ViT tells it the patch grid and the CLS token (options `grid`, `extra_tokens`);
+    - `every_parameter_used`: every parameter takes part in every forward (no data-dependent choice
+      of experts or projections), so DDP can skip its unused-parameter search (train/distributed.py;
+      tests/train/test_distributed.py checks it of every mechanism that declares it).
     """
 
     def decorate(cls: type[nn.Module]) -> type[nn.Module]:
@@ -49,6 +54,7 @@ def register_attention(
         cls.is_baseline = baseline
         cls.needs_meta_tokens = needs_meta_tokens
         cls.grid_aware = grid_aware
+        cls.every_parameter_used = every_parameter_used
         return cls
 
     return decorate

@@ -35,10 +35,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# Mechanisms whose every parameter takes part in every forward (no data-dependent choice of
-# experts or projections); checked by tests/train/test_distributed.py. Any other mechanism, a new
-# one included, gets DDP's unused-parameter search: correct for all, slower.
-EVERY_PARAMETER_USED = frozenset({"full", "local", "linear", "gated", "expanding", "multihop"})
 RNG_GATHER_TIMEOUT = datetime.timedelta(seconds=60)
 
 
@@ -140,8 +136,13 @@ def any_rank(flag: bool, context: DistributedContext) -> bool:
 
 def needs_unused_parameter_search(mechanisms: Iterable[str]) -> bool:
     """Whether DDP must look for parameters left without gradient (`find_unused_parameters`): true
-    unless every layer's mechanism is one of EVERY_PARAMETER_USED."""
-    return not set(mechanisms) <= EVERY_PARAMETER_USED
+    unless every layer's mechanism declares `every_parameter_used` where it is registered (a name
+    nobody registered gets the search: correct for all, slower)."""
+    from routeformer.attention import list_attentions
+    from routeformer.attention.registry import attention_class
+
+    registered = set(list_attentions())
+    return not all(name in registered and attention_class(name).every_parameter_used for name in mechanisms)
 
 
 def rank_rng_state(device: torch.device) -> Tensor:
