@@ -61,10 +61,12 @@ def test_console_script_runs():
     assert "local" in result.stdout
 
 
-def test_bench_ops_writes_a_table(tmp_path, capsys):
+@pytest.mark.parametrize("given", ["ops.md", "ops"])  # a path without a suffix gets .md
+def test_bench_ops_writes_a_table(tmp_path, capsys, given):
     output = tmp_path / "ops.md"
     assert main(["bench", "ops", "--lengths", "128", "--repeats", "1", "--window", "32", "--topk", "8",
-                 "--no-flex", "--output", str(output)]) == 0
+                 "--no-flex", "--output", str(tmp_path / given)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ops.json", "ops.md"]
     text = output.read_text()
     assert "| 128 | fp32 | sdpa |" in text and "| 128 | bf16 | local(w=32) |" in text
     assert "speed-up = baseline time / op time" in text

@@ -16,7 +16,10 @@ def _op_settings(args: argparse.Namespace) -> dict:
 
 
 def command_bench(args: argparse.Namespace) -> int:
-    """Run the suite `args.suite` names (SUITES below)."""
+    """Run the suite `args.suite` names (SUITES below). An --output without a suffix gets `.md` (the
+    JSON copy is written beside it with `.json`)."""
+    if args.output and not Path(args.output).suffix:
+        args.output = str(Path(args.output).with_suffix(".md"))
     return SUITES[args.suite](args)
 
 

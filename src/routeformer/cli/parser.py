@@ -225,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--split", action="store_true",
                        help="layers suite: split each mechanism's training step into projections, routing, "
                             "attention, auxiliary losses, backward and other (torch.profiler ranges)")
-    bench.add_argument("--output", default=None, help="write a Markdown table (and JSON beside it)")
+    bench.add_argument("--output", default=None,
+                       help="write a Markdown table (and JSON beside it); a path without a suffix gets .md")
 
     reproduce = commands.add_parser("reproduce", help="run a reproduced paper experiment")
     reproduce.add_argument("name", nargs="?", help="experiment name (see --list)")
