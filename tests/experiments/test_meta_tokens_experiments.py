@@ -42,11 +42,12 @@ def test_experiments_run_at_toy_size_and_share_their_runs(tmp_path, monkeypatch)
 def test_curriculum_trains_each_stage_and_tests_at_the_final_length(tmp_path):
     from dataclasses import replace
 
+    from routeformer.runner.setups import Stage
     from routeformer.train.on_recall import RECALL_SCHEDULE, RecallRun, train_recall
 
     run = RecallRun("copying", {"segments": 6, "segment_length": 2}, variant="plain",
                     schedule=replace(RECALL_SCHEDULE, steps=4), evals=2, validation_sequences=8,
-                    test_sequences=8, curriculum=(({"segments": 2}, replace(RECALL_SCHEDULE, steps=4)),))
+                    test_sequences=8, curriculum=(Stage({"segments": 2}, replace(RECALL_SCHEDULE, steps=4)),))
     record = train_recall(run)
     assert [entry["stage"] for entry in record["validation_history"]] == [0, 0, 1, 1]
     plain_length = 6 * (2 + 2) + 2 + 2 - 1  # without the `_PAUSE_` columns

@@ -33,6 +33,7 @@ from routeformer.runner.report import (
     provenance,
     write_result,
 )
+from routeformer.runner.setups import Stage
 from routeformer.train.on_recall import (
     LENGTH_FACTORS,
     RECALL_SCHEDULE,
@@ -75,8 +76,8 @@ def settings(quick: bool) -> Settings:
 def run_key(run: RecallRun) -> str:
     options = "x".join(str(run.task_options[name]) for name in sorted(run.task_options))
     init = "-ft" + Path(run.init).stem if run.init else ""
-    stages = "".join("-after" + "x".join(f"{k}{v}" for k, v in sorted(options.items()))
-                     + f"s{stage.steps}lr{stage.lr:g}" for options, stage in run.curriculum)
+    stages = "".join("-after" + "x".join(f"{k}{v}" for k, v in sorted(stage.options.items()))
+                     + f"s{stage.schedule.steps}lr{stage.schedule.lr:g}" for stage in run.curriculum)
     return (f"{run.task}{options}-{run.variant}-{run.positions}-s{run.seed}-{run.schedule.steps}{init}"
             f"{stages}")
 
@@ -261,8 +262,8 @@ def run_finetune(out_dir: Path, quick: bool) -> Path:
 # the long compare's recall showed at 3e-3). Chosen on those validation curves only.
 LONG_COPYING = {"segments": 128, "segment_length": 2}
 LONG_CURRICULUM = (
-    ({"segments": 4}, Schedule(steps=1000, batch_size=32, lr=3e-3, warmup_steps=60)),
-    ({"segments": 32}, Schedule(steps=150, batch_size=32, lr=1e-3, warmup_steps=15)),
+    Stage({"segments": 4}, Schedule(steps=1000, batch_size=32, lr=3e-3, warmup_steps=60)),
+    Stage({"segments": 32}, Schedule(steps=150, batch_size=32, lr=1e-3, warmup_steps=15)),
 )
 LONG_SCHEDULE = Schedule(steps=300, batch_size=32, lr=1e-3, warmup_steps=30)
 
@@ -271,7 +272,7 @@ def long_run(variant: str, seed: int, quick: bool) -> RecallRun:
     if quick:
         short = Schedule(steps=10, batch_size=32, lr=3e-3, warmup_steps=2)
         return RecallRun("copying", {"segments": 8, "segment_length": 2}, variant=variant, seed=seed,
-                         schedule=short, curriculum=(({"segments": 4}, short),),
+                         schedule=short, curriculum=(Stage({"segments": 4}, short),),
                          validation_sequences=32, test_sequences=32)
     return RecallRun("copying", LONG_COPYING, variant=variant, seed=seed, schedule=LONG_SCHEDULE,
                      curriculum=LONG_CURRICULUM)
@@ -291,8 +292,8 @@ def run_recall_long(out_dir: Path, quick: bool) -> Path:
     example = long_run("plain", 0, quick)
     line, results["floors"] = _floor_line(example, next(iter(results.values()))["seq_len"])
     spec, schedule = example.spec, example.schedule
-    stages = "; ".join(f"{stage.steps} steps at lr {stage.lr:g} on {options['segments']} segments"
-                       for options, stage in example.curriculum)
+    stages = "; ".join(f"{stage.schedule.steps} steps at lr {stage.schedule.lr:g} on "
+                       f"{stage.options['segments']} segments" for stage in example.curriculum)
     command = "routeformer reproduce meta-tokens-recall-512" + (" --quick" if quick else "")
     markdown = "\n".join([
         "# meta-tokens-recall-512: the paper's 512 → 1024 on copying", "", provenance(command), "",
@@ -304,6 +305,6 @@ def run_recall_long(out_dir: Path, quick: bool) -> Path:
         "sees the same sequences. `plain` reads them without the `_PAUSE_` columns.", "",
         line, "", markdown_table(HEADER, rows), ""])
     result = {"seeds": list(seeds), "task_options": example.task_options, "steps": schedule.steps,
-              "curriculum": [[options, asdict(stage)] for options, stage in example.curriculum],
+              "curriculum": [[stage.options, asdict(stage.schedule)] for stage in example.curriculum],
               "results": results}
     return write_result(out_dir, result, markdown)

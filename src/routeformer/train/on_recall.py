@@ -38,6 +38,7 @@ from torch import Tensor
 
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import CausalLM
+from routeformer.runner.setups import Stage
 from routeformer.tasks import build_task
 from routeformer.tasks.base import IGNORE_INDEX, Task
 from routeformer.tasks.meta_tokens import meta_positions
@@ -63,9 +64,9 @@ class RecallRun:
     evals: int = 4
     spec: ModelSpec = ModelSpec(positions="rotary")
     init: str | None = None  # path of a pre-trained body (state dict), or None: from scratch
-    # stages trained before `schedule`, shortest first: (task option overrides, e.g. {"segments": 4},
-    # the stage's Schedule); () = none
-    curriculum: tuple[tuple[dict[str, Any], Schedule], ...] = ()
+    # stages trained before `schedule`, shortest first (compare's Stage: task option overrides, e.g.
+    # {"segments": 4}, and the stage's Schedule); () = none
+    curriculum: tuple[Stage, ...] = ()
     validation_sequences: int = 256
     test_sequences: int = 512
 
@@ -75,9 +76,9 @@ class RecallRun:
         if self.positions not in POSITION_SCHEMES:
             raise ValueError(f"positions must be one of {POSITION_SCHEMES}; got {self.positions!r}")
         for entry in self.curriculum:
-            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], dict)
-                    and isinstance(entry[1], Schedule)):
-                raise ValueError(f"curriculum entries are (task option overrides, Schedule); got {entry!r}")
+            if not isinstance(entry, Stage):
+                raise ValueError(f"curriculum entries are Stage(task option overrides, Schedule); "
+                                 f"got {entry!r}")
         if self.spec.positions != "rotary":
             raise ValueError(f"spec.positions must be 'rotary' (2x lengths need no unseen learned "
                              f"positions); got {self.spec.positions!r}")
@@ -168,11 +169,12 @@ def train_recall(run: RecallRun, log=None) -> dict[str, Any]:
         return m(inputs, labels, positions=positions_of(run, inputs), logits_at_labels=True)
 
     began = time.perf_counter()
-    stages = [*run.curriculum, ({}, run.schedule)]
+    stages = [*run.curriculum, Stage({}, run.schedule)]
     evals, train_seconds = [], 0.0
-    for index, (overrides, schedule) in enumerate(stages):
-        task = run.build_task(overrides=overrides)
-        config = TaskTrainConfig(schedule, eval_every=max(1, schedule.steps // run.evals), seed=run.seed)
+    for index, stage in enumerate(stages):
+        task = run.build_task(overrides=stage.options)
+        config = TaskTrainConfig(stage.schedule, eval_every=max(1, stage.schedule.steps // run.evals),
+                                 seed=run.seed)
 
         def validate(m, task=task) -> dict[str, float]:
             return {"accuracy": accuracy(m, run, task, "validation", run.validation_sequences)}
