@@ -58,7 +58,7 @@ def native_lines() -> list[str]:
     if loaded is None:
         return [f"not built: {why_not_built() or 'unknown reason'} (every op runs in PyTorch)"]
     from routeformer.ops.native.local import local_kernel_available
-    from routeformer.ops.native.topk import speculative_query_tile
+    from routeformer.ops.native.topk import speculative_prefilter_exact, speculative_query_tile
 
     lines = ["built and loaded", isa_line()]
     handle = native_kernels(torch.zeros(1))
@@ -68,8 +68,11 @@ def native_lines() -> list[str]:
         lines.append(f"routing limits: {handle.max_slots} slots, routing dim {handle.max_dim}")
         lines.append("local attention kernel: " + ("built" if local_kernel_available() else
                                                    "not in the library: blockwise PyTorch"))
-        lines.append("routing selection (fp32): " + ("speculative (bf16 prefilter, AVX-512 BF16)"
-                                                     if speculative_query_tile() else "tiled"))
+        selection = "tiled"
+        if speculative_query_tile():
+            selection = ("speculative (exact fp32 prefilter, AVX2)" if speculative_prefilter_exact()
+                         else "speculative (bf16 prefilter, AVX-512 BF16)")
+        lines.append("routing selection (fp32): " + selection)
     return lines
 
 

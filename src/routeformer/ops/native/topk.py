@@ -5,8 +5,8 @@ K slots, r routing dim, d key dim, e value dim, V the kernel's key tile.
 
 - `routeformer::route_topk`: each query's K best keys (no gradient: a hard choice).
 - `routeformer::route_topk_rows`: the same selection for float32 and bfloat16 routing vectors by the
-  speculative kernel (topk_speculative_kernels.c: bf16 prefilter, exact fp32 rescoring, verified
-  threshold guesses), which reads bfloat16 as stored.
+  speculative kernel (topk_speculative_kernels.c: verified threshold guesses; a bf16 prefilter with
+  exact fp32 rescoring on AVX-512 BF16, exact fp32 scores on AVX2), which reads bfloat16 as stored.
 - `routeformer::routed_attention`: softmax attention over each query's gathered keys -> (out, lse),
   differentiable in q, k, v through `routeformer::routed_attention_backward`.
 
@@ -39,7 +39,7 @@ declare(_INT, [_PTR, _PTR, _PTR, *[_INT] * 7, _I32, _INT, _INT, _I32, _PTR, _PTR
 # global_tokens, index, valid, threads -> 0, or < 0 when the kernel cannot serve
 declare(_INT, [_PTR, _PTR, _I32, _PTR, *[_INT] * 6, _I32, _INT, _INT, _PTR, _PTR, _I32], "route_topk_spec")
 declare(_INT, [], "route_topk_spec_available", "route_topk_spec_query_tile", "route_topk_spec_refuted",
-        "route_topk_spec_exact_rows")
+        "route_topk_spec_exact_rows", "route_topk_spec_exact")
 # queries, groups, members, starts, key_group, key_mask, rows, heads, length, count, dim, slots,
 # local_window, global_tokens, index, valid, threads -> scores computed (topk_groups_kernels.c)
 declare(_INT, [*[_PTR] * 6, *[_INT] * 8, _PTR, _PTR, _I32], "route_topk_groups")
@@ -97,15 +97,29 @@ def _route_topk_fake(queries, keys_t, key_mask, heads, num_keys, slots, causal, 
 
 @torch.compiler.assume_constant_result  # traced as a constant: no ctypes call inside a graph
 def speculative_query_tile() -> int:
-    """Queries per tile of the speculative routing kernel (topk_speculative_kernels.c), 0 when
-    this CPU lacks AVX-512 BF16 and route_topk_f32 serves float32 and bfloat16 instead."""
+    """Queries per tile of the speculative routing kernel (topk_speculative_kernels.c), 0 when the
+    library was built without AVX2 + FMA (the portable level) and route_topk_f32 serves float32 and
+    bfloat16 instead."""
     return _speculative_query_tile()
+
+
+@torch.compiler.assume_constant_result
+def speculative_prefilter_exact() -> bool:
+    """Whether the speculative kernel's prefilter scores keys exactly (fp32, AVX2 + FMA or AVX-512
+    without BF16: no margin, so no routing vectors make it pass most keys) rather than by the
+    AVX-512 BF16 approximation with a margin (see `_one_dim_dominates` in ops/topk/routing.py)."""
+    return _speculative_prefilter_exact()
 
 
 @cache
 def _speculative_query_tile() -> int:
     query = _native.kernel  # (not this module's `kernel`, which tests count as kernel calls)
     return int(query("route_topk_spec_query_tile")()) if query("route_topk_spec_available")() else 0
+
+
+@cache
+def _speculative_prefilter_exact() -> bool:
+    return bool(_native.kernel("route_topk_spec_exact")())
 
 
 @native_op("route_topk_rows")
@@ -128,7 +142,8 @@ def route_topk_rows_op(queries: Tensor, keys: Tensor, key_mask: Tensor | None, h
         heads, length, keys.shape[2], dim, slots, int(causal), local_window, global_tokens, pointer(index),
         valid.data_ptr(), torch.get_num_threads())
     if done < 0:
-        raise ValueError(f"route_topk_rows: routing dim must be 1..64 on a CPU with AVX-512 BF16; got {dim}")
+        raise ValueError(f"route_topk_rows: routing dim must be 1..64, and the library built with AVX2 + FMA "
+                         f"or AVX-512 BF16 (`routeformer doctor`); got dim {dim}")
     return index, valid
 
 

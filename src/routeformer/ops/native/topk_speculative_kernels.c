@@ -58,11 +58,27 @@ void route_topk_f32_exact_block(const float *rq, const float *rkt, const uint8_t
                                 float *buffer_scores, int64_t *buffer_keys); /* topk_kernels.c */
 void route_topk_f32_exact_init(void);
 
+/* Two prefilters, chosen by the instruction set the library is built for:
+ * - AVX-512 BF16: the bf16 pair dot products of 2. above, with their margin.
+ * - AVX2 + FMA (and AVX-512 without BF16): the exact fp32 scores, from the fp32 key tiles, by
+ *   route_topk_f32's own FMA chain (fmaf over d in order from 0: bit for bit exact_score). The
+ *   margin is then 0 and the test `>=` (a key equal to the threshold may win its tie by key order
+ *   at the flush); what the AVX2 build gains is 1. and 3.: measured at T = 16384 (r = 16, K = 64,
+ *   causal, ROUTEFORMER_ISA=avx2) the candidate work of route_topk_f32 was ~85% of its time.
+ * The portable C level keeps route_topk_f32 (without FMA hardware its tiles round the product and
+ * the sum apart, which fmaf here would not match bit for bit). */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define PREFILTER_BF16 1
+#define QB 8       /* queries per tile (accumulators); 6 and 12 measured within noise of 8 (loaded machine) */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PREFILTER_BF16 0
+#define QB 6       /* queries per tile: 2 x 6 ymm accumulators, 2 key registers, 1 broadcast */
+#endif
+
+#if defined(QB)
 #include <immintrin.h>
 
-#define QB 8       /* queries per tile (accumulators); 6 and 12 measured within noise of 8 (loaded machine) */
-#define V 16       /* keys per tile: one register of fp32 lanes */
+#define V 16       /* keys per tile: one AVX-512 register (two AVX2 registers) of fp32 lanes */
 #define MAX_DIM 64
 
 static int64_t refuted_total; /* queries routed again since the library was loaded (tests read it) */
@@ -72,6 +88,7 @@ static int64_t exact_total;   /* rows switched to the exact scan (per thread tha
 #define EXACT_AFTER 8         /* crowded blocks in a row after which the row switches */
 
 int64_t route_topk_spec_available(void) { return 1; }
+int64_t route_topk_spec_exact(void) { return !PREFILTER_BF16; } /* exact prefilter: no margin */
 int64_t route_topk_spec_refuted(void) { return refuted_total; }
 int64_t route_topk_spec_exact_rows(void) { return exact_total; }
 int64_t route_topk_spec_query_tile(void) { return QB; }
@@ -103,6 +120,7 @@ static inline int64_t is_forced(int64_t i, int64_t j, int64_t local_window, int6
     return (j <= i && j > i - local_window) || j < global_tokens;
 }
 
+#if PREFILTER_BF16
 /* Append keys j0 + c for the set bits c: compress in a register, store 16 (the buffer keeps V
  * spare entries), advance by the popcount. No branch per key. */
 static inline int64_t append_keys(int64_t *key, int64_t count, uint32_t bits, int64_t j0) {
@@ -114,6 +132,13 @@ static inline int64_t append_keys(int64_t *key, int64_t count, uint32_t bits, in
                         _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(picked, 1)), base));
     return count + __builtin_popcount(bits);
 }
+#else
+/* Append keys j0 + c for the set bits c (the exact prefilter passes few keys: a loop per key). */
+static inline int64_t append_keys(int64_t *key, int64_t count, uint32_t bits, int64_t j0) {
+    for (; bits; bits &= bits - 1) key[count++] = j0 + __builtin_ctz(bits);
+    return count;
+}
+#endif
 
 /* A key value of the row as fp32: bf16 keys are read as stored and widened (exactly). */
 static inline float key_at(const Row *row, int64_t j, int64_t d) {
@@ -178,6 +203,20 @@ typedef struct {
 /* Append the keys of the hit masks bits[from..to] to key[count..]; returns the new count. 32
  * tiles' masks are tested at once: only tiles with hits cost a step. */
 static int64_t list_hits(const uint16_t *bits, int64_t from, int64_t to, int64_t *key, int64_t count) {
+#if !PREFILTER_BF16
+    /* AVX2: 16 tiles' masks at once; movemask gives 2 bits per 16-bit mask. */
+    for (int64_t t = from; t <= to; t += 16) {
+        int64_t n = to - t + 1 < 16 ? to - t + 1 : 16;
+        uint16_t window[16] = {0};
+        memcpy(window, bits + t, (size_t)n * sizeof(uint16_t));
+        __m256i masks = _mm256_loadu_si256((const __m256i *)window);
+        uint32_t zero = (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi16(masks, _mm256_setzero_si256()));
+        for (uint32_t nonzero = ~zero & 0x55555555u; nonzero; nonzero &= nonzero - 1) {
+            int64_t u = t + __builtin_ctz(nonzero) / 2;
+            count = append_keys(key, count, bits[u], u * V);
+        }
+    }
+#else
     for (int64_t t = from; t <= to; t += 32) {
         __mmask32 inside = to - t >= 31 ? 0xFFFFFFFFu : (__mmask32)((1u << (to - t + 1)) - 1);
         __m512i masks = _mm512_maskz_loadu_epi16(inside, bits + t);
@@ -186,6 +225,7 @@ static int64_t list_hits(const uint16_t *bits, int64_t from, int64_t to, int64_t
             count = append_keys(key, count, bits[u], u * V);
         }
     }
+#endif
     return count;
 }
 
@@ -212,12 +252,21 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
     int64_t count[QB], rescored[QB], cap[QB], forced[QB], dim = row->dim, keys = row->num_keys;
     int64_t pending[QB], first_tile[QB]; /* hits in the bitmap from first_tile on, not yet listed */
     float low[QB], spec[QB], margin[QB];
-    uint32_t force_all[QB], query_pair[QB][MAX_DIM / 2];
+    uint32_t force_all[QB];
+#if PREFILTER_BF16
+    uint32_t query_pair[QB][MAX_DIM / 2];
+#else
+    float query_row[QB][MAX_DIM];
+#endif
     for (int64_t a = 0; a < QB; a++) {
         low[a] = INFINITY; force_all[a] = 0; count[a] = rescored[a] = 0; cap[a] = 0; failed[a] = 0;
         spec[a] = -INFINITY; margin[a] = INFINITY; kth[a] = -INFINITY; appended[a] = 0; forced[a] = 0;
         pending[a] = first_tile[a] = 0;
+#if PREFILTER_BF16
         for (int64_t p = 0; p < row->pairs; p++) query_pair[a][p] = a < nq ? row->query_pairs[(i0 + a) * row->pairs + p] : 0;
+#else
+        for (int64_t d = 0; d < dim; d++) query_row[a][d] = a < nq ? row->queries[(i0 + a) * dim + d] : 0;
+#endif
         if (a >= nq) continue;
         int64_t i = i0 + a, taken = 0, *row_index = out->index + i * slots;
         int64_t first = local_window > 0 ? (i - local_window + 1 > 0 ? i - local_window + 1 : 0) : i + 1;
@@ -231,6 +280,7 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
         float norm = sqrtf(exact_score(query, query, dim)) * (1.0f + 0x1p-20f);
         if (norm != norm) continue; /* a NaN query scores NaN: no routed key, as route_topk_f32 */
         int guarded = norm < 0x1p60f && row->key_norm < 0x1p60f;
+#if PREFILTER_BF16
         /* Σ_d |q_d k_d| <= min(|q|·kmax, Σ_d |q_d|·max_j |k_jd|): the second is far tighter when one
          * dim dominates the key norms (a position feature: the layer's recency routing, where the
          * first made every key pass the prefilter and ran 2.8x slower than the plain kernel). */
@@ -239,15 +289,20 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
         float bound = fminf(norm * row->key_norm, (float)(per_dim * (1 + 0x1p-20)));
         margin[a] = guarded ? 0x1p-6f * bound + 0x1p-100f * (1.0f + norm + row->key_norm) : INFINITY;
         force_all[a] = guarded || slots == forced[a] ? 0 : 0xFFFFu; /* unguarded: approx may be inf or NaN */
+#else
+        margin[a] = 0; /* exact scores: nothing to widen, and no row needs every key forced in */
+#endif
         /* Speculate only where the guess can hold: enough eligible keys beyond the forced ones. */
         int64_t eligible = causal ? i + 1 : keys;
         spec[a] = (ratio == ratio && guarded && eligible - taken >= 2 * cap[a]) ? norm * (ratio - slack) : -INFINITY;
         if (cap[a] > 0) low[a] = guarded ? spec[a] - margin[a] : -INFINITY;
     }
     int simple = !mask && local_window == 0 && global_tokens == 0;
-    int64_t end = causal ? i0 + nq : keys, tile_size = row->pairs * V;
+    int64_t end = causal ? i0 + nq : keys;
     for (int64_t j0 = 0; j0 < end; j0 += V) {
-        const uint32_t *tile = row->key_pairs + (j0 / V) * tile_size;
+        uint32_t hits[QB], any = 0; /* bit c of hits[a]: key j0 + c passes query a's prefilter */
+#if PREFILTER_BF16
+        const uint32_t *tile = row->key_pairs + (j0 / V) * row->pairs * V;
         __m512 acc[QB];
 #pragma GCC unroll 8
         for (int a = 0; a < QB; a++) acc[a] = _mm512_setzero_ps();
@@ -257,12 +312,34 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
             for (int a = 0; a < QB; a++)
                 acc[a] = _mm512_dpbf16_ps(acc[a], (__m512bh)_mm512_set1_epi32((int)query_pair[a][p]), key);
         }
-        uint32_t hits[QB], any = 0; /* bit c of hits[a]: key j0 + c passes query a's prefilter */
 #pragma GCC unroll 8
         for (int a = 0; a < QB; a++) {
             hits[a] = _mm512_cmp_ps_mask(acc[a], _mm512_set1_ps(low[a]), _CMP_GT_OQ) | force_all[a];
             any |= hits[a];
         }
+#else
+        /* route_topk_f32's AVX2 tile (topk_kernels.c): each query's 16 scores in two registers. */
+        const float *tile = row->key_tiles + (j0 / V) * dim * V;
+        __m256 acc_low[QB], acc_high[QB];
+#pragma GCC unroll 8
+        for (int a = 0; a < QB; a++) acc_low[a] = acc_high[a] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < dim; d++) {
+            __m256 key_low = _mm256_loadu_ps(tile + d * V), key_high = _mm256_loadu_ps(tile + d * V + 8);
+#pragma GCC unroll 8
+            for (int a = 0; a < QB; a++) {
+                __m256 q = _mm256_broadcast_ss(&query_row[a][d]);
+                acc_low[a] = _mm256_fmadd_ps(q, key_low, acc_low[a]);
+                acc_high[a] = _mm256_fmadd_ps(q, key_high, acc_high[a]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int a = 0; a < QB; a++) {
+            __m256 bound = _mm256_set1_ps(low[a]);
+            hits[a] = (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(acc_low[a], bound, _CMP_GE_OQ))
+                      | (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(acc_high[a], bound, _CMP_GE_OQ)) << 8;
+            any |= hits[a];
+        }
+#endif
         if (any && (!simple || (causal && j0 + V > i0) || j0 + V > keys)) /* keys some query may not take */
             for (int64_t a = 0; a < nq; a++) {
                 uint32_t bits = hits[a];
@@ -316,10 +393,10 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
  * (zero-padded tiles) and of queries, the guard's max key norm. */
 static void prepare_row(const void *rq, const void *rk, int bf16, int64_t length, int64_t keys, int64_t dim,
                         float *wide_q, uint32_t *key_pairs, float *key_tiles, uint32_t *query_pairs, Row *row) {
-    int64_t pairs = (dim + 1) / 2;
+    int64_t pairs = PREFILTER_BF16 ? (dim + 1) / 2 : 0; /* the exact prefilter reads key_tiles only */
     const uint16_t *half_q = rq, *half_k = rk;
     const float *qf = bf16 ? wide_q : rq, *kf = bf16 ? NULL : rk;
-    for (int pass = 0; pass < 2; pass++) {
+    for (int pass = 0; pass < 2 && pairs; pass++) {
         int64_t n = pass ? keys : length;
         const uint16_t *half = pass ? half_k : half_q;
         const float *full = pass ? kf : qf;
@@ -389,9 +466,10 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
                         int64_t heads, int64_t length, int64_t keys, int64_t dim, int64_t slots, int causal,
                         int64_t local_window, int64_t global_tokens, int64_t *index, uint8_t *valid, int threads) {
     if (dim > MAX_DIM || dim < 1) return -1;
-    int64_t pairs = (dim + 1) / 2, tiles = (keys + V - 1) / V, blocks = (length + QB - 1) / QB, scored = 0;
+    int64_t pairs = PREFILTER_BF16 ? (dim + 1) / 2 : 0, tiles = (keys + V - 1) / V, blocks = (length + QB - 1) / QB;
+    int64_t scored = 0;
     size_t element = bf16 ? 2 : 4;
-    uint32_t *key_pairs = calloc((size_t)(rows * tiles * pairs * V), sizeof(uint32_t));
+    uint32_t *key_pairs = calloc((size_t)(rows * tiles * pairs * V) + 1, sizeof(uint32_t)); /* + 1: never NULL */
     float *key_tiles = calloc((size_t)(rows * tiles * dim * V), sizeof(float));
     uint32_t *query_pairs = malloc((size_t)(rows * length * pairs) * sizeof(uint32_t) + 1);
     float *wide_q = bf16 ? malloc((size_t)(rows * length * dim) * sizeof(float) + 1) : NULL;
@@ -464,8 +542,9 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
     return scored;
 }
 
-#else /* no AVX-512 BF16: ops/native/topk.py uses route_topk_f32 */
+#else /* the portable level: ops/native/topk.py uses route_topk_f32 */
 int64_t route_topk_spec_available(void) { return 0; }
+int64_t route_topk_spec_exact(void) { return 0; }
 int64_t route_topk_spec_refuted(void) { return 0; }
 int64_t route_topk_spec_exact_rows(void) { return 0; }
 int64_t route_topk_spec_query_tile(void) { return 1; }

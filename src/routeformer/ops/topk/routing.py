@@ -192,7 +192,10 @@ def _one_dim_dominates(route_k: Tensor, ratio: float = 8.0) -> bool:
     key position itself, up to T — makes the speculative kernel's bf16 prefilter margin
     (proportional to Σ_d |q_d|·max_j |k_jd|) wide enough to pass most keys: measured at T = 16384
     with the layer's own routing vectors, 7.9 s against the tiled kernel's 3.0 s (same selection);
-    on vectors without such a dim the speculative kernel is 1.5-2x faster. Under torch.compile the
+    on vectors without such a dim the speculative kernel is 1.5-2x faster. The AVX2 build's exact
+    prefilter has no margin, but its threshold guess (K-th best / |q| of the last block) lags the
+    position term: at T = 16384, ROUTEFORMER_ISA=avx2, r = 16 + a position dim, 2.5-7 s against the
+    tiled kernel's newest-first scan's 0.4-1.5 s. Under torch.compile the
     speculative kernel is kept (a host read here would break the graph) unless the caller says
     which dim holds positions (`route_topk(position_dim=True)`, as the `topk` layer does)."""
     if torch.compiler.is_compiling() or route_k.numel() == 0:
@@ -207,9 +210,10 @@ def _route_topk_native(
 ) -> tuple[Tensor, Tensor, int]:
     """`route_topk` by the fused C kernels (ops/native/topk.py, custom ops): same contract; forced
     keys first in a row. float32, bfloat16 (read as stored) and float16 (widened) take the
-    speculative kernel on CPUs with AVX-512 BF16, float64 the tiled kernel; both select the same
-    keys. The product count is the kernel's closed form; queries whose threshold guess is refuted
-    and routed again (~0.1% on random routing vectors) are not counted twice."""
+    speculative kernel where the library has one (AVX-512 BF16: a bf16 prefilter; AVX2 + FMA: exact
+    fp32 scores) except on rows with a dominant or declared position dim, float64 the tiled kernel;
+    both select the same keys. The product count is the kernel's closed form; queries whose threshold guess is
+    refuted and routed again (~0.1% on random routing vectors) are not counted twice."""
     batch, heads, length, _ = route_q.shape
     num_keys = route_k.shape[2]
     tile = native.route_topk_chunk()
