@@ -34,6 +34,73 @@ from routeformer.ops.topk.slots import check_routing, routing_slots
 from routeformer.ops.triton._common import check_device, check_float, kernel, next_power_of_2
 
 
+# The (score, key) pairs as int64 and the running top-K list, shared with the decode-shaped kernel
+# (ops/triton/topk_decode_routing.py), so that both select by one rule.
+@triton.jit
+def empty_pairs(BLOCK_T: tl.constexpr, KP: tl.constexpr):
+    """A [BLOCK_T, KP] top-K list holding no pair: every slot below every packed pair (the lowest
+    packed pair is key(-inf)·2³²)."""
+    return tl.full([BLOCK_T, KP], -9223372036854775807, tl.int64)
+
+
+@triton.jit
+def score_pairs(queries, KEYS, key_stride, KEY_MASK, rows, row_ok, cols, offs_r, r_ok, num_keys,
+                local_window, global_tokens, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                BLOCK_T: tl.constexpr, TILE: tl.constexpr):
+    """The packed pairs [BLOCK_T, TILE] of the fp32 queries [BLOCK_T, BLOCK_R] (rows `rows`) with
+    the keys `cols` (key j at KEYS + j·key_stride; KEY_MASK: this batch row's [S] int8 mask),
+    forced keys +inf and ineligible ones -inf (module docstring); rows past the block are empty."""
+    col_ok = cols < num_keys
+    keys = tl.load(KEYS + cols[:, None] * key_stride + offs_r[None, :],
+                   mask=col_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+    scores = tl.sum(queries[:, None, :] * keys[None, :, :], axis=2)
+    forced = ((cols[None, :] <= rows[:, None]) & (cols[None, :] > rows[:, None] - local_window)) \
+        | (cols[None, :] < global_tokens)
+    scores = tl.where(forced, float("inf"), scores)
+    ineligible = ~col_ok[None, :] | ~row_ok[:, None]
+    if CAUSAL:
+        ineligible = ineligible | (cols[None, :] > rows[:, None])
+    if HAS_MASK:
+        real = tl.load(KEY_MASK + cols, mask=col_ok, other=0) != 0
+        ineligible = ineligible | ~real[None, :]
+    scores = tl.where(ineligible, float("-inf"), scores)
+    scores = tl.where(scores == 0.0, 0.0, scores)  # -0.0 and 0.0 are one score
+    bits = scores.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
+    # int64 constants built as tensors: a bare 4294967295 would be typed uint32 by the compiler.
+    packed = (ordered.to(tl.int64) << 32) | (tl.full([BLOCK_T, TILE], 4294967295, tl.int64)
+                                              - cols[None, :].to(tl.int64))
+    return tl.where(row_ok[:, None], packed, -9223372036854775807)
+
+
+@triton.jit
+def merge_pairs(best, packed, slots, offs_k, BLOCK_T: tl.constexpr, KP: tl.constexpr):
+    """The top-`slots` list (sorted descending, [BLOCK_T, KP]) of best ∪ packed ([BLOCK_T, any])."""
+    # Merge only when some query of the block has a pair beating its current K-th best (after
+    # the first tiles, most tiles of a long sequence are skipped: the C kernel's threshold).
+    kth = tl.min(tl.where(offs_k[None, :] < slots, best, 9223372036854775807), axis=1)
+    if tl.max((tl.max(packed, axis=1) > kth).to(tl.int32), axis=0) > 0:
+        # Top-`slots` of (best ∪ tile) by repeated extraction of the maximum: pairs are unique
+        # (the key is in the low bits), so removing the maximum removes exactly one pair.
+        merged = empty_pairs(BLOCK_T, KP)
+        for slot in range(0, slots):
+            top = tl.maximum(tl.max(best, axis=1), tl.max(packed, axis=1))
+            merged = tl.where(offs_k[None, :] == slot, top[:, None], merged)
+            best = tl.where(best == top[:, None], -9223372036854775807, best)
+            packed = tl.where(packed == top[:, None], -9223372036854775807, packed)
+        best = merged
+    return best
+
+
+@triton.jit
+def unpack_pairs(best, BLOCK_T: tl.constexpr, KP: tl.constexpr):
+    """(key int64, valid bool) of each slot of a top-K list: pairs scoring -inf (and empty slots)
+    are invalid and point at key 0."""
+    ok = (best >> 32) > -2139095041  # above key(-inf), the ordered integer of -inf's bits
+    low_bits = tl.full([BLOCK_T, KP], 4294967295, tl.int64)
+    return tl.where(ok, low_bits - (best & low_bits), 0), ok
+
+
 @kernel
 def _route_topk_kernel(
     RQ, RK, KEY_MASK, INDEX, VALID,
@@ -51,50 +118,17 @@ def _route_topk_kernel(
     offs_k = tl.arange(0, KP)
     queries = tl.load(RQ + br * length * dim + rows[:, None] * dim + offs_r[None, :],
                       mask=row_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-    # int64 constants built as tensors: a bare 4294967295 would be typed uint32 by the compiler.
-    low_bits = tl.full([BLOCK_T, KP], 4294967295, tl.int64)
-    empty = -9223372036854775807  # below every packed pair (the lowest is key(-inf)·2³²)
-    best = tl.full([BLOCK_T, KP], empty, tl.int64)  # sorted descending
+    best = empty_pairs(BLOCK_T, KP)  # sorted descending
     end = num_keys
     if CAUSAL:
         end = tl.minimum(num_keys, (pid_t + 1) * BLOCK_T)
     for start in range(0, end, TILE):
         cols = start + tl.arange(0, TILE)
-        col_ok = cols < num_keys
-        keys = tl.load(RK + br * num_keys * dim + cols[:, None] * dim + offs_r[None, :],
-                       mask=col_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-        scores = tl.sum(queries[:, None, :] * keys[None, :, :], axis=2)
-        forced = ((cols[None, :] <= rows[:, None]) & (cols[None, :] > rows[:, None] - local_window)) \
-            | (cols[None, :] < global_tokens)
-        scores = tl.where(forced, float("inf"), scores)
-        ineligible = ~col_ok[None, :] | ~row_ok[:, None]
-        if CAUSAL:
-            ineligible = ineligible | (cols[None, :] > rows[:, None])
-        if HAS_MASK:
-            real = tl.load(KEY_MASK + b * num_keys + cols, mask=col_ok, other=0) != 0
-            ineligible = ineligible | ~real[None, :]
-        scores = tl.where(ineligible, float("-inf"), scores)
-        scores = tl.where(scores == 0.0, 0.0, scores)  # -0.0 and 0.0 are one score
-        bits = scores.to(tl.int32, bitcast=True)
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
-        packed = (ordered.to(tl.int64) << 32) | (tl.full([BLOCK_T, TILE], 4294967295, tl.int64)
-                                                  - cols[None, :].to(tl.int64))
-        packed = tl.where(row_ok[:, None], packed, empty)
-        # Merge only when some query of the block has a pair beating its current K-th best (after
-        # the first tiles, most tiles of a long sequence are skipped: the C kernel's threshold).
-        kth = tl.min(tl.where(offs_k[None, :] < slots, best, 9223372036854775807), axis=1)
-        if tl.max((tl.max(packed, axis=1) > kth).to(tl.int32), axis=0) > 0:
-            # Top-`slots` of (best ∪ tile) by repeated extraction of the maximum: pairs are unique
-            # (the key is in the low bits), so removing the maximum removes exactly one pair.
-            merged = tl.full([BLOCK_T, KP], empty, tl.int64)
-            for slot in range(0, slots):
-                top = tl.maximum(tl.max(best, axis=1), tl.max(packed, axis=1))
-                merged = tl.where(offs_k[None, :] == slot, top[:, None], merged)
-                best = tl.where(best == top[:, None], empty, best)
-                packed = tl.where(packed == top[:, None], empty, packed)
-            best = merged
-    ok = (best >> 32) > -2139095041  # above key(-inf), the ordered integer of -inf's bits
-    chosen = tl.where(ok, low_bits - (best & low_bits), 0)
+        packed = score_pairs(queries, RK + br * num_keys * dim, dim, KEY_MASK + b * num_keys, rows, row_ok,
+                             cols, offs_r, r_ok, num_keys, local_window, global_tokens, CAUSAL, HAS_MASK,
+                             BLOCK_T, TILE)
+        best = merge_pairs(best, packed, slots, offs_k, BLOCK_T, KP)
+    chosen, ok = unpack_pairs(best, BLOCK_T, KP)
     out = br * length * slots + rows[:, None] * slots + offs_k[None, :]
     store_ok = row_ok[:, None] & (offs_k < slots)[None, :]
     tl.store(INDEX + out, chosen, mask=store_ok)
