@@ -135,6 +135,20 @@ def _route_topk_kernel(
     tl.store(VALID + out, ok.to(tl.int8), mask=store_ok)
 
 
+def check_triton_routing(route_q: Tensor, route_k: Tensor, topk: int, key_mask: Tensor | None, causal: bool,
+                         local_window: int, global_tokens: int) -> None:
+    """The routing kernels' argument checks (this file's and the decode-shaped one's): ValueError
+    naming the argument."""
+    check_routing(route_q, route_k, key_mask, causal)
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1; got {topk}")
+    if local_window < 0 or global_tokens < 0:
+        raise ValueError(f"local_window and global_tokens must be >= 0; got {local_window}, {global_tokens}")
+    check_float("route_q", route_q)
+    check_float("route_k", route_k)
+    check_device(*(t for t in (route_q, route_k, key_mask) if t is not None))
+
+
 @torch.no_grad()
 def triton_route_topk(
     route_q: Tensor, route_k: Tensor, topk: int, *, causal: bool = True, key_mask: Tensor | None = None,
@@ -144,14 +158,7 @@ def triton_route_topk(
     the (query, key) pairs the kernel scored, causal blocks counting up to their last row).
     `tile` (a power of two >= 16): keys scored per step; default 64 on CUDA, all keys (up to 256)
     on CPU. The tests set it small to run the tile-by-tile merge in the interpreter."""
-    check_routing(route_q, route_k, key_mask, causal)
-    if topk < 1:
-        raise ValueError(f"topk must be >= 1; got {topk}")
-    if local_window < 0 or global_tokens < 0:
-        raise ValueError(f"local_window and global_tokens must be >= 0; got {local_window}, {global_tokens}")
-    check_float("route_q", route_q)
-    check_float("route_k", route_k)
-    check_device(*(t for t in (route_q, route_k, key_mask) if t is not None))
+    check_triton_routing(route_q, route_k, topk, key_mask, causal, local_window, global_tokens)
     batch, heads, length, dim = route_q.shape
     num_keys = route_k.shape[2]
     slots = routing_slots(topk, local_window, global_tokens, num_keys)
