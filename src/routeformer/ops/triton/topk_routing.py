@@ -21,6 +21,10 @@ as cheap on a GPU for K <= 64. Causal queries score only the keys up to their
 block's last row. Nothing of size T x S is stored. Scores are computed in fp32 (inputs of any
 float dtype are converted in registers) as an elementwise product and sum, not `tl.dot`, so they
 are the exact fp32 dot products (no TF32 rounding that would reorder near ties).
+
+The scoring, packing, merge and unpacking are `@triton.jit` helpers (`score_pairs`, `merge_pairs`,
+`unpack_pairs`) that the decode-shaped kernels (ops/triton/topk_decode_routing.py: one query's keys
+split over many programs) call too, so both paths select by one rule.
 """
 
 from __future__ import annotations
