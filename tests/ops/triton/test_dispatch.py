@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from routeformer.ops import mita_attention, route_topk, routed_attention
+from routeformer.ops import backends, mita_attention, route_topk, routed_attention
 from routeformer.ops.backends import force_triton
 from routeformer.ops.backends import triton_serves as use_triton
 from routeformer.ops.expanding import expanding_attention
@@ -19,7 +19,12 @@ from routeformer.ops.routed_rows import (
     local_attention_rows_reference,
     select_rows,
 )
-from routeformer.ops.topk import route_topk_reference, routed_attention_reference
+from routeformer.ops.topk import (
+    append_routing_keys,
+    route_cached,
+    route_topk_reference,
+    routed_attention_reference,
+)
 from tests.ops.triton._checks import assert_same_gradients
 from tests.ops.triton.test_triton_gathered import make_qkv, random_routing
 from tests.ops.triton.test_triton_topk_routing import integer_routing, selected_set
@@ -145,3 +150,23 @@ def test_expanding_final_pass_through_the_hook_equals_the_band_path():
     weight = torch.randn(want.out.shape, generator=generator)
     leaves = (q, k, v, alpha, beta)
     assert_same_gradients(got.out, want.out, weight, leaves)
+
+
+def test_cached_decode_steps_take_the_split_key_kernel_and_select_the_parallel_rows(monkeypatch):
+    """ops.topk.decode on the plain key cache (what CUDA gets; forced here) routes decode-shaped
+    steps — from DECODE_SPLIT_MIN_KEYS keys, lowered so the interpreter is quick — on the split-key
+    kernel, records it as "route_topk_decode", and still selects the parallel causal rows (ties
+    included: integer routing vectors)."""
+    monkeypatch.setattr(backends, "DECODE_SPLIT_MIN_KEYS", 12)
+    route_q, route_k = integer_routing(1, 2, 24, 3, seed=8)
+    options = dict(local_window=2, global_tokens=1)
+    want = route_topk_reference(route_q, route_k, 3, causal=True, **options)
+    with force_triton(), native_enabled(False), backends.recording() as ran:
+        cache, rows = {}, []
+        append_routing_keys(cache, route_k[:, :, :16])
+        for i in range(16, 24):  # each step caches its own routing key, then routes
+            append_routing_keys(cache, route_k[:, :, i:i + 1])
+            rows.append(selected_set(*route_cached(route_q[:, :, i:i + 1], cache, i, 3, **options), 24))
+    assert not cache["routing_tiled"]
+    assert ran.get("route_topk_decode") == "triton", ran
+    assert torch.equal(torch.cat(rows, dim=2), want[:, :, 16:])

@@ -7,6 +7,8 @@ One file per kernel, each with its forward and backward wrapped as a `torch.auto
   log-sum-exp with a gradient so partial results can be merged;
 - `topk_routing`: the routing top-K selection (scores in tiles, a running top-K per query; no
   backward: the selection is hard);
+- `topk_decode_routing`: the same selection in the decode shape (few queries, many keys: a cached
+  decoding step), the keys split over many programs and their top-K lists merged;
 - `lse_merge`: the online-softmax merge of partial results (`merge_partials`), with the gradient
   through every part's log-sum-exp;
 - `mita`: MiTA's routed experts (`routed_parts`) on the gathered kernel;

@@ -21,6 +21,10 @@ as cheap on a GPU for K <= 64. Causal queries score only the keys up to their
 block's last row. Nothing of size T x S is stored. Scores are computed in fp32 (inputs of any
 float dtype are converted in registers) as an elementwise product and sum, not `tl.dot`, so they
 are the exact fp32 dot products (no TF32 rounding that would reorder near ties).
+
+The scoring, packing, merge and unpacking are `@triton.jit` helpers (`score_pairs`, `merge_pairs`,
+`unpack_pairs`) that the decode-shaped kernels (ops/triton/topk_decode_routing.py: one query's keys
+split over many programs) call too, so both paths select by one rule.
 """
 
 from __future__ import annotations
@@ -32,6 +36,73 @@ from torch import Tensor
 
 from routeformer.ops.topk.slots import check_routing, routing_slots
 from routeformer.ops.triton._common import check_device, check_float, kernel, next_power_of_2
+
+
+# The (score, key) pairs as int64 and the running top-K list, shared with the decode-shaped kernel
+# (ops/triton/topk_decode_routing.py), so that both select by one rule.
+@triton.jit
+def empty_pairs(BLOCK_T: tl.constexpr, KP: tl.constexpr):
+    """A [BLOCK_T, KP] top-K list holding no pair: every slot below every packed pair (the lowest
+    packed pair is key(-inf)·2³²)."""
+    return tl.full([BLOCK_T, KP], -9223372036854775807, tl.int64)
+
+
+@triton.jit
+def score_pairs(queries, KEYS, key_stride, KEY_MASK, rows, row_ok, cols, offs_r, r_ok, num_keys,
+                local_window, global_tokens, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                BLOCK_T: tl.constexpr, TILE: tl.constexpr):
+    """The packed pairs [BLOCK_T, TILE] of the fp32 queries [BLOCK_T, BLOCK_R] (rows `rows`) with
+    the keys `cols` (key j at KEYS + j·key_stride; KEY_MASK: this batch row's [S] int8 mask),
+    forced keys +inf and ineligible ones -inf (module docstring); rows past the block are empty."""
+    col_ok = cols < num_keys
+    keys = tl.load(KEYS + cols[:, None] * key_stride + offs_r[None, :],
+                   mask=col_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+    scores = tl.sum(queries[:, None, :] * keys[None, :, :], axis=2)
+    forced = ((cols[None, :] <= rows[:, None]) & (cols[None, :] > rows[:, None] - local_window)) \
+        | (cols[None, :] < global_tokens)
+    scores = tl.where(forced, float("inf"), scores)
+    ineligible = ~col_ok[None, :] | ~row_ok[:, None]
+    if CAUSAL:
+        ineligible = ineligible | (cols[None, :] > rows[:, None])
+    if HAS_MASK:
+        real = tl.load(KEY_MASK + cols, mask=col_ok, other=0) != 0
+        ineligible = ineligible | ~real[None, :]
+    scores = tl.where(ineligible, float("-inf"), scores)
+    scores = tl.where(scores == 0.0, 0.0, scores)  # -0.0 and 0.0 are one score
+    bits = scores.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
+    # int64 constants built as tensors: a bare 4294967295 would be typed uint32 by the compiler.
+    packed = (ordered.to(tl.int64) << 32) | (tl.full([BLOCK_T, TILE], 4294967295, tl.int64)
+                                              - cols[None, :].to(tl.int64))
+    return tl.where(row_ok[:, None], packed, -9223372036854775807)
+
+
+@triton.jit
+def merge_pairs(best, packed, slots, offs_k, BLOCK_T: tl.constexpr, KP: tl.constexpr):
+    """The top-`slots` list (sorted descending, [BLOCK_T, KP]) of best ∪ packed ([BLOCK_T, any])."""
+    # Merge only when some query of the block has a pair beating its current K-th best (after
+    # the first tiles, most tiles of a long sequence are skipped: the C kernel's threshold).
+    kth = tl.min(tl.where(offs_k[None, :] < slots, best, 9223372036854775807), axis=1)
+    if tl.max((tl.max(packed, axis=1) > kth).to(tl.int32), axis=0) > 0:
+        # Top-`slots` of (best ∪ tile) by repeated extraction of the maximum: pairs are unique
+        # (the key is in the low bits), so removing the maximum removes exactly one pair.
+        merged = empty_pairs(BLOCK_T, KP)
+        for slot in range(0, slots):
+            top = tl.maximum(tl.max(best, axis=1), tl.max(packed, axis=1))
+            merged = tl.where(offs_k[None, :] == slot, top[:, None], merged)
+            best = tl.where(best == top[:, None], -9223372036854775807, best)
+            packed = tl.where(packed == top[:, None], -9223372036854775807, packed)
+        best = merged
+    return best
+
+
+@triton.jit
+def unpack_pairs(best, BLOCK_T: tl.constexpr, KP: tl.constexpr):
+    """(key int64, valid bool) of each slot of a top-K list: pairs scoring -inf (and empty slots)
+    are invalid and point at key 0."""
+    ok = (best >> 32) > -2139095041  # above key(-inf), the ordered integer of -inf's bits
+    low_bits = tl.full([BLOCK_T, KP], 4294967295, tl.int64)
+    return tl.where(ok, low_bits - (best & low_bits), 0), ok
 
 
 @kernel
@@ -51,54 +122,35 @@ def _route_topk_kernel(
     offs_k = tl.arange(0, KP)
     queries = tl.load(RQ + br * length * dim + rows[:, None] * dim + offs_r[None, :],
                       mask=row_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-    # int64 constants built as tensors: a bare 4294967295 would be typed uint32 by the compiler.
-    low_bits = tl.full([BLOCK_T, KP], 4294967295, tl.int64)
-    empty = -9223372036854775807  # below every packed pair (the lowest is key(-inf)·2³²)
-    best = tl.full([BLOCK_T, KP], empty, tl.int64)  # sorted descending
+    best = empty_pairs(BLOCK_T, KP)  # sorted descending
     end = num_keys
     if CAUSAL:
         end = tl.minimum(num_keys, (pid_t + 1) * BLOCK_T)
     for start in range(0, end, TILE):
         cols = start + tl.arange(0, TILE)
-        col_ok = cols < num_keys
-        keys = tl.load(RK + br * num_keys * dim + cols[:, None] * dim + offs_r[None, :],
-                       mask=col_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-        scores = tl.sum(queries[:, None, :] * keys[None, :, :], axis=2)
-        forced = ((cols[None, :] <= rows[:, None]) & (cols[None, :] > rows[:, None] - local_window)) \
-            | (cols[None, :] < global_tokens)
-        scores = tl.where(forced, float("inf"), scores)
-        ineligible = ~col_ok[None, :] | ~row_ok[:, None]
-        if CAUSAL:
-            ineligible = ineligible | (cols[None, :] > rows[:, None])
-        if HAS_MASK:
-            real = tl.load(KEY_MASK + b * num_keys + cols, mask=col_ok, other=0) != 0
-            ineligible = ineligible | ~real[None, :]
-        scores = tl.where(ineligible, float("-inf"), scores)
-        scores = tl.where(scores == 0.0, 0.0, scores)  # -0.0 and 0.0 are one score
-        bits = scores.to(tl.int32, bitcast=True)
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
-        packed = (ordered.to(tl.int64) << 32) | (tl.full([BLOCK_T, TILE], 4294967295, tl.int64)
-                                                  - cols[None, :].to(tl.int64))
-        packed = tl.where(row_ok[:, None], packed, empty)
-        # Merge only when some query of the block has a pair beating its current K-th best (after
-        # the first tiles, most tiles of a long sequence are skipped: the C kernel's threshold).
-        kth = tl.min(tl.where(offs_k[None, :] < slots, best, 9223372036854775807), axis=1)
-        if tl.max((tl.max(packed, axis=1) > kth).to(tl.int32), axis=0) > 0:
-            # Top-`slots` of (best ∪ tile) by repeated extraction of the maximum: pairs are unique
-            # (the key is in the low bits), so removing the maximum removes exactly one pair.
-            merged = tl.full([BLOCK_T, KP], empty, tl.int64)
-            for slot in range(0, slots):
-                top = tl.maximum(tl.max(best, axis=1), tl.max(packed, axis=1))
-                merged = tl.where(offs_k[None, :] == slot, top[:, None], merged)
-                best = tl.where(best == top[:, None], empty, best)
-                packed = tl.where(packed == top[:, None], empty, packed)
-            best = merged
-    ok = (best >> 32) > -2139095041  # above key(-inf), the ordered integer of -inf's bits
-    chosen = tl.where(ok, low_bits - (best & low_bits), 0)
+        packed = score_pairs(queries, RK + br * num_keys * dim, dim, KEY_MASK + b * num_keys, rows, row_ok,
+                             cols, offs_r, r_ok, num_keys, local_window, global_tokens, CAUSAL, HAS_MASK,
+                             BLOCK_T, TILE)
+        best = merge_pairs(best, packed, slots, offs_k, BLOCK_T, KP)
+    chosen, ok = unpack_pairs(best, BLOCK_T, KP)
     out = br * length * slots + rows[:, None] * slots + offs_k[None, :]
     store_ok = row_ok[:, None] & (offs_k < slots)[None, :]
     tl.store(INDEX + out, chosen, mask=store_ok)
     tl.store(VALID + out, ok.to(tl.int8), mask=store_ok)
+
+
+def check_triton_routing(route_q: Tensor, route_k: Tensor, topk: int, key_mask: Tensor | None, causal: bool,
+                         local_window: int, global_tokens: int) -> None:
+    """The routing kernels' argument checks (this file's and the decode-shaped one's): ValueError
+    naming the argument."""
+    check_routing(route_q, route_k, key_mask, causal)
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1; got {topk}")
+    if local_window < 0 or global_tokens < 0:
+        raise ValueError(f"local_window and global_tokens must be >= 0; got {local_window}, {global_tokens}")
+    check_float("route_q", route_q)
+    check_float("route_k", route_k)
+    check_device(*(t for t in (route_q, route_k, key_mask) if t is not None))
 
 
 @torch.no_grad()
@@ -110,14 +162,7 @@ def triton_route_topk(
     the (query, key) pairs the kernel scored, causal blocks counting up to their last row).
     `tile` (a power of two >= 16): keys scored per step; default 64 on CUDA, all keys (up to 256)
     on CPU. The tests set it small to run the tile-by-tile merge in the interpreter."""
-    check_routing(route_q, route_k, key_mask, causal)
-    if topk < 1:
-        raise ValueError(f"topk must be >= 1; got {topk}")
-    if local_window < 0 or global_tokens < 0:
-        raise ValueError(f"local_window and global_tokens must be >= 0; got {local_window}, {global_tokens}")
-    check_float("route_q", route_q)
-    check_float("route_k", route_k)
-    check_device(*(t for t in (route_q, route_k, key_mask) if t is not None))
+    check_triton_routing(route_q, route_k, topk, key_mask, causal, local_window, global_tokens)
     batch, heads, length, dim = route_q.shape
     num_keys = route_k.shape[2]
     slots = routing_slots(topk, local_window, global_tokens, num_keys)
