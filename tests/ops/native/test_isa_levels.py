@@ -38,6 +38,14 @@ CHECKS = (
     "tests/ops/test_topk_ops.py::test_float64_routing_selects_the_reference_set_in_both_scan_orders",
     "tests/ops/test_topk_ops.py::test_ties_go_to_the_lower_key_index",
     "tests/ops/test_topk_repeated.py::test_groups_select_what_the_reference_selects",
+    # the speculative routing kernel: a bf16 prefilter at native (AVX-512 BF16), exact fp32 at avx512 and
+    # avx2, absent (skipped) at generic
+    "tests/ops/test_topk_speculative.py::test_float32_selects_what_the_tiled_kernel_selects",
+    "tests/ops/test_topk_speculative.py::test_refuted_guesses_are_routed_again_exactly",
+    "tests/ops/test_topk_speculative.py::test_ties_odd_dims_and_the_float32_reference",
+    "tests/ops/test_topk_speculative.py::test_huge_and_nan_values_take_the_unguarded_path",
+    "tests/ops/test_topk_speculative.py::test_bfloat16_is_read_as_stored_and_within_tolerance_of_fp64",
+    "tests/ops/test_topk_speculative.py::test_crowded_rows_switch_to_the_exact_scan_and_select_the_same",
     "tests/ops/test_mita_native.py::test_routed_step_matches_its_pytorch_twin",
     "tests/ops/test_mita_native.py::test_inference_at_kernel_sizes_matches_the_reference",
     "tests/ops/test_rotary.py::test_rotary_matches_reference_forward_and_backward",
@@ -118,6 +126,14 @@ def test_the_library_is_built_at_the_requested_level():
     requested = native_build.isa_level()
     expected = native_build.native_isa(native_build.compiler()) if requested == "native" else requested
     assert level == expected
+    # The speculative routing kernel: exact fp32 at the forced x86 levels (no AVX-512 BF16 there), none
+    # at generic (route_topk_f32 serves).
+    from routeformer.ops.native.topk import speculative_prefilter_exact, speculative_query_tile
+
+    if requested in ("avx2", "avx512"):
+        assert speculative_query_tile() > 0 and speculative_prefilter_exact()
+    elif requested == "generic":
+        assert speculative_query_tile() == 0
 
 
 # -- every forced level the CPU has: build it and run the checks --------------------------------------
