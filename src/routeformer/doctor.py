@@ -70,7 +70,8 @@ def native_lines() -> list[str]:
                                                    "not in the library: blockwise PyTorch"))
         selection = "tiled"
         if speculative_query_tile():
-            selection = ("speculative (exact fp32 prefilter, AVX2)" if speculative_prefilter_exact()
+            exact = speculative_prefilter_exact()
+            selection = ("speculative (exact fp32 prefilter, no AVX-512 BF16)" if exact
                          else "speculative (bf16 prefilter, AVX-512 BF16)")
         lines.append("routing selection (fp32): " + selection)
     return lines

@@ -60,19 +60,24 @@ void route_topk_f32_exact_init(void);
 
 /* Two prefilters, chosen by the instruction set the library is built for:
  * - AVX-512 BF16: the bf16 pair dot products of 2. above, with their margin.
- * - AVX2 + FMA (and AVX-512 without BF16): the exact fp32 scores, from the fp32 key tiles, by
- *   route_topk_f32's own FMA chain (fmaf over d in order from 0: bit for bit exact_score). The
- *   margin is then 0 and the test `>=` (a key equal to the threshold may win its tie by key order
- *   at the flush); what the AVX2 build gains is 1. and 3.: measured at T = 16384 (r = 16, K = 64,
- *   causal, ROUTEFORMER_ISA=avx2) the candidate work of route_topk_f32 was ~85% of its time.
+ * - AVX2 + FMA, and AVX-512 without BF16 (16-lane tiles): the exact fp32 scores, from the fp32 key
+ *   tiles, by route_topk_f32's own FMA chain (fmaf over d in order from 0: bit for bit
+ *   exact_score). The margin is then 0 and the test `>=` (a key equal to the threshold may win its
+ *   tie by key order at the flush); what these builds gain is 1. and 3.: at T = 16384 (r = 16,
+ *   K = 64, causal, ROUTEFORMER_ISA=avx2, one thread) route_topk_f32 took 1.33 s, this 0.56 s.
  * The portable C level keeps route_topk_f32 (without FMA hardware its tiles round the product and
  * the sum apart, which fmaf here would not match bit for bit). */
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define WIDE 1     /* 16-lane tiles, mask registers and compress stores */
+#else
+#define WIDE 0
+#endif
+#if WIDE && defined(__AVX512BF16__)
 #define PREFILTER_BF16 1
 #define QB 8       /* queries per tile (accumulators); 6 and 12 measured within noise of 8 (loaded machine) */
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif WIDE || (defined(__AVX2__) && defined(__FMA__))
 #define PREFILTER_BF16 0
-#define QB 6       /* queries per tile: 2 x 6 ymm accumulators, 2 key registers, 1 broadcast */
+#define QB 6       /* queries per tile: route_topk_f32's (AVX2: 2 x 6 ymm accumulators, 2 keys, 1 broadcast) */
 #endif
 
 #if defined(QB)
@@ -120,7 +125,7 @@ static inline int64_t is_forced(int64_t i, int64_t j, int64_t local_window, int6
     return (j <= i && j > i - local_window) || j < global_tokens;
 }
 
-#if PREFILTER_BF16
+#if WIDE
 /* Append keys j0 + c for the set bits c: compress in a register, store 16 (the buffer keeps V
  * spare entries), advance by the popcount. No branch per key. */
 static inline int64_t append_keys(int64_t *key, int64_t count, uint32_t bits, int64_t j0) {
@@ -203,7 +208,7 @@ typedef struct {
 /* Append the keys of the hit masks bits[from..to] to key[count..]; returns the new count. 32
  * tiles' masks are tested at once: only tiles with hits cost a step. */
 static int64_t list_hits(const uint16_t *bits, int64_t from, int64_t to, int64_t *key, int64_t count) {
-#if !PREFILTER_BF16
+#if !WIDE
     /* AVX2: 16 tiles' masks at once; movemask gives 2 bits per 16-bit mask. */
     for (int64_t t = from; t <= to; t += 16) {
         int64_t n = to - t + 1 < 16 ? to - t + 1 : 16;
@@ -315,6 +320,22 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
 #pragma GCC unroll 8
         for (int a = 0; a < QB; a++) {
             hits[a] = _mm512_cmp_ps_mask(acc[a], _mm512_set1_ps(low[a]), _CMP_GT_OQ) | force_all[a];
+            any |= hits[a];
+        }
+#elif WIDE
+        /* route_topk_f32's AVX-512 tile (topk_kernels.c): each query's 16 scores in one register. */
+        const float *tile = row->key_tiles + (j0 / V) * dim * V;
+        __m512 acc[QB];
+#pragma GCC unroll 8
+        for (int a = 0; a < QB; a++) acc[a] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d++) {
+            __m512 key = _mm512_loadu_ps(tile + d * V);
+#pragma GCC unroll 8
+            for (int a = 0; a < QB; a++) acc[a] = _mm512_fmadd_ps(_mm512_set1_ps(query_row[a][d]), key, acc[a]);
+        }
+#pragma GCC unroll 8
+        for (int a = 0; a < QB; a++) {
+            hits[a] = _mm512_cmp_ps_mask(acc[a], _mm512_set1_ps(low[a]), _CMP_GE_OQ);
             any |= hits[a];
         }
 #else
