@@ -85,6 +85,9 @@ void route_topk_f32_exact_init(void);
 
 #define V 16       /* keys per tile: one AVX-512 register (two AVX2 registers) of fp32 lanes */
 #define MAX_DIM 64
+#if !PREFILTER_BF16
+#include "topk_score_tile.h" /* score_tile_float: the exact prefilter's tile */
+#endif
 
 static int64_t refuted_total; /* queries routed again since the library was loaded (tests read it) */
 static int64_t exact_total;   /* rows switched to the exact scan (per thread that routed them; tests read it) */
@@ -322,44 +325,11 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
             hits[a] = _mm512_cmp_ps_mask(acc[a], _mm512_set1_ps(low[a]), _CMP_GT_OQ) | force_all[a];
             any |= hits[a];
         }
-#elif WIDE
-        /* route_topk_f32's AVX-512 tile (topk_kernels.c): each query's 16 scores in one register. */
-        const float *tile = row->key_tiles + (j0 / V) * dim * V;
-        __m512 acc[QB];
-#pragma GCC unroll 8
-        for (int a = 0; a < QB; a++) acc[a] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < dim; d++) {
-            __m512 key = _mm512_loadu_ps(tile + d * V);
-#pragma GCC unroll 8
-            for (int a = 0; a < QB; a++) acc[a] = _mm512_fmadd_ps(_mm512_set1_ps(query_row[a][d]), key, acc[a]);
-        }
-#pragma GCC unroll 8
-        for (int a = 0; a < QB; a++) {
-            hits[a] = _mm512_cmp_ps_mask(acc[a], _mm512_set1_ps(low[a]), _CMP_GE_OQ);
-            any |= hits[a];
-        }
 #else
-        /* route_topk_f32's AVX2 tile (topk_kernels.c): each query's 16 scores in two registers. */
-        const float *tile = row->key_tiles + (j0 / V) * dim * V;
-        __m256 acc_low[QB], acc_high[QB];
+        /* route_topk_f32's own tile (topk_score_tile.h): exact fp32 scores, `>=` the bound. */
+        score_tile_float(query_row, row->key_tiles + (j0 / V) * dim * V, dim, low, 1, NULL, hits);
 #pragma GCC unroll 8
-        for (int a = 0; a < QB; a++) acc_low[a] = acc_high[a] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < dim; d++) {
-            __m256 key_low = _mm256_loadu_ps(tile + d * V), key_high = _mm256_loadu_ps(tile + d * V + 8);
-#pragma GCC unroll 8
-            for (int a = 0; a < QB; a++) {
-                __m256 q = _mm256_broadcast_ss(&query_row[a][d]);
-                acc_low[a] = _mm256_fmadd_ps(q, key_low, acc_low[a]);
-                acc_high[a] = _mm256_fmadd_ps(q, key_high, acc_high[a]);
-            }
-        }
-#pragma GCC unroll 8
-        for (int a = 0; a < QB; a++) {
-            __m256 bound = _mm256_set1_ps(low[a]);
-            hits[a] = (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(acc_low[a], bound, _CMP_GE_OQ))
-                      | (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(acc_high[a], bound, _CMP_GE_OQ)) << 8;
-            any |= hits[a];
-        }
+        for (int a = 0; a < QB; a++) any |= hits[a];
 #endif
         if (any && (!simple || (causal && j0 + V > i0) || j0 + V > keys)) /* keys some query may not take */
             for (int64_t a = 0; a < nq; a++) {

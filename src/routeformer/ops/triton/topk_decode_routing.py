@@ -47,6 +47,7 @@ from routeformer.ops.triton._common import kernel, next_power_of_2
 from routeformer.ops.triton.topk_routing import (
     check_triton_routing,
     empty_pairs,
+    load_queries,
     merge_pairs,
     score_pairs,
     unpack_pairs,
@@ -66,12 +67,8 @@ def _route_chunks_kernel(
     b = br // routing_heads
     head = br % routing_heads
     rows = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    row_ok = rows < length
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < dim
+    queries, row_ok, offs_r, r_ok = load_queries(RQ, br, length, dim, rows, BLOCK_R)
     offs_k = tl.arange(0, KP)
-    queries = tl.load(RQ + br * length * dim + rows[:, None] * dim + offs_r[None, :],
-                      mask=row_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
     keys = RK + b * stride_kb + head * stride_kh
     best = empty_pairs(BLOCK_Q, KP)
     first = pid_c * chunk  # chunk is a multiple of TILE: the tiles end at the chunk's end

@@ -41,6 +41,18 @@ from routeformer.ops.triton._common import check_device, check_float, kernel, ne
 # The (score, key) pairs as int64 and the running top-K list, shared with the decode-shaped kernel
 # (ops/triton/topk_decode_routing.py), so that both select by one rule.
 @triton.jit
+def load_queries(RQ, br, length, dim, rows, BLOCK_R: tl.constexpr):
+    """The routing queries `rows` of routing row br as fp32 [rows, BLOCK_R] (zeros past `length` and
+    `dim`), with the masks and dim offsets `score_pairs` takes: (queries, row_ok, offs_r, r_ok)."""
+    row_ok = rows < length
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < dim
+    queries = tl.load(RQ + br * length * dim + rows[:, None] * dim + offs_r[None, :],
+                      mask=row_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+    return queries, row_ok, offs_r, r_ok
+
+
+@triton.jit
 def empty_pairs(BLOCK_T: tl.constexpr, KP: tl.constexpr):
     """A [BLOCK_T, KP] top-K list holding no pair: every slot below every packed pair (the lowest
     packed pair is key(-inf)·2³²)."""
@@ -116,12 +128,8 @@ def _route_topk_kernel(
     br = tl.program_id(1).to(tl.int64)  # int64 offsets: B·R·T·r may pass 2³¹
     b = br // routing_heads
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < length
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < dim
+    queries, row_ok, offs_r, r_ok = load_queries(RQ, br, length, dim, rows, BLOCK_R)
     offs_k = tl.arange(0, KP)
-    queries = tl.load(RQ + br * length * dim + rows[:, None] * dim + offs_r[None, :],
-                      mask=row_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
     best = empty_pairs(BLOCK_T, KP)  # sorted descending
     end = num_keys
     if CAUSAL:
