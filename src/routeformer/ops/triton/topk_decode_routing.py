@@ -15,7 +15,7 @@ docs/results/gpu.md). Here the keys of each (b, r, query block) are cut into C c
 2. `_merge_chunks_kernel`, grid (B·R, query blocks): each program reads its queries' C·KP pairs a
    tile at a time, keeps the top-K and unpacks them into (index, valid).
 
-Both stages use topk_routing.py's helpers (`score_pairs`, `merge_pairs`, `unpack_pairs`): the pair
+Both stages use topk_routing.py's helpers (`score_pairs`, `merge_pairs`, `store_selection`): the pair
 packs the score's order-preserving bits above 2³² − 1 − key, so the larger pair has the higher score
 or, among equal scores, the lower key, and a pair names its key. The top-K of the union of the
 chunks' top-K lists is then the top-K of all keys under the same order, so the selection and tie
@@ -50,7 +50,7 @@ from routeformer.ops.triton.topk_routing import (
     load_queries,
     merge_pairs,
     score_pairs,
-    unpack_pairs,
+    store_selection,
 )
 
 
@@ -97,11 +97,7 @@ def _merge_chunks_kernel(
         packed = tl.load(PARTIAL + (br * length + rows[:, None]) * width + cols[None, :],
                          mask=row_ok[:, None] & (cols < width)[None, :], other=-9223372036854775807)
         best = merge_pairs(best, packed, slots, offs_k, BLOCK_Q, KP)
-    chosen, ok = unpack_pairs(best, BLOCK_Q, KP)
-    out = br * length * slots + rows[:, None] * slots + offs_k[None, :]
-    store_ok = row_ok[:, None] & (offs_k < slots)[None, :]
-    tl.store(INDEX + out, chosen, mask=store_ok)
-    tl.store(VALID + out, ok.to(tl.int8), mask=store_ok)
+    store_selection(INDEX, VALID, best, br, length, slots, rows, row_ok, offs_k, BLOCK_Q, KP)
 
 
 @functools.cache

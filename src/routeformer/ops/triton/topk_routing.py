@@ -23,7 +23,7 @@ float dtype are converted in registers) as an elementwise product and sum, not `
 are the exact fp32 dot products (no TF32 rounding that would reorder near ties).
 
 The scoring, packing, merge and unpacking are `@triton.jit` helpers (`score_pairs`, `merge_pairs`,
-`unpack_pairs`) that the decode-shaped kernels (ops/triton/topk_decode_routing.py: one query's keys
+`store_selection`) that the decode-shaped kernels (ops/triton/topk_decode_routing.py: one query's keys
 split over many programs) call too, so both paths select by one rule.
 """
 
@@ -117,6 +117,17 @@ def unpack_pairs(best, BLOCK_T: tl.constexpr, KP: tl.constexpr):
     return tl.where(ok, low_bits - (best & low_bits), 0), ok
 
 
+@triton.jit
+def store_selection(INDEX, VALID, best, br, length, slots, rows, row_ok, offs_k, BLOCK_T: tl.constexpr,
+                    KP: tl.constexpr):
+    """Write the top-K lists `best` of `rows` of routing row br as (index, valid) [.., length, slots]."""
+    chosen, ok = unpack_pairs(best, BLOCK_T, KP)
+    out = br * length * slots + rows[:, None] * slots + offs_k[None, :]
+    store_ok = row_ok[:, None] & (offs_k < slots)[None, :]
+    tl.store(INDEX + out, chosen, mask=store_ok)
+    tl.store(VALID + out, ok.to(tl.int8), mask=store_ok)
+
+
 @kernel
 def _route_topk_kernel(
     RQ, RK, KEY_MASK, INDEX, VALID,
@@ -140,11 +151,7 @@ def _route_topk_kernel(
                              cols, offs_r, r_ok, num_keys, local_window, global_tokens, CAUSAL, HAS_MASK,
                              BLOCK_T, TILE)
         best = merge_pairs(best, packed, slots, offs_k, BLOCK_T, KP)
-    chosen, ok = unpack_pairs(best, BLOCK_T, KP)
-    out = br * length * slots + rows[:, None] * slots + offs_k[None, :]
-    store_ok = row_ok[:, None] & (offs_k < slots)[None, :]
-    tl.store(INDEX + out, chosen, mask=store_ok)
-    tl.store(VALID + out, ok.to(tl.int8), mask=store_ok)
+    store_selection(INDEX, VALID, best, br, length, slots, rows, row_ok, offs_k, BLOCK_T, KP)
 
 
 def check_triton_routing(route_q: Tensor, route_k: Tensor, topk: int, key_mask: Tensor | None, causal: bool,
