@@ -185,19 +185,19 @@ def route_topk_backend(route_q: Tensor, route_k: Tensor, slots: int) -> Choice:
     return chosen("route_topk", TORCH, _NO_KERNEL)
 
 
-# The decode shape (ops/topk/decode.py's routing call over the cached keys) that takes the split-key
-# Triton kernel: at most this many queries a row, at least this many keys, where one program per
-# query block would scan every key alone. Set from the kernels' shapes, not measured: no GPU has
-# timed the split kernel yet (docs/results/gpu.md has the one-program kernel's 71.5 ms at 64k).
+# The decode shape (a non-causal `route_topk` call such as ops/topk/decode.py's over the cached keys)
+# that takes the split-key Triton kernel: at most this many queries a row, at least this many keys,
+# where one program per query block would scan every key alone. Set from the kernels' shapes, not
+# measured: no GPU has timed the split kernel yet (docs/results/gpu.md has the one-program kernel's
+# 71.5 ms at 64k).
 DECODE_SPLIT_MAX_QUERIES = 16
 DECODE_SPLIT_MIN_KEYS = 2048
 
 
 def route_decode_backend(route_q: Tensor, num_keys: int) -> Choice | None:
-    """ops.topk.decode's routing call over `num_keys` cached keys: the split-key Triton kernel
-    (ops/triton/topk_decode_routing.py, recorded as op "route_topk_decode") for the decode shape
-    where Triton serves; None where it does not, and `route_topk`'s own rule decides (and records
-    "route_topk")."""
+    """A non-causal route_topk over `num_keys` keys where Triton serves it (route_topk_backend chose
+    Triton): the split-key kernel (ops/triton/topk_decode_routing.py, recorded as op
+    "route_topk_decode") for the decode shape; None otherwise (the one-program kernel)."""
     if route_q.shape[2] <= DECODE_SPLIT_MAX_QUERIES and num_keys >= DECODE_SPLIT_MIN_KEYS \
             and triton_serves(route_q):
         return chosen("route_topk_decode", TRITON, "split-key Triton kernel (decode shape: few queries, "

@@ -9,11 +9,10 @@ with the native kernels they are stored directly in the layout the routing kerne
 V keys, each transposed: ops/native/topk_kernels.c), in a buffer that grows by doubling, so a step
 reads each cached routing key once and copies nothing (the parallel path re-tiles its keys per
 call). Elsewhere (no C compiler, CUDA) they are a plain [B, R, L, r] buffer (`ops.decode.append_rows`)
-and a step calls `route_topk`, which dispatches as the parallel pass does, except in the decode
-shape on CUDA (`ops.backends.route_decode_backend`: few queries, thousands of keys), where the
-Triton routing kernel would give all the keys of the step's one query to one program: there the
-split-key kernel (ops/triton/topk_decode_routing.py) spreads them over many, reading the cache's
-strided view in place; same selection and tie rule.
+and a step calls `route_topk`, which dispatches as the parallel pass does; on CUDA its rule for
+the decode shape (`ops.backends.route_decode_backend`: few queries, thousands of keys) takes the
+split-key kernel (ops/triton/topk_decode_routing.py), which spreads the step's keys over many
+programs and reads the cache's strided view in place; same selection and tie rule.
 
 A step selects, for query i, what the parallel `route_topk(causal=True)` selects for row i:
 the forced keys (the last `local_window` tokens [i - w + 1, i] and the first `global_tokens`
@@ -31,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from routeformer.ops.backends import NATIVE, route_decode_backend, routing_cache_backend
+from routeformer.ops.backends import NATIVE, routing_cache_backend
 from routeformer.ops.decode import append_rows
 from routeformer.ops.native.topk import route_topk_op
 from routeformer.ops.topk.routing import route_topk, routing_slots
@@ -128,14 +127,8 @@ def _route_one(route_q: Tensor, cache: dict, i: int, topk: int, local_window: in
                 position_dim)
         else:
             cached = cache["routing_keys"][:, :, :before]
-            if route_decode_backend(query, before) is not None:  # the keys split over programs
-                from routeformer.ops.triton.topk_decode_routing import triton_route_topk_decode
-
-                index, valid, _ = triton_route_topk_decode(query, cached, max(1, routed),
-                                                           global_tokens=global_tokens)
-            else:
-                index, valid, _ = route_topk(query, cached, max(1, routed), causal=False,
-                                             global_tokens=global_tokens, position_dim=position_dim)
+            index, valid, _ = route_topk(query, cached, max(1, routed), causal=False,
+                                         global_tokens=global_tokens, position_dim=position_dim)
             index, valid = index[..., :wanted], valid[..., :wanted]
         parts_index.append(index)
         parts_valid.append(valid)

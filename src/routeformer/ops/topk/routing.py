@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops._checks import check_positive
-from routeformer.ops.backends import NATIVE, TRITON, route_topk_backend
+from routeformer.ops.backends import NATIVE, TRITON, route_decode_backend, route_topk_backend
 from routeformer.ops.native import native_kernels
 from routeformer.ops.native.topk import (
     route_topk_op,
@@ -109,8 +109,13 @@ def route_topk(
     num_keys = route_k.shape[2]
     slots = routing_slots(topk, local_window, global_tokens, num_keys)
     backend, _ = route_topk_backend(route_q, route_k, slots)
-    if backend == TRITON:
-        from routeformer.ops.triton.topk_routing import triton_route_topk  # triton is optional
+    if backend == TRITON:  # (triton is optional: imported only here)
+        if not causal and route_decode_backend(route_q, num_keys) is not None:  # few queries, many keys
+            from routeformer.ops.triton.topk_decode_routing import triton_route_topk_decode
+
+            return triton_route_topk_decode(route_q, route_k, topk, key_mask=key_mask,
+                                            local_window=local_window, global_tokens=global_tokens)
+        from routeformer.ops.triton.topk_routing import triton_route_topk
 
         return triton_route_topk(route_q, route_k, topk, causal=causal, key_mask=key_mask,
                                  local_window=local_window, global_tokens=global_tokens)
