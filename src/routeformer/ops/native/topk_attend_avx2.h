@@ -140,6 +140,11 @@ void routed_attention_backward_f32(const float *q, const float *k, const float *
             for (int64_t e0 = 0; e0 < slots; e0 += 8) {
                 prefetch_slots8(key_base, dim, row_index, e0 + 8, slots);
                 prefetch_slots8(value_base, value_dim, row_index, e0 + 8, slots);
+                /* the rows the updates below add to, scattered over the keys: asked for here, a
+                 * pass ahead of their use (T = 16384, K = 64, d = 64, 4 heads on 2 threads, AMD
+                 * EPYC AVX2: bwd 339 -> 261 ms, medians of 5 alternating; a query ahead: 281 ms) */
+                prefetch_slots8(grad_key_base, dim, row_index, e0, slots);
+                prefetch_slots8(grad_value_base, value_dim, row_index, e0, slots);
                 __m256 ok = slot_rows8(key_base, dim, row_index, row_valid, e0, slots, rows);
                 __m256 logit = _mm256_fmsub_ps(dots8(query, rows, dim), scaled, row_lse);
                 __m256 p = _mm256_and_ps(ok, exp_nonpositive_ps(_mm256_min_ps(logit, _mm256_setzero_ps())));

@@ -65,6 +65,10 @@ void route_topk_f32_exact_init(void);
  *   exact_score). The margin is then 0 and the test `>=` (a key equal to the threshold may win its
  *   tie by key order at the flush); what these builds gain is 1. and 3.: at T = 16384 (r = 16,
  *   K = 64, causal, ROUTEFORMER_ISA=avx2, one thread) route_topk_f32 took 1.33 s, this 0.56 s.
+ *   Each query's tile scores are stored where that query keeps its next hit tile (the entry is kept
+ *   only if the tile hit), so its candidates are listed with their exact scores and never rescored,
+ *   and a listing keeps only keys still >= the query's bound (AMD EPYC, AVX2, same call: 738 ->
+ *   656 ms against the bitmaps and rescoring this replaced).
  * The portable C level keeps route_topk_f32 (without FMA hardware its tiles round the product and
  * the sum apart, which fmaf here would not match bit for bit). */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -79,6 +83,7 @@ void route_topk_f32_exact_init(void);
 #define PREFILTER_BF16 0
 #define QB 6       /* queries per tile: route_topk_f32's (AVX2: 2 x 6 ymm accumulators, 2 keys, 1 broadcast) */
 #endif
+#define PREFILTER_EXACT (!PREFILTER_BF16)
 
 #if defined(QB)
 #include <immintrin.h>
@@ -128,7 +133,7 @@ static inline int64_t is_forced(int64_t i, int64_t j, int64_t local_window, int6
     return (j <= i && j > i - local_window) || j < global_tokens;
 }
 
-#if WIDE
+#if PREFILTER_BF16
 /* Append keys j0 + c for the set bits c: compress in a register, store 16 (the buffer keeps V
  * spare entries), advance by the popcount. No branch per key. */
 static inline int64_t append_keys(int64_t *key, int64_t count, uint32_t bits, int64_t j0) {
@@ -140,12 +145,6 @@ static inline int64_t append_keys(int64_t *key, int64_t count, uint32_t bits, in
                         _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(picked, 1)), base));
     return count + __builtin_popcount(bits);
 }
-#else
-/* Append keys j0 + c for the set bits c (the exact prefilter passes few keys: a loop per key). */
-static inline int64_t append_keys(int64_t *key, int64_t count, uint32_t bits, int64_t j0) {
-    for (; bits; bits &= bits - 1) key[count++] = j0 + __builtin_ctz(bits);
-    return count;
-}
 #endif
 
 /* A key value of the row as fp32: bf16 keys are read as stored and widened (exactly). */
@@ -156,10 +155,8 @@ static inline float key_at(const Row *row, int64_t j, int64_t d) {
 /* score[e] = the exact score of candidate key[e], e in [from, count): 8 candidates at a time, so
  * that 8 independent chains overlap (one at a time, each of the r dependent multiply-adds waits
  * for the last; measured: a 16-lane gather per dim was slower still). Each chain is exact_score's:
- * fmaf over d in order from 0, on the fp32 (or exactly widened bf16) values. With the exact (AVX2)
- * prefilter this recomputes what the tile already had: hits are kept as bitmaps, not scores, so the
- * flush has only keys. Known cost, not removed: ~15 % of the avx2 routing call's samples (perf) sit
- * in the flush, rescoring included; keeping the tile's scores would add 2 stores a query a tile. */
+ * fmaf over d in order from 0, on the fp32 (or exactly widened bf16) values. (The exact prefilter
+ * has its tiles' scores, kept with the hit tiles: it never rescores.) */
 static void rescore(const Row *row, const float *query, float *score, const int64_t *key, int64_t from,
                     int64_t count) {
     int64_t e = from, dim = row->dim, bytes = dim * (row->keys_bf16 ? 2 : 4);
@@ -192,7 +189,7 @@ static void rescore(const Row *row, const float *query, float *score, const int6
 static float flush(const Row *row, const float *query, float *score, int64_t *key, int64_t from,
                    int64_t *count_at, int64_t cap) {
     int64_t count = *count_at, kept = from;
-    rescore(row, query, score, key, from, count);
+    if (!PREFILTER_EXACT) rescore(row, query, score, key, from, count); /* exact: listed with their scores */
     for (int64_t e = from; e < count; e++) { /* NaN and -inf never beat route_topk_f32's threshold */
         float s = score[e];
         score[kept] = s; key[kept] = key[e]; kept += s > -INFINITY;
@@ -209,25 +206,13 @@ static float flush(const Row *row, const float *query, float *score, int64_t *ke
  * bitmap of `tiles` hit masks (bit c of tile t: key t·V + c). */
 typedef struct {
     int64_t *index; uint8_t *valid; float *scores; int64_t *keys; int64_t buffer; uint16_t *bits; int64_t tiles;
+    float *tile_scores; int64_t *hit_tiles; /* exact prefilter: per query, `buffer` tiles' scores and t << 16 | hits */
 } Out;
 
+#if PREFILTER_BF16
 /* Append the keys of the hit masks bits[from..to] to key[count..]; returns the new count. 32
  * tiles' masks are tested at once: only tiles with hits cost a step. */
 static int64_t list_hits(const uint16_t *bits, int64_t from, int64_t to, int64_t *key, int64_t count) {
-#if !WIDE
-    /* AVX2: 16 tiles' masks at once; movemask gives 2 bits per 16-bit mask. */
-    for (int64_t t = from; t <= to; t += 16) {
-        int64_t n = to - t + 1 < 16 ? to - t + 1 : 16;
-        uint16_t window[16] = {0};
-        memcpy(window, bits + t, (size_t)n * sizeof(uint16_t));
-        __m256i masks = _mm256_loadu_si256((const __m256i *)window);
-        uint32_t zero = (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi16(masks, _mm256_setzero_si256()));
-        for (uint32_t nonzero = ~zero & 0x55555555u; nonzero; nonzero &= nonzero - 1) {
-            int64_t u = t + __builtin_ctz(nonzero) / 2;
-            count = append_keys(key, count, bits[u], u * V);
-        }
-    }
-#else
     for (int64_t t = from; t <= to; t += 32) {
         __mmask32 inside = to - t >= 31 ? 0xFFFFFFFFu : (__mmask32)((1u << (to - t + 1)) - 1);
         __m512i masks = _mm512_maskz_loadu_epi16(inside, bits + t);
@@ -236,8 +221,41 @@ static int64_t list_hits(const uint16_t *bits, int64_t from, int64_t to, int64_t
             count = append_keys(key, count, bits[u], u * V);
         }
     }
-#endif
     return count;
+}
+#else
+/* Append the keys of query a's `used` hit tiles to key[count..], with the exact scores the tiles
+ * computed: the keys that passed then (the entry's low 16 bits) and still score >= low, the query's
+ * bound now (a key below it cannot be selected); returns the new count. */
+static int64_t list_hit_tiles(const Out *out, int64_t a, int64_t used, float low, int64_t *key, float *score,
+                              int64_t count) {
+    const float *scores = out->tile_scores + a * out->buffer * V;
+    const int64_t *entries = out->hit_tiles + a * out->buffer;
+    for (int64_t u = 0; u < used; u++) {
+        int64_t t = entries[u] >> 16;
+        uint32_t left = (uint32_t)entries[u] & 0xFFFFu;
+        for (int c = 0; c < V; c++) left &= ~((uint32_t)!(scores[u * V + c] >= low) << c);
+        for (; left; left &= left - 1) {
+            int c = __builtin_ctz(left);
+            key[count] = t * V + c;
+            score[count++] = scores[u * V + c];
+        }
+    }
+    return count;
+}
+#endif /* PREFILTER_BF16 */
+
+/* List query a's hits since its last listing into its candidates: bf16, those of tiles first to
+ * last in its bitmap (to be rescored); exact, its `used` hit tiles (scores included). */
+static inline int64_t list_pending(const Out *out, int64_t a, int64_t first, int64_t last, int64_t used,
+                                   float low, int64_t count) {
+#if PREFILTER_BF16
+    (void)used, (void)low;
+    return list_hits(out->bits + a * out->tiles, first, last, out->keys + a * out->buffer, count);
+#else
+    (void)first, (void)last;
+    return list_hit_tiles(out, a, used, low, out->keys + a * out->buffer, out->scores + a * out->buffer, count);
+#endif
 }
 
 /* Query a's buffer is full: keep its cap best, verify its guess (refuted: stop the query, it is
@@ -261,7 +279,9 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
                            int64_t local_window, int64_t global_tokens, int64_t i0, int64_t nq,
                            float ratio, float slack, Out *out, float *kth, int64_t *appended, int *failed) {
     int64_t count[QB], rescored[QB], cap[QB], forced[QB], dim = row->dim, keys = row->num_keys;
-    int64_t pending[QB], first_tile[QB]; /* hits in the bitmap from first_tile on, not yet listed */
+    int64_t pending[QB];    /* hits not yet listed: bf16, in the bitmap from first_tile on; */
+    int64_t first_tile[QB]; /* exact, in the `used` hit-tile entries */
+    int64_t used[QB];
     float low[QB], spec[QB], margin[QB];
     uint32_t force_all[QB];
 #if PREFILTER_BF16
@@ -272,7 +292,7 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
     for (int64_t a = 0; a < QB; a++) {
         low[a] = INFINITY; force_all[a] = 0; count[a] = rescored[a] = 0; cap[a] = 0; failed[a] = 0;
         spec[a] = -INFINITY; margin[a] = INFINITY; kth[a] = -INFINITY; appended[a] = 0; forced[a] = 0;
-        pending[a] = first_tile[a] = 0;
+        pending[a] = first_tile[a] = used[a] = 0;
 #if PREFILTER_BF16
         for (int64_t p = 0; p < row->pairs; p++) query_pair[a][p] = a < nq ? row->query_pairs[(i0 + a) * row->pairs + p] : 0;
 #else
@@ -330,7 +350,10 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
         }
 #else
         /* route_topk_f32's own tile (topk_score_tile.h): exact fp32 scores, `>=` the bound. */
-        score_tile_float(query_row, row->key_tiles + (j0 / V) * dim * V, dim, low, 1, NULL, hits);
+        float *into[QB]; /* each query's next hit-tile entry: kept only if the tile hits */
+#pragma GCC unroll 8
+        for (int a = 0; a < QB; a++) into[a] = out->tile_scores + (a * out->buffer + used[a]) * V;
+        score_tile_float_into(query_row, row->key_tiles + (j0 / V) * dim * V, dim, low, 1, into, hits);
 #pragma GCC unroll 8
         for (int a = 0; a < QB; a++) any |= hits[a];
 #endif
@@ -352,15 +375,21 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
         int full = 0;
 #pragma GCC unroll 8
         for (int a = 0; a < QB; a++) {
+#if PREFILTER_EXACT
+            /* the tile's scores are in entry used[a]: kept (used advances) only when the tile hit */
+            out->hit_tiles[a * out->buffer + used[a]] = t << 16 | hits[a];
+            used[a] += hits[a] != 0;
+#else
             out->bits[a * out->tiles + t] = (uint16_t)hits[a];
+#endif
             pending[a] += __builtin_popcount(hits[a]);
             full |= count[a] + pending[a] >= out->buffer - 3 * V;
         }
         if (!full) continue;
         for (int64_t a = 0; a < nq; a++)
             if (count[a] + pending[a] >= out->buffer - 3 * V) {
-                count[a] = list_hits(out->bits + a * out->tiles, first_tile[a], t, out->keys + a * out->buffer, count[a]);
-                pending[a] = 0;
+                count[a] = list_pending(out, a, first_tile[a], t, used[a], low[a], count[a]);
+                pending[a] = used[a] = 0;
                 first_tile[a] = t + 1;
                 flush_full(row, out, a, i0 + a, cap[a], margin[a], force_all, low, spec, count, rescored, appended,
                            failed);
@@ -370,7 +399,7 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
     for (int64_t a = 0; a < nq; a++) {
         int64_t i = i0 + a, *key = out->keys + a * out->buffer;
         if (failed[a]) continue;
-        count[a] = list_hits(out->bits + a * out->tiles, first_tile[a], last_tile, key, count[a]);
+        count[a] = list_pending(out, a, first_tile[a], last_tile, used[a], low[a], count[a]);
         appended[a] += count[a] - rescored[a];
         kth[a] = flush(row, row->queries + i * dim, out->scores + a * out->buffer, key, rescored[a], &count[a], cap[a]);
         if (spec[a] > -INFINITY && !(count[a] == cap[a] && kth[a] >= spec[a])) { failed[a] = 1; continue; }
@@ -483,6 +512,8 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
         float *scores = malloc(sizeof(float) * QB * buffer);
         int64_t *buffer_keys = malloc(sizeof(int64_t) * QB * buffer);
         uint16_t *bits = malloc(sizeof(uint16_t) * QB * (tiles + 1));
+        float *tile_scores = PREFILTER_EXACT ? malloc(sizeof(float) * QB * buffer * V) : NULL;
+        int64_t *hit_tiles = PREFILTER_EXACT ? malloc(sizeof(int64_t) * QB * buffer) : NULL;
         Guess guess = {.bh = -1};
         _Pragma("omp for schedule(dynamic, 8)")
         for (int64_t task = 0; task < rows * blocks; task++) {
@@ -492,7 +523,7 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
             guess.last_i0 = i0;
             const uint8_t *mask = key_mask ? key_mask + (bh / heads) * keys : NULL;
             Out out = {index + bh * length * slots, valid + bh * length * slots, scores, buffer_keys, buffer, bits,
-                       tiles + 1};
+                       tiles + 1, tile_scores, hit_tiles};
             if (guess.exact) { /* see 3.: the rest of this row by the exact scan */
                 route_topk_f32_exact_block(row[bh].queries, row[bh].key_tiles, mask, keys, dim, slots, causal,
                                            local_window, global_tokens, i0, nq, out.index, out.valid, scores,
@@ -531,6 +562,8 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
         free(scores);
         free(buffer_keys);
         free(bits);
+        free(tile_scores);
+        free(hit_tiles);
     }
     free(key_pairs); free(key_tiles); free(query_pairs); free(wide_q); free(row);
     return scored;
