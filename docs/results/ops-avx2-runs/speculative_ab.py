@@ -1,0 +1,85 @@
+"""A/B two git revisions of the speculative routing kernel (topk_speculative_kernels.c) in one process.
+
+Each revision's topk_kernels.c + topk_speculative_kernels.c (and the headers they include) is built
+with the library's flags (-O3 -march=native -ffp-contract=fast -fopenmp) into its own shared
+library; the two are loaded side by side and called alternately on the same random routing
+vectors (causal, T = 16384, 4 rows, r = 16, K = 64 unless told otherwise), so the machine's drift
+falls on both. Prints each build's median time, the median per-round ratio B / A with its range, and
+whether both selected the same keys. Run from the repository root, e.g.
+
+    python docs/results/ops-avx2-runs/speculative_ab.py 2733147~1 HEAD --threads 2
+"""
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+NATIVE = "src/routeformer/ops/native"
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def build(revision: str, into: Path) -> ctypes.CDLL:
+    """Check out the native sources of `revision` into `into` and build the two routing files."""
+    into.mkdir()
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{NATIVE}"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in names:
+        if name.endswith((".c", ".h")):
+            text = subprocess.run(["git", "show", f"{revision}:{NATIVE}/{name}"], check=True,
+                                  capture_output=True).stdout
+            (into / name).write_bytes(text)
+    library = into / "routing.so"
+    subprocess.run(["cc", *FLAGS, str(into / "topk_kernels.c"), str(into / "topk_speculative_kernels.c"),
+                    "-o", str(library), "-lm"], check=True)
+    loaded = ctypes.CDLL(str(library))
+    loaded.route_topk_spec.restype = ctypes.c_int64
+    loaded.route_topk_spec.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+                                       + [ctypes.c_int64] * 6 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
+    return loaded
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("a", help="git revision A (e.g. the build before a change)")
+    parser.add_argument("b", help="git revision B")
+    parser.add_argument("--length", type=int, default=16384)
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--topk", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        libraries = [build(revision, Path(scratch) / name) for name, revision in (("a", args.a), ("b", args.b))]
+        torch.manual_seed(0)
+        rows, length, dim, slots = args.rows, args.length, args.dim, args.topk
+        queries, keys = torch.randn(rows, length, dim), torch.randn(rows, length, dim)
+        times, selections = [[], []], []
+        for round_ in range(args.rounds):
+            for n, library in enumerate(libraries):
+                index = torch.empty(rows, length, slots, dtype=torch.long)
+                valid = torch.empty(rows, length, slots, dtype=torch.uint8)
+                start = time.perf_counter()
+                done = library.route_topk_spec(queries.data_ptr(), keys.data_ptr(), 0, None, rows, rows, length, length,
+                                               dim, slots, 1, 0, 0, index.data_ptr(), valid.data_ptr(), args.threads)
+                times[n].append(time.perf_counter() - start)
+                if done < 0:
+                    raise SystemExit(f"revision {(args.a, args.b)[n]}: this build has no speculative kernel")
+                if round_ == 0:
+                    chosen = torch.where(valid.bool(), index, -1).sort(dim=-1).values
+                    selections.append(chosen)
+    ratios = [b / a for a, b in zip(*times, strict=True)]
+    print(f"A {args.a}: {statistics.median(times[0]) * 1e3:.0f} ms, B {args.b}: {statistics.median(times[1]) * 1e3:.0f} ms "
+          f"(medians of {args.rounds}, {args.threads} thread(s)); B / A {statistics.median(ratios):.3f} "
+          f"({min(ratios):.2f}-{max(ratios):.2f}); same selection: {torch.equal(*selections)}")
+
+
+if __name__ == "__main__":
+    main()
