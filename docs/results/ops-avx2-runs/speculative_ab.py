@@ -39,9 +39,9 @@ def build(revision: str, into: Path) -> ctypes.CDLL:
                     "-o", str(library), "-lm"], check=True)
     loaded = ctypes.CDLL(str(library))
     loaded.route_topk_spec.restype = ctypes.c_int64
-    loaded.route_topk_spec.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-                                       + [ctypes.c_int64] * 6 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
-                                                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
+    pointer, int64 = ctypes.c_void_p, ctypes.c_int64
+    loaded.route_topk_spec.argtypes = ([pointer, pointer, ctypes.c_int, pointer] + [int64] * 6
+                                       + [ctypes.c_int, int64, int64, pointer, pointer, ctypes.c_int])
     return loaded
 
 
@@ -57,7 +57,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
-        libraries = [build(revision, Path(scratch) / name) for name, revision in (("a", args.a), ("b", args.b))]
+        libraries = [build(revision, Path(scratch) / name)
+                     for name, revision in (("a", args.a), ("b", args.b))]
         torch.manual_seed(0)
         rows, length, dim, slots = args.rows, args.length, args.dim, args.topk
         queries, keys = torch.randn(rows, length, dim), torch.randn(rows, length, dim)
@@ -67,8 +68,9 @@ def main() -> None:
                 index = torch.empty(rows, length, slots, dtype=torch.long)
                 valid = torch.empty(rows, length, slots, dtype=torch.uint8)
                 start = time.perf_counter()
-                done = library.route_topk_spec(queries.data_ptr(), keys.data_ptr(), 0, None, rows, rows, length, length,
-                                               dim, slots, 1, 0, 0, index.data_ptr(), valid.data_ptr(), args.threads)
+                done = library.route_topk_spec(
+                    queries.data_ptr(), keys.data_ptr(), 0, None, rows, rows, length, length, dim, slots,
+                    1, 0, 0, index.data_ptr(), valid.data_ptr(), args.threads)
                 times[n].append(time.perf_counter() - start)
                 if done < 0:
                     raise SystemExit(f"revision {(args.a, args.b)[n]}: this build has no speculative kernel")
@@ -76,9 +78,10 @@ def main() -> None:
                     chosen = torch.where(valid.bool(), index, -1).sort(dim=-1).values
                     selections.append(chosen)
     ratios = [b / a for a, b in zip(*times, strict=True)]
-    print(f"A {args.a}: {statistics.median(times[0]) * 1e3:.0f} ms, B {args.b}: {statistics.median(times[1]) * 1e3:.0f} ms "
-          f"(medians of {args.rounds}, {args.threads} thread(s)); B / A {statistics.median(ratios):.3f} "
-          f"({min(ratios):.2f}-{max(ratios):.2f}); same selection: {torch.equal(*selections)}")
+    a_ms, b_ms = (statistics.median(t) * 1e3 for t in times)
+    print(f"A {args.a}: {a_ms:.0f} ms, B {args.b}: {b_ms:.0f} ms (medians of {args.rounds}, {args.threads} "
+          f"thread(s)); B / A {statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f}); "
+          f"same selection: {torch.equal(*selections)}")
 
 
 if __name__ == "__main__":
