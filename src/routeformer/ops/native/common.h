@@ -244,6 +244,14 @@ static inline __m256 load_bf16_ps8(const uint16_t *x) {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+
+/* Lane s of the result holds the sum of the lanes of v[s] (8 dot products' partial sums at once). */
+static inline __m256 reduce8(const __m256 v[8]) {
+    __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3); /* 128-bit halves: slots 0-3, 4-7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
 #endif
 
 #if defined(__AVX512F__)

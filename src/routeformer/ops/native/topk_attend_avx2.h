@@ -6,13 +6,7 @@
  * scalar; here eight slots' partial sums stay in eight registers and one horizontal-add tree
  * (reduce8) turns them into a vector of eight logits. */
 
-/* Lane s of the result holds the sum of the lanes of v[s]. */
-static inline __m256 reduce8(const __m256 v[8]) {
-    __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
-    __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
-    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3); /* 128-bit halves: slots 0-3, 4-7 */
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
+/* reduce8 (lane s: the sum of v[s]) is in common.h, shared with the bf16 forward. */
 
 /* The first `n` of 8 lanes as a maskload/maskstore mask. */
 static inline __m256i first_lanes8(int64_t n) {

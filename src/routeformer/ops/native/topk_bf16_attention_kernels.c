@@ -63,6 +63,59 @@ static inline void widen_row(float *y, const uint16_t *x, int64_t n) {
     for (int64_t c = 0; c < n; c++) y[c] = bf16_to_float(x[c]);
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define EIGHT_SLOTS 1
+#else
+#define EIGHT_SLOTS 0
+#endif
+#if EIGHT_SLOTS
+/* Lane s: x · rows[s] (bf16), s < 8: eight slots' dot products in eight registers and one
+ * horizontal-add tree, as routed_attention_f32's AVX2 forward does (one slot at a time, each short
+ * dot is a chain of dependent adds and a horizontal sum: 0.80x of fp32's forward at T = 16384). */
+static inline __m256 dots8_bf16(const float *x, const uint16_t *const rows[8], int64_t n) {
+    __m256 acc[8];
+    for (int s = 0; s < 8; s++) acc[s] = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+        __m256 xv = _mm256_loadu_ps(x + c);
+        for (int s = 0; s < 8; s++) acc[s] = _mm256_fmadd_ps(xv, load_bf16_ps8(rows[s] + c), acc[s]);
+    }
+    __m256 dots = reduce8(acc);
+    if (c < n) {
+        float tail[8] = {0};
+        for (int s = 0; s < 8; s++)
+            for (int64_t r = c; r < n; r++) tail[s] += x[r] * bf16_to_float(rows[s][r]);
+        dots = _mm256_add_ps(dots, _mm256_loadu_ps(tail));
+    }
+    return dots;
+}
+
+/* logits[e] = q · k_index[e] · scale for the valid slots, -inf for the others; returns their max. */
+static inline float slot_logits(const float *query, const uint16_t *key_base, const int64_t *row_index,
+                                const uint8_t *row_valid, int64_t dim, int64_t slots, float scale, float *logits) {
+    __m256 best = _mm256_set1_ps(-INFINITY);
+    for (int64_t e0 = 0; e0 < slots; e0 += 8) {
+        const uint16_t *rows[8];
+        int32_t ok[8];
+        for (int s = 0; s < 8; s++) {
+            int64_t e = e0 + s;
+            ok[s] = e < slots && row_valid[e] ? -1 : 0;
+            rows[s] = key_base + (ok[s] ? row_index[e] : 0) * dim;
+        }
+        for (int64_t e = e0 + 8; e < e0 + 16 && e < slots; e++) prefetch_row(key_base + row_index[e] * dim, dim * 2);
+        __m256 logit = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
+                                        _mm256_mul_ps(dots8_bf16(query, rows, dim), _mm256_set1_ps(scale)),
+                                        _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)ok)));
+        _mm256_storeu_ps(logits + e0, logit);
+        best = _mm256_max_ps(best, logit);
+    }
+    float lanes[8], top = -INFINITY;
+    _mm256_storeu_ps(lanes, best);
+    for (int s = 0; s < 8; s++) top = lanes[s] > top ? lanes[s] : top;
+    return top;
+}
+#endif
+
 void routed_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *index,
                            const uint8_t *valid, int64_t batch, int64_t heads, int64_t length, int64_t keys,
                            int64_t dim, int64_t value_dim, int64_t slots, int64_t index_batch_stride,
@@ -74,21 +127,33 @@ void routed_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t 
         const int64_t *row_index = index + offset;
         const uint8_t *row_valid = valid + offset;
         const uint16_t *key_base = k + bh * keys * dim, *value_base = v + bh * keys * value_dim;
-        float query[MAX_DIM], result[MAX_DIM], logits[MAX_SLOTS], best = -INFINITY, total = 0;
+        float query[MAX_DIM], result[MAX_DIM], logits[MAX_SLOTS + 8], best = -INFINITY, total = 0;
         widen_row(query, q + row * dim, dim);
+#if EIGHT_SLOTS
+        best = slot_logits(query, key_base, row_index, row_valid, dim, slots, (float)scale, logits);
+        if (best > -INFINITY) { /* weights exp(logit - best) in place, on vector lanes (invalid: skipped) */
+            for (int64_t e = 0; e < slots; e++) if (!row_valid[e]) logits[e] = best;
+            exp_sum_float(logits, slots, best);
+        }
+#else
         for (int64_t e = 0; e < slots; e++) {
             if (e + PREFETCH_AHEAD < slots) prefetch_row(key_base + row_index[e + PREFETCH_AHEAD] * dim, dim * 2);
             if (!row_valid[e]) { logits[e] = -INFINITY; continue; }
             logits[e] = dot_mixed(query, key_base + row_index[e] * dim, dim) * (float)scale;
             if (logits[e] > best) best = logits[e];
         }
+#endif
         memset(result, 0, sizeof(float) * (size_t)value_dim);
         if (best > -INFINITY) {
             for (int64_t e = 0; e < slots; e++) {
                 if (e + PREFETCH_AHEAD < slots)
                     prefetch_row(value_base + row_index[e + PREFETCH_AHEAD] * value_dim, value_dim * 2);
                 if (!row_valid[e]) continue;
+#if EIGHT_SLOTS
+                float weight = logits[e];
+#else
                 float weight = expf(logits[e] - best);
+#endif
                 total += weight;
                 add_scaled_bf16(result, weight, value_base + row_index[e] * value_dim, value_dim);
             }

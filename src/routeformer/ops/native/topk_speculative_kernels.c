@@ -377,7 +377,9 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
         /* Record the hits (bf16: in each query's bitmap; exact: by keeping the tile's entry) and
          * count them; keys are listed only at a flush (whether a query hits a tile is a coin toss:
          * no branch per query here). */
+#if PREFILTER_EXACT
         if (!any) continue; /* (a third of the tiles at T = 16384: their entries are not kept) */
+#endif
         int64_t t = j0 / V;
         int full = 0;
 #pragma GCC unroll 8
