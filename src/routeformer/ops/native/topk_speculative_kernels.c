@@ -204,11 +204,12 @@ static float flush(const Row *row, const float *query, float *score, int64_t *ke
     return count == cap ? least : -INFINITY;
 }
 
-/* A block's outputs and per-thread scratch: per query, `buffer` candidate scores and keys and a
- * bitmap of `tiles` hit masks (bit c of tile t: key t·V + c). */
+/* A block's outputs and per-thread scratch: per query, `buffer` candidate scores and keys, and
+ * the hits not yet listed: (bf16) a bitmap of `tiles` hit masks (bit c of tile t: key t·V + c), or
+ * (exact) `buffer` hit-tile entries, each a tile's V scores and t << 16 | its hit mask. */
 typedef struct {
     int64_t *index; uint8_t *valid; float *scores; int64_t *keys; int64_t buffer; uint16_t *bits; int64_t tiles;
-    float *tile_scores; int64_t *hit_tiles; /* exact prefilter: per query, `buffer` tiles' scores and t << 16 | hits */
+    float *tile_scores; int64_t *hit_tiles;
 } Out;
 
 #if PREFILTER_BF16
@@ -233,9 +234,9 @@ static int64_t list_hit_tiles(const Out *out, int64_t a, int64_t used, float low
                               int64_t count) {
     const float *scores = out->tile_scores + a * out->buffer * V;
     const int64_t *entries = out->hit_tiles + a * out->buffer;
+    __m256 bound = _mm256_set1_ps(low);
     for (int64_t u = 0; u < used; u++) {
         int64_t t = entries[u] >> 16;
-        __m256 bound = _mm256_set1_ps(low);
         uint32_t still = (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(scores + u * V), bound, _CMP_GE_OQ)) |
                          (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(scores + u * V + 8), bound,
                                                                     _CMP_GE_OQ)) << 8;
@@ -284,8 +285,8 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
                            int64_t local_window, int64_t global_tokens, int64_t i0, int64_t nq,
                            float ratio, float slack, Out *out, float *kth, int64_t *appended, int *failed) {
     int64_t count[QB], rescored[QB], cap[QB], forced[QB], dim = row->dim, keys = row->num_keys;
-    int64_t pending[QB];    /* hits not yet listed: bf16, in the bitmap from first_tile on; */
-    int64_t first_tile[QB]; /* exact, in the `used` hit-tile entries */
+    int64_t pending[QB];    /* hits recorded and not yet listed, found (bf16) in the bitmap from */
+    int64_t first_tile[QB]; /* first_tile on, or (exact) in the first `used` hit-tile entries */
     int64_t used[QB];
     float low[QB], spec[QB], margin[QB];
     uint32_t force_all[QB];
@@ -520,7 +521,7 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
         int64_t buffer = 4 * slots + 3 * V;
         float *scores = malloc(sizeof(float) * QB * buffer);
         int64_t *buffer_keys = malloc(sizeof(int64_t) * QB * buffer);
-        uint16_t *bits = malloc(sizeof(uint16_t) * QB * (tiles + 1));
+        uint16_t *bits = PREFILTER_BF16 ? malloc(sizeof(uint16_t) * QB * (tiles + 1)) : NULL;
         float *tile_scores = PREFILTER_EXACT ? malloc(sizeof(float) * QB * buffer * V) : NULL;
         int64_t *hit_tiles = PREFILTER_EXACT ? malloc(sizeof(int64_t) * QB * buffer) : NULL;
         Guess guess = {.bh = -1};
