@@ -252,6 +252,14 @@ static inline __m256 reduce8(const __m256 v[8]) {
     __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3); /* 128-bit halves: slots 0-3, 4-7 */
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
+
+/* The largest of 8 lanes (the local row softmax, the fp32 and bf16 routed-attention forwards). */
+static inline float max8(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
 #endif
 
 #if defined(__AVX512F__)

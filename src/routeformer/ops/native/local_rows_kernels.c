@@ -146,13 +146,6 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_and_ps(kept, exp_nonpositive_ps(x));
 }
 
-static inline float max8(__m256 x) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
-}
-
 float local_softmax_row(float *s, float scale, const float *bias, int64_t a, int64_t b, int64_t n,
                         float *inverse) {
     __m256 best = _mm256_set1_ps(-INFINITY), factor = _mm256_set1_ps(scale);

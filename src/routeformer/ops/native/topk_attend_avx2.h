@@ -6,7 +6,7 @@
  * scalar; here eight slots' partial sums stay in eight registers and one horizontal-add tree
  * (reduce8) turns them into a vector of eight logits. */
 
-/* reduce8 (lane s: the sum of v[s]) is in common.h, shared with the bf16 forward. */
+/* reduce8 (lane s: the sum of v[s]) and max8 are in common.h, shared with the bf16 forward. */
 
 /* The first `n` of 8 lanes as a maskload/maskstore mask. */
 static inline __m256i first_lanes8(int64_t n) {
@@ -49,13 +49,6 @@ static inline void prefetch_slots8(const float *base, int64_t width, const int64
                                    int64_t slots) {
     for (int64_t e = from; e < from + 8 && e < slots; e++)
         prefetch_row(base + row_index[e] * width, width * (int64_t)sizeof(float));
-}
-
-static inline float max8(__m256 x) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
 }
 
 void routed_attention_f32(const float *q, const float *k, const float *v, const int64_t *index,

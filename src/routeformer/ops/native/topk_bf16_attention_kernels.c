@@ -109,10 +109,7 @@ static inline float slot_logits(const float *query, const uint16_t *key_base, co
         _mm256_storeu_ps(logits + e0, logit);
         best = _mm256_max_ps(best, logit);
     }
-    float lanes[8], top = -INFINITY;
-    _mm256_storeu_ps(lanes, best);
-    for (int s = 0; s < 8; s++) top = lanes[s] > top ? lanes[s] : top;
-    return top;
+    return max8(best);
 }
 #endif
 
