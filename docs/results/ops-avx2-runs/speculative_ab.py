@@ -1,13 +1,18 @@
-"""A/B two git revisions of the speculative routing kernel (topk_speculative_kernels.c) in one process.
+"""A/B two git revisions of a top-k kernel in one process: the speculative routing
+(topk_speculative_kernels.c, the default) or, with `--op attention`, the fp32 routed-attention
+forward (routed_attention_f32 in topk_kernels.c and the headers it includes).
 
 Each revision's topk_kernels.c + topk_speculative_kernels.c (and the headers they include) is built
 with the library's flags (-O3 -march=native -ffp-contract=fast -fopenmp) into its own shared
-library; the two are loaded side by side and called alternately on the same random routing
-vectors (causal, T = 16384, 4 rows, r = 16, K = 64 unless told otherwise), so the machine's drift
-falls on both. Prints each build's median time, the median per-round ratio B / A with its range, and
-whether both selected the same keys. Run from the repository root, e.g.
+library; the two are loaded side by side and called alternately on the same random inputs
+(causal, T = 16384, 4 rows, r = 16, K = 64, d = 64 unless told otherwise; the attention reads the
+routing the first build selects), so the machine's drift falls on both. Prints each build's median
+time, the median per-round ratio B / A with its range, and whether both gave the same result (the
+same keys; for the attention, outputs equal within 1e-5). A revision `WORKTREE` is the working
+tree's files. Run from the repository root, e.g.
 
     python docs/results/ops-avx2-runs/speculative_ab.py 2733147~1 HEAD --threads 2
+    python docs/results/ops-avx2-runs/speculative_ab.py HEAD WORKTREE --op attention --threads 2
 """
 
 import argparse
@@ -27,12 +32,16 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-
 def build(revision: str, into: Path) -> ctypes.CDLL:
     """Check out the native sources of `revision` into `into` and build the two routing files."""
     into.mkdir()
-    names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{NATIVE}"], check=True,
+    tree = "HEAD" if revision == "WORKTREE" else revision
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{tree}:{NATIVE}"], check=True,
                            capture_output=True, text=True).stdout.split()
     for name in names:
         if name.endswith((".c", ".h")):
-            text = subprocess.run(["git", "show", f"{revision}:{NATIVE}/{name}"], check=True,
-                                  capture_output=True).stdout
+            if revision == "WORKTREE":
+                text = (Path(NATIVE) / name).read_bytes()
+            else:
+                text = subprocess.run(["git", "show", f"{revision}:{NATIVE}/{name}"], check=True,
+                                      capture_output=True).stdout
             (into / name).write_bytes(text)
     library = into / "routing.so"
     subprocess.run(["cc", *FLAGS, str(into / "topk_kernels.c"), str(into / "topk_speculative_kernels.c"),
@@ -42,7 +51,29 @@ def build(revision: str, into: Path) -> ctypes.CDLL:
     pointer, int64 = ctypes.c_void_p, ctypes.c_int64
     loaded.route_topk_spec.argtypes = ([pointer, pointer, ctypes.c_int, pointer] + [int64] * 6
                                        + [ctypes.c_int, int64, int64, pointer, pointer, ctypes.c_int])
+    loaded.routed_attention_f32.restype = None
+    loaded.routed_attention_f32.argtypes = ([pointer] * 5 + [int64] * 9 + [ctypes.c_double, pointer, pointer,
+                                                                           ctypes.c_int])
     return loaded
+
+
+def attention_round(library: ctypes.CDLL, inputs: tuple, rows: int, length: int, slots: int,
+                    threads: int) -> torch.Tensor:
+    """One fp32 routed-attention forward over `rows` heads; returns its output."""
+    q, k, v, index, valid = inputs
+    out, lse = torch.empty_like(q), torch.empty(rows, length)
+    dim = q.shape[-1]
+    library.routed_attention_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), index.data_ptr(), valid.data_ptr(),
+                                 1, rows, length, length, dim, dim, slots, rows * length * slots,
+                                 length * slots, dim ** -0.5, out.data_ptr(), lse.data_ptr(), threads)
+    return out
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Routing: the same keys; attention: outputs within 1e-5 (the summation order may differ)."""
+    if a.dtype == torch.long:
+        return torch.equal(a, b)
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def main() -> None:
@@ -55,6 +86,8 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--op", choices=("routing", "attention"), default="routing")
+    parser.add_argument("--head-dim", type=int, default=64, help="attention: q, k, v width")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         libraries = [build(revision, Path(scratch) / name)
@@ -63,8 +96,21 @@ def main() -> None:
         rows, length, dim, slots = args.rows, args.length, args.dim, args.topk
         queries, keys = torch.randn(rows, length, dim), torch.randn(rows, length, dim)
         times, selections = [[], []], []
+        if args.op == "attention":
+            index = torch.empty(rows, length, slots, dtype=torch.long)
+            valid = torch.empty(rows, length, slots, dtype=torch.uint8)
+            libraries[0].route_topk_spec(queries.data_ptr(), keys.data_ptr(), 0, None, rows, rows, length, length,
+                                         dim, slots, 1, 0, 0, index.data_ptr(), valid.data_ptr(), args.threads)
+            inputs = (*(torch.randn(rows, length, args.head_dim) for _ in range(3)), index, valid)
         for round_ in range(args.rounds):
             for n, library in enumerate(libraries):
+                if args.op == "attention":
+                    start = time.perf_counter()
+                    out = attention_round(library, inputs, rows, length, slots, args.threads)
+                    times[n].append(time.perf_counter() - start)
+                    if round_ == 0:
+                        selections.append(out)
+                    continue
                 index = torch.empty(rows, length, slots, dtype=torch.long)
                 valid = torch.empty(rows, length, slots, dtype=torch.uint8)
                 start = time.perf_counter()
@@ -81,7 +127,7 @@ def main() -> None:
     a_ms, b_ms = (statistics.median(t) * 1e3 for t in times)
     print(f"A {args.a}: {a_ms:.0f} ms, B {args.b}: {b_ms:.0f} ms (medians of {args.rounds}, {args.threads} "
           f"thread(s)); B / A {statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f}); "
-          f"same selection: {torch.equal(*selections)}")
+          f"same result: {same(*selections)}")
 
 
 if __name__ == "__main__":

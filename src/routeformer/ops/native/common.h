@@ -260,6 +260,58 @@ static inline float max8(__m256 x) {
     m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
     return _mm_cvtss_f32(m);
 }
+
+/* result[c] = Σ_e weight[e] · row_e[c] over the valid slots e < slots, row_e the row row_index[e] of
+ * `base` (width columns, fp32 or, when bf16, bf16 widened exactly); returns Σ weight[e] over them.
+ * The forward's P·V of the routed-attention kernels: 64 columns at a time stay in eight registers
+ * across the slots (summed in memory, every slot's column waited on the last slot's store: at
+ * T = 16384, d = 64, on an AMD EPYC, the fp32 forward with a local index ran 56 ms, mostly that
+ * chain). Per column the sum runs over e in order with one multiply-add each, as before. */
+static inline float weighted_rows_sum(float *result, const void *base, int bf16, int64_t width,
+                                      const int64_t *row_index, const uint8_t *row_valid, const float *weight,
+                                      int64_t slots) {
+    const int64_t element = bf16 ? 2 : 4, vectors = width / 8;
+    float total = 0;
+    for (int64_t e = 0; e < slots; e++) total += row_valid[e] ? weight[e] : 0.0f;
+    for (int64_t first = 0; first < vectors; first += 8) {
+        int64_t n = vectors - first < 8 ? vectors - first : 8; /* registers in use */
+        __m256 acc[8];
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) acc[s] = _mm256_setzero_ps();
+        for (int64_t e = 0; e < slots; e++) {
+            if (first == 0 && e + PREFETCH_AHEAD < slots)
+                prefetch_row((const char *)base + row_index[e + PREFETCH_AHEAD] * width * element, width * element);
+            if (!row_valid[e]) continue;
+            __m256 w = _mm256_set1_ps(weight[e]);
+            const char *row = (const char *)base + (row_index[e] * width + first * 8) * element;
+#define WEIGHTED_ROW_LANES(s)                                                                               \
+    acc[s] = _mm256_fmadd_ps(w, bf16 ? load_bf16_ps8((const uint16_t *)row + 8 * (s))                     \
+                                     : _mm256_loadu_ps((const float *)row + 8 * (s)), acc[s])
+            if (n == 8) { /* the usual case: no test per register */
+#pragma GCC unroll 8
+                for (int s = 0; s < 8; s++) WEIGHTED_ROW_LANES(s);
+            } else {
+#pragma GCC unroll 8
+                for (int s = 0; s < 8; s++) if (s < n) WEIGHTED_ROW_LANES(s);
+            }
+#undef WEIGHTED_ROW_LANES
+        }
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++)
+            if (s < n) _mm256_storeu_ps(result + (first + s) * 8, acc[s]);
+    }
+    for (int64_t c = vectors * 8; c < width; c++) { /* the last width % 8 columns */
+        float sum = 0;
+        for (int64_t e = 0; e < slots; e++) {
+            if (!row_valid[e]) continue;
+            float x = bf16 ? bf16_to_float(((const uint16_t *)base)[row_index[e] * width + c])
+                           : ((const float *)base)[row_index[e] * width + c];
+            sum = fmaf(weight[e], x, sum);
+        }
+        result[c] = sum;
+    }
+    return total;
+}
 #endif
 
 #if defined(__AVX512F__)

@@ -78,21 +78,15 @@ void routed_attention_f32(const float *q, const float *k, const float *v, const 
         }
         float best = max8(best_lanes);
         float *restrict result = out + row * value_dim;
-        for (int64_t c = 0; c < value_dim; c++) result[c] = 0;
-        if (best == -INFINITY) { lse[row] = -INFINITY; continue; }
+        if (best == -INFINITY) {
+            for (int64_t c = 0; c < value_dim; c++) result[c] = 0;
+            lse[row] = -INFINITY;
+            continue;
+        }
         /* weights exp(logit − best) on the valid slots (the others are skipped below) */
         for (int64_t e = 0; e < slots; e++) if (!row_valid[e]) logits[e] = best;
         exp_sum_float(logits, slots, best);
-        float total = 0;
-        for (int64_t e = 0; e < slots; e++) {
-            if (e + PREFETCH_AHEAD < slots)
-                prefetch_row(value_base + row_index[e + PREFETCH_AHEAD] * value_dim, value_dim * (int64_t)sizeof(float));
-            if (!row_valid[e]) continue;
-            float weight = logits[e];
-            total += weight;
-            const float *restrict value = value_base + row_index[e] * value_dim;
-            for (int64_t c = 0; c < value_dim; c++) result[c] += weight * value[c];
-        }
+        float total = weighted_rows_sum(result, value_base, 0, value_dim, row_index, row_valid, logits, slots);
         for (int64_t c = 0; c < value_dim; c++) result[c] /= total;
         lse[row] = best + logf(total);
     }

@@ -142,18 +142,18 @@ void routed_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t 
 #endif
         memset(result, 0, sizeof(float) * (size_t)value_dim);
         if (best > -INFINITY) {
+#if EIGHT_SLOTS
+            total = weighted_rows_sum(result, value_base, 1, value_dim, row_index, row_valid, logits, slots);
+#else
             for (int64_t e = 0; e < slots; e++) {
                 if (e + PREFETCH_AHEAD < slots)
                     prefetch_row(value_base + row_index[e + PREFETCH_AHEAD] * value_dim, value_dim * 2);
                 if (!row_valid[e]) continue;
-#if EIGHT_SLOTS
-                float weight = logits[e];
-#else
                 float weight = expf(logits[e] - best);
-#endif
                 total += weight;
                 add_scaled_bf16(result, weight, value_base + row_index[e] * value_dim, value_dim);
             }
+#endif
             for (int64_t c = 0; c < value_dim; c++) result[c] /= total;
         }
         for (int64_t c = 0; c < value_dim; c++) out[row * value_dim + c] = float_to_bf16(result[c]);
