@@ -99,8 +99,9 @@ def main() -> None:
         if args.op == "attention":
             index = torch.empty(rows, length, slots, dtype=torch.long)
             valid = torch.empty(rows, length, slots, dtype=torch.uint8)
-            libraries[0].route_topk_spec(queries.data_ptr(), keys.data_ptr(), 0, None, rows, rows, length, length,
-                                         dim, slots, 1, 0, 0, index.data_ptr(), valid.data_ptr(), args.threads)
+            libraries[0].route_topk_spec(queries.data_ptr(), keys.data_ptr(), 0, None, rows, rows, length,
+                                         length, dim, slots, 1, 0, 0, index.data_ptr(), valid.data_ptr(),
+                                         args.threads)
             inputs = (*(torch.randn(rows, length, args.head_dim) for _ in range(3)), index, valid)
         for round_ in range(args.rounds):
             for n, library in enumerate(libraries):
