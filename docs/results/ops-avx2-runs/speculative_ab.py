@@ -32,9 +32,11 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-
 def build(revision: str, into: Path) -> ctypes.CDLL:
     """Check out the native sources of `revision` into `into` and build the two routing files."""
     into.mkdir()
-    tree = "HEAD" if revision == "WORKTREE" else revision
-    names = subprocess.run(["git", "ls-tree", "--name-only", f"{tree}:{NATIVE}"], check=True,
-                           capture_output=True, text=True).stdout.split()
+    if revision == "WORKTREE":
+        names = [path.name for path in Path(NATIVE).iterdir()]
+    else:
+        names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{NATIVE}"], check=True,
+                               capture_output=True, text=True).stdout.split()
     for name in names:
         if name.endswith((".c", ".h")):
             if revision == "WORKTREE":

@@ -253,6 +253,12 @@ static inline __m256 reduce8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+/* Lanes [0, n) of 8 set, n clamped to [0, 8] (an AVX2 maskload / maskstore mask). */
+static inline __m256i first_lanes8(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)(n < 8 ? (n < 0 ? 0 : n) : 8)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 /* The largest of 8 lanes (the local row softmax, the fp32 and bf16 routed-attention forwards). */
 static inline float max8(__m256 x) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));

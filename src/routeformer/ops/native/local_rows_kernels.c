@@ -134,11 +134,7 @@ void local_store(const float *x, int64_t count, float factor, int bf16, void *ou
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* AVX2 (+FMA): the same row passes on 8 lanes (common.h's exp_nonpositive_ps), the tail of a row
- * through masked loads and stores. */
-static inline __m256i lanes_below8(int64_t count) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(count < 8 ? count : 8)),
-                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
+ * through masked loads and stores (common.h's first_lanes8). */
 
 /* e^x on 8 lanes for x <= 0, exactly 0 below −87 (as exp16). */
 static inline __m256 exp8(__m256 x) {
@@ -150,7 +146,7 @@ float local_softmax_row(float *s, float scale, const float *bias, int64_t a, int
                         float *inverse) {
     __m256 best = _mm256_set1_ps(-INFINITY), factor = _mm256_set1_ps(scale);
     for (int64_t j = a; j < b; j += 8) {
-        __m256i m = lanes_below8(b - j);
+        __m256i m = first_lanes8(b - j);
         __m256 x = _mm256_mul_ps(_mm256_maskload_ps(s + j, m), factor);
         if (bias) x = _mm256_add_ps(x, _mm256_maskload_ps(bias + j, m));
         _mm256_maskstore_ps(s + j, m, x);
@@ -166,7 +162,7 @@ float local_softmax_row(float *s, float scale, const float *bias, int64_t a, int
     }
     __m256 total = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
     for (int64_t j = a; j < b; j += 8) {
-        __m256i m = lanes_below8(b - j);
+        __m256i m = first_lanes8(b - j);
         __m256 e = _mm256_and_ps(_mm256_castsi256_ps(m), exp8(_mm256_sub_ps(_mm256_maskload_ps(s + j, m), shift)));
         _mm256_maskstore_ps(s + j, m, e);
         total = _mm256_add_ps(total, e);
@@ -184,7 +180,7 @@ void local_backward_row(float *s, float *dp, float scale, const float *bias, int
     memset(dp + b, 0, sizeof(float) * (n - b));
     __m256 shift = _mm256_set1_ps(lse), dot = _mm256_set1_ps(row_dot), factor = _mm256_set1_ps(scale);
     for (int64_t j = a; j < b; j += 8) {
-        __m256i m = lanes_below8(b - j);
+        __m256i m = first_lanes8(b - j);
         __m256 x = _mm256_fmsub_ps(_mm256_maskload_ps(s + j, m), factor, shift);
         if (bias) x = _mm256_add_ps(x, _mm256_maskload_ps(bias + j, m));
         __m256 p = exp8(x); /* lse = +inf (no key): x = −inf, p = 0 */

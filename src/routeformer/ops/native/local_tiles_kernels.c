@@ -86,12 +86,6 @@ void local_gemm(int64_t rows, int64_t n, int64_t depth, const float *a, int64_t 
  * registers: 12 sums, two rows of B, one broadcast of A). */
 #define NR2 16
 
-/* Lanes [0, count) of 8 set (an AVX2 load/store mask). */
-static inline __m256i lanes_below8(int64_t count) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(count < 8 ? count : 8)),
-                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 static inline __attribute__((always_inline)) void gemm_tile8(
         int64_t depth, const float *a, int64_t a_row, int64_t a_step, const float *b, int64_t ldb,
         float *c, int64_t ldc, int64_t rows, const int lanes, __m256i tail, int accumulate) {
@@ -128,10 +122,10 @@ void local_gemm(int64_t rows, int64_t n, int64_t depth, const float *a, int64_t 
     for (int64_t j = 0; j < n; j += NR2) {
         int64_t width = min64(NR2, n - j);
         if (width > 8)
-            gemm_tile8(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 2, lanes_below8(width - 8),
+            gemm_tile8(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 2, first_lanes8(width - 8),
                        accumulate);
         else
-            gemm_tile8(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 1, lanes_below8(width),
+            gemm_tile8(depth, a, a_row, a_step, b + j, ldb, c + j, ldc, rows, 1, first_lanes8(width),
                        accumulate);
     }
 }

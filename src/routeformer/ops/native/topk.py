@@ -51,6 +51,9 @@ declare(None, [*[_PTR] * 5, *[_INT] * 9, _F64, _PTR, _PTR, _I32],
 declare(None, [*[_PTR] * 8, *[_INT] * 9, _F64, _PTR, _PTR, _PTR, _I32],
         "routed_attention_backward_f32", "routed_attention_backward_f64", "routed_attention_backward_bf16")
 declare(_INT, [], "routed_attention_bf16_max_dim")
+# score, key, n, m -> the m-th largest score, the m best (ties: lower key) moved to the front: the
+# selection both routing kernels flush their candidates with (tests call it directly)
+declare(ctypes.c_float, [_PTR, _PTR, _INT, _INT], "route_topk_keep_best_f32")
 
 
 def kernel_layout(index: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:

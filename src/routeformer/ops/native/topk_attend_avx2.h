@@ -6,14 +6,7 @@
  * scalar; here eight slots' partial sums stay in eight registers and one horizontal-add tree
  * (reduce8) turns them into a vector of eight logits. */
 
-/* reduce8 (lane s: the sum of v[s]) and max8 are in common.h, shared with the bf16 forward. */
-
-/* The first `n` of 8 lanes as a maskload/maskstore mask. */
-static inline __m256i first_lanes8(int64_t n) {
-    static const int32_t ramp[8] = {0, 1, 2, 3, 4, 5, 6, 7};
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)(n < 8 ? (n < 0 ? 0 : n) : 8)),
-                              _mm256_loadu_si256((const __m256i *)ramp));
-}
+/* reduce8 (lane s: the sum of v[s]), max8 and first_lanes8 are in common.h, shared with the bf16 forward. */
 
 /* dots[s] = x · rows[s] over n columns, s < 8. */
 static inline __m256 dots8(const float *x, const float *const rows[8], int64_t n) {

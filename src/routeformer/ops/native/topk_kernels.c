@@ -111,10 +111,27 @@ static T_ keep_best_##T_(T_ *score, int64_t *key, int64_t n, int64_t m) {       
 
 DEFINE_SELECT(float)
 DEFINE_SELECT(double)
+#if defined(__AVX2__)
+#include "topk_compress_avx2.h" /* compress_lanes8: the permutation that packs an 8-bit mask's lanes */
+int32_t route_compress_lut[256][8];
+
+/* Filled when the library loads (before any thread can read it). */
+__attribute__((constructor)) static void init_compress_lut(void) {
+    for (int mask = 0; mask < 256; mask++) {
+        int filled = 0;
+        for (int lane = 0; lane < 8; lane++)
+            if (mask & (1 << lane)) route_compress_lut[mask][filled++] = lane;
+        for (; filled < 8; filled++) route_compress_lut[mask][filled] = 0;
+    }
+}
+#endif
 #include "topk_select_split.h" /* keep_best_float_split: a threshold split, in plain C */
 #if defined(__AVX512F__)
 #include "topk_select_avx512.h" /* keep_best_float_vector: the same split on 16 lanes */
 #define KEEP_BEST_float keep_best_float_vector
+#elif defined(__AVX2__)
+#include "topk_select_avx2.h" /* keep_best_float_avx2: the same split on 8 lanes */
+#define KEEP_BEST_float keep_best_float_avx2
 #else
 #define KEEP_BEST_float keep_best_float_split
 #endif
@@ -171,40 +188,21 @@ static inline int64_t append_hits_##T_(T_ *score, int64_t *key, int64_t count, c
 
 DEFINE_APPEND(double)
 #if defined(__AVX2__)
-#include <immintrin.h>
 /* AVX2: each 8-key half of the tile is compressed with a permutation looked up by its 8-bit mask
- * and stored whole (the unused tail is overwritten later): no branch per key, where the loop
- * above mispredicts on every unpredictable bit. */
-static int32_t compress_lut[256][8];
-
-static void init_compress_lut(void) {
-    for (int mask = 0; mask < 256; mask++) {
-        int filled = 0;
-        for (int lane = 0; lane < 8; lane++)
-            if (mask & (1 << lane)) compress_lut[mask][filled++] = lane;
-        for (; filled < 8; filled++) compress_lut[mask][filled] = 0;
-    }
-}
-
+ * (topk_compress_avx2.h) and stored whole (the unused tail is overwritten later): no branch per
+ * key, where the loop above mispredicts on every unpredictable bit. */
 static inline int64_t append_hits_float(float *score, int64_t *key, int64_t count,
                                         const float *tile_row, uint32_t bits, int64_t j0) {
     for (int half = 0; half < 2; half++) {
         uint32_t mask = (bits >> (8 * half)) & 0xFF;
         if (!mask) continue;
-        __m256i lanes = _mm256_loadu_si256((const __m256i *)compress_lut[mask]);
-        __m256 values = _mm256_permutevar8x32_ps(_mm256_loadu_ps(tile_row + 8 * half), lanes);
-        _mm256_storeu_ps(score + count, values);
-        __m256i base = _mm256_set1_epi64x(j0 + 8 * half);
-        __m256i low = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(lanes)), base);
-        __m256i high = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_extracti128_si256(lanes, 1)), base);
-        _mm256_storeu_si256((__m256i *)(key + count), low);
-        _mm256_storeu_si256((__m256i *)(key + count + 4), high);
+        compress_store_ps8(score + count, _mm256_loadu_ps(tile_row + 8 * half), mask);
+        compress_store_index8(key + count, compress_lanes8(mask), j0 + 8 * half);
         count += __builtin_popcount(mask);
     }
     return count;
 }
 #else
-static void init_compress_lut(void) {}
 DEFINE_APPEND(float)
 #endif
 
@@ -290,10 +288,7 @@ DEFINE_ATTEND(routed_attention_f64, double, log)
 /* Queries [i0, i0 + nq) of one routing row by the tiled fp32 scan (forward), in blocks of QB:
  * the speculative kernel's exact fallback (topk_speculative_kernels.c). rq [T, r]; rkt the row's
  * keys in this file's tile layout (whole tiles of V keys, zero-padded); index, valid the row's
- * [T, slots] outputs; buffer_scores, buffer_keys hold QB x (4·slots + V) entries. Call
- * route_topk_f32_exact_init once before the threads that call it. */
-void route_topk_f32_exact_init(void) { init_compress_lut(); }
-
+ * [T, slots] outputs; buffer_scores, buffer_keys hold QB x (4·slots + V) entries. */
 void route_topk_f32_exact_block(const float *rq, const float *rkt, const uint8_t *mask, int64_t keys,
                                 int64_t dim, int64_t slots, int causal, int64_t local_window,
                                 int64_t global_tokens, int64_t i0, int64_t nq, int64_t *index, uint8_t *valid,

@@ -99,7 +99,6 @@ int64_t NAME(const T_ *rq, const T_ *rkt, const uint8_t *key_mask, int64_t rows,
              int64_t local_window, int64_t global_tokens, int newest_first, int64_t *index,
              uint8_t *valid, int threads) {
     int64_t blocks = (length + QB - 1) / QB, scored = 0;
-    init_compress_lut(); /* before the threads: they only read it */
     _Pragma("omp parallel num_threads(threads) reduction(+:scored)")
     {
         /* Per query: 4 slots of candidates (a flush every >= 3·slots candidates). */

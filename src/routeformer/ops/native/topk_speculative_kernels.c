@@ -56,7 +56,6 @@ void route_topk_f32_exact_block(const float *rq, const float *rkt, const uint8_t
                                 int64_t dim, int64_t slots, int causal, int64_t local_window,
                                 int64_t global_tokens, int64_t i0, int64_t nq, int64_t *index, uint8_t *valid,
                                 float *buffer_scores, int64_t *buffer_keys); /* topk_kernels.c */
-void route_topk_f32_exact_init(void);
 
 /* Two prefilters, chosen by the instruction set the library is built for:
  * - AVX-512 BF16: the bf16 pair dot products of 2. above, with their margin.
@@ -94,6 +93,7 @@ void route_topk_f32_exact_init(void);
 #define MAX_DIM 64
 #if !PREFILTER_BF16
 #include "topk_score_tile.h" /* score_tile_float: the exact prefilter's tile */
+#include "topk_compress_avx2.h" /* compress_store_ps8: listing a hit tile's keys without a branch a key */
 #endif
 
 static int64_t refuted_total; /* queries routed again since the library was loaded (tests read it) */
@@ -229,22 +229,23 @@ static int64_t list_hits(const uint16_t *bits, int64_t from, int64_t to, int64_t
 #else
 /* Append the keys of query a's `used` hit tiles to key[count..], with the exact scores the tiles
  * computed: the keys that passed then (the entry's low 16 bits) and still score >= low, the query's
- * bound now (a key below it cannot be selected); returns the new count. */
+ * bound now (a key below it cannot be selected); returns the new count. Each 8-key half is packed
+ * by a compress permutation and stored whole (V spare entries: see the buffer below): no branch per
+ * key (a hit tile mostly holds one key, and a loop over its bits mispredicted its exit). */
 static int64_t list_hit_tiles(const Out *out, int64_t a, int64_t used, float low, int64_t *key, float *score,
                               int64_t count) {
     const float *scores = out->tile_scores + a * out->buffer * V;
     const int64_t *entries = out->hit_tiles + a * out->buffer;
     __m256 bound = _mm256_set1_ps(low);
     for (int64_t u = 0; u < used; u++) {
-        int64_t t = entries[u] >> 16;
-        uint32_t still = (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(scores + u * V), bound, _CMP_GE_OQ)) |
-                         (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(scores + u * V + 8), bound,
-                                                                    _CMP_GE_OQ)) << 8;
-        uint32_t left = (uint32_t)entries[u] & still;
-        for (; left; left &= left - 1) {
-            int c = __builtin_ctz(left);
-            key[count] = t * V + c;
-            score[count++] = scores[u * V + c];
+        int64_t first_key = (entries[u] >> 16) * V;
+        uint32_t passed = (uint32_t)entries[u];
+        for (int half = 0; half < 2; half++) {
+            __m256 tile = _mm256_loadu_ps(scores + u * V + 8 * half);
+            uint32_t left = (passed >> (8 * half)) & (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(tile, bound, _CMP_GE_OQ));
+            compress_store_ps8(score + count, tile, left);
+            compress_store_index8(key + count, compress_lanes8(left), first_key + 8 * half);
+            count += __builtin_popcount(left);
         }
     }
     return count;
@@ -507,7 +508,6 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
     uint32_t *query_pairs = malloc((size_t)(rows * length * pairs) * sizeof(uint32_t) + 1);
     float *wide_q = bf16 ? malloc((size_t)(rows * length * dim) * sizeof(float) + 1) : NULL;
     Row *row = malloc(sizeof(Row) * (size_t)rows);
-    route_topk_f32_exact_init(); /* the exact fallback's tables, before the threads */
     _Pragma("omp parallel for num_threads(threads) schedule(static)")
     for (int64_t bh = 0; bh < rows; bh++)
         prepare_row((const char *)rq + bh * length * dim * element, (const char *)rk + bh * keys * dim * element,
