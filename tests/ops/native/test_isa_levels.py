@@ -38,7 +38,7 @@ CHECKS = (
     "tests/ops/test_topk_ops.py::test_float64_routing_selects_the_reference_set_in_both_scan_orders",
     "tests/ops/test_topk_ops.py::test_ties_go_to_the_lower_key_index",
     "tests/ops/test_topk_repeated.py::test_groups_select_what_the_reference_selects",
-    "tests/ops/test_topk_select.py",  # the flush's selection: 16-lane, 8-lane (compress table), plain C passes
+    "tests/ops/test_topk_select.py",  # the flush: 16-lane, 8-lane (compress table) and plain C passes
     # the speculative routing kernel: a bf16 prefilter at native (AVX-512 BF16), exact fp32 at avx512 and
     # avx2, absent (skipped) at generic
     "tests/ops/test_topk_speculative.py::test_float32_selects_what_the_tiled_kernel_selects",
