@@ -277,8 +277,18 @@ static inline float weighted_rows_sum(float *result, const void *base, int bf16,
                                       const int64_t *row_index, const uint8_t *row_valid, const float *weight,
                                       int64_t slots) {
     const int64_t element = bf16 ? 2 : 4, vectors = width / 8;
-    float total = 0;
-    for (int64_t e = 0; e < slots; e++) total += row_valid[e] ? weight[e] : 0.0f;
+    /* Σ weights on 8 lanes (one running scalar sum is a chain of 64 dependent adds a query) */
+    __m256 lanes = _mm256_setzero_ps();
+    int64_t e8 = 0;
+    for (; e8 + 8 <= slots; e8 += 8) {
+        __m256i ok = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row_valid + e8)));
+        __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(ok, _mm256_setzero_si256()));
+        lanes = _mm256_add_ps(lanes, _mm256_and_ps(keep, _mm256_loadu_ps(weight + e8)));
+    }
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    float total = _mm_cvtss_f32(_mm_add_ss(half, _mm_shuffle_ps(half, half, 1)));
+    for (; e8 < slots; e8++) total += row_valid[e8] ? weight[e8] : 0.0f;
     for (int64_t first = 0; first < vectors; first += 8) {
         int64_t n = vectors - first < 8 ? vectors - first : 8; /* registers in use */
         __m256 acc[8];
