@@ -67,3 +67,25 @@ def test_declines_where_it_does_not_apply():
     assert route_repeated_keys(route_q, route_k, 16, None, 0, 0) is None  # not finite
     many_q, many_k = _token_vectors(8192, 300, False, gen, heads=1, batch=1)
     assert route_repeated_keys(many_q, many_k, 16, None, 0, 0) is None  # > 256 groups
+
+
+def _vectors_of_tokens(tokens, dim=8, seed=7):
+    """Routing keys and queries [1, 1, T, dim] that are a function of the given token row."""
+    gen = torch.Generator().manual_seed(seed)
+    tables = [torch.randn(int(tokens.max()) + 1, dim, generator=gen) for _ in range(2)]
+    return [table[tokens].view(1, 1, -1, dim) for table in tables]
+
+
+def test_the_group_limit_holds_exactly_before_and_after_the_cheap_prefix_check():
+    """At S = 2048 a row may hold 2048 // 16 = 128 distinct keys. The first 4 x 129 keys are checked
+    before the whole row (a cheap refusal): a row at the limit is grouped, one past it is not —
+    whether the extra key is inside that prefix or after it."""
+    gen = torch.Generator().manual_seed(8)
+    at_limit = torch.cat([torch.arange(128), torch.randint(0, 128, (2048 - 128,), generator=gen)])
+    assert route_repeated_keys(*_vectors_of_tokens(at_limit), 16, None, 0, 0) is not None
+    early = at_limit.clone()
+    early[200] = 128  # the 129th distinct key, inside the prefix
+    assert route_repeated_keys(*_vectors_of_tokens(early), 16, None, 0, 0) is None
+    late = at_limit.clone()
+    late[2000] = 128  # ... after it: the whole row's count refuses it
+    assert route_repeated_keys(*_vectors_of_tokens(late), 16, None, 0, 0) is None

@@ -92,7 +92,8 @@ def route_topk(
 
     Causal routing on CPU whose keys repeat (few distinct routing vectors: a position-blind
     router's first layer) is routed by groups of equal keys (ops/topk/repeated.py), eagerly,
-    with the same selection; the check costs one sort of S numbers a row.
+    with the same selection; the check sorts the first few hundred keys' fingerprints a row (the
+    whole row's only where those repeat).
     """
     check_routing(route_q, route_k, key_mask, causal)
     check_positive("topk", topk)
