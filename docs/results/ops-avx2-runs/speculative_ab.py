@@ -53,6 +53,9 @@ def build(revision: str, into: Path) -> ctypes.CDLL:
     pointer, int64 = ctypes.c_void_p, ctypes.c_int64
     loaded.route_topk_spec.argtypes = ([pointer, pointer, ctypes.c_int, pointer] + [int64] * 6
                                        + [ctypes.c_int, int64, int64, pointer, pointer, ctypes.c_int])
+    loaded.routed_attention_backward_f32.restype = None
+    loaded.routed_attention_backward_f32.argtypes = ([pointer] * 8 + [int64] * 9 + [ctypes.c_double]
+                                                     + [pointer] * 3 + [ctypes.c_int])
     loaded.routed_attention_f32.restype = None
     loaded.routed_attention_f32.argtypes = ([pointer] * 5 + [int64] * 9 + [ctypes.c_double, pointer, pointer,
                                                                            ctypes.c_int])
@@ -78,6 +81,21 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def backward_round(library: ctypes.CDLL, inputs: tuple, forward: tuple, rows: int, length: int, slots: int,
+                   threads: int) -> torch.Tensor:
+    """One fp32 routed-attention backward over `rows` heads (from the forward's out and lse);
+    returns the gradients, concatenated."""
+    q, k, v, index, valid = inputs
+    out, lse, grad_out = forward
+    grads = [torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)]
+    dim = q.shape[-1]
+    library.routed_attention_backward_f32(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), index.data_ptr(), valid.data_ptr(), out.data_ptr(),
+        lse.data_ptr(), grad_out.data_ptr(), 1, rows, length, length, dim, dim, slots, rows * length * slots,
+        length * slots, dim ** -0.5, *(g.data_ptr() for g in grads), threads)
+    return torch.cat([g.flatten() for g in grads])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("a", help="git revision A (e.g. the build before a change)")
@@ -88,7 +106,7 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--op", choices=("routing", "attention"), default="routing")
+    parser.add_argument("--op", choices=("routing", "attention", "backward"), default="routing")
     parser.add_argument("--head-dim", type=int, default=64, help="attention: q, k, v width")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
@@ -98,18 +116,29 @@ def main() -> None:
         rows, length, dim, slots = args.rows, args.length, args.dim, args.topk
         queries, keys = torch.randn(rows, length, dim), torch.randn(rows, length, dim)
         times, selections = [[], []], []
-        if args.op == "attention":
+        if args.op in ("attention", "backward"):
             index = torch.empty(rows, length, slots, dtype=torch.long)
             valid = torch.empty(rows, length, slots, dtype=torch.uint8)
             libraries[0].route_topk_spec(queries.data_ptr(), keys.data_ptr(), 0, None, rows, rows, length,
                                          length, dim, slots, 1, 0, 0, index.data_ptr(), valid.data_ptr(),
                                          args.threads)
             inputs = (*(torch.randn(rows, length, args.head_dim) for _ in range(3)), index, valid)
+            if args.op == "backward":  # the same forward outputs for both builds
+                out = attention_round(libraries[0], inputs, rows, length, slots, args.threads)
+                lse = torch.empty(rows, length)
+                q, k, v = inputs[:3]
+                libraries[0].routed_attention_f32(
+                    q.data_ptr(), k.data_ptr(), v.data_ptr(), index.data_ptr(), valid.data_ptr(), 1, rows,
+                    length, length, q.shape[-1], q.shape[-1], slots, rows * length * slots, length * slots,
+                    q.shape[-1] ** -0.5, out.data_ptr(), lse.data_ptr(), args.threads)
+                forward = (out, lse, torch.randn_like(out))
         for round_ in range(args.rounds):
             for n, library in enumerate(libraries):
-                if args.op == "attention":
+                if args.op in ("attention", "backward"):
                     start = time.perf_counter()
-                    out = attention_round(library, inputs, rows, length, slots, args.threads)
+                    out = (attention_round(library, inputs, rows, length, slots, args.threads)
+                           if args.op == "attention"
+                           else backward_round(library, inputs, forward, rows, length, slots, args.threads))
                     times[n].append(time.perf_counter() - start)
                     if round_ == 0:
                         selections.append(out)

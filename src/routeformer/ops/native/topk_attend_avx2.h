@@ -127,16 +127,16 @@ void routed_attention_backward_f32(const float *q, const float *k, const float *
                 _mm256_storeu_ps(prob + e0, p);
                 _mm256_storeu_ps(dlogit + e0, _mm256_mul_ps(_mm256_mul_ps(p, dv), scaled));
             }
-            /* the updates: dq = Σ ds·k, dk += ds·q, dv += p·dout */
+            /* the updates: dq = Σ ds·k (in registers across the slots, as the forward's P·V),
+             * dk += ds·q, dv += p·dout (distinct rows: no chain between slots) */
+            weighted_rows_sum(grad_query, key_base, 0, dim, row_index, row_valid, dlogit, slots);
             for (int64_t e = 0; e < slots; e++) {
                 if (!row_valid[e]) continue;
                 int64_t j = row_index[e];
-                const float *restrict key = key_base + j * dim;
                 float p = prob[e], ds = dlogit[e];
                 float *restrict grad_value = grad_value_base + j * value_dim;
                 float *restrict grad_key = grad_key_base + j * dim;
                 for (int64_t c = 0; c < value_dim; c++) grad_value[c] += p * dout[c];
-                for (int64_t c = 0; c < dim; c++) grad_query[c] += ds * key[c];
                 for (int64_t c = 0; c < dim; c++) grad_key[c] += ds * query[c];
             }
         }

@@ -175,7 +175,7 @@ void routed_attention_backward_bf16(const uint16_t *q, const uint16_t *k, const 
         int64_t b = bh / heads, h = bh % heads;
         const uint16_t *key_base = k + bh * keys * dim, *value_base = v + bh * keys * value_dim;
         float *grad_key_base = grad_k + bh * keys * dim, *grad_value_base = grad_v + bh * keys * value_dim;
-        float query[MAX_DIM], dout[MAX_DIM];
+        float query[MAX_DIM], dout[MAX_DIM], slot_ds[MAX_SLOTS];
         for (int64_t t = 0; t < length; t++) {
             int64_t row = bh * length + t;
             int64_t offset = b * index_batch_stride + h * index_head_stride + t * slots;
@@ -193,15 +193,23 @@ void routed_attention_backward_bf16(const uint16_t *q, const uint16_t *k, const 
                     prefetch_row(grad_key_base + ahead * dim, dim * (int64_t)sizeof(float));
                     prefetch_row(grad_value_base + ahead * value_dim, value_dim * (int64_t)sizeof(float));
                 }
+                slot_ds[e] = 0.0f;
                 if (!valid[offset + e]) continue;
                 int64_t j = index[offset + e];
                 const uint16_t *key = key_base + j * dim, *value = value_base + j * value_dim;
                 float p = expf(dot_mixed(query, key, dim) * (float)scale - lse[row]);
                 float ds = p * (dot_mixed(dout, value, value_dim) - delta) * (float)scale;
                 add_scaled(grad_value_base + j * value_dim, p, dout, value_dim);
+#if EIGHT_SLOTS
+                slot_ds[e] = ds;
+#else
                 add_scaled_bf16(grad_query, ds, key, dim);
+#endif
                 add_scaled(grad_key_base + j * dim, ds, query, dim);
             }
+#if EIGHT_SLOTS /* dq = Σ ds·k in registers across the slots (in memory, each slot waits on the last's store) */
+            weighted_rows_sum(grad_query, key_base, 1, dim, index + offset, valid + offset, slot_ds, slots);
+#endif
         }
     }
 }
