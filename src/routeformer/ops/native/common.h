@@ -267,28 +267,33 @@ static inline float max8(__m256 x) {
     return _mm_cvtss_f32(m);
 }
 
-/* result[c] = Σ_e weight[e] · row_e[c] over the valid slots e < slots, row_e the row row_index[e] of
- * `base` (width columns, fp32 or, when bf16, bf16 widened exactly); returns Σ weight[e] over them.
- * The forward's P·V of the routed-attention kernels: 64 columns at a time stay in eight registers
- * across the slots (summed in memory, every slot's column waited on the last slot's store: at
- * T = 16384, d = 64, on an AMD EPYC, the fp32 forward with a local index ran 56 ms, mostly that
- * chain). Per column the sum runs over e in order with one multiply-add each, as before. */
-static inline float weighted_rows_sum(float *result, const void *base, int bf16, int64_t width,
-                                      const int64_t *row_index, const uint8_t *row_valid, const float *weight,
-                                      int64_t slots) {
-    const int64_t element = bf16 ? 2 : 4, vectors = width / 8;
-    /* Σ weights on 8 lanes (one running scalar sum is a chain of 64 dependent adds a query) */
+/* Σ weight[e] over the valid slots e < slots, on 8 lanes (one running scalar sum is a chain of 64
+ * dependent adds a query): the forwards' softmax denominator. */
+static inline float valid_weight_sum(const float *weight, const uint8_t *row_valid, int64_t slots) {
     __m256 lanes = _mm256_setzero_ps();
-    int64_t e8 = 0;
-    for (; e8 + 8 <= slots; e8 += 8) {
-        __m256i ok = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row_valid + e8)));
+    int64_t e = 0;
+    for (; e + 8 <= slots; e += 8) {
+        __m256i ok = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row_valid + e)));
         __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(ok, _mm256_setzero_si256()));
-        lanes = _mm256_add_ps(lanes, _mm256_and_ps(keep, _mm256_loadu_ps(weight + e8)));
+        lanes = _mm256_add_ps(lanes, _mm256_and_ps(keep, _mm256_loadu_ps(weight + e)));
     }
     __m128 half = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
     half = _mm_add_ps(half, _mm_movehl_ps(half, half));
     float total = _mm_cvtss_f32(_mm_add_ss(half, _mm_shuffle_ps(half, half, 1)));
-    for (; e8 < slots; e8++) total += row_valid[e8] ? weight[e8] : 0.0f;
+    for (; e < slots; e++) total += row_valid[e] ? weight[e] : 0.0f;
+    return total;
+}
+
+/* result[c] = Σ_e weight[e] · row_e[c] over the valid slots e < slots, row_e the row row_index[e] of
+ * `base` (width columns, fp32 or, when bf16, bf16 widened exactly). The routed-attention kernels'
+ * P·V (forward) and dq = Σ ds·k (backward): 64 columns at a time stay in eight registers across
+ * the slots (summed in memory, every slot's column waited on the last slot's store: at T = 16384,
+ * d = 64, on an AMD EPYC, the fp32 forward with a local index ran 56 ms, mostly that chain). Per
+ * column the sum runs over e in order with one multiply-add each, as before. */
+static inline void weighted_rows_sum(float *result, const void *base, int bf16, int64_t width,
+                                     const int64_t *row_index, const uint8_t *row_valid, const float *weight,
+                                     int64_t slots) {
+    const int64_t element = bf16 ? 2 : 4, vectors = width / 8;
     for (int64_t first = 0; first < vectors; first += 8) {
         int64_t n = vectors - first < 8 ? vectors - first : 8; /* registers in use */
         __m256 acc[8];
@@ -326,7 +331,6 @@ static inline float weighted_rows_sum(float *result, const void *base, int bf16,
         }
         result[c] = sum;
     }
-    return total;
 }
 #endif
 

@@ -79,7 +79,8 @@ void routed_attention_f32(const float *q, const float *k, const float *v, const 
         /* weights exp(logit − best) on the valid slots (the others are skipped below) */
         for (int64_t e = 0; e < slots; e++) if (!row_valid[e]) logits[e] = best;
         exp_sum_float(logits, slots, best);
-        float total = weighted_rows_sum(result, value_base, 0, value_dim, row_index, row_valid, logits, slots);
+        weighted_rows_sum(result, value_base, 0, value_dim, row_index, row_valid, logits, slots);
+        float total = valid_weight_sum(logits, row_valid, slots);
         for (int64_t c = 0; c < value_dim; c++) result[c] /= total;
         lse[row] = best + logf(total);
     }

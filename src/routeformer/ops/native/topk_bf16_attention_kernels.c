@@ -143,7 +143,8 @@ void routed_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t 
         memset(result, 0, sizeof(float) * (size_t)value_dim);
         if (best > -INFINITY) {
 #if EIGHT_SLOTS
-            total = weighted_rows_sum(result, value_base, 1, value_dim, row_index, row_valid, logits, slots);
+            weighted_rows_sum(result, value_base, 1, value_dim, row_index, row_valid, logits, slots);
+            total = valid_weight_sum(logits, row_valid, slots);
 #else
             for (int64_t e = 0; e < slots; e++) {
                 if (e + PREFETCH_AHEAD < slots)
@@ -193,8 +194,7 @@ void routed_attention_backward_bf16(const uint16_t *q, const uint16_t *k, const 
                     prefetch_row(grad_key_base + ahead * dim, dim * (int64_t)sizeof(float));
                     prefetch_row(grad_value_base + ahead * value_dim, value_dim * (int64_t)sizeof(float));
                 }
-                slot_ds[e] = 0.0f;
-                if (!valid[offset + e]) continue;
+                if (!valid[offset + e]) continue; /* (its slot_ds is never read) */
                 int64_t j = index[offset + e];
                 const uint16_t *key = key_base + j * dim, *value = value_base + j * value_dim;
                 float p = expf(dot_mixed(query, key, dim) * (float)scale - lse[row]);

@@ -33,7 +33,7 @@ static inline __m256i compress_pairs4(uint32_t mask) {
     return _mm256_or_si256(even, _mm256_slli_epi64(_mm256_add_epi64(even, _mm256_set1_epi64x(1)), 32));
 }
 
-/* The first n of 4 int64 lanes (n in [0, 4]) as a maskstore mask. */
+/* The first n of 4 int64 lanes as a maskload / maskstore mask (n <= 0: none, n >= 4: all). */
 static inline __m256i first_lanes4_epi64(int64_t n) {
     return _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3));
 }
@@ -48,9 +48,8 @@ static int64_t move_avx2(float *score, int64_t *key, int64_t n, float threshold)
         int64_t left = n - e;
         __m256i lanes = first_lanes8(left);
         __m256 v = _mm256_maskload_ps(score + e, lanes);
-        __m256i keys_low = _mm256_maskload_epi64((const long long *)(key + e), first_lanes4_epi64(left < 4 ? left : 4));
-        __m256i keys_high = _mm256_maskload_epi64((const long long *)(key + e + 4),
-                                                  first_lanes4_epi64(left < 4 ? 0 : (left < 8 ? left - 4 : 4)));
+        __m256i keys_low = _mm256_maskload_epi64((const long long *)(key + e), first_lanes4_epi64(left));
+        __m256i keys_high = _mm256_maskload_epi64((const long long *)(key + e + 4), first_lanes4_epi64(left - 4));
         uint32_t keep = (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(v, bound, _CMP_GE_OQ)) &
                         (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(lanes));
         int low_count = __builtin_popcount(keep & 0xF), total = __builtin_popcount(keep);
