@@ -25,27 +25,31 @@
 
 /* The forward of one (batch, head) row bh, float32 products (float32 or bfloat16 storage). float32
  * q and (without a mask) v are read in place: only kᵀ is always copied, the scale is applied to the
- * scores, and the last partial block of queries reads a zero-padded copy of its rows. */
+ * scores, and the last partial block of queries reads a zero-padded copy of its rows. bf16 q is
+ * widened a block of MR rows at a time, and bf16 (or masked) v rows as the blocks first reach them,
+ * so each widened row is read back while it is in cache (widening the whole row first wrote and
+ * re-read 2 x T x d float32 values a row: bf16 ran at 0.95x fp32's speed on an AVX2 CPU). */
 static void forward_row(const void *q, const void *k, const void *v, const float *bias, int bf16,
                         int64_t length, int64_t dim, int64_t before, int64_t after, float scale,
                         void *out, float *lse) {
-    int64_t ld = length + 16, span = min64(length, before + after + MR) + 16;
+    int64_t ld = length + 16, span = min64(length, before + after + MR) + 16, element = bf16 ? 2 : 4;
     int in_place = !bf16, values_in_place = !bf16 && !bias;
-    float *qs = in_place ? calloc((size_t)MR * dim, sizeof(float)) : malloc(sizeof(float) * (length + MR) * dim);
+    float *qs = calloc((size_t)MR * dim, sizeof(float));
     float *kt = malloc(sizeof(float) * dim * ld);
-    float *vr = values_in_place ? NULL : malloc(sizeof(float) * (length + MR) * dim);
+    float *vr = values_in_place ? NULL : malloc(sizeof(float) * length * dim);
     float *s = calloc((size_t)MR * span, sizeof(float)), *o = malloc(sizeof(float) * MR * dim);
-    if (!in_place) local_widen(q, bf16, length, dim, 1.0f, NULL, qs, NULL, 0);
     local_widen(k, bf16, length, dim, 1.0f, bias, NULL, kt, ld);
-    if (!values_in_place) local_widen(v, bf16, length, dim, 1.0f, bias, vr, NULL, 0);
     const float *values = values_in_place ? (const float *)v : vr;
+    int64_t widened = 0; /* rows of vr filled */
     for (int64_t i0 = 0; i0 < length; i0 += MR) {
         int64_t rows = min64(MR, length - i0);
         int64_t lo = max64(0, i0 - before), hi = min64(length, i0 + rows + after), n = hi - lo;
-        const float *queries = in_place ? (const float *)q + i0 * dim : qs + i0 * dim;
-        if (in_place && rows < MR) { /* the tile reads MR rows */
-            memcpy(qs, queries, sizeof(float) * rows * dim);
-            queries = qs;
+        const float *queries = qs; /* the tile reads MR rows: a partial block's others are zeros */
+        if (in_place && rows == MR) queries = (const float *)q + i0 * dim;
+        else if (in_place) memcpy(qs, (const float *)q + i0 * dim, sizeof(float) * rows * dim);
+        else {
+            local_widen_rows((const char *)q + i0 * dim * element, bf16, rows, dim, 1.0f, NULL, qs);
+            memset(qs + rows * dim, 0, sizeof(float) * (MR - rows) * dim);
         }
         local_gemm(rows, n, dim, queries, dim, 1, kt + lo, ld, s, span, 0);
         float inverse[MR];
@@ -53,9 +57,14 @@ static void forward_row(const void *q, const void *k, const void *v, const float
             int64_t i = i0 + r, a = max64(0, i - before) - lo, b = min64(length, i + after + 1) - lo;
             lse[i] = local_softmax_row(s + r * span, scale, bias ? bias + lo : NULL, a, b, n, &inverse[r]);
         }
+        if (vr && widened < hi) { /* the product reads value rows [lo, hi) */
+            local_widen_rows((const char *)v + widened * dim * element, bf16, hi - widened, dim, 1.0f,
+                             bias ? bias + widened : NULL, vr + widened * dim);
+            widened = hi;
+        }
         local_gemm(rows, dim, n, s, span, 1, values + lo * dim, dim, o, dim, 0);
         for (int64_t r = 0; r < rows; r++)
-            local_store(o + r * dim, dim, inverse[r], bf16, (char *)out + (i0 + r) * dim * (bf16 ? 2 : 4));
+            local_store(o + r * dim, dim, inverse[r], bf16, (char *)out + (i0 + r) * dim * element);
     }
     free(qs); free(kt); free(vr); free(s); free(o);
 }

@@ -25,6 +25,8 @@ void local_gemm_pairs_strided(int64_t rows, int64_t n, int64_t depth, const uint
                               int accumulate);
 void local_pair_rows(const float *x0, const float *x1, int64_t n, uint32_t *y);
 /* local_rows_kernels.c: row passes (softmax, its backward, conversions). */
+void local_widen_rows(const void *x, int bf16, int64_t count, int64_t dim, float factor, const float *bias,
+                      float *rows);
 void local_widen(const void *x, int bf16, int64_t length, int64_t dim, float factor, const float *bias,
                  float *rows, float *columns, int64_t ld);
 float *local_key_bias(const uint8_t *valid, int64_t length);

@@ -33,17 +33,24 @@ static inline void set_element(void *x, int64_t i, float value, int bf16) {
     else ((float *)x)[i] = value;
 }
 
-/* rows [T x d] of x -> float32 `rows` (factor·x; zero where `bias` is −inf, and MR zero rows after
- * the last; skipped if NULL) and, if `columns` is not NULL, its transpose [d x ld]. */
+/* `count` rows [count x d] of x (float32, or bfloat16 when bf16 != 0) -> float32 `rows`: factor·x,
+ * zero where `bias` (the same rows' entries, or NULL) is −inf. */
+void local_widen_rows(const void *x, int bf16, int64_t count, int64_t dim, float factor, const float *bias,
+                      float *rows) {
+    for (int64_t i = 0; i < count; i++) {
+        float *row = rows + i * dim;
+        if (bias && bias[i] < 0) memset(row, 0, sizeof(float) * dim); /* 0·NaN would stay NaN */
+        else if (bf16) for (int64_t c = 0; c < dim; c++) row[c] = bf16_to_float(((const uint16_t *)x)[i * dim + c]) * factor;
+        else for (int64_t c = 0; c < dim; c++) row[c] = ((const float *)x)[i * dim + c] * factor;
+    }
+}
+
+/* rows [T x d] of x -> float32 `rows` (local_widen_rows, and MR zero rows after the last; skipped
+ * if NULL) and, if `columns` is not NULL, its transpose [d x ld]. */
 void local_widen(const void *x, int bf16, int64_t length, int64_t dim, float factor, const float *bias,
                  float *rows, float *columns, int64_t ld) {
     if (rows) {
-        for (int64_t i = 0; i < length; i++) {
-            float *row = rows + i * dim;
-            if (bias && bias[i] < 0) memset(row, 0, sizeof(float) * dim); /* 0·NaN would stay NaN */
-            else if (bf16) for (int64_t c = 0; c < dim; c++) row[c] = bf16_to_float(((const uint16_t *)x)[i * dim + c]) * factor;
-            else for (int64_t c = 0; c < dim; c++) row[c] = ((const float *)x)[i * dim + c] * factor;
-        }
+        local_widen_rows(x, bf16, length, dim, factor, bias, rows);
         memset(rows + length * dim, 0, sizeof(float) * MR * dim);
     }
     if (!columns) return;
