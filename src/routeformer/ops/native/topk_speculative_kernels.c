@@ -364,7 +364,7 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
 #pragma GCC unroll 8
         for (int a = 0; a < QB; a++) any |= hits[a];
 #endif
-        if (any && (!simple || (causal && j0 + V > i0) || j0 + V > keys)) /* keys some query may not take */
+        if ((!simple || (causal && j0 + V > i0) || j0 + V > keys) && any) /* keys some query may not take */
             for (int64_t a = 0; a < nq; a++) {
                 uint32_t bits = hits[a];
                 int64_t i = i0 + a, last = causal && i < keys - 1 ? i : keys - 1; /* eligible keys end */
@@ -377,11 +377,11 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
                 hits[a] = bits;
             }
         /* Record the hits (bf16: in each query's bitmap; exact: by keeping the tile's entry) and
-         * count them; keys are listed only at a flush (whether a query hits a tile is a coin toss:
-         * no branch per query here). */
-#if PREFILTER_EXACT
-        if (!any) continue; /* (a third of the tiles at T = 16384: their entries are not kept) */
-#endif
+         * count them; keys are listed only at a flush. Whether a query, or any query, hits a tile
+         * is a coin toss (a third of the tiles at T = 16384 have no hit): no branch on it here or
+         * above (the edge test is read first), since a mispredicted one is resolved only when the
+         * tile's multiply-adds are done and throws away the next tile's. A tile no query hit
+         * keeps no entry (used[a] does not advance). */
         int64_t t = j0 / V;
         int full = 0;
 #pragma GCC unroll 8
