@@ -63,6 +63,18 @@ def test_float32_selects_what_the_tiled_kernel_selects(causal, local_window, glo
     assert torch.equal(fast, tiled)
 
 
+@pytest.mark.parametrize("causal, local_window, global_tokens, masked",
+                         [(True, 0, 0, False), (False, 0, 0, False), (True, 4, 2, True)])
+def test_float32_selects_the_same_through_many_flushes(causal, local_window, global_tokens, masked):
+    """A query flushes its candidates when 4 x slots of its hit tiles are held: with 3 slots, every
+    12 hit tiles, and a row's first block (no guess yet, every tile hits) scans 3000 keys."""
+    gen = torch.Generator().manual_seed(1)
+    route_q, route_k = (torch.randn(1, 2, 3000, 16, generator=gen) for _ in range(2))
+    key_mask = torch.rand(1, 3000, generator=gen) > 0.2 if masked else None
+    fast, tiled = _both(route_q, route_k, 3, causal, key_mask, local_window, global_tokens)
+    assert torch.equal(fast, tiled)
+
+
 def test_refuted_guesses_are_routed_again_exactly():
     """Keys twice as spread along one axis and queries that alternate between it and the others:
     the K-th best / |q| ratio jumps between blocks, so guesses fail and those queries are redone.

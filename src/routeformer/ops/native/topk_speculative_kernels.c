@@ -206,10 +206,10 @@ static float flush(const Row *row, const float *query, float *score, int64_t *ke
 
 /* A block's outputs and per-thread scratch: per query, `buffer` candidate scores and keys, and
  * the hits not yet listed: (bf16) a bitmap of `tiles` hit masks (bit c of tile t: key t·V + c), or
- * (exact) `buffer` hit-tile entries, each a tile's V scores and t << 16 | its hit mask. */
+ * (exact) `entries` hit-tile entries, each a tile's V scores and t << 16 | its hit mask. */
 typedef struct {
     int64_t *index; uint8_t *valid; float *scores; int64_t *keys; int64_t buffer; uint16_t *bits; int64_t tiles;
-    float *tile_scores; int64_t *hit_tiles;
+    float *tile_scores; int64_t *hit_tiles; int64_t entries;
 } Out;
 
 #if PREFILTER_BF16
@@ -234,8 +234,8 @@ static int64_t list_hits(const uint16_t *bits, int64_t from, int64_t to, int64_t
  * key (a hit tile mostly holds one key, and a loop over its bits mispredicted its exit). */
 static int64_t list_hit_tiles(const Out *out, int64_t a, int64_t used, float low, int64_t *key, float *score,
                               int64_t count) {
-    const float *scores = out->tile_scores + a * out->buffer * V;
-    const int64_t *entries = out->hit_tiles + a * out->buffer;
+    const float *scores = out->tile_scores + a * out->entries * V;
+    const int64_t *entries = out->hit_tiles + a * out->entries;
     __m256 bound = _mm256_set1_ps(low);
     for (int64_t u = 0; u < used; u++) {
         int64_t first_key = (entries[u] >> 16) * V;
@@ -359,7 +359,7 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
         /* route_topk_f32's own tile (topk_score_tile.h): exact fp32 scores, `>=` the bound. */
         float *into[QB]; /* each query's next hit-tile entry: kept only if the tile hits */
 #pragma GCC unroll 8
-        for (int a = 0; a < QB; a++) into[a] = out->tile_scores + (a * out->buffer + used[a]) * V;
+        for (int a = 0; a < QB; a++) into[a] = out->tile_scores + (a * out->entries + used[a]) * V;
         score_tile_float_into(query_row, row->key_tiles + (j0 / V) * dim * V, dim, low, 1, into, hits);
 #pragma GCC unroll 8
         for (int a = 0; a < QB; a++) any |= hits[a];
@@ -387,18 +387,20 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
 #pragma GCC unroll 8
         for (int a = 0; a < QB; a++) {
 #if PREFILTER_EXACT
-            /* the tile's scores are in entry used[a]: kept (used advances) only when the tile hit */
-            out->hit_tiles[a * out->buffer + used[a]] = t << 16 | hits[a];
+            /* the tile's scores are in entry used[a]: kept (used advances) only when the tile hit;
+             * a flush when the entries are used up (their keys, at most V an entry, fit the buffer) */
+            out->hit_tiles[a * out->entries + used[a]] = t << 16 | hits[a];
             used[a] += hits[a] != 0;
+            full |= used[a] >= out->entries;
 #else
             out->bits[a * out->tiles + t] = (uint16_t)hits[a];
-#endif
             pending[a] += __builtin_popcount(hits[a]);
             full |= count[a] + pending[a] >= out->buffer - 3 * V;
+#endif
         }
         if (!full) continue;
         for (int64_t a = 0; a < nq; a++)
-            if (count[a] + pending[a] >= out->buffer - 3 * V) {
+            if (PREFILTER_EXACT ? used[a] >= out->entries : count[a] + pending[a] >= out->buffer - 3 * V) {
                 count[a] = list_pending(out, a, first_tile[a], t, used[a], low[a], count[a]);
                 pending[a] = used[a] = 0;
                 first_tile[a] = t + 1;
@@ -516,14 +518,16 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
                     query_pairs + bh * length * pairs, &row[bh]);
     _Pragma("omp parallel num_threads(threads) reduction(+:scored)")
     {
-        /* Per query: a flush at 4 slots of candidates (buffer - 3V), and spare entries: a tile
-         * adds up to V - 1 beyond that, and listing a tile stores V keys. */
-        int64_t buffer = 4 * slots + 3 * V;
+        /* Per query (bf16): a flush at 4 slots of candidates (buffer - 3V), and spare entries: a
+         * tile adds up to V - 1 beyond that, and listing a tile stores V keys. (exact): a flush at
+         * 4 slots of hit tiles, whose keys (at most V a tile, listed V at a time) join the at most
+         * `slots` kept: a flush no longer tested per tile and query on candidate counts. */
+        int64_t entries = 4 * slots, buffer = PREFILTER_EXACT ? slots + V * entries + V : 4 * slots + 3 * V;
         float *scores = malloc(sizeof(float) * QB * buffer);
         int64_t *buffer_keys = malloc(sizeof(int64_t) * QB * buffer);
         uint16_t *bits = PREFILTER_BF16 ? malloc(sizeof(uint16_t) * QB * (tiles + 1)) : NULL;
-        float *tile_scores = PREFILTER_EXACT ? malloc(sizeof(float) * QB * buffer * V) : NULL;
-        int64_t *hit_tiles = PREFILTER_EXACT ? malloc(sizeof(int64_t) * QB * buffer) : NULL;
+        float *tile_scores = PREFILTER_EXACT ? malloc(sizeof(float) * QB * entries * V) : NULL;
+        int64_t *hit_tiles = PREFILTER_EXACT ? malloc(sizeof(int64_t) * QB * entries) : NULL;
         Guess guess = {.bh = -1};
         _Pragma("omp for schedule(dynamic, 8)")
         for (int64_t task = 0; task < rows * blocks; task++) {
@@ -533,7 +537,7 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
             guess.last_i0 = i0;
             const uint8_t *mask = key_mask ? key_mask + (bh / heads) * keys : NULL;
             Out out = {index + bh * length * slots, valid + bh * length * slots, scores, buffer_keys, buffer, bits,
-                       tiles + 1, tile_scores, hit_tiles};
+                       tiles + 1, tile_scores, hit_tiles, entries};
             if (guess.exact) { /* see 3.: the rest of this row by the exact scan */
                 route_topk_f32_exact_block(row[bh].queries, row[bh].key_tiles, mask, keys, dim, slots, causal,
                                            local_window, global_tokens, i0, nq, out.index, out.valid, scores,
