@@ -279,6 +279,20 @@ static void flush_full(const Row *row, Out *out, int64_t a, int64_t i, int64_t c
     if (!force_all[a]) low[a] = best - margin;
 }
 
+/* (exact) When a query flushes: after `limit` hit tiles held, aiming at about 4 x slots candidates a
+ * flush (a speculating query's hit tiles mostly hold a key or two, so up to `entries` = 4 x slots of
+ * them; a query without a bound yet takes every key of every tile: slots / 4 of them). Testing the
+ * held tiles, not the candidates, keeps the per-tile step to one comparison a query. */
+static inline int64_t first_limit(int64_t slots, int64_t entries) {
+    int64_t limit = slots / 4;
+    return limit < 1 ? 1 : limit < entries ? limit : entries;
+}
+static inline int64_t adapt_limit(int64_t held, int64_t listed, int64_t slots, int64_t entries) {
+    int64_t limit = held * 4 * slots / (listed > 0 ? listed : 1);
+    int64_t least = first_limit(slots, entries);
+    return limit < least ? least : limit < entries ? limit : entries;
+}
+
 /* Route queries [i0, i0 + nq) of one row. guess: speculate when ratio is a number. Per query:
  * kth[a] its cap-th best (-inf when it has fewer), appended[a] its candidate count, failed[a]
  * when the speculation was refuted (its output rows are then not written). Returns products. */
@@ -289,6 +303,7 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
     int64_t pending[QB];    /* hits recorded and not yet listed, found (bf16) in the bitmap from */
     int64_t first_tile[QB]; /* first_tile on, or (exact) in the first `used` hit-tile entries */
     int64_t used[QB];
+    int64_t limit[QB];      /* (exact) hit tiles held before a flush: see adapt_limit */
     float low[QB], spec[QB], margin[QB];
     uint32_t force_all[QB];
 #if PREFILTER_BF16
@@ -300,6 +315,7 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
         low[a] = INFINITY; force_all[a] = 0; count[a] = rescored[a] = 0; cap[a] = 0; failed[a] = 0;
         spec[a] = -INFINITY; margin[a] = INFINITY; kth[a] = -INFINITY; appended[a] = 0; forced[a] = 0;
         pending[a] = first_tile[a] = used[a] = 0;
+        limit[a] = out->entries;
 #if PREFILTER_BF16
         for (int64_t p = 0; p < row->pairs; p++) query_pair[a][p] = a < nq ? row->query_pairs[(i0 + a) * row->pairs + p] : 0;
 #else
@@ -334,6 +350,7 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
         int64_t eligible = causal ? i + 1 : keys;
         spec[a] = (ratio == ratio && guarded && eligible - taken >= 2 * cap[a]) ? norm * (ratio - slack) : -INFINITY;
         if (cap[a] > 0) low[a] = guarded ? spec[a] - margin[a] : -INFINITY;
+        limit[a] = low[a] == -INFINITY ? first_limit(slots, out->entries) : out->entries;
     }
     int simple = !mask && local_window == 0 && global_tokens == 0;
     int64_t end = causal ? i0 + nq : keys;
@@ -388,10 +405,10 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
         for (int a = 0; a < QB; a++) {
 #if PREFILTER_EXACT
             /* the tile's scores are in entry used[a]: kept (used advances) only when the tile hit;
-             * a flush when the entries are used up (their keys, at most V an entry, fit the buffer) */
+             * a flush after limit[a] <= entries held (their keys, at most V an entry, fit the buffer) */
             out->hit_tiles[a * out->entries + used[a]] = t << 16 | hits[a];
             used[a] += hits[a] != 0;
-            full |= used[a] >= out->entries;
+            full |= used[a] >= limit[a];
 #else
             out->bits[a * out->tiles + t] = (uint16_t)hits[a];
             pending[a] += __builtin_popcount(hits[a]);
@@ -400,8 +417,10 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
         }
         if (!full) continue;
         for (int64_t a = 0; a < nq; a++)
-            if (PREFILTER_EXACT ? used[a] >= out->entries : count[a] + pending[a] >= out->buffer - 3 * V) {
+            if (PREFILTER_EXACT ? used[a] >= limit[a] : count[a] + pending[a] >= out->buffer - 3 * V) {
+                int64_t before = count[a], held = used[a];
                 count[a] = list_pending(out, a, first_tile[a], t, used[a], low[a], count[a]);
+                limit[a] = adapt_limit(held, count[a] - before, slots, out->entries);
                 pending[a] = used[a] = 0;
                 first_tile[a] = t + 1;
                 flush_full(row, out, a, i0 + a, cap[a], margin[a], force_all, low, spec, count, rescored, appended,
@@ -519,9 +538,9 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
     _Pragma("omp parallel num_threads(threads) reduction(+:scored)")
     {
         /* Per query (bf16): a flush at 4 slots of candidates (buffer - 3V), and spare entries: a
-         * tile adds up to V - 1 beyond that, and listing a tile stores V keys. (exact): a flush at
-         * 4 slots of hit tiles, whose keys (at most V a tile, listed V at a time) join the at most
-         * `slots` kept: a flush no longer tested per tile and query on candidate counts. */
+         * tile adds up to V - 1 beyond that, and listing a tile stores V keys. (exact): a flush after at
+         * most 4 slots of hit tiles (adapt_limit), whose keys (at most V a tile, listed V at a time)
+         * join the at most `slots` kept: no candidate count is tested per tile and query. */
         int64_t entries = 4 * slots, buffer = PREFILTER_EXACT ? slots + V * entries + V : 4 * slots + 3 * V;
         float *scores = malloc(sizeof(float) * QB * buffer);
         int64_t *buffer_keys = malloc(sizeof(int64_t) * QB * buffer);
