@@ -108,6 +108,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--op", choices=("routing", "attention", "backward"), default="routing")
     parser.add_argument("--head-dim", type=int, default=64, help="attention: q, k, v width")
+    parser.add_argument("--data", choices=("random", "refuting"), default="random",
+                        help="routing vectors: standard normal, or keys twice as spread along dim 0 and "
+                        "queries with dim 0 zeroed in every other run of 40 (the K-th best / |q| jumps "
+                        "between blocks, so some guesses are refuted and those queries routed again)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         libraries = [build(revision, Path(scratch) / name)
@@ -115,6 +119,9 @@ def main() -> None:
         torch.manual_seed(0)
         rows, length, dim, slots = args.rows, args.length, args.dim, args.topk
         queries, keys = torch.randn(rows, length, dim), torch.randn(rows, length, dim)
+        if args.data == "refuting":
+            keys[..., 0] *= 2.0
+            queries[:, (torch.arange(length) // 40) % 2 == 1, 0] = 0.0
         times, selections = [[], []], []
         if args.op in ("attention", "backward"):
             index = torch.empty(rows, length, slots, dtype=torch.long)
