@@ -433,6 +433,7 @@ static int64_t route_block(const Row *row, const uint8_t *mask, int64_t slots, i
                 first_tile[a] = t + 1;
                 flush_full(row, out, a, i0 + a, cap[a], margin[a], force_all, low, spec, count, rescored, appended,
                            failed);
+                if (failed[a]) limit[a] = out->entries; /* it holds no more tiles: not the block's bound */
             }
         held_limit = least_limit(limit, nq, out->entries);
     }
