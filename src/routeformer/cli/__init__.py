@@ -5,7 +5,7 @@
     routeformer train [--config NAME|PATH] [--fresh] [--key value ...]
     routeformer train --task NAME [--mechanism M] [--seq-len T] [--option KEY=VALUE ...] [--steps N]
                       [--batch-size N] [--lr LR] [--evals N] [--seed S] [--out DIR] [--fresh]
-    routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N]
+    routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N] [--split S] [--sequences N]
     routeformer sample RUN_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
     routeformer list
     routeformer bench ops|layers|topk|structural|meta|mita|meta_tokens|compile|generate|gpu

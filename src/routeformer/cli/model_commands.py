@@ -93,40 +93,101 @@ def command_train(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def load_for_use(target: str):
-    """(model, tokeniser, config, checkpoint file, step) for eval and sample. CheckpointError when
-    a run directory's newest checkpoint is unreadable: an older state is used only when its file is
-    named explicitly."""
-    from routeformer.train.checkpoint import CheckpointError, choose_checkpoint, trained_model
+def usable_checkpoint(target: str):
+    """(file, state) of the checkpoint eval, sample and export-hf read (`checkpoint_for_use`: a run
+    directory's newest checkpoint, when intact). CheckpointError otherwise; for a task run directory
+    without a checkpoint, its message says why and what to run."""
+    from routeformer.train.checkpoint import CheckpointError, checkpoint_for_use
 
-    path, state, unreadable = choose_checkpoint(target)
-    step = state.get("step")
-    if unreadable:
-        raise CheckpointError(
-            f"the newest checkpoint of {target!r} is unreadable ({unreadable}); its newest intact one is "
-            f"{str(path)!r} (step {step}), an older state: name that file to use it")
-    return (*trained_model(state), path, step)
+    try:
+        return checkpoint_for_use(target)
+    except CheckpointError as error:
+        raise CheckpointError(with_run_hint(target, error)) from None
+
+
+def with_run_hint(target: str, error: Exception) -> str:
+    """`error`'s message, or, for a task run directory that holds no checkpoint, what it holds
+    instead and the command that gives it one."""
+    from routeformer.runner.run_dir import CONFIG_FILE, RECORD_FILE
+    from routeformer.train.checkpoint import checkpoint_files
+
+    directory = Path(target)
+    if not (directory / CONFIG_FILE).is_file() or checkpoint_files(directory):
+        return str(error)
+    if (directory / RECORD_FILE).is_file():
+        return (f"{target!r} holds a task run's {RECORD_FILE} but no checkpoint of its model; train it again "
+                "with its `routeformer train --task` command and --fresh to keep one")
+    return (f"{target!r} holds a task run that has not finished (no checkpoint of its model yet); run its "
+            "`routeformer train --task` command again to finish it")
+
+
+def load_for_use(target: str):
+    """(model, tokeniser, config, checkpoint file, step) of a `routeformer train` LM run for eval and
+    sample. CheckpointError when a run directory's newest checkpoint is unreadable: an older state
+    is used only when its file is named explicitly."""
+    from routeformer.train.checkpoint import trained_model
+
+    path, state = usable_checkpoint(target)
+    return (*trained_model(state), path, state.get("step"))
 
 
 def command_eval(args: argparse.Namespace) -> int:
     from routeformer.data.corpora import load_corpus, load_data
+    from routeformer.train.checkpoint import is_task_model, trained_model
     from routeformer.train.evaluate import evaluate_lm
 
-    model, vocab, config, path, step = load_for_use(args.checkpoint)
+    path, state = usable_checkpoint(args.checkpoint)
+    if is_task_model(state):
+        return _eval_task_run(args, path, state)
+    if args.split is not None or args.sequences is not None:
+        raise ValueError("argument --split/--sequences: apply to task runs (routeformer train --task); an LM "
+                         "run is evaluated on its corpus's validation text (--corpus, --max-tokens)")
+    model, vocab, config = trained_model(state)
     corpus = load_corpus(args.corpus) if args.corpus else load_data(config.data.corpus, config.data.path)
     ids = vocab.encode(corpus.val)
     density = config.data.meta_density  # a meta-token run is scored as it was trained
     meta = {"meta_density": density, "meta_id": vocab.pause_id} if density > 0 else {}
     result = evaluate_lm(model, ids, seq_len=config.data.seq_len, batch_size=config.train.schedule.batch_size,
                          max_tokens=args.max_tokens, **meta)
-    print(json.dumps({"checkpoint": str(path), "step": step, "corpus": corpus.name, **result}))
+    print(json.dumps({"checkpoint": str(path), "step": state.get("step"), "corpus": corpus.name, **result}))
+    return 0
+
+
+def _eval_task_run(args: argparse.Namespace, path: Path, state: dict) -> int:
+    """`eval` of a task run: the task's metric (and loss, accuracy, attention FLOPs) on the fixed
+    sample of its validation split (or --split test) that training evaluated on (evaluate_on_task)."""
+    from routeformer.tasks import build_task
+    from routeformer.train.checkpoint import task_model
+    from routeformer.train.on_task import evaluate_on_task
+
+    if args.corpus is not None or args.max_tokens is not None:
+        raise ValueError("argument --corpus/--max-tokens: apply to `routeformer train` LM runs; a task run is "
+                         "evaluated on its task's fixed sample (--split, --sequences)")
+    model, _ = task_model(state)
+    task = build_task(state["task"]["name"], **state["task"]["options"])
+    split = args.split or "validation"
+    setup = state["run"]["setup"]
+    sequences = args.sequences or setup["test_sequences" if split == "test" else "validation_sequences"]
+    result = evaluate_on_task(model, task, split, sequences)
+    print(json.dumps({"checkpoint": str(path), "step": state["step"], "task": task.describe(), "split": split,
+                      "sequences": sequences, "metric": task.metric, **result}))
     return 0
 
 
 def command_sample(args: argparse.Namespace) -> int:
     import torch
 
-    model, vocab, _, path, step = load_for_use(args.checkpoint)
+    from routeformer.train.checkpoint import is_task_model, task_model, trained_model
+
+    path, state = usable_checkpoint(args.checkpoint)
+    if is_task_model(state):
+        model, vocab = task_model(state)
+        if vocab is None or not hasattr(model, "generate"):
+            raise ValueError(f"sample: {args.checkpoint!r} is a run of task {state['task']['name']!r}, whose "
+                             "tokens are not text; sample generates from runs of text tasks (lm, code_lm) and "
+                             "of `routeformer train`; score this one with `routeformer eval`")
+    else:
+        model, vocab, _ = trained_model(state)
     if args.temperature is not None and not args.temperature >= 0:
         raise ValueError(f"--temperature must be >= 0; got {args.temperature!r}")
     prompt = vocab.encode(args.prompt)[None]
@@ -136,21 +197,33 @@ def command_sample(args: argparse.Namespace) -> int:
     tokens = model.generate(prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
                             generator=generator)
     print(vocab.decode(tokens[0].tolist()))
-    print(f"routeformer: sampled from {str(path)!r} (step {step})", file=sys.stderr, flush=True)
+    print(f"routeformer: sampled from {str(path)!r} (step {state.get('step')})", file=sys.stderr, flush=True)
     return 0
 
 
 def command_export_hf(args: argparse.Namespace) -> int:
+    from routeformer.train.checkpoint import CheckpointError
+
     try:
-        from routeformer.integrations.hf.export import export_hf
+        from routeformer.integrations.hf.export import RUN_NAME, VOCAB_NAME, export_hf
     except ImportError as error:  # transformers is an optional extra
         raise ValueError(str(error)) from error
-    out = export_hf(args.run_dir, args.out_dir)
-    print(f"wrote {out}; load it with (the first import registers routeformer's model with transformers):\n"
+    try:
+        out = export_hf(args.run_dir, args.out_dir)
+    except CheckpointError as error:
+        raise CheckpointError(with_run_hint(args.run_dir, error)) from None
+    source = json.loads((out / RUN_NAME).read_text()) if (out / RUN_NAME).is_file() else {}
+    origin = f" from {source['checkpoint']!r} (step {source['step']})" if source else ""
+    if (out / VOCAB_NAME).is_file():
+        tokens = (f"  (tokeniser: routeformer.data.tokenizers.tokenizer_from_dict(json.load(open("
+                  f"{str(out / VOCAB_NAME)!r}))))")
+    elif source.get("task"):
+        tokens = f"  (no text tokeniser: its input ids are the tokens of task {source['task']['name']!r})"
+    else:
+        tokens = ""
+    print(f"wrote {out}{origin}; load it with (the first import registers routeformer's model with "
+          f"transformers):\n"
           f"  import routeformer.integrations.hf\n"
           f"  from transformers import AutoModelForCausalLM\n"
-          f"  model = AutoModelForCausalLM.from_pretrained({str(out)!r})\n"
-          f"  (tokeniser: routeformer.data.tokenizers.tokenizer_from_dict(json.load(open("
-          f"{str(out / 'routeformer_vocab.json')!r}))))")
+          f"  model = AutoModelForCausalLM.from_pretrained({str(out)!r})" + (f"\n{tokens}" if tokens else ""))
     return 0
-

@@ -153,8 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = commands.add_parser("eval", help="evaluate a checkpoint on its validation split")
     evaluate.add_argument("checkpoint", help="run directory or checkpoint file")
-    evaluate.add_argument("--corpus", help="evaluate on another corpus spec's validation split")
-    evaluate.add_argument("--max-tokens", type=positive_int, default=None)
+    evaluate.add_argument("--corpus", help="LM run: evaluate on another corpus spec's validation split")
+    evaluate.add_argument("--max-tokens", type=positive_int, default=None, help="LM run: tokens evaluated")
+    evaluate.add_argument("--split", choices=("validation", "test"), default=None,
+                          help="task run: the split of its task's fixed sample (default: validation)")
+    evaluate.add_argument("--sequences", type=positive_int, default=None,
+                          help="task run: sequences of that sample (default: as many as training used)")
 
     sample = commands.add_parser("sample", help="generate text from a checkpoint")
     sample.add_argument("checkpoint", help="run directory or checkpoint file")

@@ -6,7 +6,9 @@ compare uses (`compare.budgets.task_job` -> `runner.jobs.train_job` -> `train.on
 The setup is compare --quick's for the task where it has one (lm, mqar, listops: task options,
 schedule, evaluations, test sample) and otherwise the task's own defaults with the task loop's
 default schedule; the backbone is compare --quick's. --steps, --batch-size, --lr, --evals,
---seq-len and --option change it; with --steps the warm-up keeps its share of the steps.
+--seq-len and --option change it; with --steps the warm-up keeps its share of the steps. The
+trained model is kept in the run directory as `checkpoint.pt` (runner/run_dir.py), which `eval`,
+`sample` (text tasks), `export-hf` (causal models) and `train.checkpoint.load_run_model` read.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -27,6 +30,7 @@ from routeformer.runner.jobs import Job, TaskSetup
 def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
     from routeformer.runner.jobs import say
     from routeformer.runner.run_dir import RECORD_FILE, run_in_directory
+    from routeformer.train.checkpoint import CHECKPOINT_NAME
 
     if args.config is not None:
         raise ValueError("argument --config: applies to the LM run (train without --task); "
@@ -41,7 +45,9 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
               "evaluation", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     test = {key: value for key, value in record["test"].items() if not isinstance(value, dict)}
-    print(json.dumps({"out_dir": out, "record": f"{out}/{RECORD_FILE}", "task": record["task"],
+    kept = Path(out) / CHECKPOINT_NAME
+    model = {"checkpoint": str(kept)} if kept.is_file() else {}
+    print(json.dumps({"out_dir": out, "record": f"{out}/{RECORD_FILE}", **model, "task": record["task"],
                       "mechanism": record["mechanism"], "seed": record["seed"],
                       "steps": record["validation"][-1]["step"], "parameters": record["parameters"],
                       "quality": record["quality"], "test": test,

@@ -70,10 +70,12 @@ class Job:
     spec: ModelSpec = field(default_factory=ModelSpec)
 
 
-def train_job(job: Job, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def train_job(job: Job, log: Callable[[str], None] | None = None,
+              keep_model: Callable[[Any], None] | None = None) -> dict[str, Any]:
     """Train one fresh model through the stages of the job's setup, then test it at T and at each of
     its evaluation multiples (see runner/setups.py). `log` hears the run's progress lines (default:
-    `say`, prefixed with the job's key).
+    `say`, prefixed with the job's key); `keep_model(model)` is called with the trained model once it
+    is tested, before the record is returned (a run directory saves it there).
 
     A one-stage setup tested at T alone gives train.on_task's record (`train`, `validation`, `test`);
     a staged one gives the record of `staged_record` (each evaluation's stage, `tests` per length)."""
@@ -95,7 +97,8 @@ def train_job(job: Job, log: Callable[[str], None] | None = None) -> dict[str, A
         record = train_on_task(task, job.mechanism, job.options, seed=job.seed, train=configs[0],
                                spec=job.spec, validation_sequences=setup.validation_sequences,
                                test_sequences=setup.test_sequences,
-                               log=lambda line: log(_with_total(line, total)))
+                               log=lambda line: log(_with_total(line, total)),
+                               after_training=None if keep_model is None else _kept_by(keep_model))
         return {**record, "task_name": job.task, "task_options": job.task_options}
     log(f"started ({total} steps in {len(setup.stages)} stages)")
     done = [sum(stage.schedule.steps for stage in setup.stages[:index]) for index in range(len(setup.stages))]
@@ -114,7 +117,20 @@ def train_job(job: Job, log: Callable[[str], None] | None = None) -> dict[str, A
     validation = [{**record, "stage": index, "task": t.describe()}
                   for index, (t, history) in enumerate(zip(stage_tasks, histories, strict=True))
                   for record in history.evals]
-    return staged_record(job, task, model, validation, sum(h.train_seconds for h in histories))
+    record = staged_record(job, task, model, validation, sum(h.train_seconds for h in histories))
+    if keep_model is not None:
+        keep_model(model)
+    return record
+
+
+def _kept_by(keep_model: Callable[[Any], None]) -> Callable[[Any], dict[str, Any]]:
+    """`train_on_task`'s after_training hook that hands the model to `keep_model` and adds nothing
+    to the record."""
+    def after_training(model: Any) -> dict[str, Any]:
+        keep_model(model)
+        return {}
+
+    return after_training
 
 
 def staged_record(job: Job, task: Any, model: Any, validation: list[dict[str, Any]],

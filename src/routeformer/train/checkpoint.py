@@ -17,10 +17,18 @@ A run directory keeps its last `keep` checkpoints: `checkpoint.pt` (newest), `ch
 `checkpoint.2.pt`, ... `latest_checkpoint` returns the newest intact one, reporting (and moving
 aside, as `<name>.corrupt`) any corrupt file it passes.
 
-The public readers, for code outside training (an exporter, an evaluation script):
-`load_checkpoint(path) -> dict` (the state) and `load_trained_model(path) -> (model, vocab,
-config)`; both take a run directory or a checkpoint file. `choose_checkpoint(path)` also says which
-file (and so which step) a run directory gave, and whether a newer one was unreadable.
+A task run directory (`routeformer train --task NAME`) keeps its trained model in the same files
+(`save_task_model`): the state holds the weights, the model config, the task's name and options,
+the run's config and, for text tasks, the tokeniser, instead of an LM run's `RunConfig`.
+
+The public readers, for code outside training (an exporter, an evaluation script, a conversion):
+`load_checkpoint(path) -> dict` (the state), `load_trained_model(path) -> (model, vocab, config)`
+(LM runs) and `load_run_model(path) -> RunModel` (model, task, config, tokeniser, file, step: task
+runs and LM runs alike); all take a run directory or a checkpoint file. `choose_checkpoint(path)`
+also says which file (and so which step) a run directory gave, and whether a newer one was
+unreadable; `checkpoint_for_use(path)` is the rule eval, sample, export-hf and `load_run_model`
+share: a directory's newest checkpoint, refused (naming the newest intact one and its step) when
+it is unreadable.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import os
 import pickle
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +49,10 @@ from routeformer.train.checkpoint_format import decode as decode_payload
 from routeformer.train.checkpoint_format import encode as encode_payload
 
 CHECKPOINT_NAME = "checkpoint.pt"
+RESUME_ADVICE = "start over with --fresh"  # what `routeformer train` says when no checkpoint is intact
+READ_ADVICE = ("nothing here can be read: train the run again (its `routeformer train` command with --fresh "
+               "starts it over)")  # what eval, sample and export-hf say instead
+TASK_RUN_KEEP = 2  # checkpoints a task run directory keeps (its final model, and the one before a re-save)
 _MAGIC = b"ROUTEFORMER-CHECKPOINT 2 sha256="
 _MAGIC_PICKLE = b"ROUTEFORMER-CHECKPOINT 1 sha256="  # version 1: a torch.save payload
 _LEGACY_ZIP = b"PK\x03\x04"  # what torch.save wrote before checksums
@@ -130,12 +143,14 @@ def checkpoint_files(directory: str | Path) -> list[Path]:
 
 
 def latest_checkpoint(directory: str | Path, *, report: Callable[[str], None] | None = None,
-                      quarantine: bool = True) -> tuple[Path, dict[str, Any]]:
+                      quarantine: bool = True, advice: str = RESUME_ADVICE) -> tuple[Path, dict[str, Any]]:
     """(path, state) of the newest intact checkpoint in a run directory.
 
     Each corrupt file passed on the way is reported (`report`, default: a line on stderr) and, with
     `quarantine`, renamed to `<name>.corrupt` so that later runs neither retry nor count it.
-    Raises CheckpointError when the directory holds no intact checkpoint."""
+    Raises CheckpointError when the directory holds no intact checkpoint; when every one is corrupt,
+    its message ends with `advice` (what to do: a training run starts over with --fresh, a reader
+    says so in its own words)."""
     report = report or _print_warning
     directory = Path(directory)
     candidates = checkpoint_files(directory)
@@ -155,7 +170,7 @@ def latest_checkpoint(directory: str | Path, *, report: Callable[[str], None] | 
                 moved = f"; moved aside to {path.name}.corrupt"
             report(f"{error}{moved}")
     raise CheckpointError(f"no intact checkpoint in {str(directory)!r} (all {len(candidates)} corrupt); "
-                          "start over with --fresh")
+                          f"{advice}")
 
 
 def save_rotating(directory: str | Path, state: dict[str, Any], *, keep: int) -> Path:
@@ -200,7 +215,8 @@ only when none is intact (CheckpointError)."""
         return path, load_checkpoint(path), None
     unreadable: list[str] = []
     try:
-        chosen, state = latest_checkpoint(path, report=unreadable.append, quarantine=False)
+        chosen, state = latest_checkpoint(path, report=unreadable.append, quarantine=False,
+                                          advice=READ_ADVICE)
     except CheckpointError:
         for message in unreadable:
             _print_warning(message)
@@ -210,6 +226,21 @@ only when none is intact (CheckpointError)."""
     unreadable += [f"{file.name} (moved aside as corrupt)" for file in moved
                    if file.stat().st_mtime > written]
     return chosen, state, "; ".join(unreadable) or None
+
+
+def checkpoint_for_use(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """(file, state) that eval, sample, export-hf and `load_run_model` read from a run directory or
+    a checkpoint file: the directory's newest checkpoint, when it is intact.
+
+    Raises CheckpointError when there is none, or when the newest is unreadable (corrupt, truncated,
+    moved aside): the message names the newest intact file and its step, an older state, which is
+    used only when that file is named explicitly."""
+    chosen, state, unreadable = choose_checkpoint(path)
+    if unreadable:
+        raise CheckpointError(
+            f"the newest checkpoint of {str(path)!r} is unreadable ({unreadable}); its newest intact one is "
+            f"{str(chosen)!r} (step {state.get('step')}), an older state: name that file to use it")
+    return chosen, state
 
 
 def load_trained_model(path: str | Path):
@@ -229,6 +260,84 @@ def trained_model(state: dict[str, Any]):
     model = CausalLM(config.model)
     model.load_state_dict(state["model"])
     return model.eval(), tokenizer_from_dict(state["vocab"]), config
+
+
+def save_task_model(directory: str | Path, model: Any, *, step: int, task: str, task_options: dict[str, Any],
+                    run: dict[str, Any], vocab: dict[str, Any] | None = None, keep: int = TASK_RUN_KEEP) -> Path:
+    """Write a task run's trained `model` (a TokenPredictor or CausalLM) as the newest checkpoint of
+    run directory `directory` (`save_rotating`, keeping `keep`); returns its path.
+
+    The state holds what rebuilds the model without the code that trained it: `step` (the training
+    steps done), `model` (the state dict), `model_config` (`ModelConfig.to_dict()`), `task`
+    ({"name": the registered task, "options": what `build_task` gets}), `run` (the run's config:
+    mechanism, seed, schedule, backbone) and, for a task whose tokens are text (lm, code_lm),
+    `vocab` (the tokeniser's `to_dict()`). Saving reads the model and draws no random numbers."""
+    state: dict[str, Any] = {"step": step, "model": model.state_dict(), "model_config": model.config.to_dict(),
+                             "task": {"name": task, "options": task_options}, "run": run}
+    if vocab is not None:
+        state["vocab"] = vocab
+    return save_rotating(directory, state, keep=keep)
+
+
+def is_task_model(state: dict[str, Any]) -> bool:
+    """Whether a checkpoint's state is a task run's model (`save_task_model`) rather than a
+    `routeformer train` LM run's."""
+    return "task" in state and "model_config" in state
+
+
+def task_model(state: dict[str, Any]):
+    """(model in eval mode, tokeniser or None) from a task run's checkpoint state: a CausalLM for a
+    causal task (it can generate), else a bidirectional TokenPredictor; the tokeniser of a text task
+    (None for a task of abstract tokens such as mqar)."""
+    from routeformer.data.tokenizers import tokenizer_from_dict
+    from routeformer.models.config import ModelConfig
+    from routeformer.models.heads import CausalLM, TokenPredictor
+
+    config = ModelConfig.from_dict(state["model_config"])
+    model = CausalLM(config) if config.causal else TokenPredictor(config)
+    model.load_state_dict(state["model"])
+    vocab = tokenizer_from_dict(state["vocab"]) if state.get("vocab") is not None else None
+    return model.eval(), vocab
+
+
+@dataclass(frozen=True)
+class RunModel:
+    """A trained run's model with what it was trained as (`load_run_model`).
+
+    `model`: in eval mode; a CausalLM for causal tasks and LM runs, a TokenPredictor otherwise.
+    `task`: the task rebuilt from its name and options (None for a `routeformer train` LM run, whose
+    text is `config["data"]`). `config`: the run's config as data (a task run's job: task, mechanism
+    and its options, seed, setup, backbone; an LM run's `RunConfig.to_dict()`). `tokenizer`: the
+    run's tokeniser (None for a task of abstract tokens). `checkpoint`, `step`: the file read and
+    the training steps it holds."""
+
+    model: Any
+    task: Any
+    config: dict[str, Any]
+    tokenizer: Any
+    checkpoint: Path
+    step: int
+
+
+def load_run_model(path: str | Path, *, build_task: bool = True) -> RunModel:
+    """The trained model of a run directory or checkpoint file, from either kind of run
+    (`routeformer train --task NAME` or `routeformer train`), read by the rule eval and export-hf
+    apply (`checkpoint_for_use`: the newest checkpoint, when intact).
+
+    `build_task=False` leaves `task` None (building it may load a corpus). Raises CheckpointError
+    when no usable checkpoint is found; the task's own ValueError when it cannot be rebuilt here
+    (a corpus that is not on this machine)."""
+    file, state = checkpoint_for_use(path)
+    if is_task_model(state):
+        model, vocab = task_model(state)
+        task = None
+        if build_task:
+            from routeformer.tasks import build_task as build
+
+            task = build(state["task"]["name"], **state["task"]["options"])
+        return RunModel(model, task, state["run"], vocab, file, state["step"])
+    model, vocab, config = trained_model(state)
+    return RunModel(model, None, config.to_dict(), vocab, file, state["step"])
 
 
 def _print_warning(message: str) -> None:
