@@ -161,8 +161,8 @@ def _eval_task_run(args: argparse.Namespace, path: Path, state: dict) -> int:
     from routeformer.train.on_task import evaluate_on_task
 
     if args.corpus is not None or args.max_tokens is not None:
-        raise ValueError("argument --corpus/--max-tokens: apply to `routeformer train` LM runs; a task run is "
-                         "evaluated on its task's fixed sample (--split, --sequences)")
+        raise ValueError("argument --corpus/--max-tokens: apply to `routeformer train` LM runs; a task run "
+                         "is evaluated on its task's fixed sample (--split, --sequences)")
     model, _ = task_model(state)
     task = build_task(state["task"]["name"], **state["task"]["options"])
     split = args.split or "validation"
@@ -184,8 +184,8 @@ def command_sample(args: argparse.Namespace) -> int:
         model, vocab = task_model(state)
         if vocab is None or not hasattr(model, "generate"):
             raise ValueError(f"sample: {args.checkpoint!r} is a run of task {state['task']['name']!r}, whose "
-                             "tokens are not text; sample generates from runs of text tasks (lm, code_lm) and "
-                             "of `routeformer train`; score this one with `routeformer eval`")
+                             "tokens are not text; sample generates from runs of text tasks (lm, code_lm) "
+                             "and of `routeformer train`; score this one with `routeformer eval`")
     else:
         model, vocab, _ = trained_model(state)
     if args.temperature is not None and not args.temperature >= 0:

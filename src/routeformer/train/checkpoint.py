@@ -263,7 +263,8 @@ def trained_model(state: dict[str, Any]):
 
 
 def save_task_model(directory: str | Path, model: Any, *, step: int, task: str, task_options: dict[str, Any],
-                    run: dict[str, Any], vocab: dict[str, Any] | None = None, keep: int = TASK_RUN_KEEP) -> Path:
+                    run: dict[str, Any], vocab: dict[str, Any] | None = None,
+                    keep: int = TASK_RUN_KEEP) -> Path:
     """Write a task run's trained `model` (a TokenPredictor or CausalLM) as the newest checkpoint of
     run directory `directory` (`save_rotating`, keeping `keep`); returns its path.
 
@@ -272,7 +273,8 @@ def save_task_model(directory: str | Path, model: Any, *, step: int, task: str, 
     ({"name": the registered task, "options": what `build_task` gets}), `run` (the run's config:
     mechanism, seed, schedule, backbone) and, for a task whose tokens are text (lm, code_lm),
     `vocab` (the tokeniser's `to_dict()`). Saving reads the model and draws no random numbers."""
-    state: dict[str, Any] = {"step": step, "model": model.state_dict(), "model_config": model.config.to_dict(),
+    state: dict[str, Any] = {"step": step, "model": model.state_dict(),
+                             "model_config": model.config.to_dict(),
                              "task": {"name": task, "options": task_options}, "run": run}
     if vocab is not None:
         state["vocab"] = vocab

@@ -37,9 +37,9 @@ def export_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
     if task is not None:
         model, vocab = task_model(state)
         if not model.config.causal:
-            raise ValueError(f"export-hf: {str(run_dir)!r} is a run of task {task['name']!r}, whose model reads "
-                             "the whole sequence (causal=False); export-hf writes causal language models "
-                             "(RouteformerForCausalLM), so it has no transformers form")
+            raise ValueError(f"export-hf: {str(run_dir)!r} is a run of task {task['name']!r}, whose model "
+                             "reads the whole sequence (causal=False); export-hf writes causal language "
+                             "models (RouteformerForCausalLM), so it has no transformers form")
     else:
         model, vocab, _ = trained_model(state)
     config = RouteformerConfig.from_model_config(model.config)
