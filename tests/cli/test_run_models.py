@@ -84,6 +84,8 @@ def test_eval_of_a_task_run_gives_the_metrics_training_recorded(mqar_run, capsys
     tested = json.loads(out)
     assert status == 0 and tested["sequences"] == 1024
     assert {key: tested[key] for key in record["test"]} == record["test"]
+    status, out, err = _run(capsys, ["eval", str(mqar_run), "--max-tokens", "64"])
+    assert status == 2 and out == "" and "argument --corpus/--max-tokens: apply to `routeformer train`" in err
 
 
 def test_export_hf_of_a_causal_task_run_gives_the_same_logits(mqar_run, tmp_path, capsys):
@@ -188,6 +190,8 @@ def test_eval_and_export_hf_name_the_same_step_when_the_newest_checkpoint_is_tru
     # the older state, named explicitly, is read by both, which say its step
     status, out, _ = _run(capsys, ["eval", str(run / "checkpoint.1.pt"), "--max-tokens", "256"])
     assert status == 0 and json.loads(out)["step"] == 2
+    status, _, err = _run(capsys, ["eval", str(run / "checkpoint.1.pt"), "--split", "test"])
+    assert status == 2 and "argument --split/--sequences: apply to task runs" in err
     status, out, _ = _run(capsys, ["export-hf", str(run / "checkpoint.1.pt"), str(tmp_path / "hf")])
     assert status == 0 and f"from {str(run / 'checkpoint.1.pt')!r} (step 2)" in out
 
