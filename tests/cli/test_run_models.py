@@ -227,6 +227,9 @@ def test_a_task_run_refuses_a_directory_of_another_kind_of_run(tmp_path, capsys)
     status, _, err = _run(capsys, [*MQAR_RUN, "--out", str(run)])
     assert status == 2 and "holds checkpoints but no config.json of a task run" in err
     assert sorted(path.name for path in run.iterdir()) == before
+    assert main([*MQAR_RUN, "--steps", "2", "--evals", "1", "--out", str(run), "--fresh"]) == 0
+    assert checkpoint_files(run) == [run / "checkpoint.pt"]  # the LM run's checkpoints are gone
+    assert load_checkpoint(run)["task"]["name"] == "mqar"
 
 
 def test_keeping_the_model_changes_nothing_in_training(tmp_path):
