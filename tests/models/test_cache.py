@@ -28,6 +28,13 @@ CACHED = {
     "multihop_three_identity": ("multihop", {"hops": 3, "identity": True}),
     "expanding": ("expanding", {"prior_alpha": 1.0, "prior_beta": 4.0}),
     "expanding_mean_field": ("expanding", {"update": "mean_field", "prior_alpha": 2.0, "prior_beta": 3.0}),
+    # Grouped-query attention: one K/V head for the model's two query heads.
+    "full_kv1": ("full", {"kv_heads": 1}),
+    "gated_kv1": ("gated", {"kv_heads": 1}),
+    "local_kv1": ("local", {"window": 4, "kv_heads": 1}),
+    "linear_kv1": ("linear", {"chunk": 4, "kv_heads": 1}),
+    "topk_kv1_gathered": ("topk", {"topk": 2, "local_window": 2, "dense_below": 0, "kv_heads": 1}),
+    "topk_kv1_per_group": ("topk", {"topk": 3, "kv_heads": 1, "route_per": "group", "dense_below": 0}),
 }
 
 
