@@ -27,10 +27,15 @@ CASES.update({
                                         "routing_learning": "score_bias"}),
     "topk_group_score_bias": ("topk", {**SMALL_OPTIONS["topk"], "route_per": "group",
                                        "routing_learning": "score_bias"}),
+    "meta_tokens_parallel_gated": ("meta_tokens", {"meta_input": "parallel", "combine": "gated"}),
+    "meta_tokens_parallel_shared": ("meta_tokens", {"meta_input": "parallel", "meta_projections": "shared"}),
 })
 KV_HEADS = [1, HEADS // 2]
 # Cached entries that hold K/V (or a state built from them), per query-head count of the layer.
-KEY_VALUE_ENTRIES = ("k_buffer", "v_buffer", "state", "normaliser")
+KEY_VALUE_ENTRIES = ("k_buffer", "v_buffer", "meta_k_buffer", "meta_v_buffer", "state", "normaliser")
+# Mechanisms whose decode state holds more than K/V-derived tensors: multihop's hop outputs (per
+# query head: each has its own attention matrix), meta_tokens' meta-token flags [B, L].
+STATE_BEYOND_KEY_VALUES = {"multihop", "meta_tokens"}
 
 
 def build(name: str, kv_heads: int, causal: bool = True, seed: int = 0):
@@ -114,7 +119,7 @@ def test_grouped_layer_equals_repeated_key_value_heads(name, kv_heads, causal):
     for module in (layer, reference):
         inputs = x.clone().requires_grad_()
         torch.manual_seed(5)  # the routing loss's sampled rows
-        result = module(inputs, mask=mask)
+        result = module(inputs, mask=mask, **meta_tokens_of(module, 19))
         ((result.out * weight).sum() + result.aux_loss).backward()
         results.append(result)
         grads.append(inputs.grad)
@@ -142,14 +147,24 @@ def test_grouped_layer_holds_fewer_key_value_parameters(name, kv_heads):
     routing_saved = 0
     if routes_per_group(layer):  # one routing head per K/V group instead of one per query head
         routing_saved = (HEADS - kv_heads) * (2 * layer.routing_dim * DIM + 1)
-    assert saved == 2 * (HEADS - kv_heads) * head_dim * DIM + routing_saved
+    projections = sum(name.endswith("qkv_proj.weight") for name, _ in layer.named_parameters())
+    assert saved == projections * 2 * (HEADS - kv_heads) * head_dim * DIM + routing_saved
+
+
+def meta_tokens_of(layer, length: int) -> dict:
+    """A meta-token mask for layers that read one (every third token), else nothing."""
+    if not getattr(layer, "reads_meta_mask", False):
+        return {}
+    return {"meta_mask": torch.arange(length).expand(2, length) % 3 == 1}
 
 
 def decode_all(layer, x: torch.Tensor, pieces: list[int]) -> tuple[torch.Tensor, dict]:
     cache, outputs, start = {}, [], 0
+    meta = meta_tokens_of(layer, x.shape[1]).get("meta_mask")
     for size in pieces:
         positions = torch.arange(start, start + size).expand(x.shape[0], size)
-        outputs.append(layer.decode(x[:, start:start + size], positions=positions, cache=cache))
+        extra = {} if meta is None else {"meta_mask": meta[:, start:start + size]}
+        outputs.append(layer.decode(x[:, start:start + size], positions=positions, cache=cache, **extra))
         start += size
     return torch.cat(outputs, dim=1), cache
 
@@ -165,7 +180,7 @@ def test_grouped_cached_decoding_equals_the_parallel_pass(name, kv_heads):
     layer = build(name, kv_heads).eval()
     x = torch.randn(2, 16, DIM, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        parallel = layer(x).out
+        parallel = layer(x, **meta_tokens_of(layer, 16)).out
         for pieces in ([1] * 16, [7, 1, 3, 1, 4]):
             decoded, _ = decode_all(layer, x, pieces)
             torch.testing.assert_close(decoded, parallel, atol=2e-5, rtol=1e-4)
@@ -188,6 +203,8 @@ def test_grouped_decode_cache_holds_kv_heads_of_the_bytes(name, kv_heads):
     assert key_value_bytes(cache) * HEADS == key_value_bytes(reference_cache) * kv_heads
     if hasattr(layer, "router_heads") and not routes_per_group(layer):
         return  # routing keys per query head, or one set for all heads: not K/V (checked below)
+    if CASES[name][0] in STATE_BEYOND_KEY_VALUES:
+        return
     assert state_bytes(cache) * HEADS == state_bytes(reference_cache) * kv_heads
 
 

@@ -35,6 +35,11 @@ CACHED = {
     "linear_kv1": ("linear", {"chunk": 4, "kv_heads": 1}),
     "topk_kv1_gathered": ("topk", {"topk": 2, "local_window": 2, "dense_below": 0, "kv_heads": 1}),
     "topk_kv1_per_group": ("topk", {"topk": 3, "kv_heads": 1, "route_per": "group", "dense_below": 0}),
+    "meta_tokens_kv1": ("meta_tokens", {"kv_heads": 1}),
+    "meta_tokens_parallel_kv1": ("meta_tokens", {"meta_input": "parallel", "combine": "gated",
+                                                 "kv_heads": 1}),
+    "multihop_three_kv1": ("multihop", {"hops": 3, "identity": True, "kv_heads": 1}),
+    "expanding_kv1": ("expanding", {"prior_alpha": 1.0, "prior_beta": 4.0, "kv_heads": 1}),
 }
 
 

@@ -192,13 +192,17 @@ class AttentionLayer(nn.Module):
     def project_qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, T, D] -> q [B, H, T, d] and k, v [B, kv_heads, T, d], rotary applied to q and k
         when enabled."""
-        batch, length, _ = x.shape
+        return self.split_projection(self.qkv_proj(x), positions)
+
+    def split_projection(self, projected: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """A Q/K/V projection's output [B, T, (H + 2·kv_heads)·d] (q's heads, then k's, then v's)
+        -> q [B, H, T, d], k, v [B, kv_heads, T, d] (views), rotary applied to q and k when enabled."""
+        batch, length, _ = projected.shape
         if self.kv_heads == self.heads:
-            qkv = self.qkv_proj(x).view(batch, length, 3, self.heads, self.head_dim)
-            q, k, v = split_qkv(qkv)
+            q, k, v = split_qkv(projected.view(batch, length, 3, self.heads, self.head_dim))
         else:
             query_width, key_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
-            parts = self.qkv_proj(x).split([query_width, key_width, key_width], dim=-1)
+            parts = projected.split([query_width, key_width, key_width], dim=-1)
             q, k, v = (part.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for part in parts)
         return self.rotate(q, positions), self.rotate(k, positions), v
 
