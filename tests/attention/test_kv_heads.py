@@ -9,15 +9,18 @@ kv_heads / heads of the reference's K/V bytes.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from routeformer.attention import attention_class, build_attention, list_attentions
+from routeformer.attention.base import AttentionLayer
 from routeformer.ops.decode import state_bytes
 from tests.attention.test_invariants import DIM, HEADS, SMALL_OPTIONS
+from tests.attention.test_invariants import _spread_meta_routing as spread_meta_routing
 
 GROUPED = [name for name in list_attentions() if attention_class(name).reads_grouped_kv]
-NOT_GROUPED = [name for name in list_attentions() if not attention_class(name).reads_grouped_kv]
 # Builds whose grouped code paths differ from the defaults': name -> (mechanism, options).
 CASES = {name: (name, SMALL_OPTIONS.get(name, {})) for name in GROUPED}
 CASES.update({
@@ -27,6 +30,8 @@ CASES.update({
                                         "routing_learning": "score_bias"}),
     "topk_group_score_bias": ("topk", {**SMALL_OPTIONS["topk"], "route_per": "group",
                                        "routing_learning": "score_bias"}),
+    "meta_shared_qkv": ("meta", {**SMALL_OPTIONS["meta"], "share_qkv": True}),
+    "meta_hard": ("meta", {**SMALL_OPTIONS["meta"], "eval_eta": 0.0}),  # routing spread in build()
     "meta_tokens_parallel_gated": ("meta_tokens", {"meta_input": "parallel", "combine": "gated"}),
     "meta_tokens_parallel_shared": ("meta_tokens", {"meta_input": "parallel", "meta_projections": "shared"}),
 })
@@ -34,14 +39,18 @@ KV_HEADS = [1, HEADS // 2]
 # Cached entries that hold K/V (or a state built from them), per query-head count of the layer.
 KEY_VALUE_ENTRIES = ("k_buffer", "v_buffer", "meta_k_buffer", "meta_v_buffer", "state", "normaliser")
 # Mechanisms whose decode state holds more than K/V-derived tensors: multihop's hop outputs (per
-# query head: each has its own attention matrix), meta_tokens' meta-token flags [B, L].
-STATE_BEYOND_KEY_VALUES = {"multihop", "meta_tokens"}
+# query head: each has its own attention matrix), meta_tokens' meta-token flags [B, L], mita's
+# landmarks, experts and incomplete block's queries (per query head: pooled from its queries).
+STATE_BEYOND_KEY_VALUES = {"multihop", "meta_tokens", "mita"}
 
 
 def build(name: str, kv_heads: int, causal: bool = True, seed: int = 0):
     mechanism, options = CASES[name]
     torch.manual_seed(seed)
-    return build_attention(mechanism, dim=DIM, heads=HEADS, causal=causal, kv_heads=kv_heads, **options)
+    layer = build_attention(mechanism, dim=DIM, heads=HEADS, causal=causal, kv_heads=kv_heads, **options)
+    if name == "meta_hard":  # hard-routed tokens reach all three experts: their routed-rows paths run
+        spread_meta_routing(layer)
+    return layer
 
 
 def repeat_rows(weight: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -67,6 +76,12 @@ def summed_rows(grad: torch.Tensor, heads: int, kv_heads: int, head_dim: int) ->
     return torch.cat([q, fold(k), fold(v)])
 
 
+def is_qkv(param_name: str) -> bool:
+    """A Q/K/V projection (q's heads, then the K/V heads): qkv_proj, meta_qkv_proj, expert_qkv.N."""
+    return param_name.endswith(("qkv_proj.weight", "qkv_proj.bias")) or bool(
+        re.fullmatch(r"expert_qkv\.\d+\.(weight|bias)", param_name))
+
+
 def routes_per_group(layer) -> bool:
     return getattr(layer, "route_per", "head") == "group" and not layer.shared_routing
 
@@ -81,7 +96,7 @@ def reference_of(layer, name: str, causal: bool):
     torch.manual_seed(0)
     reference = build_attention(mechanism, dim=DIM, heads=HEADS, causal=causal, kv_heads=HEADS, **options)
     state = layer.state_dict()
-    for key in [key for key in state if key.endswith(("qkv_proj.weight", "qkv_proj.bias"))]:
+    for key in [key for key in state if is_qkv(key)]:
         state[key] = repeat_rows(state[key], HEADS, layer.kv_heads, layer.head_dim)
     if routes_per_group(layer):
         group = HEADS // layer.kv_heads
@@ -94,7 +109,7 @@ def reference_of(layer, name: str, causal: bool):
 
 def grouped_gradient(param_name: str, grad: torch.Tensor, layer) -> torch.Tensor:
     """A reference parameter's gradient mapped onto the grouped layer's parameter."""
-    if param_name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+    if is_qkv(param_name):
         return summed_rows(grad, HEADS, layer.kv_heads, layer.head_dim)
     if routes_per_group(layer) and param_name == "router.net.weight":
         group = HEADS // layer.kv_heads
@@ -134,6 +149,17 @@ def test_grouped_layer_equals_repeated_key_value_heads(name, kv_heads, causal):
         expected = grouped_gradient(param_name, reference_params[param_name].grad, layer)
         assert param.grad is not None, param_name
         torch.testing.assert_close(param.grad, expected, atol=1e-5, rtol=1e-4, msg=param_name)
+    # Evaluation takes other paths (meta's hard routing to routed rows, topk's diagnostics).
+    layer.eval()
+    reference.eval()
+    with torch.no_grad():
+        extra = meta_tokens_of(layer, 19)
+        evaluated, expected = layer(x, mask=mask, **extra), reference(x, mask=mask, **extra)
+    torch.testing.assert_close(evaluated.out, expected.out, atol=1e-5, rtol=1e-5)
+    if not routes_per_group(layer):  # per group, the routing heads (head_overlap's pairs) differ
+        for key, value in evaluated.stats.items():
+            torch.testing.assert_close(value, expected.stats[key], atol=1e-6, rtol=1e-5, equal_nan=True,
+                                       msg=key)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -141,13 +167,15 @@ def test_grouped_layer_equals_repeated_key_value_heads(name, kv_heads, causal):
 def test_grouped_layer_holds_fewer_key_value_parameters(name, kv_heads):
     layer = build(name, kv_heads)
     head_dim = layer.head_dim
-    assert layer.qkv_proj.weight.shape == ((HEADS + 2 * kv_heads) * head_dim, DIM)
+    for param_name, param in layer.named_parameters():
+        if is_qkv(param_name) and param_name.endswith("weight"):
+            assert param.shape == ((HEADS + 2 * kv_heads) * head_dim, DIM), param_name
     reference = reference_of(layer, name, causal=True)
     saved = sum(p.numel() for p in reference.parameters()) - sum(p.numel() for p in layer.parameters())
     routing_saved = 0
     if routes_per_group(layer):  # one routing head per K/V group instead of one per query head
         routing_saved = (HEADS - kv_heads) * (2 * layer.routing_dim * DIM + 1)
-    projections = sum(name.endswith("qkv_proj.weight") for name, _ in layer.named_parameters())
+    projections = sum(is_qkv(name) and name.endswith("weight") for name, _ in layer.named_parameters())
     assert saved == projections * 2 * (HEADS - kv_heads) * head_dim * DIM + routing_saved
 
 
@@ -196,8 +224,9 @@ def test_grouped_decode_cache_holds_kv_heads_of_the_bytes(name, kv_heads):
         _, cache = decode_all(layer, x, [7, 1, 1])
         _, reference_cache = decode_all(reference, x, [7, 1, 1])
 
-    def key_value_bytes(state):
-        return state_bytes({key: value for key, value in state.items() if key in KEY_VALUE_ENTRIES})
+    def key_value_bytes(state):  # meta: one nested state per expert
+        return sum(key_value_bytes(value) if isinstance(value, dict)
+                   else state_bytes(value) if key in KEY_VALUE_ENTRIES else 0 for key, value in state.items())
 
     assert key_value_bytes(reference_cache) > 0
     assert key_value_bytes(cache) * HEADS == key_value_bytes(reference_cache) * kv_heads
@@ -236,11 +265,18 @@ def test_bad_kv_heads_raise(name, kv_heads):
         build_attention(name, dim=DIM, heads=HEADS, kv_heads=kv_heads, **SMALL_OPTIONS.get(name, {}))
 
 
-@pytest.mark.parametrize("name", NOT_GROUPED)
-def test_mechanisms_without_a_grouped_form_refuse_kv_heads(name):
-    with pytest.raises(ValueError, match=r"no grouped-query form: kv_heads must equal heads \(4\)"):
-        build_attention(name, dim=DIM, heads=HEADS, kv_heads=2, **SMALL_OPTIONS.get(name, {}))
-    assert build_attention(name, dim=DIM, heads=HEADS, kv_heads=HEADS).kv_heads == HEADS
+def test_every_registered_mechanism_takes_kv_heads():
+    assert GROUPED == list(list_attentions())
+
+
+def test_a_layer_without_a_grouped_form_refuses_kv_heads():
+    class Ungrouped(AttentionLayer):  # reads_grouped_kv stays False
+        pass
+
+    refusal = r"Ungrouped has no grouped-query form: kv_heads must equal heads \(4\)"
+    with pytest.raises(ValueError, match=refusal):
+        Ungrouped(DIM, HEADS, kv_heads=2)
+    assert Ungrouped(DIM, HEADS, kv_heads=HEADS).kv_heads == HEADS
 
 
 def test_topk_options_that_need_grouped_routing_keys():
