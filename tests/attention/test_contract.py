@@ -6,16 +6,20 @@ import torch
 from routeformer.attention import AttentionOutput, build_attention, list_attentions
 
 # The same small options as the invariants (windows/chunks/blocks crossed by short sequences).
-from tests.attention.test_invariants import DIM, HEADS, SMALL_OPTIONS  # noqa: E402
+from tests.attention.test_invariants import DIM, GROUPED_VARIANTS, HEADS, SMALL_OPTIONS  # noqa: E402
+
+# Every mechanism, and the grouped-query builds (kv_heads < heads) of those that take them.
+CASES = list(list_attentions()) + list(GROUPED_VARIANTS)
 
 
 def make_layer(name, causal, seed=0, **extra):
+    name, variant_options, _ = GROUPED_VARIANTS.get(name, (name, {}, None))
     torch.manual_seed(seed)
-    options = {**SMALL_OPTIONS.get(name, {}), **extra}
+    options = {**SMALL_OPTIONS.get(name, {}), **variant_options, **extra}
     return build_attention(name, dim=DIM, heads=HEADS, causal=causal, **options).eval()
 
 
-@pytest.mark.parametrize("name", list(list_attentions()))
+@pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("rotary", [False, True])
 def test_causal_layers_never_see_the_future(name, rotary):
     layer = make_layer(name, causal=True, rotary=rotary)
@@ -30,7 +34,7 @@ def test_causal_layers_never_see_the_future(name, rotary):
         assert not torch.allclose(out[:, t:], base[:, t:]), "the perturbation must matter"
 
 
-@pytest.mark.parametrize("name", list(list_attentions()))
+@pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("causal", [True, False])
 def test_padded_tokens_do_not_change_real_outputs(name, causal):
     layer = make_layer(name, causal=causal)
@@ -48,7 +52,7 @@ def test_padded_tokens_do_not_change_real_outputs(name, causal):
     torch.testing.assert_close(base.out[0], alone.out[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", list(list_attentions()))
+@pytest.mark.parametrize("name", CASES)
 def test_output_contract_and_gradients(name):
     layer = make_layer(name, causal=True).train()
     x = torch.randn(2, 9, DIM, requires_grad=True)
@@ -66,7 +70,7 @@ def test_output_contract_and_gradients(name):
         assert param.grad is not None and param.grad.abs().sum() > 0, param_name
 
 
-@pytest.mark.parametrize("name", list(list_attentions()))
+@pytest.mark.parametrize("name", CASES)
 def test_bad_inputs_raise_value_errors(name):
     layer = make_layer(name, causal=True)
     with pytest.raises(ValueError, match="x must have shape"):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from routeformer.attention import build_attention, list_attentions
+from routeformer.attention import attention_class, build_attention, list_attentions
 
 DIM, HEADS = 32, 4
 # Small windows/chunks/blocks so that short sequences cross block and chunk boundaries.
@@ -42,6 +42,11 @@ def _spread_meta_routing(layer) -> None:
 # Builds beyond each mechanism's defaults whose code paths differ: name -> (mechanism, options,
 # a function preparing the built layer).
 VARIANTS = {"meta_hard": ("meta", {"eval_eta": 0.0}, _spread_meta_routing)}
+# Grouped-query builds (kv_heads = 1 and heads / 2) of every mechanism that takes kv_heads < heads.
+GROUPED_VARIANTS = {f"{name}_kv{kv_heads}": (name, {"kv_heads": kv_heads}, None)
+                    for name in NAMES if attention_class(name).reads_grouped_kv
+                    for kv_heads in (1, HEADS // 2)}
+VARIANTS.update(GROUPED_VARIANTS)
 CASES = NAMES + list(VARIANTS)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -209,7 +214,7 @@ def test_low_precision_forward_backward(name, causal, dtype, device):
         actual = layer(x.to(dtype), mask=mask).out
     assert actual.dtype == dtype and torch.isfinite(actual).all()
     tolerance = LOW_PRECISION_RTOL[dtype]
-    if name in PER_TOKEN_CRITERION:
+    if VARIANTS.get(name, (name,))[0] in PER_TOKEN_CRITERION:
         per_token = ((actual[mask].float() - expected[mask]).norm(dim=-1) / expected[mask].norm(dim=-1))
         flipped = float((per_token > tolerance).float().mean())
         assert float(per_token.median()) <= tolerance and flipped <= 0.1, (

@@ -28,6 +28,22 @@ CACHED = {
     "multihop_three_identity": ("multihop", {"hops": 3, "identity": True}),
     "expanding": ("expanding", {"prior_alpha": 1.0, "prior_beta": 4.0}),
     "expanding_mean_field": ("expanding", {"update": "mean_field", "prior_alpha": 2.0, "prior_beta": 3.0}),
+    # Grouped-query attention: one K/V head for the model's two query heads.
+    "full_kv1": ("full", {"kv_heads": 1}),
+    "gated_kv1": ("gated", {"kv_heads": 1}),
+    "local_kv1": ("local", {"window": 4, "kv_heads": 1}),
+    "linear_kv1": ("linear", {"chunk": 4, "kv_heads": 1}),
+    "topk_kv1_gathered": ("topk", {"topk": 2, "local_window": 2, "dense_below": 0, "kv_heads": 1}),
+    "topk_kv1_per_group": ("topk", {"topk": 3, "kv_heads": 1, "route_per": "group", "dense_below": 0}),
+    "meta_tokens_kv1": ("meta_tokens", {"kv_heads": 1}),
+    "meta_hard_kv1": ("meta", {"window": 4, "linear_chunk": 4, "eval_eta": 0.3, "position_scale": 16.0,
+                               "kv_heads": 1}),
+    "meta_shared_qkv_kv1": ("meta", {"window": 3, "share_qkv": True, "eval_eta": 0.3, "position_scale": 16.0,
+                                     "kv_heads": 1}),
+    "meta_tokens_parallel_kv1": ("meta_tokens", {"meta_input": "parallel", "combine": "gated",
+                                                 "kv_heads": 1}),
+    "multihop_three_kv1": ("multihop", {"hops": 3, "identity": True, "kv_heads": 1}),
+    "expanding_kv1": ("expanding", {"prior_alpha": 1.0, "prior_beta": 4.0, "kv_heads": 1}),
 }
 
 

@@ -22,6 +22,7 @@ from routeformer.attention.output import AttentionOutput
 from routeformer.ops._checks import check_positive
 from routeformer.ops.backends import profile_range, recording
 from routeformer.ops.documents import check_documents, document_starts
+from routeformer.ops.grouped_heads import check_kv_heads
 from routeformer.ops.rotary import apply_rotary, rotary_angles
 
 
@@ -96,6 +97,16 @@ class AttentionLayer(nn.Module):
     Subclasses implement `attend(q, k, v, mask) -> (heads_out [B, H, T, d], flops)`; mechanisms
     that need more (routers, extra tokens) override `forward` and reuse the helpers. Every
     `forward` is wrapped by `keeps_contract` (padded rows zeroed, empty inputs answered).
+
+    Common options (every registered mechanism takes them):
+        head_dim: size d of a head (default dim // heads; dim must then be divisible by heads).
+        bias: biases in the Q/K/V and output projections (default False).
+        rotary: rotary position embedding of q and k (default False; needs an even head_dim).
+        rotary_base: the rotary base (default 10000).
+        kv_heads: key/value heads G (default heads): grouped-query attention, K and V projected to
+            G heads and query head h reading K/V head h // (heads // G); decoding caches hold G
+            heads. ValueError unless G >= 1 divides heads, or when the mechanism does not read
+            grouped K/V (`reads_grouped_kv` False) and G != heads.
     """
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -110,6 +121,8 @@ class AttentionLayer(nn.Module):
     needs_meta_tokens = False  # reads meta-tokens a task injects (meta_tokens): the LM only
     grid_aware = False  # takes a ViT's patch grid and CLS token (options grid, extra_tokens)
     every_parameter_used = False  # no parameter can go without gradient (DDP: no unused search)
+    # The mechanism takes kv_heads < heads (its attend/decode read K/V of kv_heads heads).
+    reads_grouped_kv = False
 
     @classmethod
     def budget_options(cls, seq_len: int, keys: int) -> dict[str, Any]:
@@ -121,6 +134,7 @@ class AttentionLayer(nn.Module):
     def __init__(
         self, dim: int, heads: int, causal: bool = True, *, head_dim: int | None = None,
         bias: bool = False, rotary: bool = False, rotary_base: float = 10000.0,
+        kv_heads: int | None = None,
     ) -> None:
         super().__init__()
         check_positive("dim", dim)
@@ -134,8 +148,15 @@ class AttentionLayer(nn.Module):
             raise ValueError(f"rotary=True needs an even head_dim; got {head_dim}")
         self.dim, self.heads, self.head_dim, self.causal = dim, heads, head_dim, bool(causal)
         self.rotary, self.rotary_base = rotary, rotary_base
+        kv_heads = heads if kv_heads is None else kv_heads
+        check_kv_heads(heads, kv_heads)
+        if kv_heads != heads and not self.reads_grouped_kv:
+            raise ValueError(f"{type(self).__name__} has no grouped-query form: kv_heads must equal "
+                             f"heads ({heads}); got kv_heads={kv_heads}")
+        self.kv_heads = kv_heads
         inner = heads * head_dim
-        self.qkv_proj = nn.Linear(dim, 3 * inner, bias=bias)
+        # One projection: q (heads·d), then k and v (kv_heads·d each).
+        self.qkv_proj = nn.Linear(dim, inner + 2 * kv_heads * head_dim, bias=bias)
         self.out_proj = nn.Linear(inner, dim, bias=bias)
 
     # -- helpers ---------------------------------------------------------------------------
@@ -169,10 +190,20 @@ class AttentionLayer(nn.Module):
                                stats={"flops": torch.tensor(0.0)})
 
     def project_qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x [B, T, D] -> q, k, v [B, H, T, d], rotary applied to q and k when enabled."""
-        batch, length, _ = x.shape
-        qkv = self.qkv_proj(x).view(batch, length, 3, self.heads, self.head_dim)
-        q, k, v = split_qkv(qkv)
+        """x [B, T, D] -> q [B, H, T, d] and k, v [B, kv_heads, T, d], rotary applied to q and k
+        when enabled."""
+        return self.split_projection(self.qkv_proj(x), positions)
+
+    def split_projection(self, projected: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """A Q/K/V projection's output [B, T, (H + 2·kv_heads)·d] (q's heads, then k's, then v's)
+        -> q [B, H, T, d], k, v [B, kv_heads, T, d] (views), rotary applied to q and k when enabled."""
+        batch, length, _ = projected.shape
+        if self.kv_heads == self.heads:
+            q, k, v = split_qkv(projected.view(batch, length, 3, self.heads, self.head_dim))
+        else:
+            query_width, key_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            parts = projected.split([query_width, key_width, key_width], dim=-1)
+            q, k, v = (part.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for part in parts)
         return self.rotate(q, positions), self.rotate(k, positions), v
 
     def rotate(self, t: Tensor, positions: Tensor) -> Tensor:
@@ -260,7 +291,7 @@ class AttentionLayer(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"dim={self.dim}, heads={self.heads}, head_dim={self.head_dim}, causal={self.causal}, "
-            f"rotary={self.rotary}"
+            f"rotary={self.rotary}" + (f", kv_heads={self.kv_heads}" if self.kv_heads != self.heads else "")
         )
 
 

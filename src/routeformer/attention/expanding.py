@@ -25,6 +25,7 @@ from routeformer.ops.expanding import (
     expanding_decode,
     expanding_uses_native,
 )
+from routeformer.ops.grouped_heads import repeat_kv
 
 _CONCENTRATION_FLOOR = 1e-4  # keeps softplus(raw) + floor a valid Beta concentration in fp32
 
@@ -61,9 +62,15 @@ class ExpandingAttention(AttentionLayer):
     first token); a prefill is the parallel op, and each new token runs its own inference over the
     cached keys (`ops.expanding.decode`, the same recurrence for either update), scoring only the
     keys its horizon reaches.
+
+    Common options of `AttentionLayer`: head_dim, bias, rotary, rotary_base, kv_heads. kv_heads <
+    heads: the parameters and the decode cache hold kv_heads K/V heads; the kernels (C and band
+    path, parallel and cached) take one head count, so each K/V head is repeated for its query
+    heads at call time, a copy of K/V per query head (each query head has its own horizon).
     """
 
     supports_cache = True
+    reads_grouped_kv = True
 
     def __init__(
         self, dim: int, heads: int, causal: bool = True, *, prior_alpha: float = 1.0,
@@ -92,6 +99,7 @@ class ExpandingAttention(AttentionLayer):
     ) -> AttentionOutput:
         mask, positions = self.check_inputs(x, mask, positions)
         q, k, v = self.project_qkv(x, positions)
+        k, v = repeat_kv(k, self.heads), repeat_kv(v, self.heads)  # the kernels take one head count
         alpha, beta = self.prior()
         options = {"tol": self.tol, "max_iters": self.max_iters, "mask": mask, "causal": self.causal,
                    "block": self.block, "update": self.update}
@@ -119,9 +127,11 @@ class ExpandingAttention(AttentionLayer):
         return AttentionOutput(out=out, aux_loss=x.new_zeros(()), stats=stats)
 
     def decode_attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cache: dict) -> Tensor:
-        k_all, v_all, _ = append_keys_values(cache, k, v)
+        k_all, v_all, _ = append_keys_values(cache, k, v)  # kv_heads heads cached
+        k_all, v_all = repeat_kv(k_all, self.heads), repeat_kv(v_all, self.heads)
         alpha, beta = self.prior()
         if start == 0:  # a prefill: the parallel op (the C kernels when they serve it)
+            k, v = repeat_kv(k, self.heads), repeat_kv(v, self.heads)
             return expanding_attention(q, k, v, alpha, beta, tol=self.tol, max_iters=self.max_iters,
                                        causal=True, block=self.block, update=self.update).out
         # "scored_keys" (a plain int in the state): the keys this step read, for the decode benchmark.
@@ -132,7 +142,8 @@ class ExpandingAttention(AttentionLayer):
         """The keys and values of the window the step scored (`scored_keys`; all after a prefill)."""
         keys = cache.get("scored_keys", cache["k"].shape[2])
         per_key = (cache["k"].shape[-1] + cache["v"].shape[-1]) * cache["k"].element_size()
-        return cache["k"].shape[0] * cache["k"].shape[1] * keys * per_key, True
+        # every query head scores its own window of its K/V head
+        return cache["k"].shape[0] * self.heads * keys * per_key, True
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", tol={self.tol}, max_iters={self.max_iters}, "

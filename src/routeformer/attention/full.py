@@ -12,9 +12,15 @@ from routeformer.ops.full import full_attention, full_attention_flops
 
 @register_attention("full", baseline=True, every_parameter_used=True)
 class FullAttention(AttentionLayer):
-    """Standard multi-head attention: softmax(q kᵀ / sqrt(d)) v, O(T²) time."""
+    """Standard multi-head attention: softmax(q kᵀ / sqrt(d)) v, O(T²) time.
+
+    Args (beyond dim, heads, causal): the common options of `AttentionLayer` (head_dim, bias,
+    rotary, rotary_base, kv_heads). With kv_heads < heads, SDPA reads each K/V head for its group
+    of query heads (`enable_gqa`, no copy per query head) and the decode cache holds kv_heads heads.
+    """
 
     supports_cache = True
+    reads_grouped_kv = True
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, int]:
         out = full_attention(q, k, v, mask=mask, causal=self.causal)

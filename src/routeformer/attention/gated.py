@@ -16,6 +16,12 @@ from routeformer.attention.registry import register_attention
 
 @register_attention("gated", every_parameter_used=True)
 class GatedAttention(FullAttention):
+    """`full` with the output gate sigmoid(x W_g) (H·d gates per token).
+
+    Args (beyond dim, heads, causal): the common options of `AttentionLayer` (head_dim, bias,
+    rotary, rotary_base, kv_heads); kv_heads < heads as in `full` (no K/V copy per query head).
+    """
+
     def __init__(self, dim: int, heads: int, causal: bool = True, **common) -> None:
         super().__init__(dim, heads, causal, **common)
         self.gate_proj = nn.Linear(dim, self.heads * self.head_dim, bias=True)

@@ -10,6 +10,7 @@ from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
 from routeformer.ops.decode import append_keys_values, cached_softmax_attention, trim_keys_values
 from routeformer.ops.documents import document_positions
+from routeformer.ops.grouped_heads import repeat_kv
 from routeformer.ops.local import local_attention, local_attention_flops
 
 
@@ -18,9 +19,18 @@ class LocalAttention(AttentionLayer):
     """Each token attends to `window` tokens: [i - window + 1, i] causal, [i - window, i + window]
     otherwise. `block` sets the query block length of the blockwise kernel (default min(window, 128)).
     Cached decoding keeps only the last window - 1 keys. Packed `documents`: one blockwise call
-    with the window cut at document boundaries (`forward_documents`)."""
+    with the window cut at document boundaries (`forward_documents`).
+
+    Args (beyond dim, heads, causal): window (keys per query, default 256), block (query block of
+    the blockwise kernel, default min(window, 128)), and the common options of `AttentionLayer`
+    (head_dim, bias, rotary, rotary_base, kv_heads). kv_heads < heads: the parameters and the
+    decode cache hold kv_heads heads and cached steps read them in place (SDPA's `enable_gqa`);
+    the parallel pass (the C kernel and the blockwise path take one head count) repeats each K/V
+    head for its query heads at call time, a copy of K/V per query head.
+    """
 
     supports_cache = True
+    reads_grouped_kv = True
 
     def __init__(
         self, dim: int, heads: int, causal: bool = True, *, window: int = 256,
@@ -38,6 +48,7 @@ class LocalAttention(AttentionLayer):
         return {"window": max(1, min(seq_len // 4, keys))}
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, int]:
+        k, v = repeat_kv(k, self.heads), repeat_kv(v, self.heads)
         out = local_attention(
             q, k, v, window=self.window, mask=mask, causal=self.causal, block=self.block
         )
@@ -54,6 +65,7 @@ class LocalAttention(AttentionLayer):
         if positions is None:
             positions = document_positions(documents)
         q, k, v = self.project_qkv(x, positions)
+        k, v = repeat_kv(k, self.heads), repeat_kv(v, self.heads)
         heads_out = local_attention(q, k, v, window=self.window, mask=mask, causal=self.causal,
                                     block=self.block, documents=documents)
         batch, heads, length, dim = q.shape

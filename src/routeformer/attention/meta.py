@@ -84,6 +84,7 @@ from routeformer.ops.dirichlet import (
     normalised_certainty,
 )
 from routeformer.ops.full import full_attention, full_attention_flops
+from routeformer.ops.grouped_heads import repeat_kv
 from routeformer.ops.linear import DEFAULT_EPS, feature_map, linear_attention, linear_attention_flops
 from routeformer.ops.local import local_attention, local_attention_flops
 from routeformer.ops.rotary import apply_rotary, rotary_angles
@@ -115,7 +116,18 @@ def _check_eta(name: str, value: float | None) -> None:
 
 @register_attention("meta")
 class MetaAttention(AttentionLayer):
-    """Bayesian routing among full / linear / local experts; see the module docstring."""
+    """Bayesian routing among full / linear / local experts; see the module docstring.
+
+    Args (beyond dim, heads, causal): the options of the module docstring, and the common options
+    of `AttentionLayer` (head_dim, bias, rotary, rotary_base, kv_heads). kv_heads < heads: every
+    expert's (or the shared) Q/K/V projection has kv_heads K/V heads, and so do the experts'
+    decode caches (the linear expert's state included). The full expert reads the K/V heads in
+    place (SDPA's `enable_gqa`), as do the cached steps of all three experts; the linear and local
+    experts' parallel kernels and the routed-rows kernels take one head count and get each K/V
+    head repeated for its query heads at call time (a copy of K/V per query head).
+    """
+
+    reads_grouped_kv = True
 
     def __init__(
         self, dim: int, heads: int, causal: bool = True, *, window: int = 64,
@@ -163,9 +175,10 @@ class MetaAttention(AttentionLayer):
         self.router = BayesianRouter(dim, costs, beta0=beta0, eps=prior_eps, hidden=controller_hidden,
                                      prior=prior, position_scale=position_scale)
         inner, bias = self.heads * self.head_dim, self.qkv_proj.bias is not None
+        qkv_width = self.qkv_proj.out_features  # q's heads, then kv_heads for k and for v
         del self.qkv_proj, self.out_proj  # replaced by one set per expert
         self.expert_qkv = nn.ModuleList(
-            nn.Linear(dim, 3 * inner, bias=bias) for _ in range(1 if share_qkv else len(EXPERTS)))
+            nn.Linear(dim, qkv_width, bias=bias) for _ in range(1 if share_qkv else len(EXPERTS)))
         self.expert_out = nn.ModuleList(nn.Linear(inner, dim, bias=bias) for _ in EXPERTS)
         self.register_buffer("routing_step", torch.zeros((), dtype=torch.long))
         self.forced_shares: tuple[float, ...] | None = None
@@ -231,8 +244,8 @@ class MetaAttention(AttentionLayer):
         return 1.0 - categorical_entropy(mean) / math.log(len(EXPERTS))
 
     # -- experts ---------------------------------------------------------------------------
-    def _split_heads(self, y: Tensor) -> Tensor:  # [B, L, H·d] -> [B, H, L, d]
-        heads = y.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
+    def _split_heads(self, y: Tensor) -> Tensor:  # [B, L, H·d] -> [B, H, L, d] (H: q's or K/V's heads)
+        heads = y.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         # Under torch.compile (AOT autograd) the linear expert's backward hands this view a gradient
         # whose strides differ from the traced ones and the backward view fails; a contiguous copy
         # avoids it. Eager mode keeps the free view.
@@ -285,6 +298,7 @@ class MetaAttention(AttentionLayer):
         if EXPERTS[index] == "full":
             out = full_attention(q, k, v, mask=mask, causal=self.causal)
             return out, full_attention_flops(batch, heads, length, length, dim, self.causal, mask is not None)
+        k, v = repeat_kv(k, heads), repeat_kv(v, heads)  # the linear and local kernels: one head count
         if EXPERTS[index] == "linear":
             out = linear_attention(q, k, v, mask=mask, causal=self.causal, chunk=self.linear_chunk)
             return out, linear_attention_flops(batch, heads, length, dim, dim, self.causal, self.linear_chunk)
@@ -294,6 +308,7 @@ class MetaAttention(AttentionLayer):
     def _rows(self, index: int, q_rows: Tensor, k: Tensor, v: Tensor, rows: Tensor, valid: Tensor,
               mask: Tensor | None) -> tuple[Tensor, int]:
         name = EXPERTS[index]
+        k, v = repeat_kv(k, self.heads), repeat_kv(v, self.heads)  # the rows kernels: one head count
         if name == "full":
             return full_attention_rows(q_rows, k, v, rows, valid, mask=mask, causal=self.causal,
                                        chunk=self.full_chunk)

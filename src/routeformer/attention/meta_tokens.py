@@ -36,10 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from routeformer.attention.base import AttentionLayer, AttentionOutput, split_qkv
+from routeformer.attention.base import AttentionLayer, AttentionOutput
 from routeformer.attention.registry import register_attention
 from routeformer.ops.decode import allowed_cached, append_keys_values, cached_softmax_attention
 from routeformer.ops.full import full_attention
+from routeformer.ops.grouped_heads import repeat_kv
 from routeformer.ops.meta_tokens import (
     attention_among_meta,
     gather_rows,
@@ -55,9 +56,23 @@ INPUT_KINDS = ("sequential", "parallel")
 
 @register_attention("meta_tokens", needs_meta_tokens=True)
 class MetaTokensAttention(AttentionLayer):
+    """Causal self-attention plus meta-attention among meta-tokens (see the module docstring).
+
+    Args (beyond dim, heads, causal): combine ("add" | "gated", default "add"), meta_projections
+    ("separate" | "shared", default "separate"), meta_input ("sequential" | "parallel", default
+    "sequential"), and the common options of `AttentionLayer` (head_dim, bias, rotary,
+    rotary_base, kv_heads). kv_heads < heads applies to both attentions (the standard and the
+    meta projections hold kv_heads K/V heads, and so does the decode cache); the standard
+    attention of the sequential form and every cached step read the K/V heads in place (SDPA's
+    `enable_gqa`), while the packed meta-token op of the parallel form and the attention among
+    meta rows take one head count and get each K/V head repeated for its query heads at call time
+    (a copy of K/V per query head).
+    """
+
     # The backbone hands this layer the meta-token mask (layers without the flag never see it).
     reads_meta_mask = True
     supports_cache = True
+    reads_grouped_kv = True
 
     def __init__(
         self, dim: int, heads: int, causal: bool = True, *, combine: str = "add",
@@ -76,7 +91,8 @@ class MetaTokensAttention(AttentionLayer):
                              f"meta_input='parallel'); got {meta_projections!r}")
         self.combine, self.meta_projections, self.meta_input = combine, meta_projections, meta_input
         inner = self.heads * self.head_dim
-        self.meta_qkv_proj = nn.Linear(dim, 3 * inner, bias=False) if meta_projections == "separate" else None
+        qkv_width = inner + 2 * self.kv_heads * self.head_dim  # q's heads, then kv_heads for k and v
+        self.meta_qkv_proj = nn.Linear(dim, qkv_width, bias=False) if meta_projections == "separate" else None
         self.meta_out_proj = nn.Linear(inner, dim, bias=False) if meta_input == "sequential" else None
         self.gate_proj = nn.Linear(dim, self.heads) if combine == "gated" else None
 
@@ -109,6 +125,10 @@ class MetaTokensAttention(AttentionLayer):
                 meta_qkv = self._project_rows(rows, positions.gather(1, packing.index))
             if self.gate_proj is not None:
                 meta_gate = self.gate_proj(rows).sigmoid().transpose(1, 2)[..., None]  # [B, H, M, 1]
+        # The op takes one head count: K/V repeated per query head at call time (kv_heads < heads).
+        k, v = repeat_kv(k, self.heads), repeat_kv(v, self.heads)
+        if meta_qkv is not None:
+            meta_qkv = (meta_qkv[0], repeat_kv(meta_qkv[1], self.heads), repeat_kv(meta_qkv[2], self.heads))
         heads_out = meta_token_attention(q, k, v, packing, mask=mask, causal=self.causal,
                                          meta_qkv=meta_qkv, meta_gate=meta_gate)
         return AttentionOutput(out=self.out_proj(self.merge_heads(heads_out, x)), aux_loss=x.new_zeros(()),
@@ -122,6 +142,7 @@ class MetaTokensAttention(AttentionLayer):
             return standard
         rows = gather_rows(x + standard, packing.index)  # [B, M, D]: the stream at the meta rows
         meta_q, meta_k, meta_v = self._project_rows(rows, positions.gather(1, packing.index))
+        meta_k, meta_v = repeat_kv(meta_k, self.heads), repeat_kv(meta_v, self.heads)
         meta_heads = attention_among_meta(meta_q, meta_k, meta_v, packing.valid, self.causal)
         if self.gate_proj is not None:
             meta_heads = meta_heads * self.gate_proj(rows).sigmoid().transpose(1, 2)[..., None]
@@ -177,16 +198,14 @@ class MetaTokensAttention(AttentionLayer):
         # Meta queries read meta keys only; other rows get the causal mask (never empty) and
         # their meta output is dropped by the caller.
         allowed = causal & (meta_keys[:, None, :] | ~meta_mask[:, :, None])
-        meta_out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+        meta_out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None],
+                                                  enable_gqa=q.shape[1] != k.shape[1])
         if self.gate_proj is not None:
             meta_out = meta_out * self.gate_proj(gate_input).sigmoid().transpose(1, 2)[..., None]
         return meta_out
 
     def _project_rows(self, rows: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        batch, width, _ = rows.shape
-        qkv = self.meta_qkv_proj(rows).view(batch, width, 3, self.heads, self.head_dim)
-        q, k, v = split_qkv(qkv)
-        return self.rotate(q, positions), self.rotate(k, positions), v
+        return self.split_projection(self.meta_qkv_proj(rows), positions)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, combine={self.combine}, meta_projections={self.meta_projections}, "

@@ -54,11 +54,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from routeformer.attention.base import AttentionLayer, AttentionOutput, split_qkv
+from routeformer.attention.base import AttentionLayer, AttentionOutput
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
 from routeformer.ops.backends import profile_range
 from routeformer.ops.flops import dense_attention_flops
+from routeformer.ops.grouped_heads import repeat_kv
 from routeformer.ops.mita import DEFAULT_BLOCK, DEFAULT_PACK, check_mita_args, mita_attention, mita_decode
 
 PRESETS: dict[str, dict[str, object]] = {
@@ -77,7 +78,17 @@ class MitaAttention(AttentionLayer):
     over the token grid, and `extra_tokens` leading tokens (a CLS token) are left out of the
     pooling. `pack` is the number of queries per packed block of one expert (a speed knob; results
     do not depend on it).
+
+    Args (beyond dim, heads, causal): landmarks, topk, route, shared, preset, grid, extra_tokens,
+    pack, block (above and in the module docstring), and the common options of `AttentionLayer`
+    (head_dim, bias, rotary, rotary_base, kv_heads). kv_heads < heads: the parameters and the
+    decode cache hold kv_heads K/V heads, and every query head's landmarks (its own pooled
+    queries) select their experts among the keys of its K/V head, the shared expert reading its
+    values. The op (ops/mita, parallel and cached) takes one head count, so each K/V head is
+    repeated for its query heads at call time, a copy of K/V per query head.
     """
+
+    reads_grouped_kv = True
 
     def __init__(
         self, dim: int, heads: int, causal: bool = True, *, landmarks: int = 25, topk: int = 25,
@@ -137,12 +148,11 @@ class MitaAttention(AttentionLayer):
         fp32 (v comes back in x's dtype: it is not part of any decision)."""
         if x.dtype not in (torch.bfloat16, torch.float16) and not torch.is_autocast_enabled(x.device.type):
             return super().project_qkv(x, positions)
-        batch, length, _ = x.shape
         bias = self.qkv_proj.bias
         with torch.autocast(x.device.type, enabled=False):
             qkv = F.linear(x.float(), self.qkv_proj.weight.float(), None if bias is None else bias.float())
-            q, k, v = split_qkv(qkv.view(batch, length, 3, self.heads, self.head_dim))
-            return self.rotate(q, positions), self.rotate(k, positions), v.to(x.dtype)
+            q, k, v = self.split_projection(qkv, positions)
+            return q, k, v.to(x.dtype)
 
     def forward(
         self, x: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None
@@ -150,6 +160,7 @@ class MitaAttention(AttentionLayer):
         mask, positions = self.check_inputs(x, mask, positions)
         self._warn_if_oversized(x.shape[1])
         q, k, v = self.project_qkv(x, positions)
+        k, v = repeat_kv(k, self.heads), repeat_kv(v, self.heads)  # the op takes one head count
         # `bench layers --split` reads the range (the op marks its routing inside it).
         with profile_range("attention"):
             result = mita_attention(

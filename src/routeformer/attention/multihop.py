@@ -13,6 +13,7 @@ from torch import Tensor
 from routeformer.attention.base import AttentionLayer, key_value_bytes, live_bytes
 from routeformer.attention.registry import register_attention
 from routeformer.ops.decode import append_keys_values, append_rows, cached_softmax_attention
+from routeformer.ops.grouped_heads import repeat_kv
 from routeformer.ops.multihop import (
     check_multihop_options,
     multihop_attention,
@@ -34,9 +35,17 @@ class MultihopAttention(AttentionLayer):
     P_i · hop_{h-1}[0..i] (hop_0 = V), so the cache keeps the keys, the values and the outputs of
     hops 1 .. hops-1 of every token (hops + 1 tensors of [B, H, L, d]: hops - 1 more than `full`),
     and a step reads all of them, one attention pass per hop as in the parallel op.
+
+    Common options of `AttentionLayer`: head_dim, bias, rotary, rotary_base, kv_heads. kv_heads <
+    heads: the parameters and the cached keys and values hold kv_heads heads (the hop outputs are
+    per query head, as each query head has its own P). The parallel op takes one head count, so it
+    gets each K/V head repeated for its query heads at call time (a copy); a cached step's first hop
+    reads the K/V heads in place (SDPA's `enable_gqa`), its later hops, whose values are per query
+    head, read the keys repeated (a copy of the cached keys per step).
     """
 
     supports_cache = True
+    reads_grouped_kv = True
 
     def __init__(
         self, dim: int, heads: int, causal: bool = True, *, hops: int = 2, identity: bool | None = None,
@@ -47,6 +56,7 @@ class MultihopAttention(AttentionLayer):
         self.hops, self.identity, self.form = hops, identity, form
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, int]:
+        k, v = repeat_kv(k, self.heads), repeat_kv(v, self.heads)
         out = multihop_attention(q, k, v, hops=self.hops, identity=self.identity, form=self.form,
                                  mask=mask, causal=self.causal)
         batch, heads, length, dim = q.shape
@@ -57,8 +67,10 @@ class MultihopAttention(AttentionLayer):
         # check_decode has refused non-causal layers; form "authors" is non-causal only.
         k_all, hop_all, key_start = append_keys_values(cache, k, v)
         identity, _ = path_settings(self.form, self.identity, self.hops)
-        total = v if identity else None
+        total = repeat_kv(v, self.heads) if identity else None
         for hop_number in range(1, self.hops + 1):
+            if hop_number == 2:  # from here on the values are per query head
+                k_all = repeat_kv(k_all, self.heads)
             hop = cached_softmax_attention(q, k_all, hop_all, start, key_start)
             total = hop if total is None else total + hop
             if hop_number < self.hops:  # the next hop reads this one's outputs, its own row included

@@ -67,10 +67,11 @@ learnable router), `exploration` (fraction of the K slots filled with random eli
 training, §9.1: round(exploration·K) slots, at most K − 1 so that at least one slot stays routed),
 `global_tokens` (the first g positions are always read), `local_window` (the last w tokens are
 always read), `shared_routing` (one routing space for all heads instead of one per head),
-`router_hidden` (a GELU MLP router instead of a linear one). Forced keys come on top of the K
-routed ones. `dense_below`: with at most this many keys the routed set is applied as a mask to one
-SDPA call (on CPU, per-query gathers cost more than the dense product at short lengths); the
-function is the same, and `flops` then counts the T x S work actually done. 0 always gathers; the
+`router_hidden` (a GELU MLP router instead of a linear one), `route_per` (see below). Forced keys
+come on top of the K routed ones. `dense_below`: with at most this many keys the routed set is
+applied as a mask to one SDPA call (on CPU, per-query gathers cost more than the dense product at
+short lengths); the function is the same, and `flops` then counts the T x S work actually done.
+0 always gathers; the
 default (None) uses the measured crossover: 256 keys with the native kernels of ops/native, 1024
 with the PyTorch ops (`ops.backends.TOPK_DENSE_BELOW`, part of the dispatch; `routeformer doctor`
 prints it).
@@ -80,6 +81,21 @@ in the routing kernel's own tiled layout); a new token routes over them with the
 kernel and tie rule (`ops.topk.decode.route_cached`) and attends to its K routed + window + global
 keys only: a step reads O(L·r) routing numbers and O((K + w + g)·d) keys/values per head instead of
 full attention's O(L·d). Exploration has no cached form (refused in training mode).
+
+Grouped-query attention (`kv_heads` < heads; query head h reads K/V head h // (heads / kv_heads)):
+the parameters and the decode cache hold kv_heads K/V heads, and the routed op reads the group's
+K/V head for all its query heads in one call (`ops.topk.routed_attention`: the group's queries as
+rows of one head, on every backend; no K/V copy per query head). `route_per`:
+- "head" (default): one routing head per query head (today's routing), so a group's query heads
+  may read different keys of their K/V head;
+- "group": one routing head per K/V group (one key set for the group's query heads, as NSA
+  selects per GQA group). The group's router score is the sum over its query heads of r_q,h·r_k
+  for one routing key r_k per group, i.e. one routing query per group (a linear router's sum is
+  one linear router), and the distillation target is the attention distribution averaged over the
+  group's query heads (attention/topk_distill.py).
+`shared_routing` (one routing head for all) overrides both. `routing_learning="score_bias"` with
+kv_heads < heads needs routing keys per K/V head: route_per="group" or shared_routing (ValueError
+otherwise).
 
 stats: `selected_keys` (mean valid slots per query), `routing_flops` and `flops` (routing +
 attention + the routing loss's products, executed); at evaluation only (the probe costs O(n·T·d)),
@@ -103,6 +119,7 @@ from routeformer.attention.topk_router import Router
 from routeformer.ops._checks import check_positive
 from routeformer.ops.backends import NATIVE, TOPK_DENSE_BELOW, TORCH, chosen, topk_dense_below
 from routeformer.ops.decode import append_keys_values
+from routeformer.ops.grouped_heads import group_queries, spread_heads, ungroup_queries
 from routeformer.ops.topk import (
     DEFAULT_ROUTING_BLOCK,
     add_random_slots,
@@ -115,6 +132,7 @@ from routeformer.ops.topk import (
 
 ROUTING_LEARNING = ("score_bias", "distill", "none")
 ROUTING_POSITIONS = ("rotary", "recency", "rotary+recency", "none")
+ROUTE_PER = ("head", "group")
 # Longest key count for which the dense masked path beats gathering (layer fwd+bwd, B=4, D=128,
 # 2 cores): the native kernels gather faster from 512 keys (420 vs 490 ms), the PyTorch ops from
 # ~1024. The values live with the dispatch (ops/backends.py: TOPK_DENSE_BELOW, which
@@ -124,7 +142,14 @@ DENSE_BELOW_NATIVE, DENSE_BELOW_TORCH = TOPK_DENSE_BELOW[NATIVE], TOPK_DENSE_BEL
 
 @register_attention("topk")
 class TopKAttention(AttentionLayer):
-    """Top-k routed attention (ADSR); see the module docstring for every option."""
+    """Top-k routed attention (ADSR); see the module docstring for every option.
+
+    Args (beyond dim, heads, causal): the options of the module docstring (topk, routing_dim,
+    routing_learning, ..., route_per = "head" | "group", default "head") and the common options of
+    `AttentionLayer` (head_dim, bias, rotary, rotary_base, kv_heads).
+    """
+
+    reads_grouped_kv = True
 
     def __init__(
         self, dim: int, heads: int, causal: bool = True, *, topk: int = 64, routing_dim: int = 16,
@@ -134,9 +159,11 @@ class TopKAttention(AttentionLayer):
         router_hidden: int = 0, recall_queries: int = 16, block: int = DEFAULT_ROUTING_BLOCK,
         dense_below: int | None = None, routing_positions: str = "recency",
         detach_router_input: bool = True, distill_queries: int | None = 64, distill_dense_steps: int = 0,
-        **common,
+        route_per: str = "head", **common,
     ) -> None:
         super().__init__(dim, heads, causal, **common)
+        if route_per not in ROUTE_PER:
+            raise ValueError(f"route_per must be one of {ROUTE_PER}; got {route_per!r}")
         check_positive("topk", topk)
         check_positive("routing_dim", routing_dim)
         check_positive("block", block)
@@ -180,7 +207,12 @@ class TopKAttention(AttentionLayer):
             # training calls so far (checkpointed): the dense warm-up covers the first ones
             self.register_buffer("distill_step", torch.zeros((), dtype=torch.long))
         self._warned_capped = False
-        routing_heads = 1 if shared_routing else heads
+        self.route_per = route_per
+        routing_heads = self.router_heads()
+        if routing_learning == "score_bias" and routing_heads not in (1, self.kv_heads):
+            raise ValueError("routing_learning='score_bias' appends each routing head's key vector to its "
+                             f"keys, so with kv_heads ({self.kv_heads}) < heads ({heads}) it needs "
+                             "route_per='group' or shared_routing=True; got route_per='head'")
         self.routing_positions = routing_positions
         self.router = Router(dim, routing_heads, routing_dim, router_hidden,
                              frozen=routing_learning == "none", positions=routing_positions,
@@ -216,9 +248,8 @@ class TopKAttention(AttentionLayer):
             position_dim="recency" in self.router.positions,
         )
         index, valid = add_random_slots(index, valid, explore, causal=self.causal, key_mask=mask)
-        # Routing heads R are 1 (shared) or H; attention needs one index per head.
-        head_index = index.expand(batch, heads, *index.shape[2:])
-        head_valid = valid.expand(batch, heads, *valid.shape[2:])
+        # Routing heads R are 1 (shared), G (per K/V group) or H; attention needs one index per head.
+        head_index, head_valid = spread_heads(index, heads), spread_heads(valid, heads)
         slots = index.shape[-1]
         q_att, k_att, scale = self._attention_inputs(q, k, route_q, route_k)
         num_keys = k.shape[2]
@@ -227,7 +258,8 @@ class TopKAttention(AttentionLayer):
             # (gathers run at ~1-2 GFLOP/s on CPU). Same function, executed cost T x S.
             allowed = slot_membership(head_index, head_valid, num_keys)
             chosen("routed_attention", TORCH, "dense masked SDPA below dense_below keys")
-            heads_out = F.scaled_dot_product_attention(q_att, k_att, v, attn_mask=allowed, scale=scale)
+            heads_out = F.scaled_dot_product_attention(q_att, k_att, v, attn_mask=allowed, scale=scale,
+                                                       enable_gqa=heads != k_att.shape[1])
             heads_out = heads_out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
             attention_flops = 2 * batch * heads * length * num_keys * (q_att.shape[-1] + head_dim)
         else:
@@ -278,9 +310,8 @@ class TopKAttention(AttentionLayer):
         index, valid = route_cached(route_q.detach(), cache, start, self.topk, local_window=self.local_window,
                                     global_tokens=self.global_tokens,
                                     position_dim="recency" in self.router.positions)
-        batch, heads = q.shape[:2]
-        head_index = index.expand(batch, heads, *index.shape[2:])
-        head_valid = valid.expand(batch, heads, *valid.shape[2:])
+        heads = q.shape[1]
+        head_index, head_valid = spread_heads(index, heads), spread_heads(valid, heads)
         # The whole buffers (topk never trims: row j is key j); the slots only point at filled rows.
         heads_out, _ = routed_attention(q_att, cache["k_buffer"], cache["v_buffer"], head_index, head_valid,
                                         scale=scale)
@@ -299,7 +330,14 @@ class TopKAttention(AttentionLayer):
         slots = min(length, self.topk + self.local_window + self.global_tokens)
         k, v = cache["k"], cache["v"]
         per_key = (k.shape[-1] * k.element_size() + v.shape[-1] * v.element_size())
-        return routing + k.shape[0] * k.shape[1] * slots * per_key, True
+        # Routed per query head, each query head reads its own slots of its K/V head; routed per
+        # group (or shared), a K/V head's slots are the same for every query head that reads it.
+        readers = self.heads if self.router_heads() == self.heads else k.shape[1]
+        return routing + k.shape[0] * readers * slots * per_key, True
+
+    def router_heads(self) -> int:
+        """Routing heads R: 1 (shared_routing), kv_heads (route_per='group') or heads."""
+        return 1 if self.shared_routing else (self.kv_heads if self.route_per == "group" else self.heads)
 
     @classmethod
     def budget_options(cls, seq_len: int, keys: int) -> dict[str, int]:
@@ -315,9 +353,11 @@ class TopKAttention(AttentionLayer):
             return q, k, scale
         bias = self.score_bias_scale / self.temperature
         batch, heads, length = q.shape[:3]
-        expand = (batch, heads, length, route_q.shape[-1])
-        q_att = torch.cat([q * scale, (bias * route_q).to(q.dtype).expand(expand)], dim=-1)
-        k_att = torch.cat([k, route_k.to(k.dtype).expand(expand)], dim=-1)
+        routing = route_q.shape[-1]
+        q_att = torch.cat([q * scale, spread_heads((bias * route_q).to(q.dtype), heads)], dim=-1)
+        # R = 1 or G here (the constructor refuses per-head routing keys over fewer K/V heads).
+        key_routing = route_k.to(k.dtype).expand(batch, k.shape[1], k.shape[2], routing)
+        k_att = torch.cat([k, key_routing], dim=-1)
         return q_att, k_att, 1.0
 
     def warn_if_capped(self, num_keys: int) -> None:
@@ -371,7 +411,8 @@ class TopKAttention(AttentionLayer):
             return {}
         count = min(self.recall_queries, length)
         picks = torch.linspace(0, length - 1, count, device=q.device).round().long()
-        scores = (q[:, :, picks] @ k.transpose(-1, -2)) * head_dim ** -0.5  # [B, H, n, S]
+        grouped = group_queries(q[:, :, picks], k.shape[1])  # each K/V head's query heads' rows
+        scores = ungroup_queries(grouped @ k.transpose(-1, -2), heads) * head_dim ** -0.5  # [B, H, n, S]
         keys = torch.arange(k.shape[2], device=q.device)
         eligible = torch.ones_like(scores, dtype=torch.bool)
         if self.causal:
@@ -380,7 +421,7 @@ class TopKAttention(AttentionLayer):
             eligible = eligible & mask[:, None, None, :]
         probs = scores.masked_fill(~eligible, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
         member = slot_membership(index[:, :, picks], valid[:, :, picks], k.shape[2])
-        recall = (probs * member).sum(-1)  # [B, H, n] (member broadcasts over heads when shared)
+        recall = (probs * spread_heads(member, heads)).sum(-1)  # [B, H, n]
         real = torch.ones(batch, count, dtype=torch.bool, device=q.device) if mask is None else mask[:, picks]
         weight = real[:, None, :].expand_as(recall).float()
         stats = {"routing_recall": (recall * weight).sum() / weight.sum().clamp_min(1)}

@@ -1,12 +1,12 @@
 """The `topk` layer's routing loss: distillation of the main attention into the router, on sampled
 query rows, sparse (over each row's routed set R_i) or dense (over every eligible key).
 
-Axes: B batch, H attention heads, R routing heads (1 shared, or H), T queries, n sampled rows,
-S keys, K slots, d head dim, r routing dim.
+Axes: B batch, H attention heads, G key/value heads, R routing heads (1 shared, G one per K/V
+group, or H), T queries, n sampled rows, S keys, K slots, d head dim, r routing dim.
 
 The objective is DeepSeek's sparse attention indexer's (DSA): KL(p_i || softmax(s_i/τ)), p_i the
-main attention's distribution q_i·k_j/√d (detached; averaged over heads when one router serves them
-all), s_i the router's scores. Two supports:
+main attention's distribution q_i·k_j/√d (detached; averaged over the query heads one routing head
+serves: all of them when shared, a K/V group's when routed per group), s_i the router's scores. Two supports:
 - sparse (the default): j in R_i, the keys the router selected. p_i is then the attention the
   layer actually computed, renormalised over R_i.
 - dense (DSA's warm-up): j over every eligible key (j <= i when causal, real keys under a mask),
@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from routeformer.ops.grouped_heads import group_queries, repeat_kv, spread_heads, ungroup_queries
 from routeformer.ops.topk import gathered_dot, slot_membership
 
 # Most scores per (batch, head) for which the sparse loss computes its rows' dense products and
@@ -96,11 +97,12 @@ def _kl_and_entropy(
 
 
 def _head_target(logits: Tensor, support: Tensor, routing_heads: int) -> Tensor:
-    """The main attention's distribution over the support, detached; averaged over heads when one
-    router (routing_heads = 1) serves them all."""
+    """The main attention's distribution over the support, detached; averaged over the query heads
+    a routing head serves (all of them when routing_heads = 1, a K/V group's when one routing head
+    serves each group)."""
     target = _log_softmax_over(logits, support).exp().masked_fill(~support, 0.0)
-    if routing_heads == 1 and target.shape[1] > 1:
-        target = target.mean(dim=1, keepdim=True)
+    if routing_heads < target.shape[1]:
+        target = target.unflatten(1, (routing_heads, -1)).mean(dim=2)
     return target
 
 
@@ -110,7 +112,9 @@ def routing_loss(
     distill_weight: float, entropy_weight: float,
 ) -> tuple[Tensor, int]:
     """(loss, FLOPs executed): the distillation (and entropy) terms on the sampled `rows` (None:
-    every row). q, k [B, H, T|S, d]; route_q, route_k [B, R, T|S, r]; index, valid [B, R, T, K]."""
+    every row). q [B, H, T, d], k [B, G, S, d] (G dividing H: query head h reads K/V head
+    h // (H / G), without a copy); route_q, route_k [B, R, T|S, r] and index, valid [B, R, T, K] with
+    R = 1, G or H."""
     if rows is not None:
         q, route_q, index, valid = (t[:, :, rows] for t in (q, route_q, index, valid))
     batch, heads, count, head_dim = q.shape
@@ -133,15 +137,17 @@ def routing_loss(
     target = router_log_probs.new_zeros(())
     if distill_weight:
         with torch.no_grad():
+            kv_heads = k.shape[1]
+            grouped_q = group_queries(q, kv_heads)  # [B, G, g·n, d]: each group reads its K/V head
             if dense:
-                logits = (q @ k.transpose(-1, -2)) * head_dim ** -0.5
+                logits = ungroup_queries(grouped_q @ k.transpose(-1, -2), heads) * head_dim ** -0.5
                 flops += 2 * batch * heads * count * num_keys * head_dim
             else:
-                head_index = index.expand(batch, heads, count, index.shape[-1])
-                logits, products = selected_scores(q, k, head_index)
-                logits = logits * head_dim ** -0.5
+                head_index = group_queries(spread_heads(index, heads), kv_heads)
+                logits, products = selected_scores(grouped_q, k, head_index)
+                logits = ungroup_queries(logits, heads) * head_dim ** -0.5
                 flops += 2 * products
-            head_support = support.expand(batch, heads, count, support.shape[-1])
+            head_support = spread_heads(support.expand(batch, -1, count, support.shape[-1]), heads)
             target = _head_target(logits.to(torch.promote_types(logits.dtype, torch.float32)), head_support,
                                   routing_heads)
     loss = _kl_and_entropy(target, router_log_probs, router_support, row_weight, distill_weight,
@@ -165,12 +171,12 @@ def routing_loss_reference(
     router_support = support.expand(*router_scores.shape)
     router_log = torch.where(router_support, router_scores, torch.tensor(float("-inf"), dtype=torch.float64))
     router_log = router_log.log_softmax(-1)
-    attention = (q.double() @ k.double().transpose(-1, -2)) * q.shape[-1] ** -0.5
-    head_support = support.expand(*attention.shape)
+    attention = (q.double() @ repeat_kv(k, q.shape[1]).double().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    head_support = spread_heads(support, q.shape[1]).expand(*attention.shape)
     target = torch.where(head_support, attention, torch.tensor(float("-inf"), dtype=torch.float64))
     target = target.softmax(-1).nan_to_num(0.0)
-    if route_q.shape[1] == 1 and q.shape[1] > 1:
-        target = target.mean(1, keepdim=True)
+    if route_q.shape[1] < q.shape[1]:
+        target = target.unflatten(1, (route_q.shape[1], -1)).mean(2)
     safe_log = torch.where(router_support, router_log, torch.zeros_like(router_log))
     kl = torch.where(target > 0, target * (target.clamp_min(1e-300).log() - safe_log),
                      torch.zeros_like(target))

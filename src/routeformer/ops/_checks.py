@@ -6,14 +6,18 @@ import torch
 from torch import Tensor
 
 
-def check_qkv(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool) -> None:
-    """Raise ``ValueError`` unless q, k, v are [B, H, T, d] tensors that fit together."""
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool,
+              grouped: bool = False) -> None:
+    """Raise ``ValueError`` unless q, k, v are [B, H, T, d] tensors that fit together. `grouped`:
+    k, v may have fewer heads G than q (grouped-query attention), G dividing H."""
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if tensor.dim() != 4:
             raise ValueError(f"{name} must have shape [B, H, T, d]; got {tuple(tensor.shape)}")
-    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
+    heads_fit = q.shape[1] == k.shape[1] or (grouped and k.shape[1] >= 1 and q.shape[1] % k.shape[1] == 0)
+    if q.shape[0] != k.shape[0] or not heads_fit or k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            "q, k, v must share batch and head sizes (and k, v their length); got "
+            "q, k, v must share batch and head sizes (and k, v their length"
+            + ("; k, v may have G heads, G dividing q's" if grouped else "") + "); got "
             f"q={tuple(q.shape)}, k={tuple(k.shape)}, v={tuple(v.shape)}"
         )
     if q.shape[-1] != k.shape[-1]:

@@ -139,7 +139,9 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
     """SDPA for cache reads. On CUDA the cuDNN backend is left out: it builds a graph for every new
     key length, and a decoding step's key length grows by one each step (measured on an H100, bf16,
     one layer at 4k keys: ~42 ms of host time per step in `_cudnn_attention_forward` for 15 µs of
-    GPU work); flash / memory-efficient attention have no such per-shape cost."""
+    GPU work); flash / memory-efficient attention have no such per-shape cost. k, v with fewer heads
+    than q (grouped-query attention) go through SDPA's `enable_gqa`."""
+    options["enable_gqa"] = q.shape[1] != k.shape[1]
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, **options)
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -151,9 +153,10 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
 def cached_softmax_attention(
     q: Tensor, k: Tensor, v: Tensor, query_start: int, key_start: int, window: int | None = None,
 ) -> Tensor:
-    """softmax(q kᵀ / sqrt(d)) v for q [B, H, t, d] of indices query_start.. over k, v [B, H, L, d]
-    of indices key_start.., under the causal (and window) rule. k, v may be views of a longer
-    buffer (strided heads): SDPA reads them in place."""
+    """softmax(q kᵀ / sqrt(d)) v for q [B, H, t, d] of indices query_start.. over k, v [B, G, L, d]
+    of indices key_start.., under the causal (and window) rule; G dividing H (grouped-query
+    attention: query head h reads K/V head h // (H / G)). k, v may be views of a longer buffer
+    (strided heads): SDPA reads them in place."""
     if window is None and query_start == key_start and q.shape[2] == k.shape[2]:
         # A prefill (the queries are all the keys): SDPA's causal kernel, no T×T mask built.
         return _sdpa(q, k, v, is_causal=q.shape[2] > 1)
@@ -191,16 +194,23 @@ def linear_attention_step(
     phi_q: Tensor, phi_k: Tensor, v: Tensor, cache: dict, eps: float,
 ) -> Tensor:
     """Causal linear attention of t new tokens given the running state in `cache` (S = Σ φ(k) vᵀ
-    [B, H, d, e] and z = Σ φ(k) [B, H, d] over earlier tokens), which it then advances:
+    [B, G, d, e] and z = Σ φ(k) [B, G, d] over earlier tokens), which it then advances:
 
         out_i = φ(q_i)·(S + Σ_{j<=i new} φ(k_j) v_jᵀ) / (φ(q_i)·(z + Σ_{j<=i new} φ(k_j)) + eps).
+
+    phi_q [B, H, t, d]; phi_k [B, G, t, d] and v [B, G, t, e] with G dividing H (grouped-query
+    attention: query head h reads state h // (H / G), shared by its group without a copy).
     """
     batch, heads, length, dim = phi_q.shape
-    state = cache.get("state", phi_q.new_zeros(batch, heads, dim, v.shape[-1]))
-    normaliser = cache.get("normaliser", phi_q.new_zeros(batch, heads, dim))
-    scores = (phi_q @ phi_k.transpose(-1, -2)).tril()  # [B, H, t, t]: the new tokens among themselves
-    numerator = phi_q @ state + scores @ v
-    denominator = (phi_q * normaliser[:, :, None]).sum(-1, keepdim=True) + scores.sum(-1, keepdim=True)
+    kv_heads = phi_k.shape[1]
+    state = cache.get("state", phi_q.new_zeros(batch, kv_heads, dim, v.shape[-1]))
+    normaliser = cache.get("normaliser", phi_q.new_zeros(batch, kv_heads, dim))
+    # Queries as [B, G, g, t, d]; each group's K/V and state broadcast over its g query heads.
+    grouped_q = phi_q.reshape(batch, kv_heads, heads // kv_heads, length, dim)
+    scores = (grouped_q @ phi_k[:, :, None].transpose(-1, -2)).tril()  # [B, G, g, t, t]: new tokens
+    numerator = grouped_q @ state[:, :, None] + scores @ v[:, :, None]
+    denominator = ((grouped_q * normaliser[:, :, None, None]).sum(-1, keepdim=True)
+                   + scores.sum(-1, keepdim=True))
     cache["state"] = state + phi_k.transpose(-1, -2) @ v
     cache["normaliser"] = normaliser + phi_k.sum(dim=2)
-    return numerator / (denominator + eps)
+    return (numerator / (denominator + eps)).reshape(batch, heads, length, v.shape[-1])

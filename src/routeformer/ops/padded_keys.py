@@ -34,7 +34,8 @@ def bidirectional_padded_attention(
     """softmax(q kᵀ·scale) v over the real keys (`mask` [B, Tk], True = real) of each sequence."""
     has_key = mask.any(dim=1)  # [B]: a sequence with no real key returns zeros
     allowed = (mask | ~has_key[:, None])[:, None, None, :]  # [B, 1, 1, Tk]: broadcast, O(T)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
     return out * has_key[:, None, None, None].to(out.dtype)
 
 
@@ -50,17 +51,18 @@ def causal_padded_attention(
     """Causal softmax attention of query i over the real keys j <= i (`mask` [B, T]); see the module
     docstring for the widened head dimension that carries the padding bias."""
     batch, heads, length, dim = q.shape
-    value_dim = v.shape[-1]
+    kv_heads, value_dim = k.shape[1], v.shape[-1]
     width = widened_width(dim, value_dim)
     scale = dim ** -0.5 if scale is None else scale
     # One column past q's head dim holds 1 in q' and the key's bias in k'; q'·k' = q·k + bias.
     bias = torch.zeros(batch, 1, length, 1, dtype=k.dtype, device=k.device)
-    bias = bias.masked_fill(~mask[:, None, :, None], masked_bias(k.dtype)).expand(batch, heads, length, 1)
+    bias = bias.masked_fill(~mask[:, None, :, None], masked_bias(k.dtype)).expand(batch, kv_heads, length, 1)
     rest = width - dim - 1
     q_wide = torch.cat([q, torch.ones_like(q[..., :1]), q.new_zeros(batch, heads, length, rest)], -1)
-    k_wide = torch.cat([k, bias, k.new_zeros(batch, heads, length, rest)], -1)
+    k_wide = torch.cat([k, bias, k.new_zeros(batch, kv_heads, length, rest)], -1)
     v_wide = F.pad(v, (0, width - value_dim))
-    out = F.scaled_dot_product_attention(q_wide, k_wide, v_wide, is_causal=True, scale=scale)
+    out = F.scaled_dot_product_attention(q_wide, k_wide, v_wide, is_causal=True, scale=scale,
+                                         enable_gqa=heads != kv_heads)
     # Query i has a real key j <= i iff a real token occurs at or before i; others return zeros
     # (their softmax spread evenly over biased keys: finite, then dropped).
     has_key = mask.cumsum(dim=1) > 0  # [B, T]

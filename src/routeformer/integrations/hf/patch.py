@@ -11,8 +11,12 @@
 Every attention module (GPT-2's `c_attn`/`c_proj`; Llama-style `q_proj`/`k_proj`/`v_proj`/`o_proj`,
 also Mistral and Qwen2) is swapped for a `RouteformerAttention` holding a routeformer layer built
 with the model's width, heads and head size. The pretrained Q/K/V/O weights are copied into the
-layer's projections (into every expert's, for `meta`); grouped-query K/V heads are repeated, which is
-exactly what the original computes. Parameters the original has no counterpart for (routers,
+layer's projections (into every expert's, for `meta`). Grouped-query attention (Llama's
+`num_key_value_heads` < heads): a mechanism that takes `kv_heads` (`reads_grouped_kv`) is built with
+kv_heads = the model's K/V heads and gets k_proj/v_proj as they are, so the patched model holds the
+original's parameters and decode-cache bytes; for the others the K/V heads are repeated per query
+head (query head h reads K/V head h // (heads / kv_heads), transformers' repeat_kv), which computes
+the same function with larger projections. Parameters the original has no counterpart for (routers,
 controllers, gates) start fresh. Llama-style rotary embeddings become the layer's own (same
 half-split convention, base `rope_theta`); GPT-2's learned positions stay outside attention.
 
@@ -36,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from routeformer.attention import build_attention
+from routeformer.attention import attention_class, build_attention
 from routeformer.integrations.hf.cache import cache_layer, check_usable
 from routeformer.integrations.hf.compat import passed_cache, refuse_untested_cache, untested_reason
 from routeformer.models.ragged import decode_rows, is_ragged, ragged_positions, start_ragged
@@ -171,33 +175,41 @@ def _rope_base(config) -> float:
     return float(parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
-Weights = tuple[Tensor, Tensor | None, Tensor, Tensor | None, int, int]  # qkv w, b; out w, b; heads; head dim
+# qkv w, b; out w, b; heads; K/V heads of the qkv rows; head dim
+Weights = tuple[Tensor, Tensor | None, Tensor, Tensor | None, int, int, int]
 
 
 def _gpt2_weights(module: nn.Module) -> Weights:
     # Conv1D stores weight [in, out] (y = x W + b): transpose to nn.Linear's [out, in].
     return (module.c_attn.weight.t(), module.c_attn.bias, module.c_proj.weight.t(), module.c_proj.bias,
-            module.num_heads, module.head_dim)
+            module.num_heads, module.num_heads, module.head_dim)
 
 
-def _llama_weights(module: nn.Module, config) -> Weights:
+def _llama_weights(module: nn.Module, config, grouped: bool) -> Weights:
+    """The Llama-style projections as one qkv block: with `grouped`, k_proj/v_proj as they are
+    (kv_heads = the model's K/V heads); otherwise each K/V head repeated for its query heads."""
     heads, head_dim = config.num_attention_heads, module.head_dim
-    groups = heads // getattr(config, "num_key_value_heads", heads)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    groups = 1 if grouped else heads // kv_heads
 
     def expand(projection: nn.Linear) -> tuple[Tensor, Tensor | None]:
-        # Grouped-query attention: query head h reads K/V head h // groups (transformers' repeat_kv).
-        weight = projection.weight.unflatten(0, (-1, head_dim)).repeat_interleave(groups, 0).flatten(0, 1)
-        bias = projection.bias
+        # Query head h reads K/V head h // groups (transformers' repeat_kv).
+        weight, bias = projection.weight, projection.bias
+        if groups == 1:
+            return weight, bias
+        weight = weight.unflatten(0, (-1, head_dim)).repeat_interleave(groups, 0).flatten(0, 1)
         if bias is not None:
             bias = bias.unflatten(0, (-1, head_dim)).repeat_interleave(groups, 0).flatten(0, 1)
         return weight, bias
 
     (k_weight, k_bias), (v_weight, v_bias) = expand(module.k_proj), expand(module.v_proj)
     qkv_weight = torch.cat([module.q_proj.weight, k_weight, v_weight])
-    biases = [module.q_proj.bias, k_bias, v_bias]
-    qkv_bias = None if all(b is None for b in biases) else torch.cat(
-        [b if b is not None else qkv_weight.new_zeros(heads * head_dim) for b in biases])
-    return qkv_weight, qkv_bias, module.o_proj.weight, module.o_proj.bias, heads, head_dim
+    biases = [(module.q_proj.bias, heads), (k_bias, k_weight.shape[0] // head_dim),
+              (v_bias, v_weight.shape[0] // head_dim)]
+    qkv_bias = None if all(b is None for b, _ in biases) else torch.cat(
+        [b if b is not None else qkv_weight.new_zeros(rows * head_dim) for b, rows in biases])
+    return (qkv_weight, qkv_bias, module.o_proj.weight, module.o_proj.bias, heads,
+            k_weight.shape[0] // head_dim, head_dim)
 
 
 def _copy_projections(layer: nn.Module, qkv_weight: Tensor, qkv_bias: Tensor | None, out_weight: Tensor,
@@ -243,17 +255,21 @@ def patch_attention(model: nn.Module, mechanism: str, **options: Any) -> nn.Modu
     `options`; returns the model. Train/eval mode, device and dtype are kept. See the module
     docstring for what is kept, what starts fresh and what is refused."""
     config = model.config
+    if "kv_heads" in options:
+        raise ValueError(f"kv_heads={options['kv_heads']!r}: patch_attention takes the K/V heads from the "
+                         "model (num_key_value_heads); do not pass kv_heads")
     found = _attention_modules(model)
+    grouped = attention_class(mechanism).reads_grouped_kv
     for index, (name, module, family) in enumerate(found):
         if family == "gpt2":
             weights, rotary = _gpt2_weights(module), {}
         else:
-            weights = _llama_weights(module, config)
+            weights = _llama_weights(module, config, grouped)
             rotary = {"rotary": True, "rotary_base": _rope_base(config)}
-        qkv_weight, qkv_bias, out_weight, out_bias, heads, head_dim = weights
+        qkv_weight, qkv_bias, out_weight, out_bias, heads, kv_heads, head_dim = weights
         has_bias = qkv_bias is not None or out_bias is not None
         layer = build_attention(mechanism, dim=config.hidden_size, heads=heads, causal=True,
-                                head_dim=head_dim, bias=has_bias, **rotary, **options)
+                                head_dim=head_dim, bias=has_bias, kv_heads=kv_heads, **rotary, **options)
         layer.to(dtype=qkv_weight.dtype, device=qkv_weight.device)
         _copy_projections(layer, qkv_weight, qkv_bias, out_weight, out_bias)
         layer_index = getattr(module, "layer_idx", None)

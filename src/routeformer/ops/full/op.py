@@ -24,14 +24,16 @@ def full_attention(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None, causal: bool = False,
     scale: float | None = None,
 ) -> Tensor:
-    """softmax(q kᵀ · scale + mask) v over [B, H, T, d] tensors.
+    """softmax(q kᵀ · scale + mask) v over q [B, H, T, d] and k, v [B, G, T, d].
 
     `mask` is a bool key-padding mask [B, Tk] (True = real token); `causal` lets query i read keys
-    j <= i. Rows left with no key return zeros.
+    j <= i. Rows left with no key return zeros. G < H (grouped-query attention, G dividing H):
+    query head h reads K/V head h // (H / G), through SDPA's `enable_gqa` (no K/V copy here).
     """
-    check_qkv(q, k, v, mask, causal=causal)
+    check_qkv(q, k, v, mask, causal=causal, grouped=True)
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
     # O(T) memory under a padding mask, never a dense [B, 1, Tq, Tk] one (ops/padded_keys.py).
     if causal:
         return causal_padded_attention(q, k, v, mask, scale)

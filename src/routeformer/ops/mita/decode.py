@@ -1,14 +1,15 @@
 """Cached (incremental) decoding of causal MiTA: the streaming layout's state and the outputs of new
 tokens, equal to the rows of the parallel op (ops/mita/op.py: `mita_attention(causal=True)`).
 
-Axes: B batch, H heads, t new tokens, L keys so far, d head dim (e value dim), E completed blocks,
-K keys per expert, R routed experts per query, M landmark window, S keys one query reads.
+Axes: B batch, H heads, G key/value heads, t new tokens, L keys so far, d head dim (e value dim),
+E completed blocks, K keys per expert, R routed experts per query, M landmark window, S keys one query reads.
 
 The streaming layout (see ops/mita/op.py) makes this possible: blocks of `block` = b tokens; landmark j
 (the mean query of block j), its shared value V̂_j and its expert (top-K keys) are fixed once block
 j is complete — they read keys < (j + 1)·b only. So the state is
 
-    k, v              [B, H, L, d|e]  every key so far (a completed block's landmark reads them all)
+    k, v              [B, G, L, d|e]  every key so far (a completed block's landmark reads them all;
+                                      G K/V heads, G dividing H: query head h reads head h // (H/G))
     block_q           [B, H, r, d]    the queries of the incomplete block (r < b)
     landmark          [B, H, E, d]    landmarks of the completed blocks
     landmark_values   [B, H, E, e]    their shared values V̂ (Eq. 8)
@@ -28,11 +29,14 @@ import torch
 from torch import Tensor
 
 from routeformer.ops.decode import append_keys_values
+from routeformer.ops.grouped_heads import repeat_kv
 
 
 def _complete_block(cache: dict, block: int, topk: int, scale: float) -> None:
     """Landmark, shared value and expert of the block just completed (its queries in block_q)."""
-    keys, values = cache["k"].float(), cache["v"].float()  # all keys < (j + 1)·b: the block's end
+    heads = cache["block_q"].shape[1]
+    # all keys < (j + 1)·b: the block's end; K/V heads repeated for their query heads (GQA)
+    keys, values = repeat_kv(cache["k"].float(), heads), repeat_kv(cache["v"].float(), heads)
     landmark = cache["block_q"].float().sum(2, keepdim=True) / block  # [B, H, 1, d]
     scores = (landmark * scale) @ keys.transpose(-1, -2)  # [B, H, 1, L]
     landmark_values = scores.softmax(-1) @ values
@@ -54,7 +58,7 @@ def _segment(q: Tensor, first: int, cache: dict, *, landmarks: int, topk: int, r
     batch, heads, count, _ = q.shape
     q = q.float()
     current = first // block
-    keys, values = cache["k"].float(), cache["v"].float()
+    keys, values = repeat_kv(cache["k"].float(), heads), repeat_kv(cache["v"].float(), heads)
     # Own block, exact and causal: keys c·b .. i.
     own = slice(current * block, first + count)
     local_keys, local_values = keys[:, :, own], values[:, :, own]
@@ -93,8 +97,10 @@ def mita_decode(
     q: Tensor, k: Tensor, v: Tensor, start: int, cache: dict, *, landmarks: int, topk: int,
     route: int, shared: bool, block: int, scale: float | None = None,
 ) -> Tensor:
-    """Outputs [B, H, t, e] of the new tokens q, k, v [B, H, t, d|e] of indices start.. of a stream
-    whose earlier tokens `cache` holds (start with {}): the parallel causal op's rows."""
+    """Outputs [B, H, t, e] of the new tokens q [B, H, t, d], k, v [B, G, t, d|e] of indices
+    start.. of a stream whose earlier tokens `cache` holds (start with {}): the parallel causal op's
+    rows. G < H (grouped-query attention, G dividing H): the cache holds G K/V heads and query head h
+    reads K/V head h // (H / G); each step repeats the cached K/V for the query heads (a copy)."""
     if torch.is_autocast_enabled(q.device.type):  # fp32 inside, as the parallel op (ops/mita/op.py)
         with torch.autocast(q.device.type, enabled=False):
             return mita_decode(q, k, v, start, cache, landmarks=landmarks, topk=topk, route=route,

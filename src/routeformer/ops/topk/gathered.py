@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from routeformer.ops.backends import NATIVE, TRITON, routed_attention_backend
+from routeformer.ops.grouped_heads import group_queries, query_group, ungroup_queries
 from routeformer.ops.native import compute_dtype
 from routeformer.ops.native.topk import reads_bf16, routed_attention_op
 
@@ -117,12 +118,24 @@ def routed_attention(
 ) -> tuple[Tensor, Tensor]:
     """softmax over each query's gathered keys: out_i = Σ_{slot} softmax_slot(q_i·k_index · scale) v_index.
 
-    q [B, H, T, d], k [B, H, S, d], v [B, H, S, e], index/valid [B, H, T, K] (index may be an
+    q [B, H, T, d], k [B, G, S, d], v [B, G, S, e], index/valid [B, H, T, K] (index may be an
     expanded view, e.g. one routing shared by all heads). Returns (out [B, H, T, e], lse [B, H, T]),
     lse being the log-sum-exp of each row's logits (-inf for an empty row; not differentiable).
     q and k may have a different last dim from v: callers append routing features to q and k to
-    add a score bias to the logits.
+    add a score bias to the logits. G < H (grouped-query attention, G dividing H): query head h
+    reads K/V head h // (H / G); the rows are independent given their indices, so the group's
+    queries run as [B, G, g·T] rows of one call over its K/V head (every backend; q and the indices
+    are regrouped, K/V are not copied).
     """
+    if q.dim() == 4 and k.dim() == 4 and k.shape[1] != q.shape[1] and index.dim() == 4:
+        heads, kv_heads = q.shape[1], k.shape[1]
+        query_group(q, k)
+        if index.shape[1] != heads or valid.shape[1] != heads:
+            raise ValueError(f"index and valid must be [B, H, T, K] with H = {heads} query heads; got "
+                             f"{tuple(index.shape)} and {tuple(valid.shape)}")
+        out, lse = routed_attention(group_queries(q, kv_heads), k, v, group_queries(index, kv_heads),
+                                    group_queries(valid, kv_heads), scale=scale, block=block)
+        return ungroup_queries(out, heads), ungroup_queries(lse, heads)
     _check_gather_args(q, k, index, valid)
     if v.shape[:3] != k.shape[:3]:
         raise ValueError(
