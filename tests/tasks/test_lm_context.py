@@ -28,7 +28,7 @@ def document_corpus(tmp_path):
 def test_training_windows_lie_anywhere_inside_one_document(tmp_path):
     corpus, documents = document_corpus(tmp_path)
     task = build_task("lm", corpus=corpus, seq_len=20, documents="start")
-    assert task.train_windows == "anywhere" and "train_windows" not in task.options()
+    assert task.train_windows == "anywhere" and task.options()["train_windows"] == "anywhere"
     texts = [body for _, body in documents["train"] if len(body) >= 21]
     inputs, labels = task.batch(2000, torch.Generator().manual_seed(0), "train")
     assert torch.equal(inputs[:, 1:], labels[:, :-1])

@@ -237,10 +237,8 @@ class CharLM(Task):
             options["meta_density"] = self.meta_density
         if self.documents == "stream":
             return options
-        options["documents"] = self.documents
-        if self.train_windows != "anywhere":
-            options["train_windows"] = self.train_windows
-        return options
+        # train_windows is always named, so a record trained at starts never reads as one trained anywhere
+        return {**options, "documents": self.documents, "train_windows": self.train_windows}
 
     def document_starts(self, split: str) -> Tensor | None:
         """Where the windows of `split` may start in `ids(split)` (documents="start"), else None:
