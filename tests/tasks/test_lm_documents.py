@@ -51,7 +51,7 @@ def small_corpus(tmp_path):
 
 def test_start_windows_begin_at_document_starts_and_skip_short_documents(tmp_path):
     corpus, documents = small_corpus(tmp_path)
-    task = build_task("lm", corpus=corpus, seq_len=10, documents="start")
+    task = build_task("lm", corpus=corpus, seq_len=10, documents="start", train_windows="start")
     assert task.options()["documents"] == "start" and task.mask(torch.zeros(2, 10, dtype=torch.long)) is None
     starts = {split: task.document_starts(split).tolist() for split in ("train", "validation", "test")}
     # "short.py" ("ab") and "v1.py" ("xyz") are too short for 11 characters: skipped

@@ -20,7 +20,9 @@ from routeformer.runner.report import markdown_table, mean_sd, provenance, scatt
 def task_floor(task: str, options: dict[str, Any], position_sequences: int = 0) -> dict[str, Any]:
     """Chance and measured shortcut baselines of `build_task(task, **options)`; with
     `position_sequences` > 0 and an LM task, also its n-gram floors per position bucket on the test
-    sample of that many windows (`position_baselines`: the windows evaluate_on_task scores)."""
+    sample of that many windows (`position_baselines`: the windows evaluate_on_task scores) and, for
+    documents="start", the n-gram floors on its copy-predictable characters
+    (`copy_predictable_baselines`)."""
     from routeformer.tasks import build_task
 
     built = build_task(task, **options)
@@ -28,6 +30,10 @@ def task_floor(task: str, options: dict[str, Any], position_sequences: int = 0) 
              "chance": built.chance, "baselines": built.baselines()}
     if position_sequences > 0 and hasattr(built, "position_baselines"):
         floor["position_baselines"] = built.position_baselines(position_sequences)
+    if position_sequences > 0 and hasattr(built, "copy_predictable_baselines"):
+        copy_floors = built.copy_predictable_baselines(position_sequences)
+        if copy_floors:
+            floor["copy_predictable_baselines"] = copy_floors
     return floor
 
 

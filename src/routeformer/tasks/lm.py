@@ -5,17 +5,32 @@ cut in two: its first half is the validation split, its second half the test spl
 report on the other). A corpus with a test split of its own (`pystdlib`) keeps its three splits.
 The metric is bits per character (lower is better).
 
-`documents="start"` (for a corpus of documents, `pystdlib`) draws every window from the beginning
-of one document instead: row b holds the first T characters of a document (labels: the T after its
-first), so slot t of the window is character t of the file and a name defined thousands of
-characters earlier in the file is really in the context. Only documents of at least T + 1
-characters qualify; shorter ones are skipped (nothing is padded, so `mask` stays None). Training
-rows pick a qualifying document uniformly at random (with replacement); `fixed_sample` (validation,
-test) takes the first `sequences` qualifying documents in file order, one window each, so a split
-offers at most as many evaluation windows as it has qualifying documents. In `pystdlib` (Python
-3.11.7 standard library) the qualifying documents (train / valid / test) are 549 / 31 / 28 at
-T = 2048 and 452 / 28 / 21 at T = 4096. The default `documents="stream"` is the behaviour of old:
-random windows of the split's documents joined into one text.
+`documents="start"` (for a corpus of documents, `pystdlib`) evaluates at the beginning of one
+document per window: a `fixed_sample` row (and a `batch(split="validation"/"test")` row) holds the
+first T characters of a document (labels: the T after its first), so slot t of the window is
+character t of the file and a name defined thousands of characters earlier in the file is really
+in the context. Only documents of at least T + 1 characters qualify; shorter ones are skipped
+(nothing is padded, so `mask` stays None). `fixed_sample` takes the first `sequences` qualifying
+documents in file order, one window each, so a split offers at most as many evaluation windows as
+it has qualifying documents; `batch` on validation / test picks a qualifying document uniformly at
+random (with replacement). The training split's windows follow `train_windows`:
+"anywhere" (the default) draws a window of T + 1 characters lying inside one qualifying document,
+uniformly over all such windows of the split (a document of L characters offers L - T of them, so
+it is drawn in proportion to L - T, and the start offset is uniform within it); "start" draws
+them at document starts as evaluation does. In `pystdlib` (Python 3.11.7 standard library) the
+qualifying documents per split are counted by `document_starts`. The default `documents="stream"`
+is the behaviour of old: random windows of the split's documents joined into one text
+(`train_windows` does not apply to it).
+
+`copy_predictable(split, sequences)` marks, on the windows `fixed_sample` gives, the characters a
+copy from far back predicts: label position t is copy-predictable for context length n when the n
+characters ending at t (`inputs[t-n+1..t]`) occurred earlier in the window, their most recent
+earlier occurrence (ending at s < t) ends more than `distance` characters back (t - s > distance),
+and the character that followed it (`inputs[s+1]`) is `labels[t]`. A model whose attention sees
+only the last `distance` characters cannot see that occurrence; a copy oracle is right on every
+such character by construction. With documents="start", `evaluate_on_task` reports the model's
+bits/char on these characters (`bits_per_char_copy_predictable`, per context length of
+`copy_contexts`) and `copy_predictable_baselines` the n-gram floors on the same characters.
 
 `meta_density` > 0 injects the meta-token `_PAUSE_` at that density into every window (the
 pre-training of "Language Modeling with Learned Meta-Tokens"): windows then hold fewer real
@@ -54,6 +69,9 @@ from routeformer.tasks.splits import check_split
 
 SPLIT_NAMES = ("train", "validation", "test")
 WINDOW_MODES = ("stream", "start")
+TRAIN_WINDOW_MODES = ("anywhere", "start")
+COPY_CONTEXTS = (8, 16)
+COPY_DISTANCE = 64
 
 
 @dataclass(frozen=True)
@@ -94,6 +112,66 @@ def document_start_windows(ids: Tensor, starts: Tensor, seq_len: int) -> tuple[T
     return windows[:, :-1], windows[:, 1:]
 
 
+def document_windows_anywhere(ids: Tensor, starts: Tensor, lengths: Tensor, batch_size: int, seq_len: int,
+                              generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """`batch_size` windows of `seq_len` slots, each lying inside one document (documents at
+    `starts` [D] of `ids` with `lengths` [D], each at least `seq_len` + 1), uniformly over every
+    such window: a document of L characters offers L - seq_len start offsets."""
+    offsets = lengths - seq_len
+    if bool((offsets < 1).any()):
+        raise ValueError(f"every document needs at least seq_len + 1 = {seq_len + 1} characters; "
+                         f"shortest: {int(lengths.min())}")
+    ends = torch.cumsum(offsets, 0)
+    draws = torch.randint(0, int(ends[-1]), (batch_size,), generator=generator)
+    document = torch.searchsorted(ends, draws, right=True)
+    window_starts = starts[document] + draws - (ends[document] - offsets[document])
+    return document_start_windows(ids, window_starts, seq_len)
+
+
+def copy_predictable_mask(inputs: Tensor, labels: Tensor, context: int = 8,
+                          distance: int = COPY_DISTANCE) -> Tensor:
+    """Bool [N, T]: label position t of row b is copy-predictable when the `context` characters
+    ending at t (`inputs[b, t-context+1..t]`) occurred earlier in the row, their most recent earlier
+    occurrence ends at s with t - s > `distance`, and `inputs[b, s+1] == labels[b, t]`. Positions
+    with fewer than `context` characters read, and labels equal to IGNORE_INDEX, are False. Exact
+    (n-grams compared whole, no hashing); no loop over positions.
+
+    inputs, labels: [N, T] long. Raises ValueError for a non-positive `context` or negative
+    `distance`, or shapes that differ."""
+    check_positive("context", context)
+    if not isinstance(distance, int) or isinstance(distance, bool) or distance < 0:
+        raise ValueError(f"distance must be a non-negative integer; got {distance!r}")
+    if inputs.dim() != 2 or inputs.shape != labels.shape:
+        raise ValueError(f"inputs and labels must both be [N, T]; got {tuple(inputs.shape)} and "
+                         f"{tuple(labels.shape)}")
+    rows, length = inputs.shape
+    mask = torch.zeros(rows, length, dtype=torch.bool)
+    if length < context or rows == 0:
+        return mask
+    grams = inputs.unfold(1, context, 1)  # [N, T - context + 1, context]: gram j ends at j + context - 1
+    count = grams.shape[1]
+    row_index = torch.arange(rows).repeat_interleave(count)
+    keyed = torch.cat([row_index[:, None], grams.reshape(-1, context)], 1)
+    _, group = torch.unique(keyed, dim=0, return_inverse=True)
+    slot = torch.arange(count).repeat(rows)
+    order = torch.argsort(group * count + slot)
+    sorted_group, sorted_slot = group[order], slot[order]
+    has_previous = torch.zeros_like(sorted_group, dtype=torch.bool)
+    has_previous[1:] = sorted_group[1:] == sorted_group[:-1]
+    previous_slot = torch.full_like(sorted_slot, -1)
+    previous_slot[1:] = sorted_slot[:-1]
+    previous = torch.full((rows * count,), -1, dtype=torch.long)
+    previous[order] = torch.where(has_previous, previous_slot, -1)
+    previous = previous.view(rows, count)
+    slots = torch.arange(count).expand(rows, count)
+    far = (previous >= 0) & (slots - previous > distance)
+    # gram j ends at position j + context - 1; the character after gram p is inputs[p + context]
+    follower = inputs.gather(1, (previous.clamp(min=0) + context).clamp(max=length - 1))
+    target = labels[:, context - 1:]
+    mask[:, context - 1:] = far & (follower == target) & (target != IGNORE_INDEX)
+    return mask
+
+
 def lm_windows(ids: Tensor, batch_size: int, seq_len: int, generator: torch.Generator, *,
                meta_density: float = 0.0, meta_id: int | None = None) -> tuple[Tensor, Tensor]:
     """`batch_size` random windows of `seq_len` slots from the token stream `ids` (inputs, next-token
@@ -112,12 +190,21 @@ class CharLM(Task):
     higher_is_better = False
 
     def __init__(self, corpus: str = "pydoc", seq_len: int = 128, meta_density: float = 0.0,
-                 documents: str = "stream") -> None:
+                 documents: str = "stream", train_windows: str = "anywhere") -> None:
         check_positive("seq_len", seq_len)
         self.meta_density = check_density("meta_density", meta_density)
         if documents not in WINDOW_MODES:
             raise ValueError(f"documents must be one of {list(WINDOW_MODES)}; got {documents!r}")
+        if train_windows not in TRAIN_WINDOW_MODES:
+            raise ValueError(f"train_windows must be one of {list(TRAIN_WINDOW_MODES)}; "
+                             f"got {train_windows!r}")
+        if documents == "stream" and train_windows != "anywhere":
+            raise ValueError(f"train_windows={train_windows!r} applies to documents='start'; "
+                             f"documents='stream' draws its windows anywhere in the joined text")
         self.corpus, self.seq_len, self.name, self.documents = corpus, seq_len, "lm", documents
+        self.train_windows = train_windows
+        self.copy_contexts, self.copy_distance = COPY_CONTEXTS, COPY_DISTANCE
+        self._copy_masks: dict[tuple[str, int, int, int], Tensor] = {}
         self.corpus_name, self.vocab, *self._ids = _encoded(corpus)
         self.vocab_size = len(self.vocab)
         self.meta_token_id = self.vocab.pause_id if meta_density > 0 else None
@@ -127,6 +214,7 @@ class CharLM(Task):
                 raise ValueError(f"seq_len={seq_len} is longer than the {split} text of corpus "
                                  f"{corpus!r} ({len(ids)} characters)")
         self._document_starts: list[Tensor] | None = None
+        self._document_lengths: list[Tensor] = []
         if documents == "start":
             spans = _document_spans(corpus)
             if spans is None:
@@ -141,12 +229,16 @@ class CharLM(Task):
                         f"{corpus!r} has the {self._real + 1} characters a window needs (longest: "
                         f"{int(span.lengths.max())})")
                 self._document_starts.append(span.starts[qualifying])
+                self._document_lengths.append(span.lengths[qualifying])
 
     def options(self) -> dict[str, Any]:
         options = {"corpus": self.corpus, "seq_len": self.seq_len}
         if self.meta_density:
             options["meta_density"] = self.meta_density
-        return {**options, "documents": self.documents} if self.documents != "stream" else options
+        if self.documents == "stream":
+            return options
+        # train_windows is always named, so a record trained at starts never reads as one trained anywhere
+        return {**options, "documents": self.documents, "train_windows": self.train_windows}
 
     def document_starts(self, split: str) -> Tensor | None:
         """Where the windows of `split` may start in `ids(split)` (documents="start"), else None:
@@ -164,12 +256,18 @@ class CharLM(Task):
     def batch(
         self, batch_size: int, generator: torch.Generator, split: str = "train",
     ) -> tuple[Tensor, Tensor]:
-        """Random windows of the split's text (the splits are disjoint stretches of the corpus)."""
+        """Random windows of the split's text (the splits are disjoint stretches of the corpus); with
+        documents="start", at qualifying documents' starts, except on the training split with
+        train_windows="anywhere": anywhere inside one qualifying document (module docstring)."""
         check_batch_size(batch_size)
         starts = self.document_starts(split)
         if starts is None:
             return lm_windows(self.ids(split), batch_size, self.seq_len, generator,
                               meta_density=self.meta_density, meta_id=self.meta_token_id)
+        if check_split(split) == "train" and self.train_windows == "anywhere":
+            inputs, labels = document_windows_anywhere(self.ids(split), starts, self._document_lengths[0],
+                                                       batch_size, self._real, generator)
+            return self._inject(inputs, labels, generator)
         rows = torch.randint(0, len(starts), (batch_size,), generator=generator)
         inputs, labels = document_start_windows(self.ids(split), starts[rows], self._real)
         return self._inject(inputs, labels, generator)
@@ -186,6 +284,46 @@ class CharLM(Task):
         usable = count * self._real
         inputs, labels = ids[:usable].view(count, self._real), ids[1:usable + 1].view(count, self._real)
         return self._inject(inputs, labels, torch.Generator().manual_seed(seed))
+
+    def copy_predictable(self, split: str = "test", sequences: int = 1024, context: int = 8,
+                         distance: int | None = None) -> Tensor | None:
+        """Bool [N, T] over the label positions of `fixed_sample(split, sequences)`: the characters a
+        copy from more than `distance` characters back (default `copy_distance`) predicts, for
+        `context` characters of context (`copy_predictable_mask`; module docstring). None unless
+        documents="start" (a stream window is not a place in a file). Computed once per task
+        instance and arguments. The evaluator asks for each of `copy_contexts` at `copy_distance`."""
+        if self.documents != "start":
+            return None
+        distance = self.copy_distance if distance is None else distance
+        key = (check_split(split), sequences, context, distance)
+        if key not in self._copy_masks:
+            inputs, labels = self.fixed_sample(split, sequences)
+            self._copy_masks[key] = copy_predictable_mask(inputs, labels, context, distance)
+        return self._copy_masks[key]
+
+    def copy_predictable_baselines(self, sequences: int = 1024,
+                                   split: str = "test") -> dict[str, dict[str, float]]:
+        """On `fixed_sample(split, sequences)`, per context length of `copy_contexts`: the fraction
+        of asked characters that are copy-predictable ("copy-predictable fraction") and the unigram
+        and bigram models' bits/char on those characters. These n-gram models read no more than the
+        previous character, so they cannot see the occurrence that predicts the character; the copy
+        oracle itself is right on every one of them. Empty unless documents="start"."""
+        if self.documents != "start":
+            return {}
+        inputs, labels = self.fixed_sample(split, sequences)
+        asked = labels != IGNORE_INDEX
+        unigram, bigram = self._ngram_probabilities()
+        safe = labels.clamp(min=0)
+        bits = {"unigram": -unigram[safe].log2(), "bigram": -bigram[inputs, safe].log2()}
+        floors: dict[str, dict[str, float]] = {"copy-predictable fraction": {}}
+        for context in self.copy_contexts:
+            mask = self.copy_predictable(split, sequences, context)
+            floors["copy-predictable fraction"][str(context)] = float(mask.sum()) / max(int(asked.sum()), 1)
+            for name, values in bits.items():
+                chosen = values[mask]
+                floors.setdefault(f"{name} (bits/char)", {})[str(context)] = (
+                    float(chosen.mean()) if chosen.numel() else math.nan)
+        return floors
 
     def _inject(self, inputs: Tensor, labels: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
         if self.meta_token_id is None:
@@ -243,13 +381,15 @@ class CharLM(Task):
 @register_task("code_lm")
 class CodeLM(CharLM):
     """The long-range character LM: `lm` on the Python standard library (`pystdlib`), one document
-    per window from its first character (documents="start"), T = 4096 by default. Names are defined
+    per evaluation window from its first character (documents="start"; training windows anywhere in
+a document, train_windows="anywhere"), T = 4096 by default. Names are defined
     thousands of characters before they are used, so reading far back pays; compare --long trains
     it, and reports bits per character per position bucket beside the n-gram floors of the same
     buckets (`position_baselines`). Needs ../shared/data/python-stdlib (or `corpus="pystdlib:DIR"`);
     nothing is downloaded."""
 
     def __init__(self, corpus: str = "pystdlib", seq_len: int = 4096, meta_density: float = 0.0,
-                 documents: str = "start") -> None:
-        super().__init__(corpus=corpus, seq_len=seq_len, meta_density=meta_density, documents=documents)
+                 documents: str = "start", train_windows: str = "anywhere") -> None:
+        super().__init__(corpus=corpus, seq_len=seq_len, meta_density=meta_density, documents=documents,
+                         train_windows=train_windows)
         self.name = "code_lm"

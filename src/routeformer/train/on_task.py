@@ -65,7 +65,10 @@ def evaluate_on_task(model: TokenPredictor, task: Task, split: str, sequences: i
     from the per-token losses: bucket "lo-hi" is the window slots lo <= t < hi (tasks/positions.py;
     `position_buckets` are the edges, default 0, 256, 1024, 2048, 4096, ... clipped to T). The
     count-weighted mean of the buckets is `bits_per_char`. With lm's documents="start" a slot is
-    the position in the file."""
+    the position in the file, and for a task with `copy_predictable` (lm, code_lm) the record also
+    holds `bits_per_char_copy_predictable` and `copy_predictable_fraction` ({"8": ..., "16": ...},
+    per context length of the task's `copy_contexts`): the bits/char on the characters a copy from
+    far back predicts, and their share of the asked characters (NaN bits where there are none)."""
     if position_buckets is not None and task.metric != "bits_per_char":
         raise ValueError(f"position_buckets applies to LM tasks (bits_per_char); task {task.name!r} "
                          f"reports {task.metric}")
@@ -77,6 +80,12 @@ def evaluate_on_task(model: TokenPredictor, task: Task, split: str, sequences: i
     correct = asked = 0
     nats = flops = 0.0
     routing: dict[str, list[float]] = {}
+    copy_masks = {}
+    if by_position is not None and hasattr(task, "copy_predictable"):
+        copy_masks = {context: task.copy_predictable(split, sequences, context)
+                      for context in getattr(task, "copy_contexts", ())}
+        copy_masks = {context: mask for context, mask in copy_masks.items() if mask is not None}
+    token_losses = []
     for start in range(0, inputs.shape[0], batch_size):
         chunk_inputs, chunk_labels = inputs[start:start + batch_size], labels[start:start + batch_size]
         result = model(chunk_inputs, chunk_labels, mask=task.mask(chunk_inputs), logits_at_labels=True)
@@ -86,6 +95,8 @@ def evaluate_on_task(model: TokenPredictor, task: Task, split: str, sequences: i
         if by_position is not None:
             token_nats = torch.nn.functional.cross_entropy(result.logits.float(), targets, reduction="none")
             by_position.add(token_nats, chunk_labels)
+            if copy_masks:
+                token_losses.append(token_nats.detach().double().cpu())
         asked += targets.numel()
         flops += sum(float(layer["flops"]) for layer in result.stats)
         for key in ROUTING_STATS:
@@ -102,6 +113,14 @@ def evaluate_on_task(model: TokenPredictor, task: Task, split: str, sequences: i
     if by_position is not None:
         record["bits_per_char_by_position"] = by_position.bits()
         record["tokens_by_position"] = by_position.token_counts()
+    if copy_masks:
+        all_nats, asked_at = torch.cat(token_losses), labels != IGNORE_INDEX
+        record["bits_per_char_copy_predictable"], record["copy_predictable_fraction"] = {}, {}
+        for context, mask in copy_masks.items():
+            chosen = all_nats[mask[asked_at]]
+            record["bits_per_char_copy_predictable"][str(context)] = (
+                float(chosen.mean()) / math.log(2) if chosen.numel() else math.nan)
+            record["copy_predictable_fraction"][str(context)] = chosen.numel() / asked
     return record
 
 
