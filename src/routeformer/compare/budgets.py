@@ -149,7 +149,7 @@ TOPK_LONG_RECALL_RECIPE = {"routing_positions": "none"}
 # the probes, and a lookup learnt on vocabulary 16 did not carry to new tokens. Seven pairs is what
 # vocabulary 16 holds; the context sits at the start and queries uniformly over the rest, so all but
 # ~1.5 % of them at T = 4096 are further from their key than a 64-key window reaches.
-# Stage 1's learning rate is 1e-3 (3e-3 until 2026-11-28 14:30, the T = 4096 run in
+# Stage 1's learning rate is 1e-3 (3e-3 in the T = 4096 run of
 # docs/results/compare/long/): at 3e-3 the phase transition failed on some seeds for every mechanism
 # (full seed 7, meta's full expert seeds 1 and 3: training loss stuck at ln 4, also over 1200 steps
 # or at 1e-2); at 1e-3 full passed on seeds 0-8 and meta's full expert on seeds 0-7 by step 300
@@ -163,7 +163,7 @@ _RECALL_WARMUP = (
 LONG = CompareBudget(
     "long",
     tasks={
-        # Recall at T = 4096 (issue 45): the T = 512 curriculum, then 1024 and 4096.
+        # Recall at T = 4096: the T = 512 curriculum, then 1024 and 4096.
         "mqar": curriculum_setup(
             {"seq_len": 4096, "pairs": 7, "vocab_size": 16},
             stages=(
@@ -190,7 +190,7 @@ LONG = CompareBudget(
                 Stage({}, Schedule(steps=60, batch_size=8, lr=1e-3, warmup_steps=6)),
             ),
         ),
-        # The long-range LM (issue 45): Python source at T = 4096, one file per window from its first
+        # The long-range LM: Python source at T = 4096, one file per window from its first
         # character. Stage 1 learns the characters on random T = 256 windows of the joined training
         # text (cheap); stage 2 reads whole file heads at T. Chosen on `full`'s validation curve
         # (docs/results/compare/long-code_lm/README.md); it needs ../shared/data/python-stdlib.

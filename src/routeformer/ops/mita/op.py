@@ -44,8 +44,8 @@ native/mita_train_kernels.c (forward and backward), which read each query's b + 
 softmax in one pass per (batch, head). Both take the same routing decision (computed in PyTorch) and
 the same landmark stage; tests/ops/test_mita_native.py compares their values and gradients, and both
 against `mita_reference`. Measured (the op's forward + backward, one thread, B·T = 8192, H = 2,
-d = 32, block 64, M = T/64, K = 64; medians of 7 alternating rounds on a loaded 2-core machine,
-2026-11-28): T = 512: kernel 47 ms, PyTorch parts 133 ms, causal SDPA 40 ms; T = 2048: 74 / 176 /
+d = 32, block 64, M = T/64, K = 64; medians of 7 alternating rounds on a loaded 2-core machine):
+T = 512: kernel 47 ms, PyTorch parts 133 ms, causal SDPA 40 ms; T = 2048: 74 / 176 /
 99 ms.
 
 Padding (`mask`): padded rows may hold anything (they are zeroed first: masked_fill, not a product,
