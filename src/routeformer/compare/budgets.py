@@ -134,7 +134,7 @@ META_RECALL_RECIPE = {
 # 0.067 (docs/results/compare/long-mqar-topk; its routing recall ~0.65 at T = 1024, ~0.17 at 4096). A
 # dense distillation over every key all run did not help (0.371 / 0.413 on seeds 0 / 1); the blind
 # router reached validation 1.0 at T = 1024 and 4096 on seeds 0 and 1
-# (`docs/results/routers/topk_long_probe.py SEED --option "routing_positions='none'"`). Chosen on those
+# (`scripts/topk_long_probe.py SEED --option "routing_positions='none'"`). Chosen on those
 # validation curves; the T = 512 recall keeps the default (recency solved it on 5 of 5 seeds). Its cost:
 # 3.45x full's step at T = 4096 (docs/results/compare/long-mqar-topk-blind): the blind first layer's
 # routing keys take 15 distinct values, and the selection kernels slow down under the ties.
@@ -153,9 +153,9 @@ TOPK_LONG_RECALL_RECIPE = {"routing_positions": "none"}
 # docs/results/compare/long/): at 3e-3 the phase transition failed on some seeds for every mechanism
 # (full seed 7, meta's full expert seeds 1 and 3: training loss stuck at ln 4, also over 1200 steps
 # or at 1e-2); at 1e-3 full passed on seeds 0-8 and meta's full expert on seeds 0-7 by step 300
-# (docs/results/routers.md, `docs/results/routers/stage1_probe.py --lr`). The T = 512 stage likewise
+# (docs/results/routers.md, `scripts/stage1_probe.py --lr`). The T = 512 stage likewise
 # moved from 3e-3 to 1e-3 (15:20): at 3e-3 meta seeds 3 and 4 solved T = 128 and collapsed to chance
-# in its first 100 steps; at 1e-3 both reach 1.0 (`docs/results/routers/meta_stage3_probe.py`).
+# in its first 100 steps; at 1e-3 both reach 1.0 (`scripts/meta_stage3_probe.py`).
 _RECALL_WARMUP = (
     Stage({"seq_len": 32, "pairs": 4}, Schedule(steps=600, batch_size=64, lr=1e-3, warmup_steps=200)),
     Stage({"seq_len": 128}, Schedule(steps=150, batch_size=32, lr=3e-3, warmup_steps=30)),
