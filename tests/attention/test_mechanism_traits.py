@@ -1,4 +1,4 @@
-"""What callers ask of a mechanism is answered by its class (issue 48, item 3): the values below are
+"""What callers ask of a mechanism is answered by its class: the values below are
 what the callers computed from the mechanism's name before the traits moved onto the layers
 (compare/budgets.py `options_for` and `LM_ONLY`, models/vit.py `GRID_AWARE`, "full goes first",
 bench/generate_bench.py `step_read_bytes`), written down from a run of that code."""

@@ -205,7 +205,7 @@ def test_the_long_budget_trains_at_long_lengths():
 
 
 def test_routed_budgets_are_in_keys_at_long_lengths():
-    """Every routed query reads about 64 keys at T = 4096 (issue 45): no budget grows with T there."""
+    """Every routed query reads about 64 keys at T = 4096: no budget grows with T there."""
     from routeformer.compare.budgets import TOPK_KEYS, options_for
 
     for length in (512, 4096, 16384):

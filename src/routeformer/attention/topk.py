@@ -1,107 +1,47 @@
 """`topk`: Attention as Dynamic Sparse Routing (ADSR) — route in a cheap space, attend exactly.
 
-Per head, routing projections W_r^q, W_r^k map x to r-dim vectors (r = `routing_dim` << d; the
-paper's §4.1 projects q and k, here the projections read x, which q and k are linear in); the
-routing score s_ij = r_q(i)·r_k(j) (§4.2, no softmax) picks R_i = TopK_j(s_ij) (§4.3) among
-eligible keys (j <= i when causal); the output is exact softmax attention of q_i over k_j, v_j,
-j in R_i (§5). Selection is blockwise with a running top-K (`ops.topk.routing`), the attention
-gathers keys per block of queries (`ops.topk.gathered`): memory O(T·K + block·S·r/d), never T x T.
-Among equal routing scores the lower key index is selected (every implementation alike).
+Per head, routing projections W_r^q, W_r^k map x to r-dim vectors (r = `routing_dim` << d; §4.1
+projects q and k, here they read x, which q and k are linear in); the score s_ij = r_q(i)·r_k(j)
+(§4.2, no softmax) picks R_i = TopK_j(s_ij) (§4.3) among eligible keys (j <= i when causal); the
+output is exact softmax attention of q_i over k_j, v_j, j in R_i (§5). Selection is blockwise with
+a running top-K (`ops.topk.routing`), attention gathers keys per block of queries
+(`ops.topk.gathered`): memory O(T·K + block·S·r/d), never T x T. Ties select the lower key index.
+Keys read per query: K routed + `local_window` + `global_tokens` forced ones (§9.2), at most the
+eligible keys; K + w + g ≥ T makes the layer full attention, with a `UserWarning` once per layer.
 
-Position in the routing score (`routing_positions`). Attention sees rotated q, k (RoPE), so it
-can prefer a key by its offset; a router that reads only x cannot, and fails a task as simple as
-copying the previous token (K=8, no forced keys: 0.49 ± 0.04 test accuracy against full
-attention's 1.00, `routeformer reproduce topk-previous-token`, 3 seeds). So position enters s_ij:
-- "rotary": r_q(i), r_k(j) are rotated by the angles of positions i and j (RoPE in the routing
-  space, base `rotary_base`), so s_ij = r_q(i)·R(j - i) r_k(j) depends on the offset j - i the
-  way the rotated q·k does. Needs an even `routing_dim`.
-- "recency" (default): s_ij = r_q(i)·r_k(j) − β·(i − j) with one learned slope β = softplus(a) > 0
-  per routing head (ALiBi-like, starting at 0.05), carried by one extra routing dim (β on the
-  query side, the key's position j on the key side; β·i is constant within a row, so the ranking
-  is that of the formula). Monotone in distance: it can prefer recent keys, not a given offset.
-- "rotary+recency": both.
-- "none": the position-blind router (positions reach it only through x).
-The default is the measured choice (docs/results/topk.md, 3 seeds each, mean ± sd):
-previous-token accuracy none 0.49 ± 0.04, rotary 0.92 ± 0.14 (one seed stuck at 0.76), recency
-0.999 ± 0.000, rotary+recency 1.00 ± 0.00; char-LM gap to full at compare's quick budget (pydoc,
-T=128, K=16) none +0.54, rotary +0.23, rotary+recency +0.23, recency +0.005 bits/char.
+Options (defaults in brackets; the measurements behind them: docs/results/topk.md):
+- `routing_positions` ["recency"]: how position enters s_ij. "recency": − β·(i − j), one learned
+  slope β = softplus(a) > 0 per routing head (starts at 0.05, one extra routing dim); "rotary":
+  RoPE in the routing space (base `rotary_base`; needs an even `routing_dim`); "rotary+recency";
+  "none": a position-blind router (the recall recipe at T = 4096, docs/results/claims.md).
+- `routing_learning` ["distill"]: the signal a hard top-k needs. "distill": aux loss
+  `distill_weight`·KL(p || softmax(s/τ)) over R_i, p the detached attention distribution; the
+  router reads x detached (`detach_router_input` [True]), the KL averages over `distill_queries`
+  [64; None = every row] sampled rows, after `distill_dense_steps` [0] dense warm-up calls.
+  "score_bias": logits q·k/√d + λ·s_ij/τ (λ = `score_bias_scale`), straight-through.
+  "none": fixed random projections (an LSH-style baseline).
+- `temperature` τ: divides s where it enters a softmax or a logit; never changes the selection.
+- `entropy_weight` (aux −w·H(softmax(s/τ)) over R_i), `exploration` (round(exploration·K) of the
+  K slots random in training, at most K − 1; §9.1), `global_tokens`, `local_window`,
+  `shared_routing` (one routing space for all heads), `router_hidden` (a GELU MLP router).
+- `dense_below` [None = `ops.backends.TOPK_DENSE_BELOW`, the measured crossover printed by
+  `routeformer doctor`]: with at most this many keys the routed set masks one SDPA call (same
+  function; `flops` counts the T x S work done); 0 always gathers.
 
-Keys read per query: K routed + `local_window` + `global_tokens` forced ones (§9.2's fixes), at
-most the eligible keys; `stats["flops"]` counts attention over all of them (and the T x S product
-on the dense short path, which is what that path executes). K + w + g larger than the number of
-keys T of an input means every query reads all its eligible keys (the layer is full attention):
-done, and warned once per layer (`UserWarning`), never silently.
+Cached decoding (`decode`, `CausalLM.generate`): routing keys are cached beside K and V; a new token
+routes over them with the parallel pass's kernel and tie rule (`ops.topk.decode.route_cached`) and
+reads O(L·r) routing numbers plus O((K + w + g)·d) keys/values per head. Exploration has no cached
+form (refused in training mode). Invalid options raise ValueError naming the option.
 
-`temperature` τ divides the routing scores where they enter a softmax or a logit: the distilled
-and entropy-regularised router distribution softmax(s/τ) over R_i and the score bias λ·s/τ. It
-does not change which keys are selected: top-K of s/τ is top-K of s for any τ > 0.
+Grouped-query attention (`kv_heads` < heads): parameters and decode cache hold kv_heads K/V heads
+and the routed op reads a group's K/V head for all its query heads (no copy). `route_per` ["head"]:
+"head" routes per query head; "group" routes once per K/V group (one key set for the group's query
+heads, scores summed over them, as NSA; the distillation target is the group's mean attention).
+`shared_routing` overrides both; "score_bias" with kv_heads < heads needs "group" or shared_routing.
 
-A hard top-k passes no gradient to W_r, so "routing learns" needs a signal (`routing_learning`):
-- "score_bias": logits of the selected keys become q·k/√d + λ·s_ij/τ (λ = `score_bias_scale`,
-  τ = `temperature`), so the task loss reaches W_r through the selected scores (straight-through:
-  selection stays hard, its scores are differentiable). Implemented by appending λ/τ·r_q to q and
-  r_k to k, so it costs one gather of r extra dims.
-- "distill": aux loss `distill_weight` · KL(p || softmax(s/τ)) over R_i, p being the main attention
-  distribution over R_i, detached (the objective DeepSeek's sparse attention uses to train its
-  lightning indexer). Attention logits are plain q·k/√d. Trained the way DSA trains its indexer
-  (attention/topk_distill.py): the router reads x detached (`detach_router_input=True`), so the
-  routing loss trains the router only and the backbone learns from the task loss alone (coupled,
-  `False`, the routing loss also moved the residual stream: the long recall's first stage then
-  failed on 2 seeds of 3); the KL is averaged over `distill_queries` query rows sampled per training
-  call (default 64; None = every row), an unbiased estimate at O(n·K) instead of O(T·K) (the
-  all-row loss was ~65 % of the layer's training step at T = 512-1024); `distill_dense_steps`
-  (default 0) training calls of a dense warm-up first, where the KL covers every eligible key
-  instead of R_i (DSA's warm-up; on the sampled rows, O(n·T)).
-- "none": W_r are fixed random projections (an LSH-style baseline); nothing learns the routing.
-The default is "distill", chosen on validation data (`routeformer reproduce topk-routing-learning`,
-compare --quick's MQAR and char LM, recency router, K = T/8, 3 seeds; docs/results/topk.md) as the
-cheaper of two options the seeds do not separate: char-LM validation bits/char score_bias
-2.521 ± 0.032, distill 2.609 ± 0.041 (score_bias lower on every seed, not by 3 sd), none
-2.828 ± 0.027 (worse than both by > 3 sd); MQAR (T=32, 4 pairs) is solved by distill on 1 seed of
-3 and by score_bias on none (both otherwise at the 0.25 shortcut floor). distill adds nothing at
-inference; score_bias reads r more dims per routed key (+21-23% attention FLOPs per token).
-
-Options for the sketch's failure modes: `entropy_weight` (aux loss -w·H(softmax(s/τ)) over R_i:
-w > 0 keeps the router's distribution over its selection spread, a guard against collapse; needs a
-learnable router), `exploration` (fraction of the K slots filled with random eligible keys during
-training, §9.1: round(exploration·K) slots, at most K − 1 so that at least one slot stays routed),
-`global_tokens` (the first g positions are always read), `local_window` (the last w tokens are
-always read), `shared_routing` (one routing space for all heads instead of one per head),
-`router_hidden` (a GELU MLP router instead of a linear one), `route_per` (see below). Forced keys
-come on top of the K routed ones. `dense_below`: with at most this many keys the routed set is
-applied as a mask to one SDPA call (on CPU, per-query gathers cost more than the dense product at
-short lengths); the function is the same, and `flops` then counts the T x S work actually done.
-0 always gathers; the
-default (None) uses the measured crossover: 256 keys with the native kernels of ops/native, 1024
-with the PyTorch ops (`ops.backends.TOPK_DENSE_BELOW`, part of the dispatch; `routeformer doctor`
-prints it).
-
-Cached decoding (`decode`, `CausalLM.generate`): the routing keys are cached beside K and V (on CPU
-in the routing kernel's own tiled layout); a new token routes over them with the parallel pass's
-kernel and tie rule (`ops.topk.decode.route_cached`) and attends to its K routed + window + global
-keys only: a step reads O(L·r) routing numbers and O((K + w + g)·d) keys/values per head instead of
-full attention's O(L·d). Exploration has no cached form (refused in training mode).
-
-Grouped-query attention (`kv_heads` < heads; query head h reads K/V head h // (heads / kv_heads)):
-the parameters and the decode cache hold kv_heads K/V heads, and the routed op reads the group's
-K/V head for all its query heads in one call (`ops.topk.routed_attention`: the group's queries as
-rows of one head, on every backend; no K/V copy per query head). `route_per`:
-- "head" (default): one routing head per query head (today's routing), so a group's query heads
-  may read different keys of their K/V head;
-- "group": one routing head per K/V group (one key set for the group's query heads, as NSA
-  selects per GQA group). The group's router score is the sum over its query heads of r_q,h·r_k
-  for one routing key r_k per group, i.e. one routing query per group (a linear router's sum is
-  one linear router), and the distillation target is the attention distribution averaged over the
-  group's query heads (attention/topk_distill.py).
-`shared_routing` (one routing head for all) overrides both. `routing_learning="score_bias"` with
-kv_heads < heads needs routing keys per K/V head: route_per="group" or shared_routing (ValueError
-otherwise).
-
-stats: `selected_keys` (mean valid slots per query), `routing_flops` and `flops` (routing +
-attention + the routing loss's products, executed); at evaluation only (the probe costs O(n·T·d)),
-`routing_recall` (fraction of the dense attention mass inside R_i, on `recall_queries` evenly
-spaced queries) and `head_overlap` (mean Jaccard overlap of R_i between pairs of heads). The recall
-probe itself is a diagnostic and is not counted in `flops`.
+stats: `selected_keys`, `routing_flops`, `flops` (routing + attention + routing loss, executed);
+at evaluation only, `routing_recall` (dense attention mass inside R_i on `recall_queries` queries)
+and `head_overlap` (mean Jaccard overlap of R_i between heads); the probe is not in `flops`.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ META_RECALL_RECIPE = {
 # 0.067 (docs/results/compare/long-mqar-topk; its routing recall ~0.65 at T = 1024, ~0.17 at 4096). A
 # dense distillation over every key all run did not help (0.371 / 0.413 on seeds 0 / 1); the blind
 # router reached validation 1.0 at T = 1024 and 4096 on seeds 0 and 1
-# (`docs/results/routers/topk_long_probe.py SEED --option "routing_positions='none'"`). Chosen on those
+# (`scripts/topk_long_probe.py SEED --option "routing_positions='none'"`). Chosen on those
 # validation curves; the T = 512 recall keeps the default (recency solved it on 5 of 5 seeds). Its cost:
 # 3.45x full's step at T = 4096 (docs/results/compare/long-mqar-topk-blind): the blind first layer's
 # routing keys take 15 distinct values, and the selection kernels slow down under the ties.
@@ -149,13 +149,13 @@ TOPK_LONG_RECALL_RECIPE = {"routing_positions": "none"}
 # the probes, and a lookup learnt on vocabulary 16 did not carry to new tokens. Seven pairs is what
 # vocabulary 16 holds; the context sits at the start and queries uniformly over the rest, so all but
 # ~1.5 % of them at T = 4096 are further from their key than a 64-key window reaches.
-# Stage 1's learning rate is 1e-3 (3e-3 until 2026-11-28 14:30, the T = 4096 run in
+# Stage 1's learning rate is 1e-3 (3e-3 in the T = 4096 run of
 # docs/results/compare/long/): at 3e-3 the phase transition failed on some seeds for every mechanism
 # (full seed 7, meta's full expert seeds 1 and 3: training loss stuck at ln 4, also over 1200 steps
 # or at 1e-2); at 1e-3 full passed on seeds 0-8 and meta's full expert on seeds 0-7 by step 300
-# (docs/results/routers.md, `docs/results/routers/stage1_probe.py --lr`). The T = 512 stage likewise
+# (docs/results/routers.md, `scripts/stage1_probe.py --lr`). The T = 512 stage likewise
 # moved from 3e-3 to 1e-3 (15:20): at 3e-3 meta seeds 3 and 4 solved T = 128 and collapsed to chance
-# in its first 100 steps; at 1e-3 both reach 1.0 (`docs/results/routers/meta_stage3_probe.py`).
+# in its first 100 steps; at 1e-3 both reach 1.0 (`scripts/meta_stage3_probe.py`).
 _RECALL_WARMUP = (
     Stage({"seq_len": 32, "pairs": 4}, Schedule(steps=600, batch_size=64, lr=1e-3, warmup_steps=200)),
     Stage({"seq_len": 128}, Schedule(steps=150, batch_size=32, lr=3e-3, warmup_steps=30)),
@@ -163,7 +163,7 @@ _RECALL_WARMUP = (
 LONG = CompareBudget(
     "long",
     tasks={
-        # Recall at T = 4096 (issue 45): the T = 512 curriculum, then 1024 and 4096.
+        # Recall at T = 4096: the T = 512 curriculum, then 1024 and 4096.
         "mqar": curriculum_setup(
             {"seq_len": 4096, "pairs": 7, "vocab_size": 16},
             stages=(
@@ -190,7 +190,7 @@ LONG = CompareBudget(
                 Stage({}, Schedule(steps=60, batch_size=8, lr=1e-3, warmup_steps=6)),
             ),
         ),
-        # The long-range LM (issue 45): Python source at T = 4096, one file per window from its first
+        # The long-range LM: Python source at T = 4096, one file per window from its first
         # character. Stage 1 learns the characters on random T = 256 windows of the joined training
         # text (cheap); stage 2 reads whole file heads at T. Chosen on `full`'s validation curve
         # (docs/results/compare/long-code_lm/README.md); it needs ../shared/data/python-stdlib.

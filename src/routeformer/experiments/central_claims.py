@@ -1,4 +1,4 @@
-"""The papers' central claims at length (issue 46), each a named subset of `compare --long`.
+"""The papers' central claims at length, each a named subset of `compare --long`.
 
 `routeformer reproduce NAME` runs exactly the compare --long command that the claim's row in
 docs/results/claims.md ("Central claims at the papers' settings") cites: the same budget

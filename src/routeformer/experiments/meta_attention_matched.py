@@ -194,7 +194,7 @@ def run(out_dir: Path, quick: bool) -> Path:
     return run_matched(out_dir, QUICK_BUDGET if quick else FULL_BUDGET, command)
 
 
-# Table 3 of the preprint at its own setting (issue 46): a character LM, D = 128, 2 layers, T = 64,
+# Table 3 of the preprint at its own setting: a character LM, D = 128, 2 layers, T = 64,
 # on ~1 MB of WikiText-2 (../shared/data holds its validation split, 1.1 MB, to train on, and its
 # test split to test on), 2 000 steps of batch 32; Bayesian against the preprint's non-Bayesian
 # ("prior-free": no prior, no KL) and a parameter-matched full. The preprint gives no learning

@@ -252,7 +252,7 @@ def run_finetune(out_dir: Path, quick: bool) -> Path:
     return write_result(out_dir, result, markdown)
 
 
-# The paper's length claim at its own length (issue 46): trained at T = 512, evaluated at 1024. Copying
+# The paper's length claim at its own length: trained at T = 512, evaluated at 1024. Copying
 # (the one task the plain model learns here) with 128 segments of 2 items: 515 tokens without
 # `_PAUSE_` (643 with), 2x = 256 segments (1,027 / 1,283 tokens). Trained from scratch at T = 515,
 # plain stayed at chance over 800 steps (probe, seed 0: 0.023 at step 600); so a curriculum, as the

@@ -102,11 +102,11 @@ def _section(setup: str, study: dict[str, Any]) -> str:
     ])
 
 
-# The same setup at a 4x longer chain (issue 46: the paper's claim at length): x0 and x1 hidden among
+# The same setup at a 4x longer chain (the paper's claim at length): x0 and x1 hidden among
 # 61 noise nodes instead of 13. Fixed before any run at this length, like the one above; 3 seeds. The
 # learning rate of each model is the one it chose on validation at T=16 (structural-multihop), not
 # re-chosen here: a run at T=64 took ~10 min on the shared 2-core machine, so the rule's 27 runs did
-# not fit the session (9 do).
+# not fit the time at hand (9 do).
 LONG_CHAIN_SETUPS: dict[str, StructuralTask] = {
     "nilpotent, noise 1, T=64": StructuralTask(length=64, dim=32, rank=16, target_dim=4, noise=1.0,
                                                nilpotent=True),

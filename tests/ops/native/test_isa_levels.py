@@ -7,7 +7,7 @@ expanding, the band / linear rows of hard-routed meta, bf16 through every family
 
 The children start together (their builds overlap, ~15-35 s each at -O3) and share the session's
 cache directory ($ROUTEFORMER_CACHE_DIR, else ~/.cache/routeformer): the cache key holds the level,
-so each level builds once and later sessions load it. `ROUTEFORMER_ISA_LEVELS=avx2,generic` runs
+so each level builds once and later runs load it. `ROUTEFORMER_ISA_LEVELS=avx2,generic` runs
 only those levels; `=none` runs none (CI on a machine that tests them in a separate job).
 """
 

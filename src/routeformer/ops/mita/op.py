@@ -43,10 +43,8 @@ R > 1 and non-CPU tensors; and, for unpadded CPU fp32/fp64 inputs with R = 1, th
 native/mita_train_kernels.c (forward and backward), which read each query's b + M + K pairs under one
 softmax in one pass per (batch, head). Both take the same routing decision (computed in PyTorch) and
 the same landmark stage; tests/ops/test_mita_native.py compares their values and gradients, and both
-against `mita_reference`. Measured (the op's forward + backward, one thread, B·T = 8192, H = 2,
-d = 32, block 64, M = T/64, K = 64; medians of 7 alternating rounds on a loaded 2-core machine,
-2026-11-28): T = 512: kernel 47 ms, PyTorch parts 133 ms, causal SDPA 40 ms; T = 2048: 74 / 176 /
-99 ms.
+against `mita_reference`. Their speed: docs/results/mita.md ("Causal MiTA op: C kernel against
+the PyTorch parts").
 
 Padding (`mask`): padded rows may hold anything (they are zeroed first: masked_fill, not a product,
 since 0·NaN = NaN). The real tokens of each row are moved to its front (a stable gather; nothing

@@ -36,7 +36,7 @@
  *    vocabulary 16) or near-repeats. Every crowded key passed the prefilter and was rescored; the
  *    exact scan drops a key that only ties the K-th best (ties go to the lower index, and the scan
  *    is forward). Measured on compare --long's T = 4096 recall model, one thread
- *    (docs/results/routers/blind_router_costs.py): route_topk on its first layer ~1070 ms before,
+ *    (scripts/blind_router_costs.py): route_topk on its first layer ~1070 ms before,
  *    ~70 ms after. One crowded block is a guess that lagged a change of scale (the slack then
  *    adapts); random vectors do not switch (tests/ops/test_topk_speculative.py).
  *

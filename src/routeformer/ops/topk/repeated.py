@@ -13,7 +13,7 @@ Causal only; eager only (the group count is read on the host); CPU with the nati
 `route_repeated_keys` returns None — the caller routes as usual — when the keys do not repeat
 enough (more than S / REPEATED_KEYS_SHARE or REPEATED_KEYS_GROUPS distinct), the sequence is
 shorter than REPEATED_KEYS_MIN, a value is not finite, or no native library is built. Measured
-on that recall model's first layer, one thread: docs/results/routers/blind_router_costs.py.
+on that recall model's first layer, one thread: scripts/blind_router_costs.py.
 """
 
 from __future__ import annotations

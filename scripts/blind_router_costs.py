@@ -7,7 +7,7 @@ then route_topk on the blind model's first-layer routing vectors as the layer ro
 speculative kernel) and by the tiled kernel (True, newest first), and whether both select the
 same keys.
 
-    python docs/results/routers/blind_router_costs.py [ROUNDS]
+    python scripts/blind_router_costs.py [ROUNDS]
 """
 import statistics
 import sys
@@ -17,8 +17,7 @@ import torch
 
 from routeformer.attention.topk import TopKAttention
 from routeformer.bench.timing import ratio_quartiles, round_times
-from routeformer.compare.budgets import options_for
-from routeformer.compare.budgets import LONG
+from routeformer.compare.budgets import LONG, options_for
 from routeformer.ops.topk import route_topk
 from routeformer.tasks import build_task
 from routeformer.train.on_task import build_task_model

@@ -5,7 +5,7 @@ accuracy every 150 steps. A diagnostic of meta's seed failures (docs/results/rou
 With `--warmup-mixture` (meta only) it then evaluates the trained model twice: as compare does
 (hard routing by the router, eval_eta) and with the warm-up mixture (the full expert alone).
 
-    python docs/results/routers/stage1_probe.py MECHANISM SEED [--warmup-mixture]
+    python scripts/stage1_probe.py MECHANISM SEED [--warmup-mixture]
         [--steps N --lr LR --warmup N --batch N]   (the stage's settings overridden, for the probes)
 """
 import argparse

@@ -3,7 +3,7 @@ diagnostic of topk at T = 4096 (docs/results/compare/long-mqar-topk: 0.40 ± 0.0
 falling from ~0.65 at T = 1024 to ~0.17 at 4096). Prints the validation accuracy per stage and the
 test accuracy at T; the job is compare's own (same batches, same curriculum) apart from the options.
 
-    python docs/results/routers/topk_long_probe.py SEED [--task mqar] [--option NAME=VALUE ...]
+    python scripts/topk_long_probe.py SEED [--task mqar] [--option NAME=VALUE ...]
 
 VALUE is read as a Python literal (`distill_dense_steps=1000000000`, `routing_positions='none'`).
 """

@@ -3,7 +3,7 @@ rate (and warm-up) overridden: a diagnostic of the collapse at the T = 512 stage
 docs/results/compare/long-routers-lr1e-3). Prints the validation accuracy per stage and the test
 accuracy at T.
 
-    python docs/results/routers/meta_stage3_probe.py SEED [--lr LR] [--warmup N] [--mechanism meta]
+    python scripts/meta_stage3_probe.py SEED [--lr LR] [--warmup N] [--mechanism meta]
 """
 import argparse
 from dataclasses import replace
