@@ -172,7 +172,7 @@ BAD_INPUTS = [
     (["train", "--steps", "-3"], "train.steps must be a positive integer; got -3"),
     (["train", "--model.attention_options", "5"], "model.attention_options must be a mapping"),
     (["train", "--model.attention", "local", "--model.attention_options", "{local: {bogus: 1}}",
-      "--out_dir", "MISSING"], "unknown option(s) ['bogus'] for attention 'local'"),
+      "--out_dir", "MISSING"], "model.attention_options['local'] has unknown option(s) ['bogus']"),
     (["train", "--model.attention", "nope", "--out_dir", "MISSING"], "unknown attention 'nope'"),
     (["train", "--out_dir", "FILE"], "is a file"),
     (["train", "--out_dir", "FILE/sub"], "is a file"),

@@ -72,6 +72,7 @@ def keeps_contract(forward: Callable[..., AttentionOutput]) -> Callable[..., Att
 
     def contract_call(self, x: Tensor, *, mask: Tensor | None, positions: Tensor | None,
                       documents: Tensor | None, **extra) -> AttentionOutput:
+        self.check_input_tensor(x, mask, positions)
         if documents is not None:
             self.check_inputs(x, mask, positions)
             check_documents(documents, x.shape[0], x.shape[1])
@@ -173,8 +174,10 @@ class AttentionLayer(nn.Module):
                     f"mask must be a bool tensor of shape [B, T] = {(batch, length)}; "
                     f"got {mask.dtype} {tuple(mask.shape)}"
                 )
-            if bool(mask.all()):
-                mask = None  # nothing is padded: take the unmasked fast paths
+            # Nothing padded: take the unmasked fast paths. Eager only: the test reads the mask's
+            # values, which a compiled graph cannot branch on (it keeps the masked path there).
+            if not torch.compiler.is_compiling() and bool(mask.all()):
+                mask = None
         if positions is None:
             positions = torch.arange(length, device=x.device).expand(batch, length)
         elif positions.shape != (batch, length) or positions.dtype not in (torch.int32, torch.int64):
@@ -182,7 +185,31 @@ class AttentionLayer(nn.Module):
                 f"positions must be an integer tensor of shape [B, T] = {(batch, length)}; "
                 f"got {positions.dtype} {tuple(positions.shape)}"
             )
+        elif not torch.compiler.is_compiling() and positions.numel() and bool((positions < 0).any()):
+            raise ValueError(f"positions must be >= 0; got a minimum of {int(positions.min())}")
         return mask, positions
+
+    def check_input_tensor(self, x: Tensor, mask: Tensor | None, positions: Tensor | None) -> None:
+        """Raise TypeError unless x is a floating tensor on the layer's device, of the layer's dtype
+        (any floating dtype under autocast, which casts at the projections), and mask / positions
+        are tensors or None. Reads no tensor values."""
+        for name, value in (("mask", mask), ("positions", positions)):
+            if value is not None and not isinstance(value, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor or None; got {type(value).__name__}")
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a torch.Tensor [B, T, {self.dim}]; got {type(x).__name__}")
+        weight = next(self.parameters(), None)
+        if weight is None:
+            return
+        if x.device != weight.device:
+            raise TypeError(f"x is on {x.device} but the layer's parameters are on {weight.device}; "
+                            f"move one of them (layer.to(x.device))")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating tensor; got {x.dtype}")
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"x has dtype {x.dtype} but the layer's parameters are {weight.dtype}; "
+                            f"cast one of them (x.to({weight.dtype}) or layer.to({x.dtype})), "
+                            f"or run under torch.autocast")
 
     def empty_output(self, x: Tensor) -> AttentionOutput:
         """The output for an input with no tokens (T = 0 or B = 0): empty, connected to x."""

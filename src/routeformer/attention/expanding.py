@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from routeformer.attention.base import AttentionLayer, AttentionOutput
 from routeformer.attention.registry import register_attention
 from routeformer.ops._checks import check_positive
+from routeformer.ops._compile_marks import disable_in_graphs
 from routeformer.ops.decode import append_keys_values
 from routeformer.ops.expanding import (
     DEFAULT_BLOCK,
@@ -34,7 +35,7 @@ def _inverse_softplus(value: float) -> float:
     return value + math.log(-math.expm1(-value))
 
 
-@torch.compiler.disable
+@disable_in_graphs
 def _band_path_outside_compiled_graphs(*args, **kwargs):
     """`expanding_attention` on its band path (padded, bidirectional, mean-field, no C compiler),
     run eagerly inside a compiled model: one graph break around it. Its Python loop over inference

@@ -124,6 +124,12 @@ def build_attention(name: str, *, dim: int, heads: int, causal: bool = True, **o
         raise ValueError(
             f"unknown option(s) {unknown} for attention {name!r}; valid options: {sorted(valid)}"
         )
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool (True or False); got {causal!r}")
+    for option, value in options.items():
+        if isinstance(valid[option], bool) and not isinstance(value, bool):
+            raise TypeError(f"option {option!r} of attention {name!r} must be a bool (True or False); "
+                            f"got {value!r}")
     return cls(dim=dim, heads=heads, causal=causal, **options)
 
 

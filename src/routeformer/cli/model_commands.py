@@ -190,6 +190,8 @@ def command_sample(args: argparse.Namespace) -> int:
         model, vocab, _ = trained_model(state)
     if args.temperature is not None and not args.temperature >= 0:
         raise ValueError(f"--temperature must be >= 0; got {args.temperature!r}")
+    if hasattr(vocab, "check_known"):  # a character vocabulary: refuse what it would map to <unk>
+        vocab.check_known(args.prompt, "--prompt")
     prompt = vocab.encode(args.prompt)[None]
     if prompt.shape[1] == 0:
         raise ValueError("prompt must not be empty")

@@ -44,6 +44,14 @@ class CharVocab:
         unknown = self.unknown_id
         return torch.tensor([self.index.get(c, unknown) for c in text], dtype=torch.long)
 
+    def check_known(self, text: str, argument: str = "text") -> None:
+        """Raise ValueError naming `argument` and every character of `text` outside the
+        vocabulary (where `encode` would give `<unk>`)."""
+        unknown = sorted({c for c in text if c not in self.index})
+        if unknown:
+            raise ValueError(f"{argument} holds {len(unknown)} character(s) outside the model's vocabulary "
+                             f"of {len(self)}: {' '.join(repr(c) for c in unknown[:20])}")
+
     def decode(self, ids) -> str:
         return "".join(
             self.tokens[i] if self.tokens[i] not in self.specials else "\ufffd" for i in map(int, ids)

@@ -57,11 +57,36 @@ class ModelConfig:
                              f"got {self.meta_token_id!r}")
         if self.meta_token_id is None and (self.zero_meta_positions_train or self.zero_meta_positions_eval):
             raise ValueError("model.zero_meta_positions_train/eval need model.meta_token_id")
+        for name in ("causal", "tie_embeddings", "zero_meta_positions_train", "zero_meta_positions_eval"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"model.{name} must be a bool (true or false); got {getattr(self, name)!r}")
+        self.check_attention_options()
         layers = self.layer_attention()
         if len(layers) != self.depth:
             raise ValueError(
                 f"model.attention lists {len(layers)} mechanisms but model.depth is {self.depth}"
             )
+
+    def check_attention_options(self) -> None:
+        """Raise ValueError unless `attention_options` maps registered mechanism names to dicts of
+        that mechanism's options (`routeformer.list_attentions()`)."""
+        from routeformer.attention.registry import list_attentions
+
+        registered = list_attentions()
+        if not isinstance(self.attention_options, dict):
+            raise TypeError(f"model.attention_options must be a dict {{mechanism: {{option: value}}}}; "
+                            f"got {type(self.attention_options).__name__}")
+        for mechanism, options in self.attention_options.items():
+            if mechanism not in registered:
+                raise ValueError(f"model.attention_options has unknown mechanism {mechanism!r}; "
+                                 f"registered: {sorted(registered)}")
+            if not isinstance(options, dict):
+                raise TypeError(f"model.attention_options[{mechanism!r}] must be a dict of options; "
+                                f"got {type(options).__name__}")
+            unknown = sorted(set(options) - set(registered[mechanism]))
+            if unknown:
+                raise ValueError(f"model.attention_options[{mechanism!r}] has unknown option(s) {unknown}; "
+                                 f"valid options: {sorted(registered[mechanism])}")
 
     def layer_attention(self) -> list[str]:
         """The mechanism name of each layer."""

@@ -29,6 +29,15 @@ class ModelOutput:
         return self.loss + self.aux_loss
 
 
+def check_labels(labels: Tensor, shape: tuple[int, ...], allowed: str) -> None:
+    """Raise TypeError unless `labels` is an integer tensor, ValueError unless its shape is `shape`."""
+    if not isinstance(labels, Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
+        got = labels.dtype if isinstance(labels, Tensor) else type(labels).__name__
+        raise TypeError(f"labels must be an integer tensor {allowed}; got {got}")
+    if tuple(labels.shape) != shape:
+        raise ValueError(f"labels must have shape {allowed} = {shape}; got {tuple(labels.shape)}")
+
+
 class TokenPredictor(nn.Module):
     """A token at every position, from the backbone's hidden state there (tied embeddings by
     default). Causal: a next-token LM (`CausalLM` adds generation). Bidirectional: each position
@@ -60,6 +69,8 @@ class TokenPredictor(nn.Module):
         those logits flattened [N, V] (in label order): tasks with sparse labels, such as
         associative recall, skip the largest matmul of the model elsewhere.
         """
+        if labels is not None:
+            check_labels(labels, tuple(tokens.shape), "[B, T], the shape of tokens")
         extra = {} if documents is None else {"documents": documents}
         result = self.backbone(tokens, mask=mask, positions=positions, cache=cache, **extra)
         if logits_at_labels:
@@ -201,6 +212,8 @@ class SequenceClassifier(nn.Module):
         self, tokens: Tensor, labels: Tensor | None = None, *, mask: Tensor | None = None,
         positions: Tensor | None = None,
     ) -> ModelOutput:
+        if labels is not None:
+            check_labels(labels, tuple(tokens.shape[:1]), "[B], one class per sequence")
         result = self.backbone(tokens, mask=mask, positions=positions)
         hidden = result.hidden
         real = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device) if mask is None else mask

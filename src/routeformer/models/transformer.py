@@ -83,6 +83,25 @@ class Transformer(nn.Module):
         self.final_norm = nn.LayerNorm(config.dim)
         self.apply(init_weights)
 
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """The token embeddings of `tokens`, an integer tensor [B, T] of ids in [0, vocab_size).
+        Raises TypeError for another type or dtype, ValueError for another shape or, on CPU, an id
+        outside the vocabulary (found by the embedding itself: no extra pass over the ids)."""
+        if not isinstance(tokens, Tensor):
+            raise TypeError(f"tokens must be a torch.Tensor of integer ids [B, T]; "
+                            f"got {type(tokens).__name__}")
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise TypeError(f"tokens must hold integer ids (torch.long); got {tokens.dtype}")
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must have shape [B, T]; got {tuple(tokens.shape)}")
+        try:
+            return self.token_embedding(tokens)
+        except IndexError:
+            vocab_size = self.config.vocab_size
+            outside = tokens[(tokens < 0) | (tokens >= vocab_size)]
+            raise ValueError(f"tokens must be ids in [0, vocab_size={vocab_size}); got "
+                             f"{sorted(set(outside.tolist()))[:8]}") from None
+
     def forward(
         self, tokens: Tensor, *, mask: Tensor | None = None, positions: Tensor | None = None,
         inputs_embeds: Tensor | None = None, meta_mask: Tensor | None = None,
@@ -100,7 +119,7 @@ class Transformer(nn.Module):
         (ops/documents.py): no layer attends across documents and positions (default) restart at
         0 in each document, so every document's hidden states are those it gets alone.
         """
-        h = self.token_embedding(tokens) if inputs_embeds is None else inputs_embeds
+        h = self.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds
         batch, length, _ = h.shape
         offset = 0
         if documents is not None:

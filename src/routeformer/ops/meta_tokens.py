@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from routeformer.ops._checks import check_qkv
+from routeformer.ops._compile_marks import disable_in_graphs
 from routeformer.ops.flops import dense_attention_flops
 from routeformer.ops.full.op import full_attention, full_attention_flops, sdpa_allowed
 from routeformer.ops.full.reference import allowed_keys, full_attention_reference, masked_attention_reference
@@ -53,7 +54,7 @@ class MetaPacking:
         return self.index.shape[1]
 
 
-@torch.compiler.disable  # data-dependent sizes: one graph break here instead of one per host read
+@disable_in_graphs  # data-dependent sizes: one graph break here instead of one per host read
 def pack_meta_positions(meta: Tensor, mask: Tensor | None = None) -> MetaPacking:
     """Pack the meta positions of bool `meta` [B, T] (padding positions, mask False, never count)."""
     if meta.dtype != torch.bool or meta.dim() != 2:

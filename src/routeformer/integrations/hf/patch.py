@@ -253,7 +253,17 @@ def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
 def patch_attention(model: nn.Module, mechanism: str, **options: Any) -> nn.Module:
     """Swap every attention module of `model` (in place) for routeformer's `mechanism` built with
     `options`; returns the model. Train/eval mode, device and dtype are kept. See the module
-    docstring for what is kept, what starts fresh and what is refused."""
+    docstring for what is kept, what starts fresh and what is refused.
+
+    Raises TypeError if `model` is not a transformers model (an nn.Module with a `config`, such
+    as GPT2LMHeadModel or LlamaForCausalLM), ValueError if it is patched already."""
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"model must be a transformers model (a PreTrainedModel such as GPT2LMHeadModel "
+                        f"or LlamaForCausalLM, with a .config); got {type(model).__name__}")
+    if routeformer_layers(model):
+        raise ValueError(f"model is already patched with routeformer's "
+                         f"{getattr(model.config, 'routeformer', {}).get('mechanism', '?')!r} attention; "
+                         f"patch a fresh model")
     config = model.config
     if "kv_heads" in options:
         raise ValueError(f"kv_heads={options['kv_heads']!r}: patch_attention takes the K/V heads from the "

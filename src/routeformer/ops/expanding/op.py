@@ -192,6 +192,11 @@ def expanding_attention(
     if expanding_uses_native(q, k, v, mask=mask, causal=causal, update=update):
         return _expanding_native(native_kernels(q, k, v), q, k, v, alpha, beta, tol, max_iters, scale,
                                  sync_stats)
+    if torch.is_autocast_enabled(q.device.type):  # the band path computes in fp32 (below)
+        with torch.autocast(q.device.type, enabled=False):
+            return expanding_attention(q, k, v, alpha, beta, tol=tol, max_iters=max_iters, mask=mask,
+                                       causal=causal, scale=scale, block=block, update=update,
+                                       sync_stats=sync_stats)
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
     if q.dtype != compute_dtype:
         # bf16/fp16 run in fp32 (autograd casts the gradients back): the band's distances and

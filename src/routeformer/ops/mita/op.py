@@ -372,7 +372,7 @@ def mita_attention(
     if dtype in _LOW_PRECISION:  # fp32 scores, softmax and merges (see the module docstring)
         q, k, v = q.float(), k.float(), v.float()
     order, key_real = None, None
-    if mask is None or bool(mask.all()):
+    if mask is None or (not torch.compiler.is_compiling() and bool(mask.all())):
         real = torch.ones(batch, length, dtype=torch.bool, device=q.device)
     else:
         q, k, v = (t.masked_fill(~mask[:, None, :, None], 0.0) for t in (q, k, v))

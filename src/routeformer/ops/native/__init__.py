@@ -61,6 +61,7 @@ import ctypes
 import torch
 from torch import Tensor
 
+from routeformer.ops._compile_marks import assume_constant_result
 from routeformer.ops.backend_switches import native_enabled, native_switched_on
 from routeformer.ops.native.build import (
     FLAGS,
@@ -122,7 +123,7 @@ def _handle() -> NativeKernels | None:
     return _HANDLES[id(library)]
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _usable_when_compiling() -> bool:
     """Whether the kernels serve a graph being traced: run once at trace time, its answer baked in
     (dynamo traces neither ContextVars nor ctypes)."""

@@ -19,6 +19,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
+from routeformer.ops._compile_marks import assume_constant_result
 from routeformer.ops.native import declare, kernel, native_op, pointer
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -38,7 +39,7 @@ def _functions() -> tuple:
     return kernel("local_attend"), kernel("local_attend_backward")
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def local_kernel_available() -> bool:
     """Whether the library was built with the kernel (every instruction-set level builds it:
     AVX-512, AVX2 + FMA and plain C; a library without it would leave the PyTorch path). Asked only

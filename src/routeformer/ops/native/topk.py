@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 import routeformer.ops.native as _native
+from routeformer.ops._compile_marks import assume_constant_result
 from routeformer.ops.native import compute_dtype, declare, kernel, native_op, pointer, suffix, widened
 
 _PTR, _INT, _I32, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
@@ -98,7 +99,7 @@ def _route_topk_fake(queries, keys_t, key_mask, heads, num_keys, slots, causal, 
     return queries.new_empty(shape, dtype=torch.long), queries.new_empty(shape, dtype=torch.bool)
 
 
-@torch.compiler.assume_constant_result  # traced as a constant: no ctypes call inside a graph
+@assume_constant_result  # traced as a constant: no ctypes call inside a graph
 def speculative_query_tile() -> int:
     """Queries per tile of the speculative routing kernel (topk_speculative_kernels.c), 0 when the
     library was built without AVX2 + FMA (the portable level) and route_topk_f32 serves float32 and
@@ -106,7 +107,7 @@ def speculative_query_tile() -> int:
     return _speculative_query_tile()
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def speculative_prefilter_exact() -> bool:
     """Whether the speculative kernel's prefilter scores keys exactly (fp32, AVX2 + FMA or AVX-512
     without BF16: no margin, so no routing vectors make it pass most keys) rather than by the
