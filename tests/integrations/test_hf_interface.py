@@ -2,6 +2,8 @@
 transformers' AttentionInterface. DeepSeek-V3.2's sparse indices go to the gathered-keys kernel
 and give the eager model's logits (whose mask is the same selection); dense models give SDPA's."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -19,10 +21,9 @@ from routeformer.integrations.hf.interface import (  # noqa: E402
 from routeformer.ops.backends import recording  # noqa: E402
 
 VOCAB = 97
-# DeepseekV32ForCausalLM (DeepSeek sparse attention) first shipped in transformers 5.24.0.
 needs_deepseek_v32 = pytest.mark.skipif(
     not hasattr(transformers, "DeepseekV32ForCausalLM"),
-    reason=f"DeepSeek-V3.2 (DeepseekV32ForCausalLM) was added in transformers 5.24.0; "
+    reason=f"DeepSeek-V3.2 (DeepseekV32ForCausalLM) was added in transformers 5.11.0; "
            f"installed {transformers.__version__}")
 
 
@@ -177,12 +178,15 @@ def test_deepseek_v32_cached_generation_equals_uncached(deepseek_pair):
     assert torch.equal(cached, eager.generate(ids, use_cache=True, **kwargs))
     # step by step with the cache: each step's logits equal the eager model's cached steps (a full
     # forward is not the reference: the indexer's ReLU scores tie, and top-k breaks ties by length)
+    # the cache argument's name: `cache` from transformers 5.24, `past_key_values` before
+    name = "cache" if "cache" in inspect.signature(routed.forward).parameters else "past_key_values"
+
     def steps(model):
         cache = transformers.DynamicCache(config=model.config)
         with torch.no_grad():
-            logits = [model(ids[:1, :12], cache=cache, use_cache=True).logits]
+            logits = [model(ids[:1, :12], use_cache=True, **{name: cache}).logits]
             for position in range(12, 20):
-                logits.append(model(ids[:1, position:position + 1], cache=cache, use_cache=True).logits)
+                logits.append(model(ids[:1, position:position + 1], use_cache=True, **{name: cache}).logits)
         assert cache.get_seq_length() == 20
         return torch.cat(logits, 1)
 
