@@ -2,6 +2,7 @@
 transformers' AttentionInterface. DeepSeek-V3.2's sparse indices go to the gathered-keys kernel
 and give the eager model's logits (whose mask is the same selection); dense models give SDPA's."""
 
+import importlib.util
 import inspect
 
 import pytest
@@ -21,8 +22,9 @@ from routeformer.integrations.hf.interface import (  # noqa: E402
 from routeformer.ops.backends import recording  # noqa: E402
 
 VOCAB = 97
+# find_spec, not hasattr(transformers, ...): a failed lazy lookup replaces sys.modules["transformers"].
 needs_deepseek_v32 = pytest.mark.skipif(
-    not hasattr(transformers, "DeepseekV32ForCausalLM"),
+    importlib.util.find_spec("transformers.models.deepseek_v32") is None,
     reason=f"DeepSeek-V3.2 (DeepseekV32ForCausalLM) was added in transformers 5.11.0; "
            f"installed {transformers.__version__}")
 
