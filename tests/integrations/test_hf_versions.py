@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("version, tested", [
-    ("5.23.0", True), ("5.24.0", True), ("5.24.3", True), ("5.24.0+cpu", True),
-    ("5.22.2", False), ("5.25.0", False), ("5.25.0.dev0", False), ("5.24", True), ("6.0.0", False),
-    ("4.57.6", False),
+    ("5.20.0", True), ("5.22.2", True), ("5.23.0", True), ("5.24.0", True), ("5.24.3", True),
+    ("5.24.0+cpu", True), ("5.19.0", False), ("5.25.0", False), ("5.25.0.dev0", False), ("5.24", True),
+    ("6.0.0", False), ("4.57.6", False),
 ])
 def test_untested_reason_names_releases_outside_the_range(version, tested):
     reason = compat.untested_reason(version)

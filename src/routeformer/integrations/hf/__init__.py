@@ -6,6 +6,9 @@
 - `RouteformerConfig` / `RouteformerForCausalLM`: routeformer's own causal LM as a transformers
   model (model.py), registered with `AutoConfig` and `AutoModelForCausalLM` on import.
 - Cached generation in both through routeformer's decode caches (cache.py).
+- `register()`: routeformer's attention as transformers' `attn_implementation="routeformer"`
+  (AttentionInterface / AttentionMaskInterface; interface.py), done on import; DeepSeek-V3.2's
+  sparse indices run through routeformer's gathered-keys kernel.
 - `export_hf(run_dir, out_dir)`: a `routeformer train` checkpoint in this format (export.py).
 """
 
@@ -18,6 +21,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from routeformer.integrations.hf.cache import RouteformerCacheLayer
+from routeformer.integrations.hf.interface import register, routeformer_attention
 from routeformer.integrations.hf.loading import from_pretrained
 from routeformer.integrations.hf.model import (
     RouteformerCausalLMOutput,
@@ -34,9 +38,10 @@ from routeformer.integrations.hf.patch import (
 
 AutoConfig.register("routeformer", RouteformerConfig, exist_ok=True)
 AutoModelForCausalLM.register(RouteformerConfig, RouteformerForCausalLM, exist_ok=True)
+register()
 
 __all__ = [
     "RouteformerAttention", "RouteformerCausalLMOutput", "RouteformerConfig", "RouteformerForCausalLM",
     "RouteformerCacheLayer", "from_pretrained", "key_padding_mask", "patch_attention",
-    "routeformer_aux_loss", "routeformer_layers",
+    "register", "routeformer_attention", "routeformer_aux_loss", "routeformer_layers",
 ]

@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache
 
 # [oldest tested, first untested): keep equal to the `hf`/`test` extras in pyproject.toml and the
 # oldest pin in .ci/run (tests/integrations/test_hf_versions.py checks that they agree).
-TESTED_RANGE = ("5.23.0", "5.25.0")
+TESTED_RANGE = ("5.20.0", "5.25.0")
 
 
 def _release(version: str) -> tuple[int, ...]:
