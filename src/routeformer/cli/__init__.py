@@ -33,7 +33,6 @@ from routeformer.cli.model_commands import (
     load_for_use,
     resolve_config,
 )
-from routeformer.cli.sparsify_command import command_sparsify
 from routeformer.cli.parser import (
     DEFAULT_CONFIG,
     UsageError,
@@ -42,6 +41,7 @@ from routeformer.cli.parser import (
     non_negative_int,
     positive_int,
 )
+from routeformer.cli.sparsify_command import command_sparsify
 
 __all__ = [
     "CONFIG_DIR",

@@ -188,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="an option of the routed layer (repeatable), e.g. topk=16")
     sparsify.add_argument("--steps", type=positive_int, default=None,
                           help="stage-1 steps (default: 5%% of the source's training steps, at least 20)")
-    sparsify.add_argument("--sparse-steps", type=non_negative_int, default=0, help="stage-2 steps (default 0)")
+    sparsify.add_argument("--sparse-steps", type=non_negative_int, default=0,
+                          help="stage-2 steps (default 0)")
     sparsify.add_argument("--lr", type=positive_float, default=None, help="stage-1 peak rate (default 1e-3)")
     sparsify.add_argument("--sparse-lr", type=positive_float, default=None,
                           help="stage-2 peak rate (default: 0.1 x the source's)")

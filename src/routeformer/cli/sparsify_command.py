@@ -59,8 +59,8 @@ def command_sparsify(args: argparse.Namespace) -> int:
     if not source.exists():
         raise ValueError(f"SRC {str(source)!r} does not exist; {SOURCE_KINDS}")
     if source.is_dir() and (source / "config.json").is_file() and not list(source.glob("checkpoint*.pt")):
-        raise ValueError(f"SRC {str(source)!r} is a transformers model directory, which does not convert here; "
-                         f"{SOURCE_KINDS}")
+        raise ValueError(f"SRC {str(source)!r} is a transformers model directory, which does not convert "
+                         f"here; {SOURCE_KINDS}")
     run = load_run_model(source)
     if run.task is None:
         raise ValueError(f"SRC {str(source)!r} is a `routeformer train` LM run, which does not convert; "
@@ -91,7 +91,8 @@ def command_sparsify(args: argparse.Namespace) -> int:
            "sparsify": {key: value for key, value in conversion.items() if key != "test"}}
     vocab = run.tokenizer.to_dict() if run.tokenizer is not None else None
     out.mkdir(parents=True)
-    save_task_model(out, routed, step=run.step + conversion["tokens"] // max(1, batch_size * run.task.seq_len),
+    steps_done = run.step + steps + args.sparse_steps
+    save_task_model(out, routed, step=steps_done,
                     task=task_config["task"], task_options=task_config["task_options"], run=job, vocab=vocab)
     (out / "record.json").write_text(json.dumps(conversion, indent=2) + "\n")
     print(json.dumps({"out_dir": str(out), "checkpoint": str(out / CHECKPOINT_NAME),
