@@ -10,7 +10,8 @@ import routeformer
 
 PUBLIC = {"build_attention", "list_attentions", "register_attention", "AttentionLayer", "AttentionOutput",
           "ModelConfig", "CausalLM", "SequenceClassifier", "TokenPredictor", "ViT", "build_task",
-          "list_tasks", "Task", "train", "load_config", "RunConfig", "load_checkpoint", "load_trained_model"}
+          "list_tasks", "Task", "train", "load_config", "RunConfig", "load_checkpoint", "load_trained_model",
+          "sparsify", "convert_on_task"}
 
 
 def test_the_public_names_are_exported_and_documented():

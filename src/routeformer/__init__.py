@@ -10,6 +10,7 @@ What a user imports, from one place (each name's docstring says what it does):
     task = rf.build_task("mqar", seq_len=64, pairs=4, vocab_size=64)              # rf.list_tasks()
     rf.train(rf.load_config(None, ["--steps", "100"]))                         # the training loop
     model, tokenizer, config = rf.load_trained_model("runs/default")           # a trained run
+    routed = rf.sparsify(dense_model, "topk", options={"topk": 64})             # dense -> routed
 
 Everything else lives in the subpackages (routeformer.attention, .models, .tasks, .train, ...).
 """
@@ -29,6 +30,7 @@ with interrupt_as_one_line():  # Ctrl-C while the command starts: one line, not 
     from routeformer.tasks import Task, build_task, list_tasks
     from routeformer.train import RunConfig, load_config, train
     from routeformer.train.checkpoint import load_checkpoint, load_trained_model
+    from routeformer.train.sparsify import convert_on_task, sparsify
 
 del interrupt_as_one_line
 
@@ -47,11 +49,13 @@ __all__ = [
     "__version__",
     "build_attention",
     "build_task",
+    "convert_on_task",
     "list_attentions",
     "list_tasks",
     "load_checkpoint",
     "load_config",
     "load_trained_model",
     "register_attention",
+    "sparsify",
     "train",
 ]

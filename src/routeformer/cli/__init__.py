@@ -7,6 +7,8 @@
                       [--batch-size N] [--lr LR] [--evals N] [--seed S] [--out DIR] [--fresh]
     routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N] [--split S] [--sequences N]
     routeformer sample RUN_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
+    routeformer sparsify SRC --mechanism topk [--option KEY=VALUE ...] [--steps N] [--sparse-steps M]
+                         [--lr X] [--sparse-lr X] [--batch-size B] [--seed S] --out DIR
     routeformer list
     routeformer bench ops|layers|topk|structural|meta|mita|meta_tokens|compile|generate|gpu
                       [--lengths 1024 4096 16384] [--repeats 5] [--window 256] [--output FILE]
@@ -39,6 +41,7 @@ from routeformer.cli.parser import (
     non_negative_int,
     positive_int,
 )
+from routeformer.cli.sparsify_command import command_sparsify
 
 __all__ = [
     "CONFIG_DIR",
@@ -81,7 +84,8 @@ def _main(argv: list[str] | None) -> int:
             return command_train(args, extra)
         handlers = {"compare": command_compare, "eval": command_eval, "sample": command_sample,
                     "list": command_list, "bench": command_bench, "reproduce": command_reproduce,
-                    "export-hf": command_export_hf, "doctor": command_doctor}
+                    "export-hf": command_export_hf, "doctor": command_doctor,
+                    "sparsify": command_sparsify}
         return handlers[args.command](args)
     except (ValueError, CheckpointError) as error:
         return _fail(error, EXIT_BAD_INPUT)

@@ -175,6 +175,29 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--length", type=positive_int, default=1100,
                         help="tokens of the probe input (above 1024: topk routes on every backend)")
 
+    sparsify = commands.add_parser(
+        "sparsify", help="convert a trained dense task run into a routed one (dense warm-up, then sparse)",
+        description="Copy a dense task run's weights into a routed model and train its routing parameters: "
+                    "stage 1 (--steps) with the dense model frozen, by the KL to dense attention over every "
+                    "key; stage 2 (--sparse-steps) everything, on the task loss. Writes a task run directory "
+                    "that eval, sample and export-hf read (docs/sparsify.md).")
+    sparsify.add_argument("source", metavar="SRC", help="a task run directory (routeformer train --task) or "
+                                                        "its checkpoint file")
+    sparsify.add_argument("--mechanism", required=True, help="the routed attention (topk)")
+    sparsify.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                          help="an option of the routed layer (repeatable), e.g. topk=16")
+    sparsify.add_argument("--steps", type=positive_int, default=None,
+                          help="stage-1 steps (default: 5%% of the source's training steps, at least 20)")
+    sparsify.add_argument("--sparse-steps", type=non_negative_int, default=0,
+                          help="stage-2 steps (default 0)")
+    sparsify.add_argument("--lr", type=positive_float, default=None, help="stage-1 peak rate (default 1e-3)")
+    sparsify.add_argument("--sparse-lr", type=positive_float, default=None,
+                          help="stage-2 peak rate (default: 0.1 x the source's)")
+    sparsify.add_argument("--batch-size", type=positive_int, default=None,
+                          help="batch size (default: the source's)")
+    sparsify.add_argument("--seed", type=non_negative_int, default=0, help="seed of the routing weights and "
+                                                                            "the batches")
+    sparsify.add_argument("--out", required=True, help="new run directory (must not exist)")
     export_hf = commands.add_parser("export-hf", help="a trained checkpoint as a transformers model")
     export_hf.add_argument("run_dir", help="run directory or checkpoint file")
     export_hf.add_argument("out_dir", help="new directory for config.json + model.safetensors")

@@ -1,0 +1,110 @@
+"""Converting a dense model to a routed one (train/sparsify.py): the copy holds the dense weights and
+equals the dense model where topk reads every key; stage 1 trains only the routing parameters and
+its KL falls; stage 2 trains every parameter; bad sources and mechanisms are refused."""
+
+import warnings
+
+import pytest
+import torch
+
+from routeformer.models.config import ModelConfig
+from routeformer.models.heads import CausalLM, TokenPredictor
+from routeformer.tasks import build_task
+from routeformer.train.sparsify import convert_on_task, sparsify
+
+
+def _dense(attention="full"):
+    torch.manual_seed(0)
+    return CausalLM(ModelConfig(vocab_size=16, dim=32, depth=2, heads=2, mlp_ratio=2.0, attention=attention,
+                                max_seq_len=32, tie_embeddings=False))
+
+
+@pytest.fixture(scope="module")
+def task():
+    return build_task("mqar", seq_len=32, pairs=4, vocab_size=16)
+
+
+def test_the_copy_holds_the_dense_weights_and_names_the_routing_parameters():
+    dense = _dense()
+    routed = sparsify(dense, "topk", options={"topk": 8})
+    assert type(routed) is CausalLM and routed.config.attention == "topk"
+    state = routed.state_dict()
+    for name, tensor in dense.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+    assert routed.new_parameters and all(".attention.router." in name for name in routed.new_parameters)
+    names = {name for name, _ in routed.named_parameters()}
+    assert set(routed.new_parameters) == names - set(dense.state_dict())
+
+
+def test_with_every_key_read_the_converted_model_is_the_dense_one():
+    dense = _dense().eval()
+    tokens = torch.randint(0, 16, (3, 32), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # K >= T: the layer warns it is full attention
+        routed = sparsify(dense, "topk", options={"topk": 32}).eval()
+        torch.testing.assert_close(routed(tokens).logits, dense(tokens).logits, rtol=1e-5, atol=1e-5)
+    short = sparsify(dense, "topk", options={"topk": 2}).eval()
+    assert not torch.allclose(short(tokens).logits, dense(tokens).logits, atol=1e-3)
+
+
+def test_stage_one_trains_only_the_router_and_its_kl_falls(task):
+    dense = _dense()
+    before = {name: tensor.clone() for name, tensor in dense.state_dict().items()}
+    routed, record = convert_on_task(dense, task, "topk", options={"topk": 4}, steps=30, batch_size=16,
+                                     evals=3, validation_sequences=32, seed=3)
+    after = routed.state_dict()
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name  # every dense parameter bit-identical
+        assert torch.equal(dense.state_dict()[name], tensor), name  # the source is untouched
+    initial = sparsify(dense, "topk", options={"topk": 4})
+    assert any(not torch.equal(after[name], initial.state_dict()[name]) for name in record["new_parameters"])
+    kl = [entry["aux_loss"] for entry in record["stages"]["dense_warmup"]["history"]]
+    assert len(kl) == 3 and kl[-1] < kl[0]
+    assert record["options"]["distill_dense_steps"] == 30 and record["tokens"] == 30 * 16 * 32
+    assert int(routed.backbone.blocks[0].attention.distill_step) == 30
+    assert all(parameter.requires_grad for parameter in routed.parameters())
+
+
+def test_stage_two_trains_every_parameter_and_is_deterministic(task):
+    dense = _dense()
+    runs = [convert_on_task(dense, task, "topk", options={"topk": 4}, steps=4, sparse_steps=4, batch_size=8,
+                            evals=1, validation_sequences=16, seed=5) for _ in range(2)]
+    (first, record), (second, _) = runs
+    warmed, _ = convert_on_task(dense, task, "topk", options={"topk": 4}, steps=4, batch_size=8, evals=1,
+                                validation_sequences=16, seed=5)
+    for name, tensor in first.state_dict().items():
+        assert torch.equal(tensor, second.state_dict()[name]), name
+    trained = first.state_dict()
+    changed = [name for name, tensor in dense.state_dict().items() if not torch.equal(trained[name], tensor)]
+    assert "backbone.blocks.0.attention.qkv_proj.weight" in changed and "lm_head.weight" in changed
+    assert set(record["stages"]) == {"dense_warmup", "sparse"}
+    assert record["tokens"] == (4 + 4) * 8 * 32
+    assert not torch.equal(first.state_dict()["lm_head.weight"], warmed.state_dict()["lm_head.weight"])
+
+
+def test_a_token_predictor_converts_to_its_own_class():
+    torch.manual_seed(0)
+    dense = TokenPredictor(ModelConfig(vocab_size=16, dim=32, depth=1, heads=2, causal=False, max_seq_len=16))
+    assert type(sparsify(dense, "topk", options={"topk": 4})) is TokenPredictor
+
+
+def test_sources_without_dense_attention_and_mechanisms_that_do_not_convert_are_refused():
+    with pytest.raises(ValueError, match=r"source layer 0 runs 'local'.*no dense attention to copy"):
+        sparsify(_dense("local"), "topk")
+    with pytest.raises(ValueError, match=r"source layer 1 runs 'topk'"):
+        sparsify(_dense(["full", "topk"]), "topk")
+    with pytest.raises(ValueError, match=r"'mita' does not convert.*dense-attention KL.*\['topk'\]"):
+        sparsify(_dense(), "mita")
+    with pytest.raises(ValueError, match=r"'meta' does not convert"):
+        sparsify(_dense(), "meta")
+    with pytest.raises(ValueError, match=r"'nope' is not registered"):
+        sparsify(_dense(), "nope")
+
+
+def test_bad_stage_arguments_are_refused(task):
+    with pytest.raises(ValueError, match=r"routing_learning='score_bias'.*'distill'"):
+        convert_on_task(_dense(), task, "topk", options={"routing_learning": "score_bias"}, steps=2)
+    with pytest.raises(ValueError, match=r"distill_dense_steps: set by the conversion"):
+        convert_on_task(_dense(), task, "topk", options={"distill_dense_steps": 3}, steps=2)
+    with pytest.raises(ValueError, match=r"steps must be an integer >= 1; got 0"):
+        convert_on_task(_dense(), task, "topk", steps=0)
