@@ -15,9 +15,13 @@ turns, `median_times`), so the ratios compare like with like on a noisy machine:
 - executed FLOPs: what the op computes for the call, masked work it still computes included
   (ops/*_flops; Flex: its block mask's non-empty 128x128 blocks; top-k: routing products
   2·scored·r plus attention over the K slots); forward only. The fraction of peak divides the
-  op's FLOP/s by a [1024 x 1024] @ [1024 x 1024] matmul's, timed in the same rounds, same dtype
-  and threads. For fwd+bwd the FLOPs are counted as 3x the forward's (the backward's
-  matmuls are twice the forward's; recomputation not counted), a convention, not a count.
+  op's FLOP/s by the matmul peak of its dtype (`dtype_peaks`): a [1024 x 1024] @ [1024 x 1024]
+  matmul timed in the same rounds and threads, in that dtype or in fp32, whichever is faster (a
+  CPU without bf16 instructions runs bf16 ops in fp32 arithmetic, while its bf16 matmul falls far
+  below what the fp32 units do, so the bf16 matmul alone is no peak there). A fraction over 100 %
+  is a measuring error and is reported as one, not as a percentage. For fwd+bwd the FLOPs are
+  counted as 3x the forward's (the backward's matmuls are twice the forward's; recomputation not
+  counted), a convention, not a count.
 """
 
 from __future__ import annotations
@@ -74,6 +78,22 @@ class SuiteRow:
 
 
 MATMUL_SIZE = 1024
+
+
+def dtype_peaks(matmul_gflops: dict[str, float]) -> dict[str, float]:
+    """The matmul peak (GFLOP/s) each dtype's fraction divides by: the faster of that dtype's matmul
+    and the fp32 matmul, from `matmul_gflops` {dtype name: GFLOP/s} of the same rounds."""
+    return {name: max(rate, matmul_gflops["fp32"]) for name, rate in matmul_gflops.items()}
+
+
+def percent_of_peak(fraction: float | None) -> str:
+    """A fraction of peak as the table prints it: "–" when absent, a flagged measuring error when over
+    1 (an op cannot run faster than the machine's matmul peak), else a percentage."""
+    if fraction is None:
+        return "–"
+    if fraction > 1:
+        return f"over peak ({100 * fraction:.0f}%): measuring error"
+    return f"{100 * fraction:.0f}%"
 
 
 def matmul_call(dtype: torch.dtype, size: int = MATMUL_SIZE) -> Callable[[], object]:
@@ -162,13 +182,13 @@ def bench_ops_suite(
         leaves = {name: tuple(t.clone().requires_grad_() for t in ts) for name, ts in inputs.items()}
         forward = median_times({**matmuls, **{(d, op.name): forward_call(op.run, inputs[d])
                                               for d in DTYPES for op in ops}}, repeats)
-        peaks = {d: 2 * MATMUL_SIZE**3 / forward[("matmul", d)] / 1e9 for d in DTYPES}
+        peaks = dtype_peaks({d: 2 * MATMUL_SIZE**3 / forward[("matmul", d)] / 1e9 for d in DTYPES})
         all_peaks[str(length)] = peaks
         progress(f"T={length}: matmul peak GFLOP/s " + ", ".join(f"{d} {v:.0f}" for d, v in peaks.items()))
         both = median_times({**matmuls, **{(d, op.name): forward_backward_call(op.run, leaves[d])
                                            for d in DTYPES for op in ops if op.backward}}, repeats)
         # The fwd+bwd fractions divide by the peak of their own rounds.
-        peaks_both = {d: 2 * MATMUL_SIZE**3 / both[("matmul", d)] / 1e9 for d in DTYPES}
+        peaks_both = dtype_peaks({d: 2 * MATMUL_SIZE**3 / both[("matmul", d)] / 1e9 for d in DTYPES})
         all_peaks[f"{length} fwd+bwd rounds"] = peaks_both
         for dtype in DTYPES:
             for op in ops:
@@ -221,8 +241,8 @@ def format_row(row: SuiteRow) -> str:
         f"| {row.length}", row.dtype, row.op, f"{row.forward_ms:.1f}", f"{row.forward_vs_sdpa:.2f}x",
         number(row.forward_vs_flex, ".2f", "x"), number(row.forward_backward_ms, ".1f"),
         number(row.forward_backward_vs_sdpa, ".2f", "x"), bf16, f"{row.forward_gflop:.2f}",
-        f"{row.forward_gflops_per_s:.1f}", f"{100 * row.forward_peak_fraction:.0f}%",
-        number(None if both_fraction is None else 100 * both_fraction, ".0f", "%"),
+        f"{row.forward_gflops_per_s:.1f}", percent_of_peak(row.forward_peak_fraction),
+        percent_of_peak(both_fraction),
         f"{number(row.forward_peak_mib, '.0f')} / {number(row.forward_backward_peak_mib, '.0f')}"]) + " |"
 
 
@@ -238,7 +258,8 @@ def write_report(rows: list[SuiteRow], peaks: dict[str, dict[str, float]], outpu
         "# Ops benchmark", "",
         f"Measured {now} on {machine_description()}. Command: `{command}`.{busy}", "",
         "Matmul peak ([1024 x 1024] @ [1024 x 1024], timed in the same alternating rounds as the "
-        "forward passes, and again in the fwd+bwd rounds), GFLOP/s: "
+        "forward passes, and again in the fwd+bwd rounds; a dtype's peak is the faster of its own matmul "
+        "and the fp32 one), GFLOP/s: "
         + "; ".join(f"T={length}: fp32 {p['fp32']:.0f}, bf16 {p['bf16']:.0f}" for length, p in peaks.items())
         + ".", "",
         "Conventions (routeformer/bench/ops_suite.py): speed-up = baseline time / op time (> 1: the op "
