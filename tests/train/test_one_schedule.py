@@ -46,7 +46,7 @@ def test_long_curricula_train_as_before():
         "mqar": (warmup + [(200, 16, 1e-3, 20), (100, 8, 2e-3, 10), (150, 4, 1e-3, 10)], (150, 4, 1e-3, 10)),
         "mqar_512": (warmup + [(200, 16, 1e-3, 20)], (200, 16, 1e-3, 20)),
         "lm": ([(250, 32, 3e-3, 25), (60, 8, 1e-3, 6)], (60, 8, 1e-3, 6)),
-        "code_lm": ([(1500, 32, 3e-3, 100), (300, 2, 1e-3, 20)], (300, 2, 1e-3, 20)),
+        "code_lm": ([(1500, 32, 3e-3, 100), (3000, 8, 2e-3, 50), (3000, 2, 1e-3, 50)], (3000, 2, 1e-3, 50)),
     }
     # the last stage trains on the task itself, as `schedule` says
     assert {task: ([_four(stage.schedule) for stage in setup.stages], _four(setup.schedule))

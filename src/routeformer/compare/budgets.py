@@ -47,7 +47,8 @@ class CompareBudget:
     """A comparison: its tasks (each a TaskSetup, staged or not), seeds, backbone, default mechanisms,
     the layer benchmark's lengths (none: no benchmark) and timing repetitions. `name` prefixes every
     run key; `corpus` is the LM's when none is asked (None: `default_corpus()`), and named in the LM
-    runs' keys where `corpus_in_keys` (the long budget's keys never named it)."""
+    runs' keys where `corpus_in_keys` (the long budget's keys never named it); `keep_models`: each
+    run's trained model is kept as a task run directory `<out>/models/<key>` (runner/jobs.py)."""
     name: str
     tasks: dict[str, TaskSetup]
     seeds: int = 3
@@ -57,6 +58,7 @@ class CompareBudget:
     repeats: int = 5
     corpus: str | None = "pydoc"
     corpus_in_keys: bool = True
+    keep_models: bool = False
 
 
 # Quick: the setups below were chosen on validation accuracy of `full` (seeds 0-2), never on the
@@ -190,22 +192,26 @@ LONG = CompareBudget(
                 Stage({}, Schedule(steps=60, batch_size=8, lr=1e-3, warmup_steps=6)),
             ),
         ),
-        # The long-range LM: Python source at T = 4096, one file per window from its first
-        # character. Stage 1 learns the characters on random T = 256 windows of the joined training
-        # text (cheap); stage 2 reads whole file heads at T. Chosen on `full`'s validation curve
-        # (docs/results/compare/long-code_lm/README.md); it needs ../shared/data/python-stdlib.
+        # The long-range LM: Python source at T = 4096, evaluated on the files' first 4096 characters
+        # (a position is a place in its file) and trained on windows anywhere inside a file. Stage 1
+        # learns the characters on random T = 256 windows of the joined training text (cheap); stage 2
+        # reads T = 1024 windows, where copying from far back is first worth learning; stage 3 trains
+        # at T. Sized to the 2-core machine (docs/results/compare/long-code_lm/README.md); it needs
+        # ../shared/data/python-stdlib.
         "code_lm": curriculum_setup(
             {"seq_len": 4096},
             stages=(
                 Stage({"seq_len": 256, "documents": "stream"},
                       Schedule(steps=1500, batch_size=32, lr=3e-3, warmup_steps=100)),
-                Stage({}, Schedule(steps=300, batch_size=2, lr=1e-3, warmup_steps=20)),
+                Stage({"seq_len": 1024}, Schedule(steps=3000, batch_size=8, lr=2e-3, warmup_steps=50)),
+                Stage({}, Schedule(steps=3000, batch_size=2, lr=1e-3, warmup_steps=50)),
             ),
             evals=4,
         ),
     },
     spec=ModelSpec(dim=64, depth=2, heads=2, mlp_ratio=2.0, positions="rotary"),
     mechanisms=LONG_MECHANISMS, bench_lengths=(), repeats=5, corpus=None, corpus_in_keys=False,
+    keep_models=True,
 )
 LONG_TASKS = tuple(LONG.tasks)
 DEFAULT_LONG_TASKS = ("mqar", "code_lm")

@@ -102,7 +102,7 @@ def run_compare(
     say(f"compare ({budget.name}): {len(jobs)} runs = {len(tasks)} tasks x {len(mechanisms)} mechanisms x "
         f"{budget.seeds} seeds, {workers} worker process(es)"
         + (f"; lm's corpus {corpus}" if "lm" in tasks else ""))
-    records = run_jobs(out, jobs, workers, say)
+    records = run_jobs(out, jobs, workers, say, keep_models=budget.keep_models)
     by_task: dict[str, dict[str, list[dict[str, Any]]]] = {task: {} for task in tasks}
     failed: dict[str, dict[str, str]] = {task: {} for task in tasks}
     for job in jobs:

@@ -24,6 +24,8 @@ from typing import Any
 from routeformer.runner.setups import TaskSetup
 from routeformer.train.on_task import ModelSpec
 
+MODELS_FOLDER = "models"  # where run_jobs keeps trained models (keep_models)
+
 
 def cached_run(out_dir: Path, key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Return the stored record of run `key`, or compute and store it (atomically): a killed
@@ -176,22 +178,35 @@ def _with_progress(line: str, done: int, total: int) -> str:
 
 
 def _run_one(out: Path, job: Any, threads: int | None,
-             train: Callable[[Any], dict[str, Any]] | None = None) -> tuple[str, dict[str, Any]]:
+             train: Callable[[Any], dict[str, Any]] | None = None,
+             keep_models: bool = False) -> tuple[str, dict[str, Any]]:
     """The job's record; a job that raises gives {"error": ...} (not stored: a re-run retries it), so
-    one broken mechanism costs its own runs, not the whole sweep."""
+    one broken mechanism costs its own runs, not the whole sweep. `keep_models` (with `train` None):
+    the trained model is saved as the run directory `out/models/<key>` (`run_dir.keep_job_model`)."""
     import torch
 
     if threads is not None:
         torch.set_num_threads(threads)
+
+    def compute() -> dict[str, Any]:
+        if train is not None:
+            return train(job)
+        if not keep_models:
+            return train_job(job)
+        from routeformer.runner.run_dir import keep_job_model
+
+        folder = out / MODELS_FOLDER / job.key
+        return train_job(job, keep_model=lambda model: keep_job_model(folder, job, model))
+
     try:
-        return job.key, cached_run(out, job.key, lambda: (train or train_job)(job))
+        return job.key, cached_run(out, job.key, compute)
     except Exception as error:  # noqa: BLE001 - reported per job, the others go on
         return job.key, {"error": f"{type(error).__name__}: {error}", "quality": float("nan")}
 
 
 def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str], None],
              timeout_s: float | None = None, train: Callable[[Any], dict[str, Any]] | None = None,
-             ) -> dict[str, dict]:
+             keep_models: bool = False) -> dict[str, dict]:
     """Every job's record, by key. Finished jobs are read from `out/runs/`; the others run in
     `workers` spawned processes (or in this one when workers == 1).
 
@@ -201,7 +216,8 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
     sweep with a RuntimeError naming the runs it left; so does an interrupt (Ctrl-C), after
     stopping the workers instead of waiting for their runs. Finished runs are stored either way,
     and a re-run resumes after them. `train(job)` makes a job's record (a module-level function:
-    worker processes import it); None: `train_job` (train once, test once)."""
+    worker processes import it); None: `train_job` (train once, test once), and with `keep_models`
+    each trained model is kept as the task run directory `out/models/<key>`."""
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer; got {workers!r}")
     began = time.perf_counter()
@@ -222,7 +238,7 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
             pending.append(job)
     if workers == 1 or len(pending) <= 1:
         for job in pending:
-            note(*_run_one(out, job, None, train))
+            note(*_run_one(out, job, None, train, keep_models))
         return records
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -232,7 +248,7 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
     context = multiprocessing.get_context("spawn")
     pool = ProcessPoolExecutor(min(workers, len(pending)), mp_context=context)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    futures = {pool.submit(_run_one, out, job, 1, train): job.key for job in pending}
+    futures = {pool.submit(_run_one, out, job, 1, train, keep_models): job.key for job in pending}
     waiting = set(futures)
     try:
         while waiting:

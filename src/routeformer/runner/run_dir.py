@@ -43,7 +43,7 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
 
     Raises ValueError, before anything is written, when the job's task cannot be built with its
     options (at T and at every stage) or `out_dir` holds a run of another config."""
-    from routeformer.train.checkpoint import checkpoint_files, remove_checkpoints, save_task_model
+    from routeformer.train.checkpoint import checkpoint_files, remove_checkpoints
     from routeformer.train.progress import write_text_atomic
     from routeformer.train.resume import check_out_dir, describe, flatten
     from routeformer.train.task_loop import training_checkpoints
@@ -78,16 +78,29 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
         if log is not None:
             log(line)
 
+    return cached_record(record_path, lambda: {
+        **train_job(job, log=hear, keep_model=lambda model: keep_job_model(out_dir, job, model, task)),
+        "resumed": resumed})
+
+
+def keep_job_model(out_dir: str | Path, job: Job, model: Any, task: Any = None) -> Path:
+    """Save `job`'s trained `model` as the checkpoint of run directory `out_dir`
+    (`train.checkpoint.save_task_model`, beside the job's config: what `load_run_model`, eval,
+    sample, export-hf and sparsify read); `task`, the job's built task (None: built here), gives a
+    text task's tokeniser. Returns the checkpoint's path."""
+    from routeformer.train.checkpoint import save_task_model
+    from routeformer.train.progress import write_text_atomic
+
+    out_dir = Path(out_dir)
+    task = built_task(job) if task is None else task
+    config = job_config(job)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not (out_dir / CONFIG_FILE).is_file():
+        write_text_atomic(out_dir / CONFIG_FILE, json.dumps(config, indent=1) + "\n")
     vocab = getattr(task, "vocab", None)  # the text tasks' tokeniser (lm, code_lm)
-    steps = sum(stage.schedule.steps for stage in job.setup.stages)
-
-    def keep(model: Any) -> None:
-        save_task_model(out_dir, model, step=steps, task=job.setup.task_name(job.task),
-                        task_options=job.task_options, run=config,
-                        vocab=None if vocab is None else vocab.to_dict())
-
-    return cached_record(record_path,
-                         lambda: {**train_job(job, log=hear, keep_model=keep), "resumed": resumed})
+    return save_task_model(out_dir, model, step=sum(stage.schedule.steps for stage in job.setup.stages),
+                           task=job.setup.task_name(job.task), task_options=job.task_options, run=config,
+                           vocab=None if vocab is None else vocab.to_dict())
 
 
 def built_task(job: Job) -> Any:
