@@ -2,6 +2,8 @@
 reproduce refused, mode/dtype kept, save/load keeps the mechanism (tiny models, no downloads)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from routeformer.integrations.hf import patch_attention, routeformer_layers  # noqa: E402
 from routeformer.integrations.hf.loading import from_pretrained  # noqa: E402
+from routeformer.integrations.hf.patch import PATCHED_MODEL_TYPE  # noqa: E402
 from tests.integrations.test_hf import MECHANISMS, VOCAB, gpt2, llama  # noqa: E402
 
 FAMILIES = {"gpt2": gpt2, "llama": llama}
@@ -178,13 +181,52 @@ def test_patch_keeps_mode_and_dtype(training):
 def test_save_and_from_pretrained_keep_the_mechanism(tmp_path, family):
     model = patch_attention(FAMILIES[family](), "local", window=3)
     model.save_pretrained(tmp_path)
-    entry = json.loads((tmp_path / "config.json").read_text())["routeformer"]
-    assert entry == {"mechanism": "local", "options": {"window": 3}}
-    loaded = from_pretrained(tmp_path)
-    assert not loaded.training and routeformer_layers(loaded)[0].layer.window == 3
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model_type"] == PATCHED_MODEL_TYPE
+    assert saved["routeformer"] == {"mechanism": "local", "options": {"window": 3},
+                                    "base_model_type": family}
+    ids = prompt(length=10)
+    # the loader, and the Auto classes once routeformer.integrations.hf is imported
+    for loaded in (from_pretrained(tmp_path), transformers.AutoModelForCausalLM.from_pretrained(tmp_path)):
+        assert type(loaded) is type(model)
+        assert not loaded.training and routeformer_layers(loaded)[0].layer.window == 3
+        assert loaded.config.routeformer == {"mechanism": "local", "options": {"window": 3}}
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+    loaded.save_pretrained(tmp_path / "again")  # a reloaded model saves as it was saved
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["routeformer"] == saved["routeformer"]
+
+
+def test_without_routeformer_the_auto_classes_refuse_a_patched_model_and_name_the_loader(tmp_path):
+    patch_attention(gpt2(), "local", window=3).save_pretrained(tmp_path)
+    load = f"import transformers; transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})"
+    done = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "routeformer" not in sys.modules.get("__main__").__name__
+    assert "ValueError" in done.stderr and "routeformer.integrations.hf.from_pretrained" in done.stderr
+
+
+def test_a_directory_saved_with_the_base_model_type_still_loads(tmp_path):
+    # config.json written before the patched model_type: the base model's type and a routeformer entry
+    model = patch_attention(gpt2(), "local", window=3)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["model_type"] = saved["routeformer"].pop("base_model_type")
+    (tmp_path / "config.json").write_text(json.dumps(saved))
     ids = prompt(length=10)
     with torch.no_grad():
-        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+        torch.testing.assert_close(from_pretrained(tmp_path)(ids).logits, model(ids).logits, atol=0, rtol=0)
+
+
+def test_the_auto_classes_refuse_what_a_patched_model_cannot_take(tmp_path):
+    patch_attention(gpt2(), "local", window=3).save_pretrained(tmp_path)
+    with pytest.raises(TypeError, match=r"unsupported config overrides \['attn_implementation'\]"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    with pytest.raises(TypeError, match=r"unsupported arguments \['made_up'\]"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, made_up=1)
+    with pytest.raises(TypeError, match="device_map: a patched routeformer model loads on one device"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, device_map={"": "cpu"})
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
 
 
 def test_from_pretrained_refuses_an_unpatched_model(tmp_path):

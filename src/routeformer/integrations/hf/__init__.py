@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from routeformer.integrations.hf.cache import RouteformerCacheLayer
 from routeformer.integrations.hf.interface import register, routeformer_attention
-from routeformer.integrations.hf.loading import from_pretrained
+from routeformer.integrations.hf.loading import PatchedConfig, PatchedForCausalLM, from_pretrained
 from routeformer.integrations.hf.model import (
     RouteformerCausalLMOutput,
     RouteformerConfig,
@@ -38,6 +38,8 @@ from routeformer.integrations.hf.patch import (
 
 AutoConfig.register("routeformer", RouteformerConfig, exist_ok=True)
 AutoModelForCausalLM.register(RouteformerConfig, RouteformerForCausalLM, exist_ok=True)
+AutoConfig.register(PatchedConfig.model_type, PatchedConfig, exist_ok=True)
+AutoModelForCausalLM.register(PatchedConfig, PatchedForCausalLM, exist_ok=True)
 register()
 
 __all__ = [

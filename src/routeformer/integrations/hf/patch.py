@@ -28,13 +28,19 @@ RoPE scaling variants, cross-attention. Not carried either: attention dropout (G
 acts in training only) and attention weights (`output_attentions` returns None).
 
 The mechanism and its options are recorded in `model.config.routeformer` (saved in config.json), so
-`routeformer.integrations.hf.from_pretrained` can rebuild the patched model. Cached generation: see
-`RouteformerAttention`.
+`routeformer.integrations.hf.from_pretrained` can rebuild the patched model. The patched model's
+`save_pretrained` writes config.json with model_type `PATCHED_MODEL_TYPE`: after `import
+routeformer.integrations.hf`, `AutoModelForCausalLM.from_pretrained` loads the directory re-patched
+too; without it, transformers refuses the directory with an error naming the loader (an unknown
+model type), rather than building the unpatched model. Cached generation: see `RouteformerAttention`.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
+from types import MethodType
 from typing import Any
 
 import torch
@@ -250,6 +256,28 @@ def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     return found
 
 
+# The model_type a patched model's config.json is saved with: transformers' Auto classes do not
+# know it, so a process without routeformer refuses to load the directory and names the loader in its
+# error, instead of building the unpatched model around unused weights; `import
+# routeformer.integrations.hf` registers it (loading.py), and the Auto classes load it re-patched.
+PATCHED_MODEL_TYPE = "routeformer.integrations.hf.from_pretrained"
+
+
+def _save_patched(model: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+    """`save_pretrained` of a patched model: transformers' own, then config.json's model_type becomes
+    PATCHED_MODEL_TYPE (the base model's is kept as `routeformer.base_model_type`)."""
+    result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+    path = Path(save_directory) / "config.json"
+    if not path.is_file():  # a process that is not the main one writes no config
+        return result
+    saved = json.loads(path.read_text())
+    if saved.get("model_type") != PATCHED_MODEL_TYPE:
+        saved["routeformer"] = {**saved["routeformer"], "base_model_type": saved["model_type"]}
+        saved["model_type"] = PATCHED_MODEL_TYPE
+        path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+    return result
+
+
 def patch_attention(model: nn.Module, mechanism: str, **options: Any) -> nn.Module:
     """Swap every attention module of `model` (in place) for routeformer's `mechanism` built with
     `options`; returns the model. Train/eval mode, device and dtype are kept. See the module
@@ -289,6 +317,7 @@ def patch_attention(model: nn.Module, mechanism: str, **options: Any) -> nn.Modu
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attribute, replacement)
     config.routeformer = {"mechanism": mechanism, "options": dict(options)}
+    model.save_pretrained = MethodType(_save_patched, model)
     if not routeformer_layers(model)[0].layer.supports_cache or untested_reason() is not None:
         # Generation by default would stop with a ValueError (no cached decoding, or a transformers
         # release outside the tested range: compat.py); re-read the context instead.
