@@ -30,29 +30,12 @@ Certainty, `gate`:
   is 0 for uniform weights and 1 for a one-hot choice, and asks exactly "which expert?".
 - "dirichlet_entropy": 1 − exp(U_t − U_max), U_t the Dirichlet's differential entropy (Eq. 6) and
   U_max = −ln Γ(K) its maximum (the uniform Dirichlet). U_t is unbounded below; this maps it to
-  [0, 1). Caution: concentrations below 1 put the mass on the simplex's corners, which lowers U_t
-  even when the mean is uniform, so this gate can be confident about *sparsity* but not about the
-  choice.
+  [0, 1). Concentrations below 1 lower U_t even for a uniform mean: this gate can be confident
+  about *sparsity*, not about the choice.
 η: `eval_eta` at evaluation; in training, linear from `train_eta_start` to `train_eta` over
 `eta_anneal_steps` training calls (counted by the `routing_step` buffer, which is checkpointed).
 None disables hard routing.
 
-Training schedule (deviations from the paper, off by default; every counter is `routing_step`, the
-checkpointed count of training calls):
-- `warmup_steps` (default 0): for the first N training calls every token mixes the experts with
-  fixed uniform weights 1/K (no Dirichlet sample, no hard routing, no KL term), so that each expert
-  learns its task before the controller can starve it. `warmup_mixture` (default None = uniform)
-  sets other fixed weights, one per expert (non-negative, summing to 1), e.g. (1, 0, 0).
-- `kl_anneal_steps` (default 0): after the warm-up the KL weight rises linearly from 0 to
-  `elbo_weight` over M training calls (call s after warm-up uses elbo_weight · min(1, s / M)).
-- the η anneal (`eta_anneal_steps`) starts after the warm-up: training call s after warm-up uses
-  train_eta_start + (train_eta − train_eta_start) · min(1, s / eta_anneal_steps).
-
-stats: weight_{full,linear,local} (mean ᾱ), routing_entropy_pct (mean H(ᾱ_t)/ln K, %),
-mean_weight_entropy (H of the average ᾱ, nats — the paper's Table 2 quantity), uncertainty (mean
-U_t), kl (mean KL), projected_cost (mean Σ ᾱ_i c_i), hard_fraction, rows_{expert} (share of tokens
-each expert computed), flops (attention FLOPs executed) and flops_vs_full (that over the full
-expert alone on every token), eta, kl_weight (the KL weight in force).
 """
 
 from __future__ import annotations
@@ -116,7 +99,7 @@ def _check_eta(name: str, value: float | None) -> None:
 
 @register_attention("meta")
 class MetaAttention(AttentionLayer):
-    """Bayesian routing among full / linear / local experts; see the module docstring.
+    """Bayesian routing among full / linear / local experts; see the module docstring and below.
 
     Args (beyond dim, heads, causal): the options of the module docstring, and the common options
     of `AttentionLayer` (head_dim, bias, rotary, rotary_base, kv_heads). kv_heads < heads: every
@@ -125,6 +108,23 @@ class MetaAttention(AttentionLayer):
     place (SDPA's `enable_gqa`), as do the cached steps of all three experts; the linear and local
     experts' parallel kernels and the routed-rows kernels take one head count and get each K/V
     head repeated for its query heads at call time (a copy of K/V per query head).
+
+    Training schedule (deviations from the paper, off by default; every counter is `routing_step`, the
+    checkpointed count of training calls):
+    - `warmup_steps` (default 0): for the first N training calls every token mixes the experts with
+      fixed uniform weights 1/K (no Dirichlet sample, no hard routing, no KL term), so that each expert
+      learns its task before the controller can starve it. `warmup_mixture` (default None = uniform)
+      sets other fixed weights, one per expert (non-negative, summing to 1), e.g. (1, 0, 0).
+    - `kl_anneal_steps` (default 0): after the warm-up the KL weight rises linearly from 0 to
+      `elbo_weight` over M training calls (call s after warm-up uses elbo_weight · min(1, s / M)).
+    - the η anneal (`eta_anneal_steps`) starts after the warm-up: training call s after warm-up uses
+      train_eta_start + (train_eta − train_eta_start) · min(1, s / eta_anneal_steps).
+
+    stats: weight_{full,linear,local} (mean ᾱ), routing_entropy_pct (mean H(ᾱ_t)/ln K, %),
+    mean_weight_entropy (H of the average ᾱ, nats — the paper's Table 2 quantity), uncertainty (mean
+    U_t), kl (mean KL), projected_cost (mean Σ ᾱ_i c_i), hard_fraction, rows_{expert} (share of tokens
+    each expert computed), flops (attention FLOPs executed) and flops_vs_full (that over the full
+    expert alone on every token), eta, kl_weight (the KL weight in force).
     """
 
     reads_grouped_kv = True

@@ -29,15 +29,6 @@ repeated) — both warn once per layer, since the budget then buys nothing.
 Padding: padded tokens take no place in the layout (windows and blocks count real tokens only), are
 never pooled into a landmark, never routed to and never in the shared expert.
 
-Low precision (bf16/fp16 weights, or torch.autocast): routing is computed in fp32 whatever the
-dtype — the q/k projection runs in fp32 (from the stored, possibly rounded, weights; under
-autocast from the fp32 weights), and the op keeps its landmark scores, routing logits and softmax
-in fp32 with autocast switched off inside. A bf16 layer therefore routes as the fp32 layer with
-the same stored weights does; under autocast, as the fp32 model itself does. (A model cast to
-bf16 rounds its weights, which moves routing logits by ~2e-3 relative: a near-tied choice can
-still flip there; tests/attention/test_mita_precision.py measures both.) Cost: the projection in
-fp32, and fp32 keys (values stay in the model's dtype) in the decoding cache.
-
 Cached decoding (`CausalLM.generate`, `decode`): causal builds keep every key, the incomplete
 block's queries and each completed block's landmark, shared value and expert
 (`routeformer.ops.mita.decode`); new tokens get the parallel pass's outputs.
@@ -86,6 +77,15 @@ class MitaAttention(AttentionLayer):
     queries) select their experts among the keys of its K/V head, the shared expert reading its
     values. The op (ops/mita, parallel and cached) takes one head count, so each K/V head is
     repeated for its query heads at call time, a copy of K/V per query head.
+
+    Low precision (bf16/fp16 weights, or torch.autocast): routing is computed in fp32 whatever the
+    dtype — the q/k projection runs in fp32 (from the stored, possibly rounded, weights; under
+    autocast from the fp32 weights), and the op keeps its landmark scores, routing logits and softmax
+    in fp32 with autocast switched off inside. A bf16 layer therefore routes as the fp32 layer with
+    the same stored weights does; under autocast, as the fp32 model itself does. (A model cast to
+    bf16 rounds its weights, which moves routing logits by ~2e-3 relative: a near-tied choice can
+    still flip there; tests/attention/test_mita_precision.py measures both.) Cost: the projection in
+    fp32, and fp32 keys (values stay in the model's dtype) in the decoding cache.
     """
 
     reads_grouped_kv = True

@@ -28,20 +28,12 @@ Options (defaults in brackets; the measurements behind them: docs/results/topk.m
   `routeformer doctor`]: with at most this many keys the routed set masks one SDPA call (same
   function; `flops` counts the T x S work done); 0 always gathers.
 
-Cached decoding (`decode`, `CausalLM.generate`): routing keys are cached beside K and V; a new token
-routes over them with the parallel pass's kernel and tie rule (`ops.topk.decode.route_cached`) and
-reads O(L·r) routing numbers plus O((K + w + g)·d) keys/values per head. Exploration has no cached
-form (refused in training mode). Invalid options raise ValueError naming the option.
-
 Grouped-query attention (`kv_heads` < heads): parameters and decode cache hold kv_heads K/V heads
 and the routed op reads a group's K/V head for all its query heads (no copy). `route_per` ["head"]:
 "head" routes per query head; "group" routes once per K/V group (one key set for the group's query
 heads, scores summed over them, as NSA; the distillation target is the group's mean attention).
 `shared_routing` overrides both; "score_bias" with kv_heads < heads needs "group" or shared_routing.
 
-stats: `selected_keys`, `routing_flops`, `flops` (routing + attention + routing loss, executed);
-at evaluation only, `routing_recall` (dense attention mass inside R_i on `recall_queries` queries)
-and `head_overlap` (mean Jaccard overlap of R_i between heads); the probe is not in `flops`.
 """
 
 from __future__ import annotations
@@ -87,6 +79,15 @@ class TopKAttention(AttentionLayer):
     Args (beyond dim, heads, causal): the options of the module docstring (topk, routing_dim,
     routing_learning, ..., route_per = "head" | "group", default "head") and the common options of
     `AttentionLayer` (head_dim, bias, rotary, rotary_base, kv_heads).
+
+    Cached decoding (`decode`, `CausalLM.generate`): routing keys are cached beside K and V; a new token
+    routes over them with the parallel pass's kernel and tie rule (`ops.topk.decode.route_cached`) and
+    reads O(L·r) routing numbers plus O((K + w + g)·d) keys/values per head. Exploration has no cached
+    form (refused in training mode). Invalid options raise ValueError naming the option.
+
+    stats: `selected_keys`, `routing_flops`, `flops` (routing + attention + routing loss, executed);
+    at evaluation only, `routing_recall` (dense attention mass inside R_i on `recall_queries` queries)
+    and `head_overlap` (mean Jaccard overlap of R_i between heads); the probe is not in `flops`.
     """
 
     reads_grouped_kv = True

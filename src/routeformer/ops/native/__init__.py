@@ -1,23 +1,7 @@
 """Optional fused CPU kernels (C, compiled once per machine, called through ctypes).
 
-The kernel files (every `*_kernels.c` here goes into one library) and their wrappers:
-- `topk`: `topk_kernels.c` (routing selection, the reference kernel and fp64; the gathered
-  attention forward/backward), `topk_speculative_kernels.c` (the routing selection that runs for
-  fp32/bf16: a bf16 prefilter, exact fp32 rescoring, verified threshold guesses),
-  `topk_bf16_attention_kernels.c` (the gathered attention reading bf16 as stored); wrapper topk.py.
-- `local`: `local_kernels.c` (forward), `local_backward_kernels.c`, `local_rows_kernels.c`
-  (softmax rows, conversions), `local_tiles_kernels.c` (register tiles, bf16 pair products);
-  wrapper local.py.
-- causal `linear`: `linear_kernels.c` (forward/backward sweeps), `linear_gemm_kernels.c`,
-  `linear_chunk_kernels.c`, `linear_bf16_kernels.c`; wrapper linear.py.
-- hard-routed `meta`: `band_kernels.c` (query-blocked banded softmax pass: the local expert at its
-  rows, and expanding's final pass), `linear_rows_kernels.c` (the linear expert at its rows);
-  wrappers band.py, linear_rows.py.
-- `expanding_kernels.c` (expanding attention's inference steps and final-pass backward),
-  `mita_kernels.c` (MiTA's routed step and streaming top-K at inference; ops/native/mita.py),
-  `mita_train_kernels.c` (causal MiTA's query side — own block, shared window, routed expert —
-  forward and backward for training; ops/native/mita_train.py),
-  `rotary_kernels.c` (rotary embedding; rotary.py).
+The kernel files (every `*_kernels.c` here goes into one library) and their Python wrappers are listed
+in docs/kernels.md ("Native kernel files").
 On first use (build.py) they are compiled with the system C compiler (`$CC`, else `cc`) with -O3,
 -march=native and OpenMP into one library in a cache directory (`$ROUTEFORMER_CACHE_DIR`, else
 ~/.cache/routeformer, else the temporary directory), keyed by the sources, headers, flags, the
@@ -32,13 +16,8 @@ defined(__AVX512F__)` / `#elif defined(__AVX2__) && defined(__FMA__)` / `#else` 
 every level builds every kernel; the level is in the cache key, a level above the CPU raises
 ValueError, and `compiled_isa()` (isa_kernels.c) says what was compiled (`routeformer doctor`).
 
-Platforms (`build_plan`): Linux (gcc or clang; tested: x86-64, gcc) builds with -march=native
-and -fopenmp. macOS: -march=native (-mcpu=native where the compiler refuses that), OpenMP through
-libomp where it is installed (Apple clang: -Xpreprocessor -fopenmp against Homebrew's or
-MacPorts' libomp, or `$ROUTEFORMER_LIBOMP`), else no OpenMP. A compiler that refuses the OpenMP
-flags gets one more try without them: the library then runs on one thread, and the build says so
-in one warning. Windows: no build; the ops run in PyTorch (one warning). (macOS and Windows are
-simulated in tests/ops/test_native_platforms.py, not run.)
+Platforms (`build_plan`; Linux with gcc tested, macOS and Windows simulated): docs/kernels.md
+("Platforms").
 
 Every kernel is wrapped as a `torch.library` custom op (`routeformer::*`; see `NativeOp`) with a
 fake (shape) implementation and registered autograd, so `torch.compile` keeps the kernels in its
