@@ -1,9 +1,11 @@
-"""Measure what converting a dense task run to topk keeps: for each K and conversion seed, the
-converted model's task metric beside the dense model's at T (and at 2T, 4T where the task and the
-model's positions allow), routing recall per layer at T, and the conversion's tokens as a fraction
-of the source's. Writes report.json and report.md under --out.
+"""Measure what converting a dense task run to topk keeps and saves: for each K and conversion seed,
+the converted model's task metric beside the dense model's at T, 2T and 4T (where the task and the
+model's positions allow), routing recall per layer at T, the conversion's tokens as a fraction of
+the source's; and, per K (seed 0), prefill time and cached-decode time per token against the dense
+model (alternating rounds in this process, medians of per-round ratios). Writes report.json and
+report.md under --out.
 
-    python scripts/sparsify_report.py --source runs/mqar-full --out docs/results/sparsify/NAME
+    python scripts/sparsify_report.py --source RUN_DIR --sparse-steps 300 --out docs/results/sparsify/NAME
     python scripts/sparsify_report.py --train-dense mqar --dense-steps 200 --seq-len 64 --out DIR
 """
 
@@ -11,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import statistics
+import sys
 import time
 import warnings
 from datetime import UTC, datetime
@@ -19,20 +22,25 @@ from pathlib import Path
 
 import torch
 
+from routeformer.bench.timing import machine_description, ratio_quartiles, round_times
 from routeformer.cli import main as routeformer_main
+from routeformer.models.cache import DecodeCache
 from routeformer.tasks import build_task
 from routeformer.train.checkpoint import load_run_model
 from routeformer.train.on_task import evaluate_on_task
-from routeformer.train.sparsify import convert_on_task, default_steps
+from routeformer.train.sparsify import STAGE1_LR, STAGE2_LR_SHARE, convert_on_task, default_steps, run_tokens
+
+TEST_TOKENS = 262_144  # test tokens per length (compare --long's)
+MIN_SEQUENCES = 4
 
 
-def _at_length(model, task_name, options, length, sequences):
+def _at_length(model, task_name, options, length, test_tokens):
     """The metric at sequence length `length`, or the reason it cannot be measured."""
     if "seq_len" not in options:
         return {"error": "the task has no seq_len option"}
     try:
         task = build_task(task_name, **{**options, "seq_len": length})
-        return evaluate_on_task(model, task, "test", sequences)
+        return evaluate_on_task(model, task, "test", max(MIN_SEQUENCES, test_tokens // length))
     except (ValueError, RuntimeError, IndexError) as error:
         return {"error": " ".join(str(error).split())[:200]}
 
@@ -43,6 +51,45 @@ def _recall_per_layer(model, task, sequences):
     model.eval()
     result = model(inputs, labels, mask=task.mask(inputs), logits_at_labels=True)
     return [float(layer["routing_recall"]) if "routing_recall" in layer else None for layer in result.stats]
+
+
+@torch.no_grad()
+def _prefill_ratios(dense, routed, lengths, repeats, vocab):
+    """Per length: (quartiles of routed / dense forward time per round, dense median s, routed median s)."""
+    rows = []
+    for length in lengths:
+        tokens = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length))
+        times = round_times({"dense": lambda tokens=tokens: dense(tokens),
+                             "routed": lambda tokens=tokens: routed(tokens)}, repeats)
+        rows.append({"length": length, "ratio": ratio_quartiles(times["routed"], times["dense"]),
+                     "dense_s": statistics.median(times["dense"]),
+                     "routed_s": statistics.median(times["routed"])})
+    return rows
+
+
+@torch.no_grad()
+def _decode_ratios(dense, routed, contexts, steps, vocab):
+    """Per context: each model reads the same prompt into its cache, then both decode `steps`
+    greedy tokens in alternating rounds; quartiles of the per-step time ratio routed / dense."""
+    rows = []
+    for context in contexts:
+        prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(context))
+        state = {}
+        for name, model in (("dense", dense), ("routed", routed)):
+            cache = DecodeCache(reserve=context + steps + 2)
+            logits = model(prompt, cache=cache).logits[:, -1]
+            state[name] = {"model": model, "cache": cache, "next": logits.argmax(-1, keepdim=True)}
+
+        def step(name, state=state):
+            run = state[name]
+            logits = run["model"](run["next"], cache=run["cache"]).logits[:, -1]
+            run["next"] = logits.argmax(-1, keepdim=True)
+
+        times = round_times({"dense": lambda: step("dense"), "routed": lambda: step("routed")}, steps)
+        rows.append({"context": context, "ratio": ratio_quartiles(times["routed"], times["dense"]),
+                     "dense_ms": 1e3 * statistics.median(times["dense"]),
+                     "routed_ms": 1e3 * statistics.median(times["routed"])})
+    return rows
 
 
 def main() -> None:
@@ -56,11 +103,15 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=None, help="stage-1 steps (default: the library's)")
     parser.add_argument("--sparse-steps", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--sequences", type=int, default=256, help="test sequences per length")
-    parser.add_argument("--machine", default=platform.processor() or platform.machine())
+    parser.add_argument("--batch-size", type=int, default=None, help="default: the source's last stage's")
+    parser.add_argument("--test-tokens", type=int, default=TEST_TOKENS, help="test tokens per length")
+    parser.add_argument("--repeats", type=int, default=5, help="alternating prefill rounds")
+    parser.add_argument("--decode-steps", type=int, default=32, help="alternating decode rounds")
+    parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (compare trains on one)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
@@ -76,34 +127,47 @@ def main() -> None:
     run = load_run_model(source)
     options = run.config["task_options"]
     schedule = run.config["setup"]["schedule"]
-    source_tokens = run.step * schedule["batch_size"] * run.task.seq_len
+    source_tokens = run_tokens(run.config, run.task.seq_len)
     lengths = [run.task.seq_len * factor for factor in (1, 2, 4)]
-    dense = {str(length): _at_length(run.model, run.config["task"], options, length, args.sequences)
+    dense = {str(length): _at_length(run.model, run.config["task"], options, length, args.test_tokens)
              for length in lengths}
     steps = args.steps or default_steps(run.step)
-    rows = []
+    batch_size = args.batch_size or schedule["batch_size"]
+    sparse_lr = STAGE2_LR_SHARE * schedule["lr"]
+    vocab = run.model.config.vocab_size
+    rows, timing = [], []
     for k in args.ks:
         for seed in range(args.seeds):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # K >= T: the layer says it reads every key
                 routed, record = convert_on_task(
                     run.model, run.task, "topk", options={"topk": k}, steps=steps,
-                    sparse_steps=args.sparse_steps, batch_size=args.batch_size, seed=seed, evals=1,
-                    validation_sequences=64)
+                    sparse_steps=args.sparse_steps, batch_size=batch_size, lr=STAGE1_LR, sparse_lr=sparse_lr,
+                    seed=seed, evals=1,
+                    validation_sequences=max(MIN_SEQUENCES, args.test_tokens // lengths[0] // 4))
                 quality = {str(length): _at_length(routed, run.config["task"], options, length,
-                                                   args.sequences) for length in lengths}
-                recall = _recall_per_layer(routed, run.task, min(args.sequences, 128))
+                                                   args.test_tokens) for length in lengths}
+                recall = _recall_per_layer(routed, run.task, MIN_SEQUENCES)
+                if seed == 0 and not args.no_timing:
+                    run.model.eval()
+                    timed = lengths[::2]  # T and 4T
+                    timing.append({"topk": k,
+                                   "prefill": _prefill_ratios(run.model, routed, timed, args.repeats, vocab),
+                                   "decode": _decode_ratios(run.model, routed, timed, args.decode_steps, vocab)})
             kl = [entry["aux_loss"] for entry in record["stages"]["dense_warmup"]["history"]]
             rows.append({"topk": k, "seed": seed, "quality": quality, "routing_recall_per_layer": recall,
                          "stage1_kl_end": kl[-1], "tokens": record["tokens"],
-                         "tokens_fraction_of_source": record["tokens"] / source_tokens})
+                         "tokens_fraction_of_source": record["tokens"] / source_tokens,
+                         "seconds": sum(stage["train_seconds"] for stage in record["stages"].values())})
             at_t = quality[str(lengths[0])].get(run.task.metric)
             print(json.dumps({"topk": k, "seed": seed, "metric_at_T": at_t, "recall": recall}), flush=True)
-    report = {"date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": args.machine,
+    report = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine_description(),
+              "command": "python scripts/sparsify_report.py " + " ".join(sys.argv[1:]),
               "source": source, "source_step": run.step, "source_tokens": source_tokens,
               "task": run.config["task"], "task_options": options, "model": run.config["spec"],
               "metric": run.task.metric, "stage1_steps": steps, "sparse_steps": args.sparse_steps,
-              "batch_size": args.batch_size, "dense": dense, "rows": rows,
+              "sparse_lr": sparse_lr, "batch_size": batch_size, "test_tokens": args.test_tokens,
+              "dense": dense, "rows": rows, "timing": timing,
               "wall_seconds": time.perf_counter() - began}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(_markdown(report, lengths))
@@ -113,28 +177,72 @@ def _metric(entry, metric):
     return f"{entry[metric]:.3f}" if metric in entry else f"n/a ({entry.get('error', '')[:60]})"
 
 
+def _mean_sd(values):
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
 def _markdown(report, lengths):
     metric = report["metric"]
     lines = [f"# topk conversion of a dense {report['task']} run",
              "",
-             f"Measured {report['date']} on {report['machine']}. Source: {report['task']} "
-             f"{report['task_options']}, backbone {report['model']}, {report['source_step']} training steps "
-             f"({report['source_tokens']} tokens). Conversion: stage 1 {report['stage1_steps']} steps, "
-             f"stage 2 {report['sparse_steps']} steps, batch {report['batch_size']}. Wall time "
-             f"{report['wall_seconds']:.0f} s.",
+             f"Measured {report['date']} on {report['machine']}. Command: "
+             f"`{report['command']}`. Wall-clock: {report['wall_seconds']:.0f} s.",
+             "",
+             f"Source: `{report['source']}`, {report['task']} {report['task_options']}, backbone "
+             f"{report['model']}, {report['source_step']} training steps ({report['source_tokens']} tokens). "
+             f"Conversion (train/sparsify.py): stage 1, {report['stage1_steps']} steps, the dense model "
+             f"frozen and topk's router trained by its KL to dense attention; stage 2, "
+             f"{report['sparse_steps']} steps of the task loss at lr {report['sparse_lr']:.3g}; batch "
+             f"{report['batch_size']}. Test split, {report['test_tokens']} tokens per length.",
              "",
              f"Dense {metric}: " + ", ".join(f"T={length}: {_metric(report['dense'][str(length)], metric)}"
                                              for length in lengths),
              "",
-             "| K | seed | " + " | ".join(f"{metric} T={length}" for length in lengths)
-             + " | routing recall per layer | stage-1 KL at end | tokens / source's |",
-             "|---" * (len(lengths) + 5) + "|"]
+             f"## Quality against K (mean ± sd over conversion seeds; Δ vs dense at T = {lengths[0]})",
+             "",
+             "| K | seeds | " + " | ".join(f"{metric} T={length}" for length in lengths)
+             + f" | Δ at T={lengths[0]} | tokens / source's |",
+             "|---" * (len(lengths) + 4) + "|"]
+    dense_t = report["dense"][str(lengths[0])].get(metric)
+    for k in sorted({row["topk"] for row in report["rows"]}):
+        chosen = [row for row in report["rows"] if row["topk"] == k]
+        cells = [_mean_sd([row["quality"][str(length)][metric] for row in chosen
+                           if metric in row["quality"][str(length)]]) for length in lengths]
+        deltas = [row["quality"][str(lengths[0])][metric] - dense_t for row in chosen
+                  if dense_t is not None and metric in row["quality"][str(lengths[0])]]
+        lines.append(f"| {k} | {len(chosen)} | " + " | ".join(cells) + f" | {_mean_sd(deltas)} | "
+                     f"{chosen[0]['tokens_fraction_of_source']:.3f} |")
+    lines += ["", "## Every conversion", "",
+              "| K | seed | " + " | ".join(f"{metric} T={length}" for length in lengths)
+              + " | routing recall per layer | stage-1 KL at end | seconds |",
+              "|---" * (len(lengths) + 5) + "|"]
     for row in report["rows"]:
         recall = ", ".join("-" if value is None else f"{value:.3f}"
                            for value in row["routing_recall_per_layer"])
         lines.append(f"| {row['topk']} | {row['seed']} | "
                      + " | ".join(_metric(row["quality"][str(length)], metric) for length in lengths)
-                     + f" | {recall} | {row['stage1_kl_end']:.4f} | {row['tokens_fraction_of_source']:.3f} |")
+                     + f" | {recall} | {row['stage1_kl_end']:.4f} | {row['seconds']:.0f} |")
+    if report["timing"]:
+        lines += ["", "## Cost against the dense model (seed 0 of each K)", "",
+                  "Prefill: one sequence forward, medians of alternating rounds; decode: per-token time of "
+                  "greedy cached steps after the same prompt, alternating. Ratios: the median (lower–upper "
+                  "quartile) of the per-round ratios converted / dense (< 1: the converted model is faster).",
+                  "", "| K | what | length | dense | converted | ratio |", "|---|---|---|---|---|---|"]
+        for entry in report["timing"]:
+            for row in entry["prefill"]:
+                low, mid, high = row["ratio"]
+                lines.append(f"| {entry['topk']} | prefill | {row['length']} | "
+                             f"{1e3 * row['dense_s']:.0f} ms | {1e3 * row['routed_s']:.0f} ms | "
+                             f"{mid:.2f} ({low:.2f}–{high:.2f}) |")
+            for row in entry["decode"]:
+                low, mid, high = row["ratio"]
+                lines.append(f"| {entry['topk']} | decode / token | {row['context']} | "
+                             f"{row['dense_ms']:.2f} ms | {row['routed_ms']:.2f} ms | "
+                             f"{mid:.2f} ({low:.2f}–{high:.2f}) |")
     return "\n".join(lines) + "\n"
 
 

@@ -46,6 +46,7 @@ def command_sparsify(args: argparse.Namespace) -> int:
         check_source,
         convert_on_task,
         default_steps,
+        run_tokens,
         stage_options,
     )
 
@@ -78,8 +79,7 @@ def command_sparsify(args: argparse.Namespace) -> int:
     from routeformer.train.on_task import evaluate_on_task
 
     test = evaluate_on_task(routed, run.task, "test", run.config.get("setup", {}).get("test_sequences", 1024))
-    source_tokens = (run.step * schedule["batch_size"] * run.task.seq_len
-                     if "batch_size" in schedule else None)
+    source_tokens = run_tokens(run.config, run.task.seq_len)
     conversion.update({
         "source": str(source), "source_checkpoint": str(run.checkpoint), "source_step": run.step,
         "source_tokens": source_tokens,

@@ -117,6 +117,18 @@ def stage_options(mechanism: str, options: dict[str, Any] | None, steps: int) ->
     return chosen
 
 
+def run_tokens(config: dict[str, Any], seq_len: int) -> int | None:
+    """The training tokens of a task run from its config (config.json / the checkpoint's `run`):
+    every stage's steps x batch x length (a curriculum stage's own seq_len, else `seq_len`, the
+    task's); None when the config names no schedule."""
+    setup = config.get("setup", {})
+    if "batch_size" not in setup.get("schedule", {}):
+        return None
+    stages = [*setup.get("curriculum", ()), {"options": {}, "schedule": setup["schedule"]}]
+    return sum(int(stage["schedule"]["steps"]) * int(stage["schedule"]["batch_size"])
+               * int(stage["options"].get("seq_len", seq_len)) for stage in stages)
+
+
 def default_steps(source_steps: int) -> int:
     """Stage-1 steps when none are given: WARMUP_SHARE of the source's training steps, at least
     MIN_STEPS."""
