@@ -151,9 +151,9 @@ def main() -> None:
                 if seed == 0 and not args.no_timing:
                     run.model.eval()
                     timed = lengths[::2]  # T and 4T
-                    timing.append({"topk": k,
-                                   "prefill": _prefill_ratios(run.model, routed, timed, args.repeats, vocab),
-                                   "decode": _decode_ratios(run.model, routed, timed, args.decode_steps, vocab)})
+                    timing.append({
+                        "topk": k, "prefill": _prefill_ratios(run.model, routed, timed, args.repeats, vocab),
+                        "decode": _decode_ratios(run.model, routed, timed, args.decode_steps, vocab)})
             kl = [entry["aux_loss"] for entry in record["stages"]["dense_warmup"]["history"]]
             rows.append({"topk": k, "seed": seed, "quality": quality, "routing_recall_per_layer": recall,
                          "stage1_kl_end": kl[-1], "tokens": record["tokens"],

@@ -116,7 +116,8 @@ def test_run_tokens_counts_every_stage_at_its_own_length():
     config = {"setup": {"schedule": {"steps": 30, "batch_size": 2, "lr": 1e-3},
                         "curriculum": [{"options": {"seq_len": 256, "documents": "stream"},
                                         "schedule": {"steps": 100, "batch_size": 32}},
-                                       {"options": {"seq_len": 1024}, "schedule": {"steps": 50, "batch_size": 8}}]}}
+                                       {"options": {"seq_len": 1024},
+                                        "schedule": {"steps": 50, "batch_size": 8}}]}}
     assert run_tokens(config, 4096) == 100 * 32 * 256 + 50 * 8 * 1024 + 30 * 2 * 4096
     assert run_tokens({"setup": {"schedule": {"steps": 20, "batch_size": 16}}}, 32) == 20 * 16 * 32
     assert run_tokens({}, 32) is None
