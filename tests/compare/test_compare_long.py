@@ -10,7 +10,12 @@ from routeformer.cli import main
 from routeformer.compare import budgets, costs
 from routeformer.compare.budgets import LONG, check_long_selection, curriculum_setup
 from routeformer.compare.run import compare_jobs, run_compare
-from routeformer.compare.staged_report import _position_section, paired_delta
+from routeformer.compare.staged_report import (
+    _copy_section,
+    _position_section,
+    _training_section,
+    paired_delta,
+)
 from routeformer.runner import jobs
 from routeformer.runner.jobs import Job, train_job
 from routeformer.runner.setups import Stage
@@ -246,3 +251,52 @@ def test_meta_costs_are_timed_at_the_trained_shares_past_the_warmup():
     measured = measure_beside_full("mqar", "meta", setup, toy_budget().spec, lambda name: setup.options, 1,
                                    routing_shares=(0.25, 0.75, 0.0))
     assert measured["routing_shares"] == (0.25, 0.75, 0.0) and measured["train_ms_per_step"] > 0
+
+
+def test_position_deltas_pair_seeds_and_star_a_gap_beyond_three_sd():
+    def record(seed, early, late):
+        return {"seed": seed, "tests": {"64": {"bits_per_char_by_position": {"0-32": early, "32-64": late},
+                                               "tokens_by_position": {"0-32": 32, "32-64": 32}}}}
+
+    runs = {"full": [record(0, 2.0, 1.0), record(1, 2.2, 1.2)],
+            "local": [record(1, 2.2, 1.7), record(0, 2.1, 1.5)]}  # seed order differs: paired by seed
+    deltas = _position_section(runs, "64", {})[3]
+    assert "| local | +0.050 ± 0.071 | +0.500 ± 0.000 * |" in deltas
+
+
+def test_copy_section_gives_bits_on_copy_predictable_characters_and_the_paired_gap():
+    def record(seed, c8, c16):
+        return {"seed": seed, "tests": {"64": {"bits_per_char_copy_predictable": {"8": c8, "16": c16},
+                                               "copy_predictable_fraction": {"8": 0.2, "16": 0.1}}}}
+
+    runs = {"full": [record(0, 0.5, 0.4), record(1, 0.7, 0.6)],
+            "local": [record(0, 1.5, 1.4), record(1, 1.8, 1.6)]}
+    floor = {"copy_predictable_baselines": {"copy-predictable fraction": {"8": 0.2, "16": 0.1},
+                                            "bigram (bits/char)": {"8": 3.0, "16": 2.9}}}
+    intro, table = _copy_section(runs, "64", floor)
+    assert "c = 8: 0.200, c = 16: 0.100" in intro
+    assert "| full | 0.600 ± 0.141 | — | 0.500 ± 0.141 | — |" in table
+    assert "| local | 1.650 ± 0.212 | +1.050 ± 0.071 * | 1.500 ± 0.141 | +1.000 ± 0.000 * |" in table
+    assert "| floor: bigram (bits/char) | 3.000 |  | 2.900 |  |" in table
+    assert _copy_section({"full": [{"seed": 0, "tests": {"64": {}}}]}, "64", floor) == []
+
+
+def test_training_section_follows_the_last_bucket_along_the_stage_at_t():
+    setup = curriculum_setup({"seq_len": 64}, stages=(
+        Stage({"seq_len": 32}, Schedule(steps=10, batch_size=4, lr=1e-3, warmup_steps=1)),
+        Stage({}, Schedule(steps=20, batch_size=2, lr=1e-3, warmup_steps=1))))
+
+    def entry(stage, step, late, copy):
+        return {"stage": stage, "step": step, "bits_per_char_by_position": {"0-32": 9.0, "32-64": late},
+                "bits_per_char_copy_predictable": {"8": copy, "16": 0.0}}
+
+    runs = {"full": [{"seed": 0, "validation": [entry(0, 10, 5.0, 5.0), entry(1, 10, 2.0, 1.0),
+                                                 entry(1, 20, 1.0, 0.5)]},
+                     {"seed": 1, "validation": [entry(1, 10, 3.0, 2.0), entry(1, 20, 2.0, 1.5)]}],
+            "local": [{"seed": 0, "validation": [entry(1, 10, 2.5, 2.5), entry(1, 20, 2.4, 2.4)]}]}
+    intro, table = _training_section(runs, setup)
+    assert "32-64 bucket" in intro
+    # tokens: the first stage's 10 x 4 x 32, then 2 x 64 per step at T
+    assert "| 10 | 0.0 | 2.500 | 1.500 | 2.500 | 2.500 |" in table
+    assert "| 20 | 0.0 | 1.500 | 1.000 | 2.400 | 2.400 |" in table
+    assert "full: copy-predictable (c = 8)" in table

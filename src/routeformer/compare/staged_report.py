@@ -107,8 +107,9 @@ def staged_task_sections(
         summary[length] = rows
         details += _length_section(task, length, multiple, rows, table, floors[int(length)])
         details += _position_section(by_mechanism, length, floors[int(length)])
+        details += _copy_section(by_mechanism, length, floors[int(length)])
     floor = floors[setup.seq_len]
-    sections += _pays_section(task, summary, floor) + details
+    sections += _pays_section(task, summary, floor) + details + _training_section(by_mechanism, setup)
     points = {m: (r["train_ms_per_step"], r["quality_mean"]) for m, r in summary[str(setup.seq_len)].items()}
     scatter_plot(
         out / f"pareto_{task}.png",
@@ -237,11 +238,116 @@ def _position_section(by_mechanism: dict, length: str, floor: dict) -> list[str]
     for name, by_bucket in floor.get("position_baselines", {}).items():
         table.append([f"floor: {name}", *[f"{by_bucket[bucket]:.3f}" for bucket in buckets]])
     counts = next(iter(by_mechanism.values()))[0]["tests"][length].get("tokens_by_position", {})
-    return [
+    lines = [
         f"Bits per character by position in the window at T = {length} (mean ± sd over seeds; with "
         "documents=start a position is the character's place in its file; predictions per bucket: "
         + ", ".join(f"{b}: {n}" for b, n in counts.items()) + ").",
         markdown_table(["mechanism", *[f"{b}" for b in buckets]], table),
+    ]
+    full = per_seed.get(baseline_name())
+    seeds = {m: [r["seed"] for r in records] for m, records in by_mechanism.items()}
+    if full is None or len(per_seed) < 2:
+        return lines
+    full_by_seed = dict(zip(seeds[baseline_name()], full, strict=True))
+    deltas = []
+    for mechanism, values in per_seed.items():
+        if mechanism == baseline_name():
+            continue
+        paired = [(value, full_by_seed[seed]) for seed, value in zip(seeds[mechanism], values, strict=True)
+                  if seed in full_by_seed]
+        deltas.append([mechanism, *[_delta_cell([mine[b] - theirs[b] for mine, theirs in paired])
+                                    for b in buckets]])
+    return lines + [
+        f"Δ vs full by position at T = {length} (the mechanism's bits/char minus full's, mean ± sd over "
+        "seeds of the per-seed difference; > 0: full is better there; * beyond 3 sd).",
+        markdown_table(["mechanism", *buckets], deltas),
+    ]
+
+
+def _delta_cell(deltas: list[float]) -> str:
+    mean, sd = mean_sd(deltas)
+    return f"{mean:+.3f} ± {sd:.3f}" + (" *" if len(deltas) > 1 and abs(mean) > 3 * sd else "")
+
+
+def _copy_section(by_mechanism: dict, length: str, floor: dict) -> list[str]:
+    """LM tasks with documents="start": bits per character on the copy-predictable characters (the
+    next character follows an earlier occurrence of its preceding context more than the copy
+    distance back, with no nearer one: tasks/lm.py), per context length, beside full and the n-gram
+    floors on the same characters."""
+    per_seed = {m: [r["tests"][length].get("bits_per_char_copy_predictable") for r in records]
+                for m, records in by_mechanism.items()}
+    if not per_seed or any(not b for values in per_seed.values() for b in values):
+        return []
+    contexts = list(next(iter(per_seed.values()))[0])
+    full = {r["seed"]: r["tests"][length]["bits_per_char_copy_predictable"]
+            for r in by_mechanism.get(baseline_name(), [])}
+    table = []
+    for mechanism, records in by_mechanism.items():
+        row = [mechanism]
+        for context in contexts:
+            row.append("{:.3f} ± {:.3f}".format(*mean_sd([b[context] for b in per_seed[mechanism]])))
+            paired = [r["tests"][length]["bits_per_char_copy_predictable"][context] - full[r["seed"]][context]
+                      for r in records if r["seed"] in full]
+            row.append("—" if mechanism == baseline_name() or not paired else _delta_cell(paired))
+        table.append(row)
+    floors = floor.get("copy_predictable_baselines", {})
+    for name, by_context in floors.items():
+        if name.endswith("(bits/char)"):
+            cells = [cell for c in contexts for cell in (f"{by_context[c]:.3f}", "")]
+            table.append([f"floor: {name}", *cells])
+    fraction = next(iter(by_mechanism.values()))[0]["tests"][length].get("copy_predictable_fraction", {})
+    return [
+        f"Bits per character on the copy-predictable characters at T = {length}: the next character "
+        "is the one that followed an earlier occurrence of its preceding c characters, more than 64 "
+        "characters back with no nearer occurrence (a copy oracle is right on every one; share of the "
+        "scored characters: " + ", ".join(f"c = {c}: {v:.3f}" for c, v in fraction.items())
+        + "). Mean ± sd over seeds; Δ vs full as above.",
+        markdown_table(["mechanism", *[h for c in contexts for h in (f"c = {c}", f"Δ vs full (c = {c})")]],
+                       table),
+    ]
+
+
+def _mean_of(entries: list[dict], field: str, key: str) -> str:
+    return f"{statistics.fmean(entry[field][key] for entry in entries):.3f}" if entries else "-"
+
+
+def _training_section(by_mechanism: dict, setup: TaskSetup) -> list[str]:
+    """LM tasks: validation along the stage at T — bits/char in the last position bucket and on the
+    copy-predictable characters (shortest context), mean over seeds, per mechanism: whether a gap
+    between mechanisms opens or closes with training."""
+    last = len(setup.stages) - 1
+    series: dict[str, dict[int, list[dict]]] = {}
+    for mechanism, records in by_mechanism.items():
+        for record in records:
+            for entry in record.get("validation", []):
+                if entry.get("stage") == last and "bits_per_char_by_position" in entry:
+                    series.setdefault(mechanism, {}).setdefault(entry["step"], []).append(entry)
+    if not series:
+        return []
+    steps = sorted({step for by_step in series.values() for step in by_step})
+    first = next(iter(series.values()))[steps[0]][0]
+    bucket = list(first["bits_per_char_by_position"])[-1]
+    copy = list(first.get("bits_per_char_copy_predictable", {}))[:1]
+    done = sum(stage.schedule.steps * stage.schedule.batch_size
+               * int(stage.options.get("seq_len", setup.seq_len)) for stage in setup.stages[:last])
+    tokens_per_step = setup.schedule.batch_size * setup.seq_len
+    header, table = ["step at T", "training tokens (M)"], []
+    for mechanism in series:
+        header.append(f"{mechanism}: {bucket}")
+        if copy:
+            header.append(f"{mechanism}: copy-predictable (c = {copy[0]})")
+    for step in steps:
+        row = [str(step), f"{(done + step * tokens_per_step) / 1e6:.1f}"]
+        for by_step in series.values():
+            entries = by_step.get(step, [])
+            row.append(_mean_of(entries, "bits_per_char_by_position", bucket))
+            if copy:
+                row.append(_mean_of(entries, "bits_per_char_copy_predictable", copy[0]))
+        table.append(row)
+    return [
+        f"Validation along the stage at T = {setup.seq_len} (documents' starts of the validation split; "
+        f"bits/char in the {bucket} bucket and on the copy-predictable characters, mean over seeds).",
+        markdown_table(header, table),
     ]
 
 
