@@ -60,8 +60,8 @@ def command_sparsify(args: argparse.Namespace) -> int:
     if not source.exists():
         raise ValueError(f"SRC {str(source)!r} does not exist; {SOURCE_KINDS}")
     if source.is_dir() and (source / "config.json").is_file() and not list(source.glob("checkpoint*.pt")):
-        raise ValueError(f"SRC {str(source)!r} is a transformers model directory, which does not convert "
-                         f"here; {SOURCE_KINDS}")
+        raise ValueError(f"SRC {str(source)!r} is a transformers model directory, which converts in Python "
+                         f"(routeformer.integrations.hf.sparsify_pretrained), not here; {SOURCE_KINDS}")
     run = load_run_model(source)
     if run.task is None:
         raise ValueError(f"SRC {str(source)!r} is a `routeformer train` LM run, which does not convert; "

@@ -9,6 +9,8 @@
 - `register()`: routeformer's attention as transformers' `attn_implementation="routeformer"`
   (AttentionInterface / AttentionMaskInterface; interface.py), done on import; DeepSeek-V3.2's
   sparse indices run through routeformer's gathered-keys kernel.
+- `sparsify_pretrained(model, "topk", batches, steps=...)`: a dense pretrained model converted to
+  routed attention by train/sparsify.py's two stages (sparsify.py).
 - `export_hf(run_dir, out_dir)`: a `routeformer train` checkpoint in this format (export.py).
 """
 
@@ -35,6 +37,7 @@ from routeformer.integrations.hf.patch import (
     routeformer_aux_loss,
     routeformer_layers,
 )
+from routeformer.integrations.hf.sparsify import sparsify_pretrained
 
 AutoConfig.register("routeformer", RouteformerConfig, exist_ok=True)
 AutoModelForCausalLM.register(RouteformerConfig, RouteformerForCausalLM, exist_ok=True)
@@ -45,5 +48,5 @@ register()
 __all__ = [
     "RouteformerAttention", "RouteformerCausalLMOutput", "RouteformerConfig", "RouteformerForCausalLM",
     "RouteformerCacheLayer", "from_pretrained", "key_padding_mask", "patch_attention",
-    "register", "routeformer_attention", "routeformer_aux_loss", "routeformer_layers",
+    "register", "routeformer_attention", "routeformer_aux_loss", "routeformer_layers", "sparsify_pretrained",
 ]
