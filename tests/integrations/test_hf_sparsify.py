@@ -44,7 +44,8 @@ def test_stage_one_trains_the_router_alone_and_lowers_its_kl():
     reference = patch_attention(trained_dense(), "topk", topk=4, block=8)  # the same weights, patched
     model, record = sparsify_pretrained(dense, "topk", pattern_batches(40), steps=40, topk=4, block=8)
     assert record["steps"] == 40 and record["tokens"] == 40 * 4 * LENGTH
-    assert record["options"]["routing_learning"] == "distill" and record["options"]["distill_dense_steps"] == 40
+    assert record["options"]["routing_learning"] == "distill"
+    assert record["options"]["distill_dense_steps"] == 40
     assert sum(record["stage1_kl"][-5:]) < sum(record["stage1_kl"][:5])
     routing = set(routing_parameters(model))
     assert routing and all(".router." in name for name in routing)
@@ -56,8 +57,8 @@ def test_stage_one_trains_the_router_alone_and_lowers_its_kl():
 
 
 def test_the_converted_model_saves_reloads_and_decodes_as_it_computes(tmp_path):
-    model, record = sparsify_pretrained(trained_dense(), "topk", pattern_batches(30), steps=20, sparse_steps=10,
-                                        topk=4, block=8)
+    model, record = sparsify_pretrained(trained_dense(), "topk", pattern_batches(30), steps=20,
+                                        sparse_steps=10, topk=4, block=8)
     assert len(record["stage2_loss"]) == 10 and record["tokens"] == 30 * 4 * LENGTH
     model.save_pretrained(tmp_path)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
