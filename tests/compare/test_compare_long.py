@@ -300,3 +300,7 @@ def test_training_section_follows_the_last_bucket_along_the_stage_at_t():
     assert "| 10 | 0.0 | 2.500 | 1.500 | 2.500 | 2.500 |" in table
     assert "| 20 | 0.0 | 1.500 | 1.000 | 2.400 | 2.400 |" in table
     assert "full: copy-predictable (c = 8)" in table
+    # with the cost table: seconds at T = steps x ms per step
+    _, timed = _training_section(runs, setup, {"full": {"train_ms_per_step": 500.0},
+                                               "local": {"train_ms_per_step": 250.0}})
+    assert "| 20 | 0.0 | 10 | 1.500 | 1.000 | 5 | 2.400 | 2.400 |" in timed

@@ -109,7 +109,7 @@ def staged_task_sections(
         details += _position_section(by_mechanism, length, floors[int(length)])
         details += _copy_section(by_mechanism, length, floors[int(length)])
     floor = floors[setup.seq_len]
-    sections += _pays_section(task, summary, floor) + details + _training_section(by_mechanism, setup)
+    sections += _pays_section(task, summary, floor) + details + _training_section(by_mechanism, setup, costs)
     points = {m: (r["train_ms_per_step"], r["quality_mean"]) for m, r in summary[str(setup.seq_len)].items()}
     scatter_plot(
         out / f"pareto_{task}.png",
@@ -311,10 +311,12 @@ def _mean_of(entries: list[dict], field: str, key: str) -> str:
     return f"{statistics.fmean(entry[field][key] for entry in entries):.3f}" if entries else "-"
 
 
-def _training_section(by_mechanism: dict, setup: TaskSetup) -> list[str]:
+def _training_section(by_mechanism: dict, setup: TaskSetup, costs: dict | None = None) -> list[str]:
     """LM tasks: validation along the stage at T — bits/char in the last position bucket and on the
     copy-predictable characters (shortest context), mean over seeds, per mechanism: whether a gap
-    between mechanisms opens or closes with training."""
+    between mechanisms opens or closes with training. With `costs`, each mechanism's training
+    seconds into the stage at T (its steps x its measured ms per training step at T): the same
+    rows read at equal time rather than equal tokens."""
     last = len(setup.stages) - 1
     series: dict[str, dict[int, list[dict]]] = {}
     for mechanism, records in by_mechanism.items():
@@ -332,21 +334,28 @@ def _training_section(by_mechanism: dict, setup: TaskSetup) -> list[str]:
                * int(stage.options.get("seq_len", setup.seq_len)) for stage in setup.stages[:last])
     tokens_per_step = setup.schedule.batch_size * setup.seq_len
     header, table = ["step at T", "training tokens (M)"], []
+    step_ms = {m: (costs or {}).get(m, {}).get("train_ms_per_step") for m in series}
     for mechanism in series:
+        if step_ms[mechanism]:
+            header.append(f"{mechanism}: s at T")
         header.append(f"{mechanism}: {bucket}")
         if copy:
             header.append(f"{mechanism}: copy-predictable (c = {copy[0]})")
     for step in steps:
         row = [str(step), f"{(done + step * tokens_per_step) / 1e6:.1f}"]
-        for by_step in series.values():
+        for mechanism, by_step in series.items():
             entries = by_step.get(step, [])
+            if step_ms[mechanism]:
+                row.append(f"{step * step_ms[mechanism] / 1e3:.0f}")
             row.append(_mean_of(entries, "bits_per_char_by_position", bucket))
             if copy:
                 row.append(_mean_of(entries, "bits_per_char_copy_predictable", copy[0]))
         table.append(row)
     return [
         f"Validation along the stage at T = {setup.seq_len} (documents' starts of the validation split; "
-        f"bits/char in the {bucket} bucket and on the copy-predictable characters, mean over seeds).",
+        f"bits/char in the {bucket} bucket and on the copy-predictable characters, mean over seeds; "
+        "s at T: the mechanism's steps at T times its training ms per step at T from the cost table, "
+        "so rows of equal s compare equal training time at T).",
         markdown_table(header, table),
     ]
 
