@@ -28,7 +28,14 @@ from routeformer.models.cache import DecodeCache
 from routeformer.tasks import build_task
 from routeformer.train.checkpoint import load_run_model
 from routeformer.train.on_task import evaluate_on_task
-from routeformer.train.sparsify import STAGE1_LR, STAGE2_LR_SHARE, convert_on_task, default_steps, run_tokens
+from routeformer.train.sparsify import (
+    STAGE1_LR,
+    STAGE2_LR_SHARE,
+    convert_on_task,
+    default_steps,
+    run_tokens,
+    sparsify,
+)
 
 TEST_TOKENS = 262_144  # test tokens per length (compare --long's)
 MIN_SEQUENCES = 4
@@ -92,6 +99,34 @@ def _decode_ratios(dense, routed, contexts, steps, vocab):
     return rows
 
 
+def _timing(dense, routed, k, lengths, args, vocab):
+    dense.eval()
+    routed.eval()
+    timed = lengths[::2]  # T and 4T
+    return {"topk": k, "prefill": _prefill_ratios(dense, routed, timed, args.repeats, vocab),
+            "decode": _decode_ratios(dense, routed, timed, args.decode_steps, vocab)}
+
+
+def _time_kept(out: Path, args) -> None:
+    """--timing-only: time the seed-0 models an earlier invocation kept under out/models against
+    the dense source, and rewrite the report with the timing (on a quiet machine)."""
+    report = json.loads((out / "report.json").read_text())
+    run = load_run_model(report["source"])
+    lengths = [run.task.seq_len * factor for factor in (1, 2, 4)]
+    report["timing"] = []
+    for k in sorted({row["topk"] for row in report["rows"]}):
+        kept = torch.load(out / "models" / f"topk{k}.pt", weights_only=True)
+        routed = sparsify(run.model, "topk", options=kept["options"])
+        routed.load_state_dict(kept["state"])
+        report["timing"].append(_timing(run.model, routed, k, lengths, args, run.model.config.vocab_size))
+        print(json.dumps(report["timing"][-1]), flush=True)
+    report["timing_measured"] = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+                                 "machine": machine_description(),
+                                 "command": "python scripts/sparsify_report.py " + " ".join(sys.argv[1:])}
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(_markdown(report, lengths))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default=None, help="a dense task run directory")
@@ -107,12 +142,17 @@ def main() -> None:
     parser.add_argument("--test-tokens", type=int, default=TEST_TOKENS, help="test tokens per length")
     parser.add_argument("--repeats", type=int, default=5, help="alternating prefill rounds")
     parser.add_argument("--decode-steps", type=int, default=32, help="alternating decode rounds")
-    parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--no-timing", action="store_true", help="convert and test only")
+    parser.add_argument("--timing-only", action="store_true",
+                        help="time the models an earlier invocation kept in --out (on a quiet machine)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (compare trains on one)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out)
+    if args.timing_only:
+        _time_kept(out, args)
+        return
     out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     source = args.source
@@ -148,12 +188,12 @@ def main() -> None:
                 quality = {str(length): _at_length(routed, run.config["task"], options, length,
                                                    args.test_tokens) for length in lengths}
                 recall = _recall_per_layer(routed, run.task, MIN_SEQUENCES)
+                if seed == 0:  # kept for --timing-only
+                    (out / "models").mkdir(exist_ok=True)
+                    torch.save({"options": record["options"], "state": routed.state_dict()},
+                               out / "models" / f"topk{k}.pt")
                 if seed == 0 and not args.no_timing:
-                    run.model.eval()
-                    timed = lengths[::2]  # T and 4T
-                    timing.append({
-                        "topk": k, "prefill": _prefill_ratios(run.model, routed, timed, args.repeats, vocab),
-                        "decode": _decode_ratios(run.model, routed, timed, args.decode_steps, vocab)})
+                    timing.append(_timing(run.model, routed, k, lengths, args, vocab))
             kl = [entry["aux_loss"] for entry in record["stages"]["dense_warmup"]["history"]]
             rows.append({"topk": k, "seed": seed, "quality": quality, "routing_recall_per_layer": recall,
                          "stage1_kl_end": kl[-1], "tokens": record["tokens"],
@@ -227,7 +267,11 @@ def _markdown(report, lengths):
                      + " | ".join(_metric(row["quality"][str(length)], metric) for length in lengths)
                      + f" | {recall} | {row['stage1_kl_end']:.4f} | {row['seconds']:.0f} |")
     if report["timing"]:
+        measured = report.get("timing_measured")
+        when = (f" Timed {measured['date']} on {measured['machine']} (`{measured['command']}`), on the "
+                "models the conversion kept." if measured else "")
         lines += ["", "## Cost against the dense model (seed 0 of each K)", "",
+                  f"One process, one sequence.{when}", "",
                   "Prefill: one sequence forward, medians of alternating rounds; decode: per-token time of "
                   "greedy cached steps after the same prompt, alternating. Ratios: the median (lower–upper "
                   "quartile) of the per-round ratios converted / dense (< 1: the converted model is faster).",
