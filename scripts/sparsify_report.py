@@ -135,7 +135,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--option", action="append", default=[], help="task option of the dense run")
     parser.add_argument("--ks", type=int, nargs="+", default=[16, 32, 64, 128])
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=3, help="conversion seeds at --main-k")
+    parser.add_argument("--main-k", type=int, default=64, help="the K the headline rows use")
+    parser.add_argument("--sweep-seeds", type=int, default=None, help="seeds at other K (default: --seeds)")
     parser.add_argument("--steps", type=int, default=None, help="stage-1 steps (default: the library's)")
     parser.add_argument("--sparse-steps", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=None, help="default: the source's last stage's")
@@ -177,7 +179,7 @@ def main() -> None:
     vocab = run.model.config.vocab_size
     rows, timing = [], []
     for k in args.ks:
-        for seed in range(args.seeds):
+        for seed in range(args.seeds if k == args.main_k or args.sweep_seeds is None else args.sweep_seeds):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # K >= T: the layer says it reads every key
                 routed, record = convert_on_task(
