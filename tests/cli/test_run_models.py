@@ -243,3 +243,26 @@ def test_keeping_the_model_changes_nothing_in_training(tmp_path):
     assert keeping["validation"] == plain["validation"] and keeping["test"] == plain["test"]
     trained = load_run_model(tmp_path).model
     assert trained.config.attention == "full" and trained.config.vocab_size == job.task_options["vocab_size"]
+
+
+@pytest.mark.parametrize("task, mechanism", [("mqar", "full"), ("mqar", "topk"), ("code_lm", "local"),
+                                             ("mqar_512", "meta")])
+def test_budget_long_is_the_job_compare_long_trains(task, mechanism):
+    from dataclasses import replace
+
+    from routeformer.compare.budgets import LONG
+    from routeformer.compare.run import compare_jobs
+
+    arguments = ["--budget", "long", "--mechanism", mechanism, "--seed", "1"]
+    options = build_task_train_parser().parse_args(arguments)
+    job = task_run_job(task, options)
+    compared = next(j for j in compare_jobs([task], [mechanism], LONG, "unused") if j.seed == 1)
+    assert replace(job, key=compared.key) == compared  # same task, options, stages, backbone, seed
+
+
+def test_budget_long_refuses_what_it_cannot_train():
+    parse = build_task_train_parser().parse_args
+    with pytest.raises(ValueError, match="--budget long has the tasks"):
+        task_run_job("listops", parse(["--budget", "long"]))
+    with pytest.raises(ValueError, match="argument --seq-len: --budget long trains at its own lengths"):
+        task_run_job("mqar", parse(["--budget", "long", "--seq-len", "64"]))

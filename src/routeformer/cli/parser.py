@@ -88,6 +88,10 @@ def build_task_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--evals", type=positive_int, default=None,
                         help="validation evaluations (and checkpoints) during training")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the weights and batches")
+    parser.add_argument("--budget", choices=("quick", "long"), default="quick",
+                        help="whose setup and backbone: compare --quick's (default) or compare --long's "
+                             "(its curriculum; tasks mqar, mqar_512, lm, code_lm): --budget long trains "
+                             "the model compare --long trains for the same mechanism and seed")
     parser.add_argument("--out", default=None,
                         help="run directory (default: runs/train-TASK-MECHANISM-seedS)")
     return parser

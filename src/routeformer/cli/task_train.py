@@ -5,8 +5,11 @@ compare uses (`compare.budgets.task_job` -> `runner.jobs.train_job` -> `train.on
 
 The setup is compare --quick's for the task where it has one (lm, mqar, listops: task options,
 schedule, evaluations, test sample) and otherwise the task's own defaults with the task loop's
-default schedule; the backbone is compare --quick's. --steps, --batch-size, --lr, --evals,
---seq-len and --option change it; with --steps the warm-up keeps its share of the steps. The
+default schedule; the backbone is compare --quick's. `--budget long` takes compare --long's setup
+and backbone instead (its curriculum; the same job compare --long trains for that mechanism and
+seed, so the same weights). --steps, --batch-size, --lr, --evals, --seq-len (not with --budget
+long) and --option change it (the stage on the task itself); with --steps the warm-up keeps its
+share of the steps. The
 trained model is kept in the run directory as `checkpoint.pt` (runner/run_dir.py), which `eval`,
 `sample` (text tasks), `export-hf` (causal models) and `train.checkpoint.load_run_model` read.
 """
@@ -58,18 +61,26 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
 def task_run_job(task: str, options: argparse.Namespace) -> Job:
     """The compare job the command line asks for (ValueError naming the argument when it is bad)."""
     from routeformer.attention import baseline_name, list_attentions
-    from routeformer.compare.budgets import QUICK, lm_only, task_job
+    from routeformer.compare.budgets import LONG, QUICK, lm_only, task_job
     from routeformer.tasks import list_tasks
     from routeformer.train.task_loop import TaskTrainConfig
 
     tasks = list_tasks()
+    budget = QUICK if options.budget == "quick" else LONG
+    if options.budget == "long":
+        if task not in LONG.tasks:
+            raise ValueError(f"argument --task: --budget long has the tasks {list(LONG.tasks)}; got {task!r}")
+        if options.seq_len is not None:
+            raise ValueError("argument --seq-len: --budget long trains at its own lengths (its curriculum)")
+        name = LONG.tasks[task].task_name(task)
+        tasks = {**tasks, task: tasks[name]}
     if task not in tasks:
         raise ValueError(f"argument --task: unknown task {task!r}; registered: {sorted(tasks)}")
     mechanisms = sorted(list_attentions())
     mechanism = options.mechanism or baseline_name()
     if mechanism not in mechanisms:
         raise ValueError(f"argument --mechanism: unknown mechanism {mechanism!r}; registered: {mechanisms}")
-    setup = QUICK.tasks.get(task) or TaskSetup({}, TaskTrainConfig().schedule)
+    setup = budget.tasks.get(task) or TaskSetup({}, TaskTrainConfig().schedule)
     task_options = {**setup.options, **_task_options(task, tasks[task], options)}
     if lm_only(mechanism) and "meta_density" not in tasks[task]:
         with_meta = sorted(name for name, known in tasks.items() if "meta_density" in known)
@@ -85,7 +96,7 @@ def task_run_job(task: str, options: argparse.Namespace) -> Job:
         schedule = replace(schedule, lr=options.lr)
     setup = replace(setup, options=task_options, schedule=schedule, evals=options.evals or setup.evals)
     return task_job(f"train-{task}-{mechanism}-seed{options.seed}", task, mechanism, options.seed, setup,
-                    QUICK.spec)
+                    budget.spec)
 
 
 def _task_options(task: str, known: dict[str, Any], options: argparse.Namespace) -> dict[str, Any]:
