@@ -270,10 +270,10 @@ def _markdown(report, lengths):
                      + f" | {recall} | {row['stage1_kl_end']:.4f} | {row['seconds']:.0f} |")
     if report["timing"]:
         measured = report.get("timing_measured")
-        when = (f" Timed {measured['date']} on {measured['machine']} (`{measured['command']}`), on the "
-                "models the conversion kept." if measured else "")
+        when = (f"Measured {measured['date']} on {measured['machine']}: this timing "
+                f"(`{measured['command']}`), on the models the conversion kept. " if measured else "")
         lines += ["", "## Cost against the dense model (seed 0 of each K)", "",
-                  f"One process, one sequence.{when}", "",
+                  f"{when}One process, one sequence.", "",
                   "Prefill: one sequence forward, medians of alternating rounds; decode: per-token time of "
                   "greedy cached steps after the same prompt, alternating. Ratios: the median (lower–upper "
                   "quartile) of the per-round ratios converted / dense (< 1: the converted model is faster).",
