@@ -98,7 +98,7 @@ def test_bad_sources_are_refused(capsys, dense_run, routed_run, tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
-    cases.append((hf, r"transformers model directory, which does not convert here"))
+    cases.append((hf, r"transformers model directory, which converts in Python"))
     for source, message in cases:
         status, _, err = _run(capsys, ["sparsify", str(source), "--mechanism", "topk", "--out", str(out)])
         # a corrupt file is also named on a warning line before the error, as eval does
