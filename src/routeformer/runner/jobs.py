@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from routeformer.runner.setups import TaskSetup
+from routeformer.runner.setups import Stage, TaskSetup
 from routeformer.train.on_task import ModelSpec
 
 MODELS_FOLDER = "models"  # where run_jobs keeps trained models (keep_models)
@@ -193,8 +193,6 @@ def _run_one(out: Path, job: Any, threads: int | None,
             return train(job)
         if not keep_models:
             return train_job(job)
-        from routeformer.runner.run_dir import keep_job_model
-
         folder = out / MODELS_FOLDER / job.key
         return train_job(job, keep_model=lambda model: keep_job_model(folder, job, model))
 
@@ -288,3 +286,46 @@ def _stop_workers(pool) -> None:
         if process.is_alive():
             process.kill()
             process.join(10)
+
+
+def job_config(job: Job) -> dict[str, Any]:
+    """The job as JSON-ready data (what config.json holds; a one-stage setup as it read before setups
+    had stages, so earlier run directories resume)."""
+    return json.loads(json.dumps({**asdict(job), "setup": job.setup.as_dict()}))
+
+
+def keep_job_model(out_dir: str | Path, job: Job, model: Any, task: Any = None) -> Path:
+    """Save `job`'s trained `model` as the checkpoint of run directory `out_dir`
+    (`train.checkpoint.save_task_model`, beside the job's config: what `load_run_model`, eval,
+    sample, export-hf and sparsify read); `task`, the job's built task (None: built here), gives a
+    text task's tokeniser. Returns the checkpoint's path."""
+    from routeformer.train.checkpoint import save_task_model
+    from routeformer.train.progress import write_text_atomic
+
+    out_dir = Path(out_dir)
+    task = built_task(job) if task is None else task
+    config = job_config(job)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not (out_dir / "config.json").is_file():
+        write_text_atomic(out_dir / "config.json", json.dumps(config, indent=1) + "\n")
+    vocab = getattr(task, "vocab", None)  # the text tasks' tokeniser (lm, code_lm)
+    return save_task_model(out_dir, model, step=sum(stage.schedule.steps for stage in job.setup.stages),
+                           task=job.setup.task_name(job.task), task_options=job.task_options, run=config,
+                           vocab=None if vocab is None else vocab.to_dict())
+
+
+def built_task(job: Job) -> Any:
+    """The job's task at T, once every stage's task has been built too (a bad option is refused
+    before a run directory is touched). ValueError naming the task, its options and the reason."""
+    from routeformer.tasks import build_task
+
+    name, built = job.setup.task_name(job.task), None
+    for stage in (Stage({}, job.setup.schedule), *job.setup.curriculum):
+        options = {**job.task_options, **stage.options}
+        try:
+            task = build_task(name, **options)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"task {name!r} cannot be built with options {options}: {error}") from None
+        if built is None:
+            built = task
+    return built

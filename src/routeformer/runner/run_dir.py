@@ -19,21 +19,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from routeformer.runner.jobs import Job, cached_record, train_job
-from routeformer.runner.setups import Stage
+from routeformer.runner.jobs import Job, built_task, cached_record, job_config, keep_job_model, train_job
 
 CONFIG_FILE, RECORD_FILE = "config.json", "record.json"
 RESUME_LINE = "resumed from "  # how the task loop's log says it resumed (train/task_loop.py)
-
-
-def job_config(job: Job) -> dict[str, Any]:
-    """The job as JSON-ready data (what config.json holds; a one-stage setup as it read before setups
-    had stages, so earlier run directories resume)."""
-    return json.loads(json.dumps({**asdict(job), "setup": job.setup.as_dict()}))
 
 
 def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
@@ -83,38 +75,4 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
         "resumed": resumed})
 
 
-def keep_job_model(out_dir: str | Path, job: Job, model: Any, task: Any = None) -> Path:
-    """Save `job`'s trained `model` as the checkpoint of run directory `out_dir`
-    (`train.checkpoint.save_task_model`, beside the job's config: what `load_run_model`, eval,
-    sample, export-hf and sparsify read); `task`, the job's built task (None: built here), gives a
-    text task's tokeniser. Returns the checkpoint's path."""
-    from routeformer.train.checkpoint import save_task_model
-    from routeformer.train.progress import write_text_atomic
-
-    out_dir = Path(out_dir)
-    task = built_task(job) if task is None else task
-    config = job_config(job)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if not (out_dir / CONFIG_FILE).is_file():
-        write_text_atomic(out_dir / CONFIG_FILE, json.dumps(config, indent=1) + "\n")
-    vocab = getattr(task, "vocab", None)  # the text tasks' tokeniser (lm, code_lm)
-    return save_task_model(out_dir, model, step=sum(stage.schedule.steps for stage in job.setup.stages),
-                           task=job.setup.task_name(job.task), task_options=job.task_options, run=config,
-                           vocab=None if vocab is None else vocab.to_dict())
-
-
-def built_task(job: Job) -> Any:
-    """The job's task at T, once every stage's task has been built too (a bad option is refused
-    before a run directory is touched). ValueError naming the task, its options and the reason."""
-    from routeformer.tasks import build_task
-
-    name, built = job.setup.task_name(job.task), None
-    for stage in (Stage({}, job.setup.schedule), *job.setup.curriculum):
-        options = {**job.task_options, **stage.options}
-        try:
-            task = build_task(name, **options)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"task {name!r} cannot be built with options {options}: {error}") from None
-        if built is None:
-            built = task
-    return built
+__all__ = ["CONFIG_FILE", "RECORD_FILE", "built_task", "job_config", "keep_job_model", "run_in_directory"]
