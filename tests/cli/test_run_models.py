@@ -266,3 +266,25 @@ def test_budget_long_refuses_what_it_cannot_train():
         task_run_job("listops", parse(["--budget", "long"]))
     with pytest.raises(ValueError, match="argument --seq-len: --budget long trains at its own lengths"):
         task_run_job("mqar", parse(["--budget", "long", "--seq-len", "64"]))
+
+
+def test_budget_long_run_prints_its_curriculum_summary(tmp_path, capsys, monkeypatch):
+    from dataclasses import replace
+
+    import routeformer.compare.budgets as budgets
+    from routeformer.compare.budgets import Stage, curriculum_setup
+    from routeformer.train.schedule import Schedule
+
+    toy = Schedule(steps=2, batch_size=4, lr=1e-3, warmup_steps=1)
+    setup = curriculum_setup({"seq_len": 32, "pairs": 4, "vocab_size": 16},
+                             (Stage({"seq_len": 16, "pairs": 2}, toy), Stage({}, replace(toy, steps=3))),
+                             evals=1, validation_sequences=8, test_tokens=256)
+    monkeypatch.setattr(budgets, "LONG", replace(budgets.LONG, tasks={**budgets.LONG.tasks, "mqar": setup}))
+    run = tmp_path / "long"
+    status, out, _ = _run(capsys, ["train", "--task", "mqar", "--budget", "long", "--out", str(run)])
+    assert status == 0
+    summary = _last_json(out)
+    assert summary["steps"] == 5  # both stages
+    assert set(summary["test"]) == {"32", "64", "128"}  # T and the longer lengths
+    assert 0.0 <= summary["test"]["32"]["accuracy"] <= 1.0
+    assert summary["checkpoint"] == str(run / "checkpoint.pt")

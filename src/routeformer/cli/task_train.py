@@ -47,15 +47,31 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"routeformer: interrupted; run the same command again to resume {out!r} after its last "
               "evaluation", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
-    test = {key: value for key, value in record["test"].items() if not isinstance(value, dict)}
     kept = Path(out) / CHECKPOINT_NAME
     model = {"checkpoint": str(kept)} if kept.is_file() else {}
     print(json.dumps({"out_dir": out, "record": f"{out}/{RECORD_FILE}", **model, "task": record["task"],
                       "mechanism": record["mechanism"], "seed": record["seed"],
-                      "steps": record["validation"][-1]["step"], "parameters": record["parameters"],
-                      "quality": record["quality"], "test": test,
+                      "steps": record_steps(record), "parameters": record["parameters"],
+                      "quality": record["quality"], "test": record_test(record),
                       "train_seconds": round(record["train_seconds"], 1), "resumed": record["resumed"]}))
     return 0
+
+
+def record_steps(record: dict) -> int:
+    """Training steps of a task run's record: the stages' steps summed for a curriculum run, the last
+    evaluation's step otherwise."""
+    if record.get("stages"):
+        return sum(stage["schedule"]["steps"] for stage in record["stages"])
+    return record["validation"][-1]["step"]
+
+
+def record_test(record: dict) -> dict:
+    """The test metrics of a task run's record: {name: value} for a single-stage run, {length:
+    {name: value}} for a curriculum run (tested at T and at longer lengths)."""
+    if "tests" in record:
+        return {length: {key: value for key, value in metrics.items() if not isinstance(value, dict)}
+                for length, metrics in record["tests"].items()}
+    return {key: value for key, value in record["test"].items() if not isinstance(value, dict)}
 
 
 def task_run_job(task: str, options: argparse.Namespace) -> Job:
