@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
+from routeformer.bench.generate_bench import CachedDecoder, decode_step_times
 from routeformer.bench.timing import machine_description, ratio_quartiles, round_times
 from routeformer.cli import main as routeformer_main
-from routeformer.models.cache import DecodeCache
 from routeformer.tasks import build_task
 from routeformer.train.checkpoint import load_run_model
 from routeformer.train.on_task import evaluate_on_task
@@ -81,18 +81,9 @@ def _decode_ratios(dense, routed, contexts, steps, vocab):
     rows = []
     for context in contexts:
         prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(context))
-        state = {}
-        for name, model in (("dense", dense), ("routed", routed)):
-            cache = DecodeCache(reserve=context + steps + 2)
-            logits = model(prompt, cache=cache).logits[:, -1]
-            state[name] = {"model": model, "cache": cache, "next": logits.argmax(-1, keepdim=True)}
-
-        def step(name, state=state):
-            run = state[name]
-            logits = run["model"](run["next"], cache=run["cache"]).logits[:, -1]
-            run["next"] = logits.argmax(-1, keepdim=True)
-
-        times = round_times({"dense": lambda: step("dense"), "routed": lambda: step("routed")}, steps)
+        decoders = {name: CachedDecoder.prefill(model, prompt, reserve=context + steps + 2)
+                    for name, model in (("dense", dense), ("routed", routed))}
+        times = decode_step_times(decoders, steps, warmup=1)
         rows.append({"context": context, "ratio": ratio_quartiles(times["routed"], times["dense"]),
                      "dense_ms": 1e3 * statistics.median(times["dense"]),
                      "routed_ms": 1e3 * statistics.median(times["routed"])})

@@ -34,6 +34,11 @@ def model() -> rf.CausalLM:
 
 
 # -- attention layers -------------------------------------------------------------------------------
+def plain_x() -> tuple[torch.Tensor]:
+    """A well-formed input, for the calls whose keyword arguments are wrong."""
+    return (torch.randn(1, 4, DIM),)
+
+
 LAYER_CALLS = {
     "numpy input": (
         lambda: (np.zeros((1, 4, DIM), dtype=np.float32),),
@@ -51,50 +56,28 @@ LAYER_CALLS = {
     ),
     "wrong width": (lambda: (torch.randn(1, 4, DIM + 1),), {}, ValueError, "x must have shape"),
     "2-d input": (lambda: (torch.randn(4, DIM),), {}, ValueError, "x must have shape"),
-    "float mask": (
-        lambda: (torch.randn(1, 4, DIM),),
-        {"mask": torch.ones(1, 4)},
-        ValueError,
-        "mask must be a bool",
-    ),
-    "mask shape": (
-        lambda: (torch.randn(1, 4, DIM),),
-        {"mask": torch.ones(1, 5, dtype=torch.bool)},
-        ValueError,
-        "mask must be a bool",
-    ),
-    "numpy mask": (
-        lambda: (torch.randn(1, 4, DIM),),
-        {"mask": np.ones((1, 4), dtype=bool)},
-        TypeError,
-        "mask must be a torch.Tensor",
-    ),
+    "float mask": (plain_x, {"mask": torch.ones(1, 4)}, ValueError, "mask must be a bool"),
+    "mask shape": (plain_x, {"mask": torch.ones(1, 5, dtype=torch.bool)}, ValueError, "mask must be a bool"),
+    "numpy mask": (plain_x, {"mask": np.ones((1, 4), dtype=bool)}, TypeError, "mask must be a torch.Tensor"),
     "negative positions": (
-        lambda: (torch.randn(1, 4, DIM),),
+        plain_x,
         {"positions": torch.tensor([[-1, 0, 1, 2]])},
         ValueError,
         "positions must be >= 0",
     ),
     "float positions": (
-        lambda: (torch.randn(1, 4, DIM),),
+        plain_x,
         {"positions": torch.zeros(1, 4)},
         ValueError,
         "positions must be an integer",
     ),
     "positions shape": (
-        lambda: (torch.randn(1, 4, DIM),),
+        plain_x,
         {"positions": torch.zeros(1, 3, dtype=torch.long)},
         ValueError,
         "positions must be an integer",
     ),
 }
-
-
-@pytest.mark.parametrize("case", list(LAYER_CALLS))
-def test_layer_call(layer, case):
-    make_args, kwargs, error, message = LAYER_CALLS[case]
-    with pytest.raises(error, match=message):
-        layer(*make_args(), **kwargs)
 
 
 def test_every_mechanism_refuses_a_float64_input_to_a_float32_layer():
@@ -172,45 +155,66 @@ def test_model_config_from_dict_unknown_key():
 
 
 # -- models ---------------------------------------------------------------------------------------
-def test_token_id_at_the_vocabulary_size(model):
-    with pytest.raises(ValueError, match=r"tokens must be ids in \[0, vocab_size=16\); got \[16\]"):
-        model(torch.tensor([[1, 2, 16]]))
+MODEL_CALLS = {
+    "token id at the vocabulary size": (
+        lambda: (torch.tensor([[1, 2, 16]]),),
+        {},
+        ValueError,
+        r"tokens must be ids in \[0, vocab_size=16\); got \[16\]",
+    ),
+    "negative token id": (
+        lambda: (torch.tensor([[-1, 2, 3]]),),
+        {},
+        ValueError,
+        r"tokens must be ids in \[0, vocab_size=16\); got \[-1\]",
+    ),
+    "token id outside the vocabulary with labels and mask": (
+        lambda: (torch.tensor([[1, 2, 300]]), torch.tensor([[2, 3, 4]])),
+        {"mask": torch.ones(1, 3, dtype=torch.bool)},
+        ValueError,
+        r"vocab_size=16\); got \[300\]",
+    ),
+    "numpy tokens": (
+        lambda: (np.zeros((1, 3), dtype=np.int64),),
+        {},
+        TypeError,
+        "tokens must be a torch.Tensor of integer ids.*ndarray",
+    ),
+    "float tokens": (lambda: (torch.zeros(1, 3),), {}, TypeError, "tokens must hold integer ids"),
+    "labels of another shape": (
+        lambda: (torch.tensor([[1, 2, 3]]), torch.tensor([1, 2, 3])),
+        {},
+        ValueError,
+        r"labels must have shape \[B, T\].*= \(1, 3\); got \(3,\)",
+    ),
+    "float labels": (
+        lambda: (torch.tensor([[1, 2, 3]]), torch.zeros(1, 3)),
+        {},
+        TypeError,
+        "labels must be an integer tensor",
+    ),
+    "negative positions": (
+        lambda: (torch.tensor([[1, 2, 3]]),),
+        {"positions": torch.tensor([[-2, -1, 0]])},
+        ValueError,
+        "positions must be >= 0",
+    ),
+}
 
 
-def test_negative_token_id(model):
-    with pytest.raises(ValueError, match=r"tokens must be ids in \[0, vocab_size=16\); got \[-1\]"):
-        model(torch.tensor([[-1, 2, 3]]))
+CALLS = {"layer": LAYER_CALLS, "model": MODEL_CALLS}
 
 
-def test_token_id_outside_the_vocabulary_with_labels_and_mask(model):
-    tokens = torch.tensor([[1, 2, 300]])
-    with pytest.raises(ValueError, match=r"vocab_size=16\); got \[300\]"):
-        model(tokens, torch.tensor([[2, 3, 4]]), mask=torch.ones(1, 3, dtype=torch.bool))
-
-
-def test_numpy_tokens(model):
-    with pytest.raises(TypeError, match="tokens must be a torch.Tensor of integer ids.*ndarray"):
-        model(np.zeros((1, 3), dtype=np.int64))
-
-
-def test_float_tokens(model):
-    with pytest.raises(TypeError, match="tokens must hold integer ids"):
-        model(torch.zeros(1, 3))
-
-
-def test_labels_of_another_shape(model):
-    with pytest.raises(ValueError, match=r"labels must have shape \[B, T\].*= \(1, 3\); got \(3,\)"):
-        model(torch.tensor([[1, 2, 3]]), torch.tensor([1, 2, 3]))
-
-
-def test_float_labels(model):
-    with pytest.raises(TypeError, match="labels must be an integer tensor"):
-        model(torch.tensor([[1, 2, 3]]), torch.zeros(1, 3))
-
-
-def test_negative_positions_in_a_model(model):
-    with pytest.raises(ValueError, match="positions must be >= 0"):
-        model(torch.tensor([[1, 2, 3]]), positions=torch.tensor([[-2, -1, 0]]))
+@pytest.mark.parametrize(
+    ("callee", "case"),
+    [(callee, case) for callee, calls in CALLS.items() for case in calls],
+    ids=lambda value: value,
+)
+def test_wrong_call(request, callee, case):
+    """The attention layer (fixture `layer`) or the model (fixture `model`) refuses a wrong call."""
+    make_args, kwargs, error, message = CALLS[callee][case]
+    with pytest.raises(error, match=message):
+        request.getfixturevalue(callee)(*make_args(), **kwargs)
 
 
 def test_classifier_labels_per_token():

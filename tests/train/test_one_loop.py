@@ -32,10 +32,8 @@ def test_only_the_one_loop_steps_an_optimizer_and_only_optim_builds_one():
                 stepping.append(relative)
             if text.startswith("torch.optim.") and text.split(".")[2][:1].isupper():
                 building.append(relative)
-    # integrations/hf/sparsify.py trains a transformers model (its own forward and loss) with AdamW
-    # directly: the one loop takes routeformer's ModelOutput only; moving it there is open work.
-    assert set(stepping) == {"train/steps.py", "integrations/hf/sparsify.py"}
-    assert set(building) == {"train/optim.py", "integrations/hf/sparsify.py"}
+    assert set(stepping) == {"train/steps.py"}
+    assert set(building) == {"train/optim.py"}
 
 
 def test_run_steps_skips_a_non_finite_update_and_reports_every_step():

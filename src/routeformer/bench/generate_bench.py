@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 
 from routeformer.attention import FullAttention, attention_class, baseline_first, baseline_name
-from routeformer.bench.timing import median_times
+from routeformer.bench.timing import median_times, round_times
+from routeformer.models.cache import DecodeCache
 from routeformer.models.config import ModelConfig
 from routeformer.models.heads import CausalLM
 
@@ -72,6 +75,56 @@ def format_row(row: dict[str, Any]) -> str:
     return (f"| {row['mechanism']} | {row['context']} | {row['new_tokens']} | "
             f"{row['cached_tokens_per_s']:.1f} | {row['reread_tokens_per_s']:.1f} | {row['speedup']:.1f}x | "
             f"{'yes' if row['same_tokens'] else 'no'} |")
+
+
+# -- cached greedy decoding, timed in alternating rounds ------------------------------------------
+@dataclass
+class CachedDecoder:
+    """One model's greedy decoding with a cache: `prefill` reads a prompt into a fresh cache, each
+    `step` feeds the last greedy token and keeps the next one.
+
+    model: a causal LM whose forward takes `cache=` and returns `.logits` [B, t, vocab];
+    cache: its DecodeCache; next: [B, 1] the token the next step reads; prefill_s: the prefill's
+    wall-clock seconds."""
+
+    model: nn.Module
+    cache: DecodeCache
+    next: Tensor
+    prefill_s: float = 0.0
+
+    @classmethod
+    @torch.no_grad()
+    def prefill(cls, model: nn.Module, prompt: Tensor, reserve: int = 0) -> CachedDecoder:
+        """`model` reads `prompt` [B, T] into a new DecodeCache(reserve=reserve)."""
+        cache = DecodeCache(reserve=reserve)
+        started = time.perf_counter()
+        logits = model(prompt, cache=cache).logits[:, -1]
+        return cls(model, cache, logits.argmax(-1, keepdim=True), time.perf_counter() - started)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        logits = self.model(self.next, cache=self.cache).logits[:, -1]
+        self.next = logits.argmax(-1, keepdim=True)
+
+
+@torch.no_grad()
+def decode_step_times(decoders: Mapping[Any, CachedDecoder], steps: int,
+                      warmup: int = 0) -> dict[Any, list[float]]:
+    """Wall-clock seconds of `steps` greedy cached decode steps of each decoder, one step of every
+    decoder per round, the order reversed every other round (timing.round_times), so the machine's
+    drift reaches all alike and the per-round ratios (timing.ratio_quartiles) cancel it.
+
+    Args:
+        decoders: name (any key) -> a CachedDecoder that has read a prompt [B, T]
+            (`CachedDecoder.prefill`), in the order of a round; each advances by warmup + steps
+            tokens, its cache growing to T + warmup + steps (reserve that many, and no step
+            reallocates it).
+        steps: timed rounds (>= 1); warmup: untimed rounds before them.
+
+    Returns:
+        name -> a list of `steps` positive floats, the seconds of that decoder's step in each
+        timed round (round i's entries of two decoders were measured side by side)."""
+    return round_times({name: decoder.step for name, decoder in decoders.items()}, steps, warmup=warmup)
 
 
 # -- the decode benchmark: one prefill, then new tokens one step at a time ---------------------
@@ -132,6 +185,23 @@ class _BeforeCopyFreeCache:
         full.append_keys_values, full.cached_softmax_attention = self.saved
 
 
+class _ConcatenatingDecoder(CachedDecoder):
+    """`full`'s decoder stepping with the code it had before the copy-free cache."""
+
+    @classmethod
+    def copy_of(cls, full: CachedDecoder) -> _ConcatenatingDecoder:
+        """The same model and keys/values after the prefill, in that code's layout (one tensor per
+        layer), so the prompt is read once for both."""
+        layers = [{"k": state["k"].clone(), "v": state["v"].clone(), "length": state["length"]}
+                  for state in full.cache.layers]
+        cache = DecodeCache(length=full.cache.length, layers=layers)
+        return cls(full.model, cache, full.next, full.prefill_s)
+
+    def step(self) -> None:
+        with _BeforeCopyFreeCache():
+            super().step()
+
+
 def decode_model(mechanism: str, max_len: int, dim: int, depth: int, heads: int,
                   options: dict) -> CausalLM:
     torch.manual_seed(0)
@@ -160,8 +230,7 @@ def bench_decode(
     a one-token step's ops are too small to split, and on a shared machine two OpenMP threads wait
     on each other's barriers (measured on the loaded 2-core machine: a 1-layer full step at 600
     keys 100-220 ms with 2 threads, 2.2-2.8 ms with 1)."""
-    from routeformer.bench.timing import peak_memory_mib, ratio_quartiles, round_times
-    from routeformer.models.cache import DecodeCache
+    from routeformer.bench.timing import peak_memory_mib, ratio_quartiles
     from routeformer.ops.decode import state_bytes
 
     options = {**DECODE_OPTIONS, **(options or {})}
@@ -172,48 +241,33 @@ def bench_decode(
     for context in contexts:
         prompt = torch.randint(2, 256, (1, context), generator=torch.Generator().manual_seed(0))
         prompt[0, ::10] = 1  # a meta-token every 10 positions (read only by meta_tokens)
-        runs: dict[str, dict[str, Any]] = {}
+        runs: dict[str, CachedDecoder] = {}
         here = [name for name in names if context <= (up_to or {}).get(name, context)]
+        reserve = context + new_tokens + memory_steps + 1
         for name in here:
             if name == CONCATENATING:
-                full = runs[FullAttention.attention_name]
-                layers = [{"k": state["k"].clone(), "v": state["v"].clone(), "length": state["length"]}
-                          for state in full["cache"].layers]
-                runs[name] = {**full, "cache": DecodeCache(length=full["cache"].length, layers=layers)}
+                runs[name] = _ConcatenatingDecoder.copy_of(runs[FullAttention.attention_name])
                 continue
-            model = decode_model(name, context + new_tokens + memory_steps + 1, dim, depth, heads, options)
-            cache = DecodeCache(reserve=context + new_tokens + memory_steps + 1)
-            started = time.perf_counter()
-            logits = model(prompt, cache=cache).logits[:, -1]
-            runs[name] = {"model": model, "cache": cache, "next": logits.argmax(-1, keepdim=True),
-                          "prefill_s": time.perf_counter() - started}
-
-        def step(name: str, runs: dict = runs) -> None:
-            run = runs[name]
-            if name == CONCATENATING:
-                with _BeforeCopyFreeCache():
-                    logits = run["model"](run["next"], cache=run["cache"]).logits[:, -1]
-            else:
-                logits = run["model"](run["next"], cache=run["cache"]).logits[:, -1]
-            run["next"] = logits.argmax(-1, keepdim=True)
+            model = decode_model(name, reserve, dim, depth, heads, options)
+            runs[name] = CachedDecoder.prefill(model, prompt, reserve)
 
         threads = torch.get_num_threads()
         torch.set_num_threads(decode_threads or threads)
-        times = round_times({name: (lambda name=name: step(name)) for name in here}, new_tokens, warmup=0)
+        times = decode_step_times(runs, new_tokens)
         for name in here:
             run = runs[name]
-            layers = run["model"].backbone.blocks
-            state = state_bytes(run["cache"].layers)
+            layers = run.model.backbone.blocks
+            state = state_bytes(run.cache.layers)
             read, exact = 0, True
-            for block, layer_cache in zip(layers, run["cache"].layers, strict=True):
+            for block, layer_cache in zip(layers, run.cache.layers, strict=True):
                 layer_read, layer_exact = block.attention.decode_read_bytes(layer_cache)
                 read, exact = read + layer_read, exact and layer_exact
-            extra = peak_memory_mib(lambda name=name: [step(name) for _ in range(memory_steps)])
+            extra = peak_memory_mib(lambda run=run: [run.step() for _ in range(memory_steps)])
             median = statistics.median(times[name])
             low, mid, high = (ratio_quartiles(times[name], times[baseline]) if baseline in times
                               else (1, 1, 1))
             row = {"mechanism": name, "context": context, "new_tokens": new_tokens,
-                   "prefill_s": run["prefill_s"], "step_s": median, "tokens_per_s": 1.0 / median,
+                   "prefill_s": run.prefill_s, "step_s": median, "tokens_per_s": 1.0 / median,
                    "step_vs_full": [low, mid, high], "state_mib": state / 2**20,
                    "peak_mib": None if extra is None else state / 2**20 + extra,
                    "read_mib": read / 2**20, "read_exact": exact}
@@ -314,26 +368,17 @@ def bench_across_contexts(
     """Median decode step (s) of one mechanism after prompts of each context, the steps of all
     contexts in alternating rounds in one process: whether its step depends on the context, with
     the machine's drift shared by every context (no other mechanism's steps in between)."""
-    from routeformer.bench.timing import round_times
-    from routeformer.models.cache import DecodeCache
-
     options = {**DECODE_OPTIONS, **(options or {})}
     runs = {}
     for context in contexts:
         prompt = torch.randint(2, 256, (1, context), generator=torch.Generator().manual_seed(0))
         model = decode_model(mechanism, context + new_tokens + 1, dim, depth, heads, options)
-        cache = DecodeCache(reserve=context + new_tokens + 1)
-        runs[context] = [model, cache, model(prompt, cache=cache).logits[:, -1].argmax(-1, keepdim=True)]
-
-    def step(context: int) -> None:
-        model, cache, token = runs[context]
-        runs[context][2] = model(token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+        runs[context] = CachedDecoder.prefill(model, prompt, context + new_tokens + 1)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(decode_threads or threads)
     try:
-        times = round_times({context: (lambda c=context: step(c)) for context in contexts}, new_tokens,
-                            warmup=0)
+        times = decode_step_times(runs, new_tokens)
     finally:
         torch.set_num_threads(threads)
     return {context: statistics.median(values) for context, values in times.items()}

@@ -18,9 +18,8 @@ import time
 import torch
 
 from routeformer.attention import baseline_name
-from routeformer.bench.generate_bench import DECODE_OPTIONS, decode_model
+from routeformer.bench.generate_bench import DECODE_OPTIONS, CachedDecoder, decode_model
 from routeformer.bench.timing import machine_description, peak_memory_mib
-from routeformer.models.cache import DecodeCache
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -43,20 +42,14 @@ def decode_rates(mechanisms, contexts, *, device="cuda", dtype=torch.bfloat16, s
             try:
                 model = decode_model(name, context + rounds * steps + 8, dim, 1, heads, DECODE_OPTIONS)
                 model = model.to(device=device, dtype=dtype)
-                cache = DecodeCache(reserve=context + rounds * steps + 8)
-                logits = model(prompt, cache=cache).logits[:, -1]
-                runs[name] = [model, cache, logits.argmax(-1, keepdim=True)]
+                runs[name] = CachedDecoder.prefill(model, prompt, reserve=context + rounds * steps + 8)
             except Exception as error:  # noqa: BLE001 - reported per mechanism, the run goes on
                 errors[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
         times: dict[str, list[float]] = {name: [] for name in runs}
 
-        def step(name: str, runs: dict = runs) -> None:
-            model, cache, token = runs[name]
-            runs[name][2] = model(token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
-
         for name in list(runs):  # one warm-up step each (kernel compiles, allocator)
             try:
-                step(name)
+                runs[name].step()
             except Exception as error:  # noqa: BLE001
                 errors[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
                 runs.pop(name)
@@ -66,7 +59,7 @@ def decode_rates(mechanisms, contexts, *, device="cuda", dtype=torch.bfloat16, s
                 _sync(device)
                 started = time.perf_counter()
                 for _ in range(steps):
-                    step(name)
+                    runs[name].step()
                 _sync(device)
                 times[name].append((time.perf_counter() - started) / steps)
         for name in mechanisms:
@@ -78,7 +71,7 @@ def decode_rates(mechanisms, contexts, *, device="cuda", dtype=torch.bfloat16, s
                 full = statistics.median(times[baseline]) if baseline in times else None
                 row.update(step_ms=median * 1e3, tokens_per_s=1 / median,
                            speedup_vs_full=None if full is None else full / median,
-                           peak_mib=peak_memory_mib(lambda name=name: step(name)))
+                           peak_mib=peak_memory_mib(runs[name].step))
             rows.append(row)
             progress(format_row(row))
         runs.clear()

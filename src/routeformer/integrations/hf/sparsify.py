@@ -10,21 +10,28 @@ weights. Stage 1 (`steps`): every parameter but the routing parameters (`router.
 layer) frozen; the router trains by topk's KL to the dense attention over every eligible key
 (`routing_learning="distill"`, `distill_dense_steps=steps`); the loss is the summed aux loss alone.
 Stage 2 (`sparse_steps`, optional): every parameter trains on the causal-LM loss (labels = the
-input ids, padding ignored) plus the aux loss (the KL over the routed selection). AdamW with a
-linear warm-up over the first tenth of each stage and a cosine decay to a tenth of its rate.
+input ids, padding ignored) plus the aux loss (the KL over the routed selection). Each stage runs
+the one training loop (train/steps.py: AdamW without weight decay, gradients clipped to norm 1, a
+non-finite step skipped) with a linear warm-up over the first tenth of the stage and a cosine decay
+to a tenth of its rate.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from routeformer.integrations.hf.patch import patch_attention, routeformer_aux_loss, routeformer_layers
+from routeformer.train.guard import NonFiniteGuard
+from routeformer.train.optim import build_optimizer
+from routeformer.train.schedule import Schedule
 from routeformer.train.sparsify import check_mechanism, stage_options
+from routeformer.train.steps import StepState, run_steps
+from routeformer.train.task_loop import MAX_NONFINITE_STEPS
 
 ROUTING_PREFIX = "router."  # the routing parameters of a swapped topk layer
 
@@ -58,28 +65,26 @@ def _batches(batches: Iterable[Any], steps: int) -> Iterator[tuple[Tensor, Tenso
                             f"'input_ids'; got {type(batch).__name__}")
 
 
-def _train(model: nn.Module, parameters: list[nn.Parameter], batches: Iterator, steps: int, lr: float,
-           loss_of) -> list[float]:
-    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
-    warmup = max(1, round(0.1 * steps))
+def _train(model: nn.Module, batches: Iterator[tuple[Tensor, Tensor | None]], steps: int, lr: float,
+           loss_of: Callable[[Tensor, Tensor | None], Tensor]) -> list[float]:
+    """`steps` steps of the one training loop (train/steps.py) on the parameters that require a
+    gradient, the loss `loss_of(input_ids, attention_mask)` of each of `batches`; the loss per step."""
+    schedule = Schedule(steps=steps, batch_size=0,  # batch_size: the batches' own, not drawn here
+                        lr=lr, warmup_steps=max(1, round(0.1 * steps)))
+    optimizer = build_optimizer(model, lr=lr, weight_decay=0.0)
+    guard = NonFiniteGuard(MAX_NONFINITE_STEPS, warn=lambda step, message: warnings.warn(
+        f"sparsify_pretrained: {message}", RuntimeWarning, stacklevel=2))
+    losses: list[float] = []
 
-    def rate(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+    def next_batch() -> tuple[Tensor, None, dict[str, Tensor | None]]:
+        input_ids, attention_mask = next(batches)
+        return input_ids, None, {"attention_mask": attention_mask}
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
-    losses = []
-    model.train()
-    for input_ids, attention_mask in batches:
-        loss = loss_of(input_ids, attention_mask)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        scheduler.step()
-        losses.append(float(loss.detach()))
+    def forward(input_ids: Tensor, labels: None, extra: dict[str, Tensor | None]) -> SimpleNamespace:
+        return SimpleNamespace(total_loss=loss_of(input_ids, extra["attention_mask"]))
+
+    run_steps(model, optimizer, schedule, guard, StepState(0), next_batch, forward,
+              on_step_end=lambda result: losses.append(float(result.output.total_loss.detach())))
     return losses
 
 
@@ -133,12 +138,10 @@ def sparsify_pretrained(
     for parameter in model.parameters():
         parameter.requires_grad_(id(parameter) in trainable)
     try:
-        kl = _train(model, list(routing.values()), (next(stream) for _ in range(steps)), steps, lr, warm_up)
+        kl = _train(model, stream, steps, lr, warm_up)
         for name, parameter in model.named_parameters():
             parameter.requires_grad_(kept.get(name, True))
-        stage2 = (_train(model, [p for p in model.parameters() if p.requires_grad],
-                         (next(stream) for _ in range(sparse_steps)), sparse_steps, sparse_lr, sparse)
-                  if sparse_steps else [])
+        stage2 = _train(model, stream, sparse_steps, sparse_lr, sparse) if sparse_steps else []
     finally:
         for name, parameter in model.named_parameters():
             parameter.requires_grad_(kept.get(name, True))
