@@ -1,4 +1,5 @@
-"""Measure what converting a dense task run to topk keeps and saves: for each K and conversion seed,
+"""Measure what converting a dense task run to a routed one keeps and saves (`--mechanism`: topk,
+the default, meta or mita): for each K (topk's budget; one row for the others) and conversion seed,
 the converted model's task metric beside the dense model's at T, 2T and 4T (where the task and the
 model's positions allow), routing recall per layer at T, the conversion's tokens as a fraction of
 the source's; and, per K (seed 0), prefill time and cached-decode time per token against the dense
@@ -7,6 +8,7 @@ report.md under --out.
 
     python scripts/sparsify_report.py --source RUN_DIR --sparse-steps 300 --out docs/results/sparsify/NAME
     python scripts/sparsify_report.py --train-dense mqar --dense-steps 200 --seq-len 64 --out DIR
+    python scripts/sparsify_report.py --source RUN_DIR --mechanism mita --sparse-steps 120 --out DIR
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from routeformer.bench.generate_bench import CachedDecoder, decode_step_times
 from routeformer.bench.timing import machine_description, ratio_quartiles, round_times
 from routeformer.cli import main as routeformer_main
+from routeformer.cli.sparsify_command import layer_options
 from routeformer.tasks import build_task
 from routeformer.train.checkpoint import load_run_model
 from routeformer.train.on_task import evaluate_on_task
@@ -105,9 +108,10 @@ def _time_kept(out: Path, args) -> None:
     run = load_run_model(report["source"])
     lengths = [run.task.seq_len * factor for factor in (1, 2, 4)]
     report["timing"] = []
-    for k in sorted({row["topk"] for row in report["rows"]}):
-        kept = torch.load(out / "models" / f"topk{k}.pt", weights_only=True)
-        routed = sparsify(run.model, "topk", options=kept["options"])
+    mechanism = report.get("mechanism", "topk")
+    for k in _budgets(report["rows"]):
+        kept = torch.load(out / "models" / _model_file(mechanism, k), weights_only=True)
+        routed = sparsify(run.model, mechanism, options=kept["options"])
         routed.load_state_dict(kept["state"])
         report["timing"].append(_timing(run.model, routed, k, lengths, args, run.model.config.vocab_size))
         print(json.dumps(report["timing"][-1]), flush=True)
@@ -125,6 +129,9 @@ def main() -> None:
     parser.add_argument("--dense-steps", type=int, default=200)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--option", action="append", default=[], help="task option of the dense run")
+    parser.add_argument("--mechanism", default="topk", help="the routed attention (topk, meta, mita)")
+    parser.add_argument("--layer-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an option of every converted layer besides topk's K (repeatable)")
     parser.add_argument("--ks", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--seeds", type=int, default=3, help="conversion seeds at --main-k")
     parser.add_argument("--main-k", type=int, default=64, help="the K the headline rows use")
@@ -164,17 +171,21 @@ def main() -> None:
     lengths = [run.task.seq_len * factor for factor in (1, 2, 4)]
     dense = {str(length): _at_length(run.model, run.config["task"], options, length, args.test_tokens)
              for length in lengths}
-    steps = args.steps or default_steps(run.step)
+    steps = args.steps if args.steps is not None else default_steps(run.step, args.mechanism)
     batch_size = args.batch_size or schedule["batch_size"]
     sparse_lr = STAGE2_LR_SHARE * schedule["lr"]
     vocab = run.model.config.vocab_size
+    chosen = layer_options(args.layer_option)
     rows, timing = [], []
-    for k in args.ks:
-        for seed in range(args.seeds if k == args.main_k or args.sweep_seeds is None else args.sweep_seeds):
+    budgets = args.ks if args.mechanism == "topk" else [None]
+    for k in budgets:
+        main_row = k is None or k == args.main_k
+        for seed in range(args.seeds if main_row or args.sweep_seeds is None else args.sweep_seeds):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # K >= T: the layer says it reads every key
                 routed, record = convert_on_task(
-                    run.model, run.task, "topk", options={"topk": k}, steps=steps,
+                    run.model, run.task, args.mechanism,
+                    options={**chosen, "topk": k} if k is not None else chosen, steps=steps,
                     sparse_steps=args.sparse_steps, batch_size=batch_size, lr=STAGE1_LR, sparse_lr=sparse_lr,
                     seed=seed, evals=1,
                     validation_sequences=max(MIN_SEQUENCES, args.test_tokens // lengths[0] // 4))
@@ -184,10 +195,11 @@ def main() -> None:
                 if seed == 0:  # kept for --timing-only
                     (out / "models").mkdir(exist_ok=True)
                     torch.save({"options": record["options"], "state": routed.state_dict()},
-                               out / "models" / f"topk{k}.pt")
+                               out / "models" / _model_file(args.mechanism, k))
                 if seed == 0 and not args.no_timing:
                     timing.append(_timing(run.model, routed, k, lengths, args, vocab))
-            kl = [entry["aux_loss"] for entry in record["stages"]["dense_warmup"]["history"]]
+            warmup = record["stages"].get("dense_warmup", {"history": [{"aux_loss": None}]})
+            kl = [entry["aux_loss"] for entry in warmup["history"]]
             rows.append({"topk": k, "seed": seed, "quality": quality, "routing_recall_per_layer": recall,
                          "stage1_kl_end": kl[-1], "tokens": record["tokens"],
                          "tokens_fraction_of_source": record["tokens"] / source_tokens,
@@ -198,12 +210,42 @@ def main() -> None:
               "command": "python scripts/sparsify_report.py " + " ".join(sys.argv[1:]),
               "source": source, "source_step": run.step, "source_tokens": source_tokens,
               "task": run.config["task"], "task_options": options, "model": run.config["spec"],
-              "metric": run.task.metric, "stage1_steps": steps, "sparse_steps": args.sparse_steps,
+              "metric": run.task.metric, "mechanism": args.mechanism,
+              "layer_options": chosen, "stage1_steps": steps,
+              "sparse_steps": args.sparse_steps,
               "sparse_lr": sparse_lr, "batch_size": batch_size, "test_tokens": args.test_tokens,
               "dense": dense, "rows": rows, "timing": timing,
               "wall_seconds": time.perf_counter() - began}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(_markdown(report, lengths))
+
+
+def _budgets(rows):
+    """topk's K of the rows, in order (None, once, for a mechanism without one)."""
+    return sorted({row["topk"] for row in rows}, key=lambda k: -1 if k is None else k)
+
+
+def _model_file(mechanism, k):
+    return f"{mechanism}{'' if k is None else k}.pt"
+
+
+def _stage1_text(report):
+    mechanism = report.get("mechanism", "topk")
+    if not report["stage1_steps"]:
+        return f"no stage 1 ({mechanism} has no parameters of its own)"
+    trained = {"topk": "topk's router trained by its KL to dense attention",
+               "meta": "meta's controller trained by the task loss and its aux loss"}[mechanism]
+    return f"stage 1, {report['stage1_steps']} steps, the dense weights frozen and {trained}"
+
+
+def _options_text(options):
+    if not options:
+        return "the registered defaults"
+    return ", ".join(f"`{key}={value!r}`" for key, value in options.items())
+
+
+def _k(k):
+    return "—" if k is None else str(k)
 
 
 def _metric(entry, metric):
@@ -220,17 +262,19 @@ def _mean_sd(values):
 
 def _markdown(report, lengths):
     metric = report["metric"]
-    lines = [f"# topk conversion of a dense {report['task']} run",
+    mechanism = report.get("mechanism", "topk")
+    lines = [f"# {mechanism} conversion of a dense {report['task']} run",
              "",
              f"Measured {report['date']} on {report['machine']}. Command: "
              f"`{report['command']}`. Wall-clock: {report['wall_seconds']:.0f} s.",
              "",
              f"Source: `{report['source']}`, {report['task']} {report['task_options']}, backbone "
              f"{report['model']}, {report['source_step']} training steps ({report['source_tokens']} tokens). "
-             f"Conversion (train/sparsify.py): stage 1, {report['stage1_steps']} steps, the dense model "
-             f"frozen and topk's router trained by its KL to dense attention; stage 2, "
+             f"Conversion (train/sparsify.py): {_stage1_text(report)}; stage 2, "
              f"{report['sparse_steps']} steps of the task loss at lr {report['sparse_lr']:.3g}; batch "
-             f"{report['batch_size']}. Test split, {report['test_tokens']} tokens per length.",
+             f"{report['batch_size']}. {mechanism}'s options besides K: "
+             f"{_options_text(report.get('layer_options'))}. Test split, {report['test_tokens']} tokens "
+             "per length.",
              "",
              f"Dense {metric}: " + ", ".join(f"T={length}: {_metric(report['dense'][str(length)], metric)}"
                                              for length in lengths),
@@ -241,13 +285,13 @@ def _markdown(report, lengths):
              + f" | Δ at T={lengths[0]} | tokens / source's |",
              "|---" * (len(lengths) + 4) + "|"]
     dense_t = report["dense"][str(lengths[0])].get(metric)
-    for k in sorted({row["topk"] for row in report["rows"]}):
+    for k in _budgets(report["rows"]):
         chosen = [row for row in report["rows"] if row["topk"] == k]
         cells = [_mean_sd([row["quality"][str(length)][metric] for row in chosen
                            if metric in row["quality"][str(length)]]) for length in lengths]
         deltas = [row["quality"][str(lengths[0])][metric] - dense_t for row in chosen
                   if dense_t is not None and metric in row["quality"][str(lengths[0])]]
-        lines.append(f"| {k} | {len(chosen)} | " + " | ".join(cells) + f" | {_mean_sd(deltas)} | "
+        lines.append(f"| {_k(k)} | {len(chosen)} | " + " | ".join(cells) + f" | {_mean_sd(deltas)} | "
                      f"{chosen[0]['tokens_fraction_of_source']:.3f} |")
     lines += ["", "## Every conversion", "",
               "| K | seed | " + " | ".join(f"{metric} T={length}" for length in lengths)
@@ -256,9 +300,10 @@ def _markdown(report, lengths):
     for row in report["rows"]:
         recall = ", ".join("-" if value is None else f"{value:.3f}"
                            for value in row["routing_recall_per_layer"])
-        lines.append(f"| {row['topk']} | {row['seed']} | "
+        kl = "-" if row["stage1_kl_end"] is None else f"{row['stage1_kl_end']:.4f}"
+        lines.append(f"| {_k(row['topk'])} | {row['seed']} | "
                      + " | ".join(_metric(row["quality"][str(length)], metric) for length in lengths)
-                     + f" | {recall} | {row['stage1_kl_end']:.4f} | {row['seconds']:.0f} |")
+                     + f" | {recall} | {kl} | {row['seconds']:.0f} |")
     if report["timing"]:
         measured = report.get("timing_measured")
         when = (f"Measured {measured['date']} on {measured['machine']}: this timing "
@@ -272,12 +317,12 @@ def _markdown(report, lengths):
         for entry in report["timing"]:
             for row in entry["prefill"]:
                 low, mid, high = row["ratio"]
-                lines.append(f"| {entry['topk']} | prefill | {row['length']} | "
+                lines.append(f"| {_k(entry['topk'])} | prefill | {row['length']} | "
                              f"{1e3 * row['dense_s']:.0f} ms | {1e3 * row['routed_s']:.0f} ms | "
                              f"{mid:.2f} ({low:.2f}–{high:.2f}) |")
             for row in entry["decode"]:
                 low, mid, high = row["ratio"]
-                lines.append(f"| {entry['topk']} | decode / token | {row['context']} | "
+                lines.append(f"| {_k(entry['topk'])} | decode / token | {row['context']} | "
                              f"{row['dense_ms']:.2f} ms | {row['routed_ms']:.2f} ms | "
                              f"{mid:.2f} ({low:.2f}–{high:.2f}) |")
     return "\n".join(lines) + "\n"

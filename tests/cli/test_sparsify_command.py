@@ -71,12 +71,15 @@ def test_the_conversion_is_deterministic_given_the_seed(dense_run, routed_run, t
 
 
 @pytest.mark.parametrize("arguments, message", [
-    (["--mechanism", "mita"], r"'mita' does not convert from a dense model"),
+    (["--mechanism", "local"], r"'local' does not convert from a dense model"),
+    (["--mechanism", "mita"], r"sparse_steps must be >= 1: a 'mita' model has nothing to train in stage 1"),
+    (["--mechanism", "mita", "--steps", "3", "--sparse-steps", "2"], r"steps must be 0: a 'mita' model"),
     (["--mechanism", "nope"], r"'nope' is not registered"),
     (["--mechanism", "topk", "--option", "nonsense=3"], r"'topk' has no option 'nonsense'"),
     (["--mechanism", "topk", "--option", "topk"], r"expected KEY=VALUE; got 'topk'"),
     (["--mechanism", "topk", "--option", "routing_learning=none"], r"routing_learning='none'"),
-    (["--mechanism", "topk", "--steps", "0"], r"--steps: must be an integer >= 1"),
+    (["--mechanism", "topk", "--steps", "0"], r"steps must be >= 1: a 'topk' model has routing parameters"),
+    (["--mechanism", "topk", "--steps", "-1"], r"--steps: must be an integer >= 0"),
 ])
 def test_bad_arguments_are_one_line_and_write_nothing(capsys, dense_run, tmp_path, arguments, message):
     out = tmp_path / "out"

@@ -93,10 +93,8 @@ def test_sources_without_dense_attention_and_mechanisms_that_do_not_convert_are_
         sparsify(_dense("local"), "topk")
     with pytest.raises(ValueError, match=r"source layer 1 runs 'topk'"):
         sparsify(_dense(["full", "topk"]), "topk")
-    with pytest.raises(ValueError, match=r"'mita' does not convert.*dense-attention KL.*\['topk'\]"):
-        sparsify(_dense(), "mita")
-    with pytest.raises(ValueError, match=r"'meta' does not convert"):
-        sparsify(_dense(), "meta")
+    with pytest.raises(ValueError, match=r"'local' does not convert.*\['topk', 'meta', 'mita'\]"):
+        sparsify(_dense(), "local")
     with pytest.raises(ValueError, match=r"'nope' is not registered"):
         sparsify(_dense(), "nope")
 
@@ -106,8 +104,43 @@ def test_bad_stage_arguments_are_refused(task):
         convert_on_task(_dense(), task, "topk", options={"routing_learning": "score_bias"}, steps=2)
     with pytest.raises(ValueError, match=r"distill_dense_steps: set by the conversion"):
         convert_on_task(_dense(), task, "topk", options={"distill_dense_steps": 3}, steps=2)
-    with pytest.raises(ValueError, match=r"steps must be an integer >= 1; got 0"):
+    with pytest.raises(ValueError, match=r"steps must be >= 1: a 'topk' model has routing parameters"):
         convert_on_task(_dense(), task, "topk", steps=0)
+    with pytest.raises(ValueError, match=r"steps must be an integer >= 0; got -1"):
+        convert_on_task(_dense(), task, "topk", steps=-1)
+    with pytest.raises(ValueError, match=r"steps must be 0: a 'mita' model has no parameters of its own"):
+        convert_on_task(_dense(), task, "mita", steps=2, sparse_steps=2)
+    with pytest.raises(ValueError, match=r"sparse_steps must be >= 1: a 'mita' model has nothing"):
+        convert_on_task(_dense(), task, "mita", steps=0)
+
+
+def test_meta_copies_the_dense_projections_into_every_expert_and_warms_up_its_controller(task):
+    dense = _dense()
+    routed, record = convert_on_task(dense, task, "meta", steps=6, batch_size=8, evals=1,
+                                     validation_sequences=16, seed=2)
+    state, initial = routed.state_dict(), sparsify(dense, "meta").state_dict()
+    for block in range(2):
+        prefix = f"backbone.blocks.{block}.attention."
+        for expert in range(3):
+            for dense_name, routed_name in (("qkv_proj", "expert_qkv"), ("out_proj", "expert_out")):
+                assert torch.equal(state[f"{prefix}{routed_name}.{expert}.weight"],
+                                   dense.state_dict()[f"{prefix}{dense_name}.weight"])
+    assert record["new_parameters"] and all(".attention.router." in name for name in record["new_parameters"])
+    assert any(not torch.equal(state[name], initial[name]) for name in record["new_parameters"])
+    assert set(record["stages"]) == {"dense_warmup"} and record["tokens"] == 6 * 8 * 32
+
+
+def test_mita_converts_with_the_dense_weights_and_fine_tunes_them(task):
+    dense = _dense()
+    copy = sparsify(dense, "mita")
+    assert copy.new_parameters == []
+    for name, tensor in dense.state_dict().items():
+        assert torch.equal(copy.state_dict()[name], tensor), name
+    routed, record = convert_on_task(dense, task, "mita", steps=0, sparse_steps=3, batch_size=8, evals=1,
+                                     validation_sequences=16, seed=1)
+    assert set(record["stages"]) == {"sparse"} and record["tokens"] == 3 * 8 * 32
+    name = "backbone.blocks.0.attention.qkv_proj.weight"
+    assert not torch.equal(routed.state_dict()[name], dense.state_dict()[name])
 
 
 def test_run_tokens_counts_every_stage_at_its_own_length():

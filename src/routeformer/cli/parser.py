@@ -182,16 +182,19 @@ def build_parser() -> argparse.ArgumentParser:
     sparsify = commands.add_parser(
         "sparsify", help="convert a trained dense task run into a routed one (dense warm-up, then sparse)",
         description="Copy a dense task run's weights into a routed model and train its routing parameters: "
-                    "stage 1 (--steps) with the dense model frozen, by the KL to dense attention over every "
-                    "key; stage 2 (--sparse-steps) everything, on the task loss. Writes a task run directory "
+                    "stage 1 (--steps) with the dense model frozen (topk: by the KL to dense attention over "
+                    "every key; meta: its controller by the task loss; mita has nothing to warm up); stage 2 "
+                    "(--sparse-steps) everything, on the task loss. Writes a task run directory "
                     "that eval, sample and export-hf read (docs/sparsify.md).")
     sparsify.add_argument("source", metavar="SRC", help="a task run directory (routeformer train --task) or "
                                                         "its checkpoint file")
-    sparsify.add_argument("--mechanism", required=True, help="the routed attention (topk)")
+    sparsify.add_argument("--mechanism", required=True,
+                          help="the routed attention: topk, meta or mita (docs/sparsify.md)")
     sparsify.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                           help="an option of the routed layer (repeatable), e.g. topk=16")
-    sparsify.add_argument("--steps", type=positive_int, default=None,
-                          help="stage-1 steps (default: 5%% of the source's training steps, at least 20)")
+    sparsify.add_argument("--steps", type=non_negative_int, default=None,
+                          help="stage-1 steps (default: 5%% of the source's training steps, at least 20; "
+                               "0 for mita)")
     sparsify.add_argument("--sparse-steps", type=non_negative_int, default=0,
                           help="stage-2 steps (default 0)")
     sparsify.add_argument("--lr", type=positive_float, default=None, help="stage-1 peak rate (default 1e-3)")

@@ -16,7 +16,9 @@ import yaml
 SOURCE_KINDS = "SRC must be a task run directory of `routeformer train --task NAME` or its checkpoint file"
 
 
-def _layer_options(items: list[str]) -> dict[str, Any]:
+def layer_options(items: list[str]) -> dict[str, Any]:
+    """{KEY: VALUE} from ["KEY=VALUE", ...], each VALUE read as YAML (numbers, booleans, strings);
+    ValueError naming --option when an item is not KEY=VALUE."""
     chosen: dict[str, Any] = {}
     for item in items:
         key, equals, value = item.partition("=")
@@ -54,7 +56,7 @@ def command_sparsify(args: argparse.Namespace) -> int:
     if out.exists():
         raise ValueError(f"argument --out: {str(out)!r} exists; name a new directory")
     check_mechanism(args.mechanism)
-    options = _layer_options(args.option)
+    options = layer_options(args.option)
     _check_options(args.mechanism, options)
     source = Path(args.source)
     if not source.exists():
@@ -68,7 +70,7 @@ def command_sparsify(args: argparse.Namespace) -> int:
                          f"{SOURCE_KINDS}")
     check_source(run.model)
     schedule = run.config.get("setup", {}).get("schedule", {})
-    steps = args.steps or default_steps(run.step)
+    steps = args.steps if args.steps is not None else default_steps(run.step, args.mechanism)
     stage_options(args.mechanism, options, steps)  # refuses options the conversion sets itself
     batch_size = args.batch_size or schedule.get("batch_size", 32)
     sparse_lr = args.sparse_lr or STAGE2_LR_SHARE * schedule.get("lr", 3e-3)

@@ -34,6 +34,7 @@ from routeformer.train.steps import StepState, run_steps
 from routeformer.train.task_loop import MAX_NONFINITE_STEPS
 
 ROUTING_PREFIX = "router."  # the routing parameters of a swapped topk layer
+HF_CONVERTIBLE = ("topk",)
 
 
 def routing_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -98,7 +99,8 @@ def sparsify_pretrained(
 
     Args:
         model: a transformers causal LM with dense attention (patch_attention's families).
-        mechanism: a mechanism that converts (train/sparsify.py's `CONVERTIBLE`: topk).
+        mechanism: a mechanism that converts a transformers model (`HF_CONVERTIBLE`: topk, whose
+            router trains by the dense-attention KL through the patched attention).
         batches: LongTensors [B, T] of token ids, or dicts with "input_ids" and "attention_mask".
         steps: stage-1 steps (>= 1); sparse_steps: stage-2 steps (>= 0).
         lr, sparse_lr: each stage's peak learning rate.
@@ -111,7 +113,7 @@ def sparsify_pretrained(
         raise ValueError(f"steps must be an integer >= 1; got {steps!r}")
     if not isinstance(sparse_steps, int) or sparse_steps < 0:
         raise ValueError(f"sparse_steps must be an integer >= 0; got {sparse_steps!r}")
-    check_mechanism(mechanism)
+    check_mechanism(mechanism, HF_CONVERTIBLE)
     layer_options = stage_options(mechanism, options, steps)
     patch_attention(model, mechanism, **layer_options)
     routing = routing_parameters(model)
