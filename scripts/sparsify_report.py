@@ -143,6 +143,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="alternating prefill rounds")
     parser.add_argument("--decode-steps", type=int, default=32, help="alternating decode rounds")
     parser.add_argument("--no-timing", action="store_true", help="convert and test only")
+    parser.add_argument("--render-only", action="store_true",
+                        help="rewrite report.md from the report.json under --out (no training, no timing)")
     parser.add_argument("--timing-only", action="store_true",
                         help="time the models an earlier invocation kept in --out (on a quiet machine)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (compare trains on one)")
@@ -152,6 +154,11 @@ def main() -> None:
     out = Path(args.out)
     if args.timing_only:
         _time_kept(out, args)
+        return
+    if args.render_only:
+        report = json.loads((out / "report.json").read_text())
+        (out / "report.md").write_text(_markdown(report, [int(key) for key in report["dense"]]))
+        print(f"rewrote {out / 'report.md'}")
         return
     out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
@@ -282,8 +289,8 @@ def _markdown(report, lengths):
              f"## Quality against K (mean ± sd over conversion seeds; Δ vs dense at T = {lengths[0]})",
              "",
              "| K | seeds | " + " | ".join(f"{metric} T={length}" for length in lengths)
-             + f" | Δ at T={lengths[0]} | tokens / source's |",
-             "|---" * (len(lengths) + 4) + "|"]
+             + f" | Δ at T={lengths[0]} | attention FLOPs / dense at T={lengths[0]} | tokens / source's |",
+             "|---" * (len(lengths) + 5) + "|"]
     dense_t = report["dense"][str(lengths[0])].get(metric)
     for k in _budgets(report["rows"]):
         chosen = [row for row in report["rows"] if row["topk"] == k]
@@ -291,8 +298,11 @@ def _markdown(report, lengths):
                            if metric in row["quality"][str(length)]]) for length in lengths]
         deltas = [row["quality"][str(lengths[0])][metric] - dense_t for row in chosen
                   if dense_t is not None and metric in row["quality"][str(lengths[0])]]
-        lines.append(f"| {_k(k)} | {len(chosen)} | " + " | ".join(cells) + f" | {_mean_sd(deltas)} | "
-                     f"{chosen[0]['tokens_fraction_of_source']:.3f} |")
+        flops = [row["quality"][str(lengths[0])].get("attention_flops_per_token") for row in chosen]
+        dense_flops = report["dense"][str(lengths[0])].get("attention_flops_per_token")
+        share = f"{statistics.mean(flops) / dense_flops:.2f}" if dense_flops and None not in flops else "n/a"
+        lines.append(f"| {_k(k)} | {len(chosen)} | " + " | ".join(cells)
+                     + f" | {_mean_sd(deltas)} | {share} | {chosen[0]['tokens_fraction_of_source']:.3f} |")
     lines += ["", "## Every conversion", "",
               "| K | seed | " + " | ".join(f"{metric} T={length}" for length in lengths)
               + " | routing recall per layer | stage-1 KL at end | seconds |",

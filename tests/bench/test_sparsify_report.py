@@ -36,3 +36,12 @@ def test_the_report_has_a_row_per_budget(tmp_path, monkeypatch, mechanism, extra
         assert "`routing_positions='none'`" in text and report["stage1_steps"] == 2
     else:
         assert "no stage 1 (mita has no parameters of its own)" in text and report["stage1_steps"] == 0
+
+
+def test_render_only_rewrites_the_same_report_from_its_json(tmp_path, monkeypatch):
+    _report_main(monkeypatch, [*TINY, "--ks", "4", "--main-k", "4", "--steps", "2", "--out", str(tmp_path)])
+    written = (tmp_path / "report.md").read_text()
+    assert "attention FLOPs / dense at T=32" in written
+    (tmp_path / "report.md").unlink()
+    _report_main(monkeypatch, ["--render-only", "--out", str(tmp_path)])
+    assert (tmp_path / "report.md").read_text() == written
