@@ -288,3 +288,30 @@ def test_budget_long_run_prints_its_curriculum_summary(tmp_path, capsys, monkeyp
     assert set(summary["test"]) == {"32", "64", "128"}  # T and the longer lengths
     assert 0.0 <= summary["test"]["32"]["accuracy"] <= 1.0
     assert summary["checkpoint"] == str(run / "checkpoint.pt")
+
+
+def test_model_and_mechanism_overrides_reach_the_job():
+    options = build_task_train_parser().parse_args(
+        ["--mechanism", "topk", "--mechanism-option", "topk=4", "--mechanism-option", "routing_positions=none",
+         "--model.dim", "32", "--model.depth", "1", "--model.heads", "4", "--model.positions", "learned"])
+    job = task_run_job("mqar", options)
+    assert (job.spec.dim, job.spec.depth, job.spec.heads, job.spec.positions) == (32, 1, 4, "learned")
+    assert job.options["topk"] == 4 and job.options["routing_positions"] == "none"
+    plain = task_run_job("mqar", build_task_train_parser().parse_args(["--mechanism", "topk"]))
+    assert plain.spec.dim == 64 and "routing_positions" not in plain.options
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--mechanism", "topk", "--mechanism-option", "nope=3"], r"--mechanism-option: .*'topk'.*got 'nope=3'"),
+    (["--mechanism-option", "window"], r"--mechanism-option: expected KEY=VALUE"),
+    (["--model.heads", "3"], r"--model.heads: must divide --model.dim 64; got 3"),
+    (["--model.positions", "abs"], r"--model.positions: one of \['learned', 'rotary', 'none'\]; got 'abs'"),
+    (["--model.dim", "0"], r"--model.dim: must be an integer >= 1"),
+])
+def test_bad_overrides_are_one_line_and_write_nothing(capsys, tmp_path, arguments, message):
+    import re
+
+    run = tmp_path / "run"
+    status, _, err = _run(capsys, ["train", "--task", "mqar", *arguments, "--out", str(run)])
+    assert status == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), err
+    assert not run.exists()

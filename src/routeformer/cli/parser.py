@@ -92,6 +92,16 @@ def build_task_train_parser() -> argparse.ArgumentParser:
                         help="whose setup and backbone: compare --quick's (default) or compare --long's "
                              "(its curriculum; tasks mqar, mqar_512, lm, code_lm): --budget long trains "
                              "the model compare --long trains for the same mechanism and seed")
+    parser.add_argument("--mechanism-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an option of the attention layer (repeatable; routeformer list names them), "
+                             "over the budget's options for the mechanism")
+    parser.add_argument("--model.dim", dest="model_dim", type=positive_int, default=None,
+                        help="backbone width (default: the budget's backbone)")
+    parser.add_argument("--model.depth", dest="model_depth", type=positive_int, default=None)
+    parser.add_argument("--model.heads", dest="model_heads", type=positive_int, default=None)
+    parser.add_argument("--model.mlp_ratio", dest="model_mlp_ratio", type=positive_float, default=None)
+    parser.add_argument("--model.positions", dest="model_positions", default=None,
+                        help="learned, rotary or none")
     parser.add_argument("--out", default=None,
                         help="run directory (default: runs/train-TASK-MECHANISM-seedS)")
     return parser

@@ -110,9 +110,45 @@ def task_run_job(task: str, options: argparse.Namespace) -> Job:
         schedule = replace(schedule, batch_size=options.batch_size)
     if options.lr is not None:
         schedule = replace(schedule, lr=options.lr)
-    setup = replace(setup, options=task_options, schedule=schedule, evals=options.evals or setup.evals)
+    chosen = _mechanism_options(mechanism, options.mechanism_option)
+    recipes = {**setup.mechanism_options, mechanism: {**setup.mechanism_options.get(mechanism, {}), **chosen}}
+    setup = replace(setup, options=task_options, schedule=schedule, evals=options.evals or setup.evals,
+                    mechanism_options=recipes)
     return task_job(f"train-{task}-{mechanism}-seed{options.seed}", task, mechanism, options.seed, setup,
-                    budget.spec)
+                    _model_spec(budget.spec, options))
+
+
+MODEL_KEYS = ("dim", "depth", "heads", "mlp_ratio", "positions")
+
+
+def _model_spec(spec, options: argparse.Namespace):
+    """The budget's backbone with the --model.KEY overrides (ValueError naming a bad one)."""
+    from routeformer.models.config import POSITION_KINDS
+
+    changes = {key: getattr(options, f"model_{key}") for key in MODEL_KEYS
+               if getattr(options, f"model_{key}") is not None}
+    if changes.get("positions", POSITION_KINDS[0]) not in POSITION_KINDS:
+        raise ValueError(f"argument --model.positions: one of {list(POSITION_KINDS)}; "
+                         f"got {changes['positions']!r}")
+    spec = replace(spec, **changes)
+    if spec.dim % spec.heads:
+        raise ValueError(f"argument --model.heads: must divide --model.dim {spec.dim}; got {spec.heads}")
+    return spec
+
+
+def _mechanism_options(mechanism: str, items: list[str]) -> dict[str, Any]:
+    """The layer options --mechanism-option sets (ValueError naming an option the layer has not)."""
+    from routeformer.attention.registry import attention_options
+
+    accepted = set(attention_options(mechanism))
+    chosen: dict[str, Any] = {}
+    for item in items:
+        key, equals, value = item.partition("=")
+        if not equals or key not in accepted:
+            raise ValueError(f"argument --mechanism-option: expected KEY=VALUE with KEY an option of "
+                             f"{mechanism!r} {sorted(accepted)}; got {item!r}")
+        chosen[key] = yaml.safe_load(value) if value else value
+    return chosen
 
 
 def _task_options(task: str, known: dict[str, Any], options: argparse.Namespace) -> dict[str, Any]:
