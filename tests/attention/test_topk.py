@@ -237,6 +237,20 @@ def test_recency_slope_learns_through_the_distillation_loss():
     assert layer.router.recency_logit.grad is not None and layer.router.recency_logit.grad.abs().sum() > 0
 
 
+def test_recency_init_sets_the_starting_slope_and_the_default_is_unchanged():
+    import torch.nn.functional as F
+
+    default = make(topk=4, routing_positions="recency")
+    assert torch.equal(default.router.recency_logit.detach(), torch.full_like(default.router.recency_logit, -3.0))
+    for slope in (1e-4, 0.05, 2.0):
+        layer = make(topk=4, routing_positions="recency", recency_init=slope)
+        torch.testing.assert_close(F.softplus(layer.router.recency_logit.detach()),
+                                   torch.full_like(layer.router.recency_logit, slope), rtol=1e-5, atol=0)
+    for bad in (0, -1.0, 60.0, True, "0.1"):
+        with pytest.raises(ValueError, match=r"recency_init must be a slope in \(0, 50\) or None"):
+            make(topk=4, recency_init=bad)
+
+
 def test_temperature_leaves_the_selection_and_scales_the_router_distribution():
     x = torch.randn(2, 40, DIM)
     cold, hot = make(topk=4, temperature=0.5), make(topk=4, temperature=2.0)

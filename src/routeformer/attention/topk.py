@@ -11,7 +11,8 @@ eligible keys; K + w + g ≥ T makes the layer full attention, with a `UserWarni
 
 Options (defaults in brackets; the measurements behind them: docs/results/topk.md):
 - `routing_positions` ["recency"]: how position enters s_ij. "recency": − β·(i − j), one learned
-  slope β = softplus(a) > 0 per routing head (starts at 0.05, one extra routing dim); "rotary":
+  slope β = softplus(a) > 0 per routing head (starts at `recency_init` [None: softplus(-3) ≈ 0.05],
+  one extra routing dim); "rotary":
   RoPE in the routing space (base `rotary_base`; needs an even `routing_dim`); "rotary+recency";
   "none": a position-blind router (the recall recipe at T = 4096, docs/results/claims.md).
 - `routing_learning` ["distill"]: the signal a hard top-k needs. "distill": aux loss
@@ -100,7 +101,7 @@ class TopKAttention(AttentionLayer):
         router_hidden: int = 0, recall_queries: int = 16, block: int = DEFAULT_ROUTING_BLOCK,
         dense_below: int | None = None, routing_positions: str = "recency",
         detach_router_input: bool = True, distill_queries: int | None = 64, distill_dense_steps: int = 0,
-        route_per: str = "head", **common,
+        route_per: str = "head", recency_init: float | None = None, **common,
     ) -> None:
         super().__init__(dim, heads, causal, **common)
         if route_per not in ROUTE_PER:
@@ -115,6 +116,10 @@ class TopKAttention(AttentionLayer):
                              f"got {routing_positions!r}")
         if "rotary" in routing_positions and routing_dim % 2:
             raise ValueError(f"routing_positions='rotary' needs an even routing_dim; got {routing_dim}")
+        numeric = isinstance(recency_init, (int, float)) and not isinstance(recency_init, bool)
+        if recency_init is not None and not (numeric and 0 < recency_init < 50):
+            raise ValueError(f"recency_init must be a slope in (0, 50) or None (softplus(-3) ≈ 0.05); "
+                             f"got {recency_init!r}")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0; got {temperature}")
         if not 0.0 <= exploration < 1.0:
@@ -157,7 +162,7 @@ class TopKAttention(AttentionLayer):
         self.routing_positions = routing_positions
         self.router = Router(dim, routing_heads, routing_dim, router_hidden,
                              frozen=routing_learning == "none", positions=routing_positions,
-                             rotary_base=self.rotary_base)
+                             rotary_base=self.rotary_base, recency_init=recency_init)
 
     def dense_limit(self, q: Tensor, k: Tensor, v: Tensor) -> int:
         """`dense_below`, or when it is None the measured crossover for these tensors: 256 keys

@@ -27,7 +27,8 @@ class Router(nn.Module):
     """
 
     def __init__(self, dim: int, routing_heads: int, routing_dim: int, hidden: int, frozen: bool,
-                 positions: str = "none", rotary_base: float = 10000.0) -> None:
+                 positions: str = "none", rotary_base: float = 10000.0,
+                 recency_init: float | None = None) -> None:
         super().__init__()
         self.routing_heads, self.routing_dim = routing_heads, routing_dim
         self.positions, self.rotary_base = positions, rotary_base
@@ -48,7 +49,10 @@ class Router(nn.Module):
             # step 0) solved previous-token as well but lost on the char LM (topk-position-lm,
             # 3 seeds): recency 2.84 ± 0.43 bits/char against 2.40 ± 0.04, rotary+recency
             # 2.90 ± 0.06 against 2.63 ± 0.04.
-            slope = torch.full((routing_heads,), -3.0)
+            # recency_init (> 0) starts β elsewhere, e.g. near 0 when a dense model's attention is
+            # the target (train/sparsify.py).
+            logit = -3.0 if recency_init is None else math.log(math.expm1(recency_init))
+            slope = torch.full((routing_heads,), logit)
             if frozen:
                 self.register_buffer("recency_logit", slope)
             else:
