@@ -1,7 +1,7 @@
 """meta on compare --long's T = 512 recall (mqar_512) for one seed, with the last stage's learning
 rate (and warm-up) overridden: a diagnostic of the collapse at the T = 512 stage (seeds 3 and 4 of
-docs/results/compare/long-routers-lr1e-3). Prints the validation accuracy per stage and the test
-accuracy at T.
+compare/long-routers-lr1e-3 in docs/results/history.md; docs/results/routers.md). Prints the
+validation accuracy per stage and the test accuracy at T.
 
     python scripts/meta_stage3_probe.py SEED [--lr LR] [--warmup N] [--mechanism meta]
 """

@@ -1,7 +1,8 @@
 """topk on one of compare --long's recall setups for one seed, with layer options overridden: a
-diagnostic of topk at T = 4096 (docs/results/compare/long-mqar-topk: 0.40 ± 0.07, routing recall
-falling from ~0.65 at T = 1024 to ~0.17 at 4096). Prints the validation accuracy per stage and the
-test accuracy at T; the job is compare's own (same batches, same curriculum) apart from the options.
+diagnostic of topk at T = 4096 (compare/long-mqar-topk in docs/results/history.md: 0.40 ± 0.07,
+routing recall falling from ~0.65 at T = 1024 to ~0.17 at 4096). Prints the validation accuracy per
+stage and the test accuracy at T; the job is compare's own (same batches, same curriculum) apart from
+the options.
 
     python scripts/topk_long_probe.py SEED [--task mqar] [--option NAME=VALUE ...]
 

@@ -133,13 +133,15 @@ META_RECALL_RECIPE = {
 # topk's recipe for the recall at T = 4096: a position-blind router (`routing_positions="none"`). The
 # default recency router ranks keys by r_q·r_k − β·(i − j); a slope learnt on the short stages costs
 # β·4000 at T = 4096, where the MQAR keys sit at the start of the context, and topk fell to 0.402 ±
-# 0.067 (docs/results/compare/long-mqar-topk; its routing recall ~0.65 at T = 1024, ~0.17 at 4096). A
-# dense distillation over every key all run did not help (0.371 / 0.413 on seeds 0 / 1); the blind
-# router reached validation 1.0 at T = 1024 and 4096 on seeds 0 and 1
+# 0.067 (compare/long-mqar-topk in docs/results/history.md; its routing recall ~0.65 at T = 1024, ~0.17
+# at 4096). A dense distillation over every key all run did not help (0.371 / 0.413 on seeds 0 / 1); the
+# blind router reached validation 1.0 at T = 1024 and 4096 on seeds 0 and 1
 # (`scripts/topk_long_probe.py SEED --option "routing_positions='none'"`). Chosen on those
 # validation curves; the T = 512 recall keeps the default (recency solved it on 5 of 5 seeds). Its cost:
-# 3.45x full's step at T = 4096 (docs/results/compare/long-mqar-topk-blind): the blind first layer's
-# routing keys take 15 distinct values, and the selection kernels slow down under the ties.
+# 3.45x full's step at T = 4096 before the routing fixes for tied keys (compare/long-mqar-topk-blind in
+# docs/results/history.md): the blind first layer's routing keys take 15 distinct values, and the
+# selection kernels slowed down under the ties; after the fixes 0.50x on 5 seeds
+# (docs/results/compare/long-mqar-5seeds/README.md).
 TOPK_LONG_RECALL_RECIPE = {"routing_positions": "none"}
 
 # Chosen on validation (accuracy / bits per character of `full`), never on the test numbers the report

@@ -2,7 +2,7 @@
 route_topk_f32) on the same random routing vectors, alternating in one process; both select the same
 keys (tests/ops/test_topk_speculative.py). Run at a forced level to time that build, e.g.
 
-    ROUTEFORMER_ISA=avx2 python docs/results/ops-avx2-runs/speculative_vs_tiled.py --length 16384
+    ROUTEFORMER_ISA=avx2 python scripts/speculative_vs_tiled.py --length 16384
 
 Prints each kernel's median time, the median of the per-round ratios (with their range) and how many
 queries had their threshold guess refuted and were routed again."""

@@ -3,7 +3,7 @@ dtypes take turns on the same inputs (T = 16384, 4 heads, d = 64, w = 256, causa
 otherwise), and the ratio of their medians is printed (> 1: bf16 is faster). Run it before and after
 a change to the local kernels, alternating, as in docs/results/ops-avx2.md:
 
-    python docs/results/ops-avx2-runs/bf16_local_ratio.py --rounds 8
+    python scripts/bf16_local_ratio.py --rounds 8
 """
 
 import argparse

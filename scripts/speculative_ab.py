@@ -11,8 +11,8 @@ time, the median per-round ratio B / A with its range, and whether both gave the
 same keys; for the attention, outputs equal within 1e-5). A revision `WORKTREE` is the working
 tree's files. Run from the repository root, e.g.
 
-    python docs/results/ops-avx2-runs/speculative_ab.py 2733147~1 HEAD --threads 2
-    python docs/results/ops-avx2-runs/speculative_ab.py HEAD WORKTREE --op attention --threads 2
+    python scripts/speculative_ab.py 2733147~1 HEAD --threads 2
+    python scripts/speculative_ab.py HEAD WORKTREE --op attention --threads 2
 """
 
 import argparse
