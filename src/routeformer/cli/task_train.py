@@ -111,7 +111,9 @@ def task_run_job(task: str, options: argparse.Namespace) -> Job:
     if options.lr is not None:
         schedule = replace(schedule, lr=options.lr)
     chosen = _mechanism_options(mechanism, options.mechanism_option)
-    recipes = {**setup.mechanism_options, mechanism: {**setup.mechanism_options.get(mechanism, {}), **chosen}}
+    recipes = setup.mechanism_options
+    if chosen:
+        recipes = {**recipes, mechanism: {**recipes.get(mechanism, {}), **chosen}}
     setup = replace(setup, options=task_options, schedule=schedule, evals=options.evals or setup.evals,
                     mechanism_options=recipes)
     return task_job(f"train-{task}-{mechanism}-seed{options.seed}", task, mechanism, options.seed, setup,
