@@ -241,7 +241,8 @@ def test_recency_init_sets_the_starting_slope_and_the_default_is_unchanged():
     import torch.nn.functional as F
 
     default = make(topk=4, routing_positions="recency")
-    assert torch.equal(default.router.recency_logit.detach(), torch.full_like(default.router.recency_logit, -3.0))
+    logit = default.router.recency_logit.detach()
+    assert torch.equal(logit, torch.full_like(logit, -3.0))
     for slope in (1e-4, 0.05, 2.0):
         layer = make(topk=4, routing_positions="recency", recency_init=slope)
         torch.testing.assert_close(F.softplus(layer.router.recency_logit.detach()),

@@ -292,7 +292,8 @@ def test_budget_long_run_prints_its_curriculum_summary(tmp_path, capsys, monkeyp
 
 def test_model_and_mechanism_overrides_reach_the_job():
     options = build_task_train_parser().parse_args(
-        ["--mechanism", "topk", "--mechanism-option", "topk=4", "--mechanism-option", "routing_positions=none",
+        ["--mechanism", "topk", "--mechanism-option", "topk=4",
+         "--mechanism-option", "routing_positions=none",
          "--model.dim", "32", "--model.depth", "1", "--model.heads", "4", "--model.positions", "learned"])
     job = task_run_job("mqar", options)
     assert (job.spec.dim, job.spec.depth, job.spec.heads, job.spec.positions) == (32, 1, 4, "learned")
