@@ -4,6 +4,8 @@ types that reject bad numbers, and the parser that turns a bad command line into
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
+from typing import Any
 
 DEFAULT_CONFIG = "char-lm"  # the bundled config `routeformer train` uses without --config
 
@@ -69,6 +71,22 @@ def positive_float(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0; got {text!r}")
     return value
+
+
+def key_values(items: list[str], argument: str, accepted: Iterable[str] | None = None,
+               allowed: str = "") -> dict[str, Any]:
+    """{KEY: VALUE} from a repeatable `argument`'s ["KEY=VALUE", ...], each VALUE read as YAML
+    (numbers, booleans, strings). ValueError "argument ARGUMENT: expected KEY=VALUE{allowed}; got
+    ITEM" for an item that is not KEY=VALUE or whose KEY is not in `accepted` (None: any KEY)."""
+    import yaml
+
+    chosen: dict[str, Any] = {}
+    for item in items:
+        key, equals, value = item.partition("=")
+        if not equals or not key or (accepted is not None and key not in accepted):
+            raise ValueError(f"argument {argument}: expected KEY=VALUE{allowed}; got {item!r}")
+        chosen[key] = yaml.safe_load(value) if value else value
+    return chosen
 
 
 def build_task_train_parser() -> argparse.ArgumentParser:

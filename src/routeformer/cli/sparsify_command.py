@@ -11,21 +11,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 SOURCE_KINDS = "SRC must be a task run directory of `routeformer train --task NAME` or its checkpoint file"
 
 
 def layer_options(items: list[str]) -> dict[str, Any]:
-    """{KEY: VALUE} from ["KEY=VALUE", ...], each VALUE read as YAML (numbers, booleans, strings);
-    ValueError naming --option when an item is not KEY=VALUE."""
-    chosen: dict[str, Any] = {}
-    for item in items:
-        key, equals, value = item.partition("=")
-        if not equals or not key:
-            raise ValueError(f"argument --option: expected KEY=VALUE; got {item!r}")
-        chosen[key] = yaml.safe_load(value) if value else value
-    return chosen
+    """{KEY: VALUE} from --option's ["KEY=VALUE", ...] (cli.parser.key_values)."""
+    from routeformer.cli.parser import key_values
+
+    return key_values(items, "--option")
 
 
 def _check_options(mechanism: str, options: dict[str, Any]) -> None:

@@ -23,10 +23,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from routeformer.cli.exit_status import EXIT_INTERRUPTED
-from routeformer.cli.parser import build_task_train_parser
+from routeformer.cli.parser import build_task_train_parser, key_values
 from routeformer.runner.jobs import Job, TaskSetup
 
 
@@ -142,26 +140,15 @@ def _mechanism_options(mechanism: str, items: list[str]) -> dict[str, Any]:
     """The layer options --mechanism-option sets (ValueError naming an option the layer has not)."""
     from routeformer.attention.registry import attention_options
 
-    accepted = set(attention_options(mechanism))
-    chosen: dict[str, Any] = {}
-    for item in items:
-        key, equals, value = item.partition("=")
-        if not equals or key not in accepted:
-            raise ValueError(f"argument --mechanism-option: expected KEY=VALUE with KEY an option of "
-                             f"{mechanism!r} {sorted(accepted)}; got {item!r}")
-        chosen[key] = yaml.safe_load(value) if value else value
-    return chosen
+    accepted = sorted(attention_options(mechanism))
+    return key_values(items, "--mechanism-option", accepted,
+                      f" with KEY an option of {mechanism!r} {accepted}")
 
 
 def _task_options(task: str, known: dict[str, Any], options: argparse.Namespace) -> dict[str, Any]:
     """The task options --seq-len and --option set."""
-    chosen: dict[str, Any] = {}
-    for item in options.option:
-        key, equals, value = item.partition("=")
-        if not equals or key not in known:
-            raise ValueError(f"argument --option: expected KEY=VALUE with KEY an option of task {task!r} "
-                             f"{sorted(known)}; got {item!r}")
-        chosen[key] = yaml.safe_load(value) if value else value
+    chosen = key_values(options.option, "--option", known,
+                        f" with KEY an option of task {task!r} {sorted(known)}")
     if options.seq_len is not None:
         if "seq_len" not in known:
             raise ValueError(f"argument --seq-len: task {task!r} has no seq_len option (its length follows "

@@ -37,6 +37,9 @@ from routeformer.train.schedule import Schedule
 from routeformer.train.task_loop import TaskHistory, TaskTrainConfig, train_task
 
 CONVERTIBLE = ("topk", "meta", "mita")
+# Mechanisms whose router learns in stage 1 from its own KL to dense attention (the task loss is
+# not trained on); the others' routing parameters learn from the task loss and their aux loss.
+KL_WARMUP = ("topk",)
 SOURCE_MECHANISMS = ("full",)
 # Mechanisms with no parameters of their own: stage 1 has nothing to train (steps=0).
 WITHOUT_ROUTING_PARAMETERS = ("mita",)
@@ -126,7 +129,7 @@ def stage_options(mechanism: str, options: dict[str, Any] | None, steps: int) ->
     (`routing_learning="distill"`, `distill_dense_steps=steps`). ValueError when `options` asks
     for another routing_learning."""
     chosen = dict(options or {})
-    if mechanism == "topk":
+    if mechanism in KL_WARMUP:
         learning = chosen.setdefault("routing_learning", "distill")
         if learning != "distill":
             raise ValueError(f"option routing_learning={learning!r}: the conversion trains topk's router "
@@ -203,7 +206,7 @@ def convert_on_task(
 
     def warm_up(m: nn.Module, inputs: torch.Tensor, labels: torch.Tensor):
         output = m(inputs, labels, mask=task.mask(inputs), logits_at_labels=True)
-        if mechanism != "topk":
+        if mechanism not in KL_WARMUP:
             return output  # no dense-attention KL: the task loss and the aux loss train the router
         return dataclasses.replace(output, loss=output.loss.detach())  # the KL alone trains
 
