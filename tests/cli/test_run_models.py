@@ -15,6 +15,7 @@ from routeformer.cli.parser import build_task_train_parser
 from routeformer.cli.task_train import task_run_job
 from routeformer.models.heads import CausalLM, TokenPredictor
 from routeformer.runner.jobs import train_job
+from routeformer.tasks import list_tasks
 from routeformer.train.checkpoint import (
     checkpoint_files,
     is_task_model,
@@ -316,3 +317,16 @@ def test_bad_overrides_are_one_line_and_write_nothing(capsys, tmp_path, argument
     status, _, err = _run(capsys, ["train", "--task", "mqar", *arguments, "--out", str(run)])
     assert status == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), err
     assert not run.exists()
+
+
+@pytest.mark.parametrize("task", sorted(list_tasks()))
+def test_every_registered_task_keeps_a_model_that_eval_reads(task, tmp_path, capsys):
+    out = tmp_path / task
+    length = ["--seq-len", "64"] if "seq_len" in list_tasks()[task] else []
+    assert main(["train", "--task", task, *length, "--steps", "2", "--evals", "1", "--batch-size", "4",
+                 "--out", str(out)]) == 0
+    assert Path(_last_json(capsys.readouterr().out)["checkpoint"]).is_file()
+    record = json.loads((out / "record.json").read_text())
+    status, printed, _ = _run(capsys, ["eval", str(out), "--split", "test"])
+    tested = json.loads(printed)
+    assert status == 0 and {key: tested[key] for key in record["test"]} == record["test"]
