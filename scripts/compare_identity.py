@@ -1,0 +1,50 @@
+"""Whether two `routeformer compare` invocations gave the same quality numbers, seed by seed.
+
+    python scripts/compare_identity.py BEFORE/result.json AFTER/result.json [--out identity.txt]
+
+Prints one line per (task, mechanism) cell, the two means and whether every per-seed quality is
+equal bit for bit, then the count; exits 1 when a cell differs or is missing on one side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def per_seed(path: Path) -> dict[tuple[str, str], list[float]]:
+    """{(task, mechanism): the per-seed qualities} of a compare result.json."""
+    tasks = json.loads(path.read_text())["tasks"]
+    return {(task, row["mechanism"]): row["qualities"]
+            for task, data in tasks.items() for row in data["rows"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("before", type=Path)
+    parser.add_argument("after", type=Path)
+    parser.add_argument("--out", type=Path, default=None, help="also write the lines here")
+    args = parser.parse_args()
+    before, after = per_seed(args.before), per_seed(args.after)
+    lines, same = [], 0
+    for cell in sorted(before.keys() | after.keys()):
+        left, right = before.get(cell), after.get(cell)
+        equal = left == right
+        same += equal
+        verdict = "identical" if equal else ("DIFFERENT" if left and right else "MISSING on one side")
+        lines.append(f"{cell[0]:8s} {cell[1]:8s} {verdict}: before {left} after {right}")
+    total = len(before.keys() | after.keys())
+    seeds = sum(len(values) for values in before.values())
+    lines.append(f"{same} of {total} (task, mechanism) cells identical in every seed "
+                 f"({seeds} per-seed numbers before)")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out is not None:
+        args.out.write_text(text)
+    return 0 if same == total else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
