@@ -7,8 +7,8 @@ import pytest
 from routeformer.cli import main
 from routeformer.compare import budgets, costs
 from routeformer.compare.budgets import CompareBudget, check_selection
-from routeformer.compare.report import pareto_front, separated
 from routeformer.compare.run import run_compare
+from routeformer.compare.stats import pareto_front, separated
 from routeformer.runner import jobs
 from routeformer.runner.jobs import TaskSetup
 from routeformer.runner.report import mean_sd

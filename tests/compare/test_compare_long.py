@@ -9,13 +9,9 @@ import pytest
 from routeformer.cli import main
 from routeformer.compare import budgets, costs
 from routeformer.compare.budgets import LONG, check_long_selection, curriculum_setup
+from routeformer.compare.report.staged import copy_section, position_section, training_section
 from routeformer.compare.run import compare_jobs, run_compare
-from routeformer.compare.staged_report import (
-    _copy_section,
-    _position_section,
-    _training_section,
-    paired_delta,
-)
+from routeformer.compare.stats import paired_delta
 from routeformer.runner import jobs
 from routeformer.runner.jobs import Job, train_job
 from routeformer.runner.setups import Stage
@@ -170,10 +166,7 @@ def test_one_stage_trains_as_the_plain_compare_path():
 
 
 def test_paired_delta_pairs_by_seed():
-    def rec(seed, value):
-        return {"seed": seed, "tests": {"8": {"accuracy": value}}}
-
-    assert paired_delta([rec(1, 0.5), rec(0, 0.2)], [rec(0, 0.1), rec(1, 0.3)], "8", "accuracy") == (
+    assert paired_delta([(1, 0.5), (0, 0.2)], {0: 0.1, 1: 0.3}) == (
         pytest.approx(0.15),
         pytest.approx(0.0707106781),
     )
@@ -229,14 +222,14 @@ def test_position_section_averages_buckets_over_seeds_beside_the_floors():
     runs = {"full": [record(0, 2.0, 1.0), record(1, 2.2, 1.2)],
             "local": [record(0, 2.0, 1.5), record(1, 2.0, 1.7)]}
     floor = {"position_baselines": {"bigram (bits/char)": {"0-32": 3.5, "32-64": 3.25}}}
-    lines = _position_section(runs, "64", floor)
+    lines = position_section(runs, "64", floor)
     table = lines[1]
     assert "| full | 2.100 ± 0.141 | 1.100 ± 0.141 |" in table
     assert "| local | 2.000 ± 0.000 | 1.600 ± 0.141 |" in table
     assert "| floor: bigram (bits/char) | 3.500 | 3.250 |" in table
     assert "0-32: 32" in lines[0]
     runs["local"][0]["tests"]["64"].pop("bits_per_char_by_position")  # a record of old: no section
-    assert _position_section(runs, "64", floor) == []
+    assert position_section(runs, "64", floor) == []
 
 
 def test_meta_costs_are_timed_at_the_trained_shares_past_the_warmup():
@@ -260,7 +253,7 @@ def test_position_deltas_pair_seeds_and_star_a_gap_beyond_three_sd():
 
     runs = {"full": [record(0, 2.0, 1.0), record(1, 2.2, 1.2)],
             "local": [record(1, 2.2, 1.7), record(0, 2.1, 1.5)]}  # seed order differs: paired by seed
-    deltas = _position_section(runs, "64", {})[3]
+    deltas = position_section(runs, "64", {})[3]
     assert "| local | +0.050 ± 0.071 | +0.500 ± 0.000 * |" in deltas
 
 
@@ -273,12 +266,12 @@ def test_copy_section_gives_bits_on_copy_predictable_characters_and_the_paired_g
             "local": [record(0, 1.5, 1.4), record(1, 1.8, 1.6)]}
     floor = {"copy_predictable_baselines": {"copy-predictable fraction": {"8": 0.2, "16": 0.1},
                                             "bigram (bits/char)": {"8": 3.0, "16": 2.9}}}
-    intro, table = _copy_section(runs, "64", floor)
+    intro, table = copy_section(runs, "64", floor)
     assert "c = 8: 0.200, c = 16: 0.100" in intro
     assert "| full | 0.600 ± 0.141 | — | 0.500 ± 0.141 | — |" in table
     assert "| local | 1.650 ± 0.212 | +1.050 ± 0.071 * | 1.500 ± 0.141 | +1.000 ± 0.000 * |" in table
     assert "| floor: bigram (bits/char) | 3.000 |  | 2.900 |  |" in table
-    assert _copy_section({"full": [{"seed": 0, "tests": {"64": {}}}]}, "64", floor) == []
+    assert copy_section({"full": [{"seed": 0, "tests": {"64": {}}}]}, "64", floor) == []
 
 
 def test_training_section_follows_the_last_bucket_along_the_stage_at_t():
@@ -294,13 +287,13 @@ def test_training_section_follows_the_last_bucket_along_the_stage_at_t():
                                                  entry(1, 20, 1.0, 0.5)]},
                      {"seed": 1, "validation": [entry(1, 10, 3.0, 2.0), entry(1, 20, 2.0, 1.5)]}],
             "local": [{"seed": 0, "validation": [entry(1, 10, 2.5, 2.5), entry(1, 20, 2.4, 2.4)]}]}
-    intro, table = _training_section(runs, setup)
+    intro, table = training_section(runs, setup)
     assert "32-64 bucket" in intro
     # tokens: the first stage's 10 x 4 x 32, then 2 x 64 per step at T
     assert "| 10 | 0.0 | 2.500 | 1.500 | 2.500 | 2.500 |" in table
     assert "| 20 | 0.0 | 1.500 | 1.000 | 2.400 | 2.400 |" in table
     assert "full: copy-predictable (c = 8)" in table
     # with the cost table: seconds at T = steps x ms per step
-    _, timed = _training_section(runs, setup, {"full": {"train_ms_per_step": 500.0},
+    _, timed = training_section(runs, setup, {"full": {"train_ms_per_step": 500.0},
                                                "local": {"train_ms_per_step": 250.0}})
     assert "| 20 | 0.0 | 10 | 1.500 | 1.000 | 5 | 2.400 | 2.400 |" in timed

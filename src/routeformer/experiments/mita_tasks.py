@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from routeformer.compare.report import separated, task_floor
+from routeformer.compare.report import task_floor
+from routeformer.compare.stats import separated
 from routeformer.experiments.registry import register_experiment
 from routeformer.runner.jobs import TaskSetup, cached_run, say
 from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result

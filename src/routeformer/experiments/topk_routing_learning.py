@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.compare.budgets import QUICK
-from routeformer.compare.report import separated, task_floor
+from routeformer.compare.report import task_floor
+from routeformer.compare.stats import separated
 from routeformer.experiments.registry import register_experiment
 from routeformer.runner.jobs import Job, TaskSetup, cached_run, run_jobs, say
 from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result

@@ -1,8 +1,9 @@
-"""The report's sections for a staged task (`compare --long`: a curriculum, tests at multiples of T):
+"""A staged task's part of the report (`compare --long`: a curriculum, tests at multiples of T):
 per evaluated length, quality (mean ± sd over seeds) beside chance and the shortcut rules, the
 paired difference from `full` (per seed: every mechanism saw the same batches), and the cost ratios
-measured in the same run — the "where routing pays" table; result.json's `records` hold one record
-per (task, length, mechanism, seed). compare/report.py writes the report around them."""
+measured in the same run — the "where routing pays" table; LM tasks add bits per character per
+position bucket and on the copy-predictable characters, and validation along the stage at T.
+result.json's `records` hold one record per (task, length, mechanism, seed) (`flat_records`)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,24 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.attention import baseline_name
-from routeformer.compare.stats import pareto_front, separated
+from routeformer.compare.report.tables import (
+    NO_DELTA,
+    bucket_cells,
+    delta_cell,
+    floor_rows,
+    mean_sd_cell,
+    optional_cell,
+    ratio_cell,
+    shortcut_rules,
+    yes_no,
+)
+from routeformer.compare.stats import beats_floor, best_floor, delta_separated, paired_delta, pareto_front
 from routeformer.runner.report import markdown_table, mean_sd, scatter_plot
 from routeformer.runner.setups import TaskSetup
 from routeformer.train.on_task import ModelSpec
+
+STRETCH_MARGIN = 0.02  # the stretch bar: within 0.02 accuracy / bits per char of full ...
+STRETCH_SPEEDUP = 2.0  # ... at >= 2x less training time per step at that length
 
 
 def staged_intro(spec: ModelSpec, repeats: int) -> str:
@@ -69,13 +84,6 @@ def flat_records(task: str, by_mechanism: dict[str, list[dict[str, Any]]], costs
     return rows
 
 
-def paired_delta(records: list[dict], full: list[dict], length: str, metric: str) -> tuple[float, float]:
-    """Mean ± sd over seeds of (mechanism - full) at `length`: the same seed saw the same batches."""
-    by_seed = {r["seed"]: r["tests"][length][metric] for r in full}
-    deltas = [r["tests"][length][metric] - by_seed[r["seed"]] for r in records if r["seed"] in by_seed]
-    return mean_sd(deltas) if deltas else (float("nan"), float("nan"))
-
-
 def staged_task_sections(
     out: Path, task: str, setup: TaskSetup, by_mechanism: dict[str, list[dict]], costs: dict[str, dict],
     floors: dict[int, dict],
@@ -103,13 +111,13 @@ def staged_task_sections(
         for m, shares in forced.items() if shares]
     summary, details = {}, []
     for multiple, length in zip((1, *setup.eval_multiples), map(str, setup.lengths), strict=True):
-        rows, table = _length_rows(by_mechanism, costs, floors[int(length)], length)
+        rows, table = length_rows(by_mechanism, costs, floors[int(length)], length)
         summary[length] = rows
-        details += _length_section(task, length, multiple, rows, table, floors[int(length)])
-        details += _position_section(by_mechanism, length, floors[int(length)])
-        details += _copy_section(by_mechanism, length, floors[int(length)])
+        details += length_section(task, length, multiple, table, floors[int(length)])
+        details += position_section(by_mechanism, length, floors[int(length)])
+        details += copy_section(by_mechanism, length, floors[int(length)])
     floor = floors[setup.seq_len]
-    sections += _pays_section(task, summary, floor) + details + _training_section(by_mechanism, setup, costs)
+    sections += pays_section(task, summary, floor) + details + training_section(by_mechanism, setup, costs)
     points = {m: (r["train_ms_per_step"], r["quality_mean"]) for m, r in summary[str(setup.seq_len)].items()}
     scatter_plot(
         out / f"pareto_{task}.png",
@@ -119,7 +127,7 @@ def staged_task_sections(
         ylabel=floor["metric"],
         title=f"{task} at T={setup.seq_len}: quality (mean ± sd) vs step time",
         errors={m: r["quality_sd"] for m, r in summary[str(setup.seq_len)].items()},
-        reference=("best shortcut / chance", _best_floor(floor)),
+        reference=("best shortcut / chance", best_floor(floor)),
         samples={m: [rec["tests"][str(setup.seq_len)][floor["metric"]] for rec in records]
                  for m, records in by_mechanism.items()},
         limits=(0.0, 1.0) if floor["metric"] == "accuracy" else (0.0, float("inf")),
@@ -131,42 +139,37 @@ def staged_task_sections(
     return sections, summary
 
 
-def _best_floor(floor: dict[str, Any]) -> float:
-    return (max if floor["higher_is_better"] else min)([floor["chance"], *floor["baselines"].values()])
+def _mean_flops(records: list[dict], length: str) -> float:
+    """Attention FLOPs per sequence at `length`, mean over the records."""
+    return statistics.fmean(r["tests"][length]["attention_flops_per_token"] for r in records) * int(length)
 
 
-def _length_rows(by_mechanism: dict, costs: dict, floor: dict, length: str) -> tuple[dict, list]:
+def length_rows(by_mechanism: dict, costs: dict, floor: dict, length: str) -> tuple[dict, list]:
+    """Per mechanism at `length`: its result.json row (quality mean ± sd, paired Δ vs full, whether
+    it beats the floor, params, cost ratios, FLOPs, peak memory) and its row of the length table."""
     metric, higher = floor["metric"], floor["higher_is_better"]
     baseline = baseline_name()  # full: the deltas and ratios are against it
     full = by_mechanism.get(baseline, [])
-    best = _best_floor(floor)
+    full_values = {r["seed"]: r["tests"][length][metric] for r in full}
+    best = best_floor(floor)
     rows, table = {}, []
     for mechanism, records in by_mechanism.items():
         values = [r["tests"][length][metric] for r in records]
         mean, sd = mean_sd(values)
-        delta = paired_delta(records, full, length, metric) if full and mechanism != baseline else (0.0, 0.0)
+        delta = (paired_delta([(r["seed"], r["tests"][length][metric]) for r in records], full_values)
+                 if full and mechanism != baseline else (0.0, 0.0))
         cost = costs[mechanism]
         inference = cost["inference"][length]
-        flops = statistics.fmean(r["tests"][length]["attention_flops_per_token"] for r in records) * int(
-            length
-        )
-        full_flops = (
-            statistics.fmean(r["tests"][length]["attention_flops_per_token"] for r in full) * int(length)
-            if full
-            else None
-        )
-        beats = (
-            len(values) > 1
-            and separated((mean, sd), (best, 0.0))
-            and (mean > best if higher else mean < best)
-        )
+        flops = _mean_flops(records, length)
+        full_flops = _mean_flops(full, length) if full else None
+        beats = beats_floor(values, best, higher)
         row = {
             "quality_mean": mean,
             "quality_sd": sd,
             "qualities": values,
             "delta_mean": delta[0],
             "delta_sd": delta[1],
-            "delta_separated": mechanism != baseline and len(values) > 1 and abs(delta[0]) > 3 * delta[1],
+            "delta_separated": mechanism != baseline and delta_separated(*delta, len(values)),
             "beats_floor": beats,
             "params": records[0]["parameters"],
             "train_ms_per_step": cost["train_ms_per_step"],
@@ -182,29 +185,27 @@ def _length_rows(by_mechanism: dict, costs: dict, floor: dict, length: str) -> t
             [
                 mechanism,
                 row["params"],
-                f"{mean:.4f} ± {sd:.4f}",
-                "yes" if beats else "no",
-                "—"
-                if mechanism == baseline
-                else f"{delta[0]:+.4f} ± {delta[1]:.4f}" + (" *" if row["delta_separated"] else ""),
-                f"{row['train_time_vs_full']:.2f}",
-                f"{row['infer_time_vs_full']:.2f}",
-                "-" if row["flops_vs_full"] is None else f"{row['flops_vs_full']:.2f}",
+                mean_sd_cell(mean, sd),
+                yes_no(beats),
+                NO_DELTA if mechanism == baseline else delta_cell(*delta, row["delta_separated"], digits=4),
+                ratio_cell(row["train_time_vs_full"]),
+                ratio_cell(row["infer_time_vs_full"]),
+                ratio_cell(row["flops_vs_full"]),
                 f"{row['train_ms_per_step']:.0f}",
                 f"{row['infer_ms_per_seq']:.1f}",
-                "-" if row["peak_mib"] is None else f"{row['peak_mib']:.0f}",
+                optional_cell(row["peak_mib"], ".0f"),
             ]
         )
     return rows, table
 
 
-def _length_section(task: str, length: str, multiple: int, rows: dict, table: list, floor: dict) -> list[str]:
+def length_section(task: str, length: str, multiple: int, table: list, floor: dict) -> list[str]:
+    """The heading, floor and table (`length_rows`) of one evaluated length (`multiple` x T)."""
     metric = floor["metric"]
-    baselines = "; ".join(f"{name}: {value:.4f}" for name, value in floor["baselines"].items())
     where = "the training length" if multiple == 1 else f"{multiple}x the training length, forward only"
     return [
         f"### {task} at T = {length} ({where})",
-        f"Floor: chance {floor['chance']:.4f}; shortcut rules on the test split: {baselines}.",
+        f"Floor: chance {floor['chance']:.4f}; shortcut rules on the test split: {shortcut_rules(floor)}.",
         markdown_table(
             [
                 "mechanism",
@@ -224,19 +225,20 @@ def _length_section(task: str, length: str, multiple: int, rows: dict, table: li
     ]
 
 
-def _position_section(by_mechanism: dict, length: str, floor: dict) -> list[str]:
+def position_section(by_mechanism: dict, length: str, floor: dict) -> list[str]:
     """LM tasks: bits per character per position bucket of the window (mean ± sd over seeds), beside
     the n-gram floors of the same buckets on the same test windows: a mechanism that reads only
-    nearby text loses in the late buckets."""
+    nearby text loses in the late buckets. With full and another mechanism, a second table of the
+    paired Δ vs full per bucket (— where no seed pairs with full). [] when a record lacks buckets."""
     per_seed = {m: [r["tests"][length].get("bits_per_char_by_position") for r in records]
                 for m, records in by_mechanism.items()}
     if not per_seed or any(b is None for values in per_seed.values() for b in values):
         return []
     buckets = list(next(iter(per_seed.values()))[0])
-    table = [[m, *[("{:.3f} ± {:.3f}".format(*mean_sd([b[bucket] for b in values]))) for bucket in buckets]]
-             for m, values in per_seed.items()]
-    for name, by_bucket in floor.get("position_baselines", {}).items():
-        table.append([f"floor: {name}", *[f"{by_bucket[bucket]:.3f}" for bucket in buckets]])
+    seeds = {m: [r["seed"] for r in records] for m, records in by_mechanism.items()}
+    cells = bucket_cells(per_seed, seeds, buckets)
+    table = [[m, *[value for value, _ in row]] for m, row in cells.items()]
+    table += floor_rows(floor.get("position_baselines", {}), buckets)
     counts = next(iter(by_mechanism.values()))[0]["tests"][length].get("tokens_by_position", {})
     lines = [
         f"Bits per character by position in the window at T = {length} (mean ± sd over seeds; with "
@@ -244,19 +246,9 @@ def _position_section(by_mechanism: dict, length: str, floor: dict) -> list[str]
         + ", ".join(f"{b}: {n}" for b, n in counts.items()) + ").",
         markdown_table(["mechanism", *[f"{b}" for b in buckets]], table),
     ]
-    full = per_seed.get(baseline_name())
-    seeds = {m: [r["seed"] for r in records] for m, records in by_mechanism.items()}
-    if full is None or len(per_seed) < 2:
+    if baseline_name() not in per_seed or len(per_seed) < 2:
         return lines
-    full_by_seed = dict(zip(seeds[baseline_name()], full, strict=True))
-    deltas = []
-    for mechanism, values in per_seed.items():
-        if mechanism == baseline_name():
-            continue
-        paired = [(value, full_by_seed[seed]) for seed, value in zip(seeds[mechanism], values, strict=True)
-                  if seed in full_by_seed]
-        deltas.append([mechanism, *[_delta_cell([mine[b] - theirs[b] for mine, theirs in paired])
-                                    for b in buckets]])
+    deltas = [[m, *[delta for _, delta in row]] for m, row in cells.items() if m != baseline_name()]
     return lines + [
         f"Δ vs full by position at T = {length} (the mechanism's bits/char minus full's, mean ± sd over "
         "seeds of the per-seed difference; > 0: full is better there; * beyond 3 sd).",
@@ -264,37 +256,23 @@ def _position_section(by_mechanism: dict, length: str, floor: dict) -> list[str]
     ]
 
 
-def _delta_cell(deltas: list[float]) -> str:
-    mean, sd = mean_sd(deltas)
-    return f"{mean:+.3f} ± {sd:.3f}" + (" *" if len(deltas) > 1 and abs(mean) > 3 * sd else "")
-
-
-def _copy_section(by_mechanism: dict, length: str, floor: dict) -> list[str]:
+def copy_section(by_mechanism: dict, length: str, floor: dict) -> list[str]:
     """LM tasks with documents="start": bits per character on the copy-predictable characters (the
     next character follows an earlier occurrence of its preceding context more than the copy
     distance back, with no nearer one: tasks/lm.py), per context length, beside full and the n-gram
-    floors on the same characters."""
+    floors on the same characters. [] when a record has none."""
     per_seed = {m: [r["tests"][length].get("bits_per_char_copy_predictable") for r in records]
                 for m, records in by_mechanism.items()}
     if not per_seed or any(not b for values in per_seed.values() for b in values):
         return []
     contexts = list(next(iter(per_seed.values()))[0])
-    full = {r["seed"]: r["tests"][length]["bits_per_char_copy_predictable"]
-            for r in by_mechanism.get(baseline_name(), [])}
-    table = []
-    for mechanism, records in by_mechanism.items():
-        row = [mechanism]
-        for context in contexts:
-            row.append("{:.3f} ± {:.3f}".format(*mean_sd([b[context] for b in per_seed[mechanism]])))
-            paired = [r["tests"][length]["bits_per_char_copy_predictable"][context] - full[r["seed"]][context]
-                      for r in records if r["seed"] in full]
-            row.append("—" if mechanism == baseline_name() or not paired else _delta_cell(paired))
-        table.append(row)
-    floors = floor.get("copy_predictable_baselines", {})
-    for name, by_context in floors.items():
-        if name.endswith("(bits/char)"):
-            cells = [cell for c in contexts for cell in (f"{by_context[c]:.3f}", "")]
-            table.append([f"floor: {name}", *cells])
+    seeds = {m: [r["seed"] for r in records] for m, records in by_mechanism.items()}
+    table = [[m, *[cell for pair in row for cell in pair]]
+             for m, row in bucket_cells(per_seed, seeds, contexts).items()]
+    bits_floors = {name: by_context for name, by_context in
+                   floor.get("copy_predictable_baselines", {}).items()
+                   if name.endswith("(bits/char)")}
+    table += floor_rows(bits_floors, contexts, blank_after=True)
     fraction = next(iter(by_mechanism.values()))[0]["tests"][length].get("copy_predictable_fraction", {})
     return [
         f"Bits per character on the copy-predictable characters at T = {length}: the next character "
@@ -311,12 +289,12 @@ def _mean_of(entries: list[dict], field: str, key: str) -> str:
     return f"{statistics.fmean(entry[field][key] for entry in entries):.3f}" if entries else "-"
 
 
-def _training_section(by_mechanism: dict, setup: TaskSetup, costs: dict | None = None) -> list[str]:
+def training_section(by_mechanism: dict, setup: TaskSetup, costs: dict | None = None) -> list[str]:
     """LM tasks: validation along the stage at T — bits/char in the last position bucket and on the
     copy-predictable characters (shortest context), mean over seeds, per mechanism: whether a gap
     between mechanisms opens or closes with training. With `costs`, each mechanism's training
     seconds into the stage at T (its steps x its measured ms per training step at T): the same
-    rows read at equal time rather than equal tokens."""
+    rows read at equal time rather than equal tokens. [] without such validation entries."""
     last = len(setup.stages) - 1
     series: dict[str, dict[int, list[dict]]] = {}
     for mechanism, records in by_mechanism.items():
@@ -360,13 +338,10 @@ def _training_section(by_mechanism: dict, setup: TaskSetup, costs: dict | None =
     ]
 
 
-STRETCH_MARGIN = 0.02  # the issue's bar: within 0.02 accuracy / bits per char of full ...
-STRETCH_SPEEDUP = 2.0  # ... at >= 2x less training time per step at that length
-
-
-def _pays_section(task: str, by_length: dict[str, dict], floor: dict[str, Any]) -> list[str]:
+def pays_section(task: str, by_length: dict[str, dict], floor: dict[str, Any]) -> list[str]:
     """The "where routing pays" table: per mechanism, Δ vs full at every length beside the time
-    ratios measured in the same run, and which mechanisms meet the stretch bar at T."""
+    ratios measured in the same run, and which mechanisms meet the stretch bar at T (within
+    STRETCH_MARGIN of full at STRETCH_SPEEDUP x less training time per step)."""
     lengths = list(by_length)
     train_length = lengths[0]
     higher = floor["higher_is_better"]
@@ -376,13 +351,10 @@ def _pays_section(task: str, by_length: dict[str, dict], floor: dict[str, Any]) 
         cells = [mechanism]
         for length in lengths:
             r = by_length[length][mechanism]
-            cells.append(
-                "—"
-                if mechanism == baseline
-                else f"{r['delta_mean']:+.3f} ± {r['delta_sd']:.3f}" + (" *" if r["delta_separated"] else "")
-            )
-        cells.append(f"{row['train_time_vs_full']:.2f}")
-        cells += [f"{by_length[length][mechanism]['infer_time_vs_full']:.2f}" for length in lengths]
+            cells.append(NO_DELTA if mechanism == baseline
+                         else delta_cell(r["delta_mean"], r["delta_sd"], r["delta_separated"]))
+        cells.append(ratio_cell(row["train_time_vs_full"]))
+        cells += [ratio_cell(by_length[length][mechanism]["infer_time_vs_full"]) for length in lengths]
         table.append(cells)
     meets = [
         m
