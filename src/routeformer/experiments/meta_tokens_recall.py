@@ -1,6 +1,6 @@
 """`routeformer reproduce meta-tokens-recall | meta-tokens-ablations | meta-tokens-finetune`:
 "Language Modeling with Learned Meta-Tokens" (arXiv 2509.16278) redone on the shared recall tasks.
-Each run is one `RecallRun` (train/on_recall.py); runs are stored under
+Each run is one `RecallRun` (experiments/recall_runs.py); runs are stored under
 `<out>/../meta-tokens-runs/` and shared by the three experiments (the same run is trained once).
 
 - meta-tokens-recall: list recall, segment counting, parity and copying; `plain` (no `_PAUSE_`,
@@ -24,6 +24,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from routeformer.experiments.recall_runs import (
+    LENGTH_FACTORS,
+    RECALL_SCHEDULE,
+    RecallRun,
+    floors,
+    pretrain_body,
+    train_recall,
+)
 from routeformer.experiments.registry import register_experiment
 from routeformer.runner.jobs import cached_run, say
 from routeformer.runner.report import (
@@ -35,14 +43,6 @@ from routeformer.runner.report import (
 )
 from routeformer.runner.seeds import over_seeds, seed_grid
 from routeformer.runner.setups import Stage
-from routeformer.train.on_recall import (
-    LENGTH_FACTORS,
-    RECALL_SCHEDULE,
-    RecallRun,
-    floors,
-    pretrain_body,
-    train_recall,
-)
 from routeformer.train.schedule import Schedule
 
 # Task settings, small enough for a loaded 2-core machine (docs/results/meta_tokens.md says which

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.experiments.registry import register_experiment
+from routeformer.experiments.structural_runs import run_multihop_model
 from routeformer.runner.jobs import cached_run, run_key, say
 from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.runner.seeds import over_seeds, seed_grid
 from routeformer.tasks.structural import TEST_SEQUENCES, StructuralTask, chain_batch, zero_prediction_mse
-from routeformer.train.on_structural import run_multihop_model
 
 SELECTION_RULE = ("For each (task, model), the learning rate with the lowest validation MSE at the last "
                   "step, averaged over the seeds; test MSE is then read at that rate only.")

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.experiments.registry import register_experiment
+from routeformer.experiments.structural_runs import EXPANDING_BLOCK, run_recency_model
 from routeformer.runner.jobs import cached_run, run_key, say
 from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.runner.seeds import over_seeds
 from routeformer.tasks.structural import StructuralTask, recency_batch, zero_prediction_mse
-from routeformer.train.on_structural import EXPANDING_BLOCK, run_recency_model
 
 # name -> (mechanism, layer options)
 RECENCY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
