@@ -28,6 +28,7 @@ from routeformer.bench.generate_bench import CachedDecoder, decode_step_times
 from routeformer.bench.timing import machine_description, ratio_quartiles, round_times
 from routeformer.cli import main as routeformer_main
 from routeformer.cli.sparsify_command import layer_options
+from routeformer.runner.seeds import seed_sweep
 from routeformer.tasks import build_task
 from routeformer.train.checkpoint import load_run_model
 from routeformer.train.on_task import evaluate_on_task
@@ -185,34 +186,37 @@ def main() -> None:
     chosen = layer_options(args.layer_option)
     rows, timing = [], []
     budgets = args.ks if args.mechanism == "topk" else [None]
-    for k in budgets:
+
+    def seeds_of(k):  # the main row's seeds, or the sweep's for every other K
         main_row = k is None or k == args.main_k
-        for seed in range(args.seeds if main_row or args.sweep_seeds is None else args.sweep_seeds):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # K >= T: the layer says it reads every key
-                routed, record = convert_on_task(
-                    run.model, run.task, args.mechanism,
-                    options={**chosen, "topk": k} if k is not None else chosen, steps=steps,
-                    sparse_steps=args.sparse_steps, batch_size=batch_size, lr=STAGE1_LR, sparse_lr=sparse_lr,
-                    seed=seed, evals=1,
-                    validation_sequences=max(MIN_SEQUENCES, args.test_tokens // lengths[0] // 4))
-                quality = {str(length): _at_length(routed, run.config["task"], options, length,
-                                                   args.test_tokens) for length in lengths}
-                recall = _recall_per_layer(routed, run.task, MIN_SEQUENCES)
-                if seed == 0:  # kept for --timing-only
-                    (out / "models").mkdir(exist_ok=True)
-                    torch.save({"options": record["options"], "state": routed.state_dict()},
-                               out / "models" / _model_file(args.mechanism, k))
-                if seed == 0 and not args.no_timing:
-                    timing.append(_timing(run.model, routed, k, lengths, args, vocab))
-            warmup = record["stages"].get("dense_warmup", {"history": [{"aux_loss": None}]})
-            kl = [entry["aux_loss"] for entry in warmup["history"]]
-            rows.append({"topk": k, "seed": seed, "quality": quality, "routing_recall_per_layer": recall,
-                         "stage1_kl_end": kl[-1], "tokens": record["tokens"],
-                         "tokens_fraction_of_source": record["tokens"] / source_tokens,
-                         "seconds": sum(stage["train_seconds"] for stage in record["stages"].values())})
-            at_t = quality[str(lengths[0])].get(run.task.metric)
-            print(json.dumps({"topk": k, "seed": seed, "metric_at_T": at_t, "recall": recall}), flush=True)
+        return range(args.seeds if main_row or args.sweep_seeds is None else args.sweep_seeds)
+
+    for k, seed in seed_sweep(budgets, seeds_of, seed_major=False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # K >= T: the layer says it reads every key
+            routed, record = convert_on_task(
+                run.model, run.task, args.mechanism,
+                options={**chosen, "topk": k} if k is not None else chosen, steps=steps,
+                sparse_steps=args.sparse_steps, batch_size=batch_size, lr=STAGE1_LR, sparse_lr=sparse_lr,
+                seed=seed, evals=1,
+                validation_sequences=max(MIN_SEQUENCES, args.test_tokens // lengths[0] // 4))
+            quality = {str(length): _at_length(routed, run.config["task"], options, length,
+                                               args.test_tokens) for length in lengths}
+            recall = _recall_per_layer(routed, run.task, MIN_SEQUENCES)
+            if seed == 0:  # kept for --timing-only
+                (out / "models").mkdir(exist_ok=True)
+                torch.save({"options": record["options"], "state": routed.state_dict()},
+                           out / "models" / _model_file(args.mechanism, k))
+            if seed == 0 and not args.no_timing:
+                timing.append(_timing(run.model, routed, k, lengths, args, vocab))
+        warmup = record["stages"].get("dense_warmup", {"history": [{"aux_loss": None}]})
+        kl = [entry["aux_loss"] for entry in warmup["history"]]
+        rows.append({"topk": k, "seed": seed, "quality": quality, "routing_recall_per_layer": recall,
+                     "stage1_kl_end": kl[-1], "tokens": record["tokens"],
+                     "tokens_fraction_of_source": record["tokens"] / source_tokens,
+                     "seconds": sum(stage["train_seconds"] for stage in record["stages"].values())})
+        at_t = quality[str(lengths[0])].get(run.task.metric)
+        print(json.dumps({"topk": k, "seed": seed, "metric_at_T": at_t, "recall": recall}), flush=True)
     report = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine_description(),
               "command": "python scripts/sparsify_report.py " + " ".join(sys.argv[1:]),
               "source": source, "source_step": run.step, "source_tokens": source_tokens,

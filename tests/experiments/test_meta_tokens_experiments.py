@@ -42,8 +42,8 @@ def test_experiments_run_at_toy_size_and_share_their_runs(tmp_path, monkeypatch)
 def test_curriculum_trains_each_stage_and_tests_at_the_final_length(tmp_path):
     from dataclasses import replace
 
+    from routeformer.experiments.recall_runs import RECALL_SCHEDULE, RecallRun, train_recall
     from routeformer.runner.setups import Stage
-    from routeformer.train.on_recall import RECALL_SCHEDULE, RecallRun, train_recall
 
     run = RecallRun("copying", {"segments": 6, "segment_length": 2}, variant="plain",
                     schedule=replace(RECALL_SCHEDULE, steps=4), evals=2, validation_sequences=8,

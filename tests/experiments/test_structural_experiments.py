@@ -24,10 +24,10 @@ def test_the_new_experiments_are_registered():
 
 
 def test_chain_study_picks_the_lr_on_validation_and_reports_test(tmp_path, monkeypatch):
-    from routeformer.train import on_structural
+    from routeformer.experiments import structural_runs
 
-    monkeypatch.setattr(on_structural, "VALIDATION_SEQUENCES", 64)
-    monkeypatch.setattr(on_structural, "TEST_SEQUENCES", 64)
+    monkeypatch.setattr(structural_runs, "VALIDATION_SEQUENCES", 64)
+    monkeypatch.setattr(structural_runs, "TEST_SEQUENCES", 64)
     task = StructuralTask(length=6, dim=8, rank=2, target_dim=2, noise=1.0, nilpotent=True)
     study = chain_study(tmp_path, "toy", task, steps=6, seeds=[0, 1], lrs=[1e-3, 3e-2])
     for model in study["models"].values():

@@ -8,8 +8,8 @@ import pytest
 
 import routeformer
 from routeformer.compare.budgets import FULL, LONG, QUICK
+from routeformer.experiments.recall_runs import RecallRun
 from routeformer.train.config import RunConfig, TrainConfig, load_config
-from routeformer.train.on_recall import RecallRun
 from routeformer.train.task_loop import TaskTrainConfig
 
 SOURCE = Path(routeformer.__file__).parent

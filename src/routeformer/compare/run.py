@@ -39,6 +39,7 @@ from routeformer.compare.budgets import (
 from routeformer.compare.costs import task_costs
 from routeformer.compare.report import task_floor, write_compare_report
 from routeformer.runner.jobs import Job, cached_run, run_jobs, say
+from routeformer.runner.seeds import seed_grid
 from routeformer.runner.setups import MIN_TEST_SEQUENCES
 
 
@@ -54,12 +55,11 @@ def compare_jobs(tasks: list[str], mechanisms: list[str], budget: CompareBudget,
             setup = replace(setup, options={**setup.options, "corpus": corpus})
         named = task == "lm" and budget.corpus_in_keys
         corpus_tag = "-" + corpus.replace(":", "_").replace("/", "_") if named else ""
-        for mechanism in mechanisms:
-            if lm_only(mechanism) and "meta_density" not in options_of_task(setup.task_name(task)):
-                continue
-            for seed in range(budget.seeds):
-                jobs.append(task_job(f"{budget.name}-{task}{corpus_tag}-{mechanism}-seed{seed}", task,
-                                     mechanism, seed, setup, budget.spec))
+        kept = [mechanism for mechanism in mechanisms
+                if not lm_only(mechanism) or "meta_density" in options_of_task(setup.task_name(task))]
+        for mechanism, seed in seed_grid(kept, range(budget.seeds), seed_major=False):
+            jobs.append(task_job(f"{budget.name}-{task}{corpus_tag}-{mechanism}-seed{seed}", task,
+                                 mechanism, seed, setup, budget.spec))
     return jobs
 
 

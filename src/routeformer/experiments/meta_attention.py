@@ -15,6 +15,7 @@ from routeformer.experiments.registry import register_experiment
 from routeformer.models.transformer import init_weights
 from routeformer.ops.dirichlet import dirichlet_kl, log_multivariate_beta
 from routeformer.runner.report import format_mean_sd, markdown_table, provenance, write_result
+from routeformer.runner.seeds import seed_grid
 
 PAPER_TABLE2 = {"weight_full": 0.209, "weight_linear": 0.406, "weight_local": 0.385,
                 "mean_weight_entropy": 1.06, "kl": 3.42}
@@ -28,26 +29,25 @@ def _rounded(values: torch.Tensor) -> list[float]:
 def run_init(out_dir: Path, quick: bool) -> Path:
     seeds = range(3 if quick else 10)
     records = []
-    for seed in seeds:
-        for init in ("pytorch-default", "gpt-0.02"):
-            torch.manual_seed(seed)
-            layer = MetaAttention(dim=128, heads=4, window=16).eval()
-            if init == "gpt-0.02":  # what the routeformer Transformer applies to every Linear
-                layer.apply(init_weights)
-            x = torch.randn(2, 64, 128)
-            with torch.no_grad():
-                result = layer(x)
-                concentration = layer.router(x, torch.arange(64).expand(2, 64))
-            mean = concentration / concentration.sum(-1, keepdim=True)
-            records.append({
-                "seed": seed, "init": init, "output_shape": list(result.out.shape),
-                "finite": bool(torch.isfinite(result.out).all()),
-                "log_beta_prior": float(log_multivariate_beta(layer.router.prior)),
-                "mean_sum_max_error": float((mean.sum(-1) - 1).abs().max()),
-                **{key: float(result.stats[key]) for key in
-                   ("weight_full", "weight_linear", "weight_local", "mean_weight_entropy", "kl",
-                    "projected_cost", "uncertainty")},
-            })
+    for init, seed in seed_grid(("pytorch-default", "gpt-0.02"), seeds, seed_major=True):
+        torch.manual_seed(seed)
+        layer = MetaAttention(dim=128, heads=4, window=16).eval()
+        if init == "gpt-0.02":  # what the routeformer Transformer applies to every Linear
+            layer.apply(init_weights)
+        x = torch.randn(2, 64, 128)
+        with torch.no_grad():
+            result = layer(x)
+            concentration = layer.router(x, torch.arange(64).expand(2, 64))
+        mean = concentration / concentration.sum(-1, keepdim=True)
+        records.append({
+            "seed": seed, "init": init, "output_shape": list(result.out.shape),
+            "finite": bool(torch.isfinite(result.out).all()),
+            "log_beta_prior": float(log_multivariate_beta(layer.router.prior)),
+            "mean_sum_max_error": float((mean.sum(-1) - 1).abs().max()),
+            **{key: float(result.stats[key]) for key in
+               ("weight_full", "weight_linear", "weight_local", "mean_weight_entropy", "kl",
+                "projected_cost", "uncertainty")},
+        })
     prior = torch.tensor([0.01, 0.86, 0.71])
     delta = math.log(2.0)  # softplus(0): the increments when the controller's output is ~0
     analytic_mean = (prior + delta) / (prior + delta).sum()

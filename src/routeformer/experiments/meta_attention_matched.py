@@ -29,6 +29,7 @@ import torch
 
 from routeformer.experiments.registry import register_experiment
 from routeformer.runner.jobs import TaskSetup, cached_run, say
+from routeformer.runner.seeds import seed_grid
 from routeformer.train.on_task import ModelSpec
 from routeformer.train.schedule import Schedule
 
@@ -169,7 +170,7 @@ def run_matched(out_dir: Path, budget: MatchedBudget, command: str) -> Path:
     """Every (variant, seed) run, cached under out_dir/runs/ (resumable), then the report."""
     out_dir.mkdir(parents=True, exist_ok=True)
     # seed-major: an interrupted run leaves whole seeds done
-    pairs = [(name, seed) for seed in range(budget.seeds) for name in variants(budget)]
+    pairs = seed_grid(variants(budget), range(budget.seeds), seed_major=True)
     if budget.workers > 1:
         from concurrent.futures import ProcessPoolExecutor
         from multiprocessing import get_context

@@ -1,6 +1,6 @@
 """`routeformer reproduce meta-tokens-recall | meta-tokens-ablations | meta-tokens-finetune`:
 "Language Modeling with Learned Meta-Tokens" (arXiv 2509.16278) redone on the shared recall tasks.
-Each run is one `RecallRun` (train/on_recall.py); runs are stored under
+Each run is one `RecallRun` (experiments/recall_runs.py); runs are stored under
 `<out>/../meta-tokens-runs/` and shared by the three experiments (the same run is trained once).
 
 - meta-tokens-recall: list recall, segment counting, parity and copying; `plain` (no `_PAUSE_`,
@@ -24,6 +24,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from routeformer.experiments.recall_runs import (
+    LENGTH_FACTORS,
+    RECALL_SCHEDULE,
+    RecallRun,
+    floors,
+    pretrain_body,
+    train_recall,
+)
 from routeformer.experiments.registry import register_experiment
 from routeformer.runner.jobs import cached_run, say
 from routeformer.runner.report import (
@@ -33,15 +41,8 @@ from routeformer.runner.report import (
     provenance,
     write_result,
 )
+from routeformer.runner.seeds import over_seeds, seed_grid
 from routeformer.runner.setups import Stage
-from routeformer.train.on_recall import (
-    LENGTH_FACTORS,
-    RECALL_SCHEDULE,
-    RecallRun,
-    floors,
-    pretrain_body,
-    train_recall,
-)
 from routeformer.train.schedule import Schedule
 
 # Task settings, small enough for a loaded 2-core machine (docs/results/meta_tokens.md says which
@@ -134,9 +135,9 @@ def _grid(out_dir: Path, s: Settings, task: str, variants: list[tuple[str, dict[
           ) -> tuple[list[list[Any]], dict[str, Any]]:
     rows, results = [], {}
     for label, changes in variants:
-        records = [train(out_dir, base_run(task, changes.get("variant", "meta"), seed, s,
-                                           **{k: v for k, v in changes.items() if k != "variant"}))
-                   for seed in s.seeds]
+        variant, rest = changes.get("variant", "meta"), {k: v for k, v in changes.items() if k != "variant"}
+        records = over_seeds(lambda seed, variant=variant, rest=rest: train(
+            out_dir, base_run(task, variant, seed, s, **rest)), s.seeds)
         results[label] = summary(records)
         results[label]["seq_len"] = {f"{f}x": records[0][f"seq_len_{f}x"] for f in LENGTH_FACTORS}
         rows.append(_row(label, results[label]))
@@ -211,33 +212,33 @@ def run_finetune(out_dir: Path, quick: bool) -> Path:
     spec = RecallRun(ABLATION_TASK, {}).spec
     pretrained: dict[str, dict[str, Any]] = {}
     paths: dict[tuple[int, int], Path] = {}
-    for steps in s.pretrain_steps:
-        for seed in s.seeds:
-            path = paths[steps, seed] = bodies / f"lm-full-s{seed}-{steps}.pt"
-            pretrained[path.stem] = cached_run(
-                _runs_dir(out_dir), f"pretrain-{path.stem}",
-                lambda seed=seed, path=path, steps=steps: pretrain_body(
-                    path, seed, steps, spec, log=lambda line: say(f"pretrain {path.stem}: {line}")))
-            if not path.exists():  # the record was kept but the weights were removed: train again
-                pretrained[path.stem] = pretrain_body(path, seed, steps, spec)
+    for steps, seed in seed_grid(s.pretrain_steps, s.seeds, seed_major=False):
+        path = paths[steps, seed] = bodies / f"lm-full-s{seed}-{steps}.pt"
+        pretrained[path.stem] = cached_run(
+            _runs_dir(out_dir), f"pretrain-{path.stem}",
+            lambda seed=seed, path=path, steps=steps: pretrain_body(
+                path, seed, steps, spec, log=lambda line: say(f"pretrain {path.stem}: {line}")))
+        if not path.exists():  # the record was kept but the weights were removed: train again
+            pretrained[path.stem] = pretrain_body(path, seed, steps, spec)
     rows, results = [], {}
     starts = [("scratch", None)] + [(f"pre-trained {steps} steps", steps) for steps in s.pretrain_steps]
     for variant in ("plain", "meta"):
         for start, steps in starts:
-            records = []
-            for seed in s.seeds:
+            def trained(seed: int, variant: str = variant, steps: int | None = steps) -> dict[str, Any]:
                 run = base_run(ABLATION_TASK, variant, seed, s)
                 if steps is not None:
                     run = replace(run, init=str(paths[steps, seed]))
-                records.append(train(out_dir, run))
+                return train(out_dir, run)
+            records = over_seeds(trained, s.seeds)
             label = f"{variant}, {start}"
             results[label] = summary(records)
             results[label]["seq_len"] = {f"{f}x": records[0][f"seq_len_{f}x"] for f in LENGTH_FACTORS}
             rows.append(_row(label, results[label]))
     line, results["floors"] = _floor_line(base_run(ABLATION_TASK, "plain", 0, s),
                                           next(iter(results.values()))["seq_len"])
-    bits = {steps: format_mean_sd([pretrained[f"lm-full-s{seed}-{steps}"]["validation_history"][-1]
-                                   ["bits_per_char"] for seed in s.seeds]) for steps in s.pretrain_steps}
+    bits = {steps: format_mean_sd(over_seeds(lambda seed, steps=steps: pretrained[f"lm-full-s{seed}-{steps}"]
+                                             ["validation_history"][-1]["bits_per_char"], s.seeds))
+            for steps in s.pretrain_steps}
     command = "routeformer reproduce meta-tokens-finetune" + (" --quick" if quick else "")
     markdown = "\n".join([
         "# meta-tokens-finetune", "", provenance(command), "", _setup_line(s), "",
@@ -285,7 +286,8 @@ def run_recall_long(out_dir: Path, quick: bool) -> Path:
     seeds = (0,) if quick else (0, 1, 2)
     rows, results = [], {}
     for label, changes in RECALL_VARIANTS:
-        records = [train(out_dir, long_run(changes["variant"], seed, quick)) for seed in seeds]
+        records = over_seeds(lambda seed, variant=changes["variant"]: train(
+            out_dir, long_run(variant, seed, quick)), seeds)
         results[label] = summary(records)
         results[label]["seq_len"] = {f"{f}x": records[0][f"seq_len_{f}x"] for f in LENGTH_FACTORS}
         rows.append(_row(label, results[label]))

@@ -22,6 +22,7 @@ from routeformer.models.config import ModelConfig
 from routeformer.models.vit import VisionConfig, ViT
 from routeformer.runner.jobs import cached_run, run_key, say
 from routeformer.runner.report import line_plot, markdown_table, mean_sd, provenance, write_result
+from routeformer.runner.seeds import seed_grid
 from routeformer.train.schedule import Schedule
 from routeformer.train.task_loop import TaskTrainConfig, train_task
 
@@ -84,14 +85,14 @@ def digits_vit(out_dir: Path, quick: bool) -> Path:
     seeds = [0] if quick else [0, 1, 2]
     steps = {8: 150 if quick else 600, 16: 250}
     records: dict[tuple[int, str], list[dict]] = {}
-    for size in sizes:
-        for name, (mechanism, options) in vit_variants().items():
-            for seed in seeds:
-                key = run_key(f"S{size}-{name}-seed{seed}")
-                say(f"mita-digits-vit: {key}")
-                record = cached_run(out_dir, key, lambda m=mechanism, o=options, s=size, sd=seed:
-                                    train_vit(m, o, s, sd, steps[s])[1])
-                records.setdefault((size, name), []).append(record)
+    grid = [(size, name, mechanism, options) for size in sizes
+            for name, (mechanism, options) in vit_variants().items()]
+    for (size, name, mechanism, options), seed in seed_grid(grid, seeds, seed_major=False):
+        key = run_key(f"S{size}-{name}-seed{seed}")
+        say(f"mita-digits-vit: {key}")
+        record = cached_run(out_dir, key, lambda m=mechanism, o=options, s=size, sd=seed:
+                            train_vit(m, o, s, sd, steps[s])[1])
+        records.setdefault((size, name), []).append(record)
     rows = []
     for (size, name), runs in records.items():
         accuracy, spread = mean_sd([100 * run["accuracy"] for run in runs])

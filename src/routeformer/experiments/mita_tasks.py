@@ -27,6 +27,7 @@ from routeformer.compare.stats import separated
 from routeformer.experiments.registry import register_experiment
 from routeformer.runner.jobs import TaskSetup, cached_run, say
 from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result
+from routeformer.runner.seeds import over_seeds
 from routeformer.train.on_task import ModelSpec, build_task_model, evaluate_on_task, train_on_task
 from routeformer.train.schedule import Schedule
 from routeformer.train.task_loop import TaskTrainConfig
@@ -160,7 +161,8 @@ def listops_table(out_dir: Path, mode: str) -> tuple[list[str], dict[str, Any]]:
     """The comparison's Markdown sections and JSON."""
     setup, seeds = _setup(mode)
     seq_len = setup.options["seq_len"]
-    runs = {name: [listops_run(out_dir, name, mechanism, options, seed, mode) for seed in seeds]
+    runs = {name: over_seeds(lambda seed, name=name, mechanism=mechanism, options=options:
+                             listops_run(out_dir, name, mechanism, options, seed, mode), seeds)
             for name, (mechanism, options) in mechanisms(seq_len).items()}
     floor = _floor(out_dir, mode)
     best_rule = max(floor["baselines"].values())
@@ -195,13 +197,13 @@ def budget_tables(out_dir: Path, mode: str) -> tuple[list[str], dict[str, Any]]:
     setup, seeds = _setup(mode)
     seq_len = setup.options["seq_len"]
     variants = mechanisms(seq_len)
-    trained_mita = [listops_run(out_dir, "mita", *variants["mita"], seed, mode) for seed in seeds]
-    trained_full = [listops_run(out_dir, "full", *variants["full"], seed, mode) for seed in seeds]
+    trained_mita = over_seeds(lambda seed: listops_run(out_dir, "mita", *variants["mita"], seed, mode), seeds)
+    trained_full = over_seeds(lambda seed: listops_run(out_dir, "full", *variants["full"], seed, mode), seeds)
     trained_at = {}
     for value in sorted({max(1, seq_len // 16), max(1, seq_len // 4)}):
         options = {"landmarks": value, "topk": value}
-        trained_at[value] = [listops_run(out_dir, f"mita-m{value}k{value}", "mita", options, seed, mode)
-                             for seed in seeds]
+        trained_at[value] = over_seeds(lambda seed, value=value, options=options: listops_run(
+            out_dir, f"mita-m{value}k{value}", "mita", options, seed, mode), seeds)
     trained = max(1, seq_len // 8)
     grid_rows = [[m, k, _budget_cell(trained_mita, f"{m},{k}", "validation"),
                   _budget_cell(trained_mita, f"{m},{k}", "test")] for m, k in budget_grid(seq_len)]

@@ -19,6 +19,7 @@ from routeformer.compare.budgets import options_for
 from routeformer.experiments.registry import register_experiment
 from routeformer.runner.jobs import Job, TaskSetup, run_jobs, say
 from routeformer.runner.report import line_plot, markdown_table, mean_sd, provenance, write_result
+from routeformer.runner.seeds import seed_grid
 from routeformer.train.on_task import ModelSpec
 from routeformer.train.schedule import Schedule
 
@@ -39,11 +40,10 @@ def sweep_jobs(grid: dict[str, Any], mechanisms: list[str]) -> list[Job]:
             setup = TaskSetup(task_options, schedule, evals=4, test_sequences=512)
             for width in grid["widths"]:
                 spec = ModelSpec(dim=width, depth=2, heads=2, mlp_ratio=2.0, positions="rotary")
-                for mechanism in mechanisms:
-                    for seed in range(grid["seeds"]):
-                        jobs.append(Job(f"T{length}-N{pairs}-D{width}-{mechanism}-seed{seed}", "mqar",
-                                        task_options, mechanism, options_for(mechanism, length), seed,
-                                        setup, spec))
+                for mechanism, seed in seed_grid(mechanisms, range(grid["seeds"]), seed_major=False):
+                    jobs.append(Job(f"T{length}-N{pairs}-D{width}-{mechanism}-seed{seed}", "mqar",
+                                    task_options, mechanism, options_for(mechanism, length), seed,
+                                    setup, spec))
     return jobs
 
 

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.experiments.registry import register_experiment
+from routeformer.experiments.structural_runs import run_multihop_model
 from routeformer.runner.jobs import cached_run, run_key, say
 from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result
+from routeformer.runner.seeds import over_seeds, seed_grid
 from routeformer.tasks.structural import TEST_SEQUENCES, StructuralTask, chain_batch, zero_prediction_mse
-from routeformer.train.on_structural import run_multihop_model
 
 SELECTION_RULE = ("For each (task, model), the learning rate with the lowest validation MSE at the last "
                   "step, averaged over the seeds; test MSE is then read at that rate only.")
@@ -49,14 +50,13 @@ def chain_study(out_dir: Path, setup: str, task: StructuralTask, *, steps: int, 
         return lrs[name] if isinstance(lrs, dict) else lrs
 
     runs: dict[tuple[str, float], list[dict]] = {}
-    for name in MODELS:
-        for lr in rates(name):
-            for seed in seeds:
-                key = run_key(f"{setup}-{name}-lr{lr:g}-steps{steps}-seed{seed}".replace(" ", ""))
-                say(f"structural-multihop: {key}")
-                runs.setdefault((name, lr), []).append(cached_run(
-                    out_dir, key, lambda name=name, lr=lr, seed=seed: run_multihop_model(
-                        name, task, steps, seed, lr=lr, evals=10)))
+    settings = [(model, lr) for model in MODELS for lr in rates(model)]
+    for (name, lr), seed in seed_grid(settings, seeds, seed_major=False):
+        key = run_key(f"{setup}-{name}-lr{lr:g}-steps{steps}-seed{seed}".replace(" ", ""))
+        say(f"structural-multihop: {key}")
+        runs.setdefault((name, lr), []).append(cached_run(
+            out_dir, key, lambda name=name, lr=lr, seed=seed: run_multihop_model(
+                name, task, steps, seed, lr=lr, evals=10)))
     chosen, models = {}, {}
     for name in MODELS:
         validation = {lr: statistics.fmean(r["final"]["val_loss"] for r in runs[(name, lr)])
@@ -71,7 +71,7 @@ def chain_study(out_dir: Path, setup: str, task: StructuralTask, *, steps: int, 
             "parameters": picked[0].get("parameters"),
         }
     gaps = [gap_closed(a, b, c) for a, b, c in zip(*(models[name]["test"] for name in MODELS), strict=True)]
-    floor = statistics.fmean(zero_prediction_mse(task, chain_batch, seed) for seed in seeds)
+    floor = statistics.fmean(over_seeds(lambda seed: zero_prediction_mse(task, chain_batch, seed), seeds))
     return {"task": dict(task.__dict__), "models": models, "gap_closed_per_seed": gaps,
             "zero_prediction_mse": floor}
 

@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.experiments.registry import register_experiment
+from routeformer.experiments.structural_runs import EXPANDING_BLOCK, run_recency_model
 from routeformer.runner.jobs import cached_run, run_key, say
 from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result
+from routeformer.runner.seeds import over_seeds
 from routeformer.tasks.structural import StructuralTask, recency_batch, zero_prediction_mse
-from routeformer.train.on_structural import EXPANDING_BLOCK, run_recency_model
 
 # name -> (mechanism, layer options)
 RECENCY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -64,19 +65,19 @@ def recency_study(out_dir: Path, *, length: int, dim: int, recencies: list[float
     for recency in recencies:
         task = StructuralTask(length=length, dim=dim, rank=dim, target_dim=4, noise=0.1, recency=recency,
                               keyed=True)
-        zero = statistics.fmean(zero_prediction_mse(task, recency_batch, seed, test_sequences)
-                                for seed in seeds)
+        zero = statistics.fmean(over_seeds(
+            lambda seed, task=task: zero_prediction_mse(task, recency_batch, seed, test_sequences), seeds))
         for name in models or list(RECENCY_MODELS):
-            mechanism, options = RECENCY_MODELS[name]
-            runs = []
-            for seed in seeds:
+            def trained(seed: int, recency: float = recency, name: str = name, task: StructuralTask = task
+                        ) -> dict[str, Any]:
+                mechanism, options = RECENCY_MODELS[name]
                 key = run_key(f"T{length}-d{dim}-recency{recency:g}-{name}-steps{steps}-seed{seed}")
                 key = key.replace(" ", "")
                 say(f"structural-recency: {key}")
-                def train(mechanism=mechanism, options=options, seed=seed, task=task) -> dict[str, Any]:
-                    return run_recency_model(mechanism, task, steps, seed, lr=LR, options=options,
-                                             test_sequences=test_sequences, evals=5)
-                runs.append(cached_run(out_dir, key, train))
+                return cached_run(out_dir, key, lambda: run_recency_model(
+                    mechanism, task, steps, seed, lr=LR, options=options, test_sequences=test_sequences,
+                    evals=5))
+            runs = over_seeds(trained, seeds)
             row = {"recency": recency, "model": name, "parameters": runs[0]["parameters"],
                    "test": [r["final"]["test_loss"] for r in runs],
                    "validation": [r["final"]["val_loss"] for r in runs],

@@ -9,12 +9,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from routeformer.experiments.registry import register_experiment
 from routeformer.runner.jobs import cached_run, run_key, say
 from routeformer.runner.report import line_plot, markdown_table, mean_sd, provenance, write_result
+from routeformer.runner.seeds import over_seeds
 from routeformer.train.schedule import Schedule
 from routeformer.train.task_loop import TaskTrainConfig
 
@@ -72,15 +74,16 @@ def _seeded_variants(
     test `metric` per seed, mean and sd, and Markdown rows."""
     from routeformer.train.on_task import train_on_task
 
+    def value(name: str, mechanism: str, options: dict[str, Any], seed: int) -> float:
+        record = cached_run(out_dir, f"{run_key(name)}-seed{seed}", lambda: train_on_task(
+            task, mechanism, options, seed=seed, train=train_for(seed), spec=spec,
+            test_sequences=test_sequences))
+        say(f"{name} seed {seed}: test {metric} {record['test'][metric]:.4f}")
+        return record["test"][metric]
+
     result, rows = {}, []
     for name, (mechanism, options) in variants.items():
-        values = []
-        for seed in seeds:
-            record = cached_run(out_dir, f"{run_key(name)}-seed{seed}", lambda: train_on_task(
-                task, mechanism, options, seed=seed, train=train_for(seed), spec=spec,  # noqa: B023
-                test_sequences=test_sequences))
-            values.append(record["test"][metric])
-            say(f"{name} seed {seed}: test {metric} {values[-1]:.4f}")
+        values = over_seeds(partial(value, name, mechanism, options), seeds)
         mean, spread = mean_sd(values)
         result[name] = {metric: values, "mean": mean, "sd": spread}
         rows.append([name, f"{mean:.3f} ± {spread:.3f}", ", ".join(f"{v:.3f}" for v in values)])

@@ -30,6 +30,7 @@ from routeformer.compare.stats import separated
 from routeformer.experiments.registry import register_experiment
 from routeformer.runner.jobs import Job, TaskSetup, cached_run, run_jobs, say
 from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result
+from routeformer.runner.seeds import seed_sweep
 from routeformer.train.on_task import ModelSpec
 from routeformer.train.schedule import Schedule
 
@@ -71,15 +72,15 @@ def plan(quick: bool) -> tuple[dict[str, TaskSetup], dict[str, tuple[int, ...]],
 
 def jobs_for(setups: dict[str, TaskSetup], seeds: dict[str, tuple[int, ...]], spec: ModelSpec) -> list[Job]:
     """One job per (task, variant, seed); the key names all three."""
+    runs = [(task, name) for task, setup in setups.items() for name in variants(setup.options["seq_len"])]
     jobs = []
-    for seed in sorted({seed for task_seeds in seeds.values() for seed in task_seeds}):  # seed-major:
-        for task, setup in setups.items():  # a run cut short holds whole seeds of every variant
-            if seed not in seeds[task]:
-                continue
-            for name, (mechanism, options) in variants(setup.options["seq_len"]).items():
-                slug = name.replace(" ", "").replace(",", "-").replace("=", "")
-                jobs.append(Job(f"{task}-{slug}-seed{seed}", task, dict(setup.options), mechanism, options,
-                                seed, setup, spec))
+    # seed-major: a run cut short holds whole seeds of every variant
+    for (task, name), seed in seed_sweep(runs, lambda run: seeds[run[0]], seed_major=True):
+        setup = setups[task]
+        mechanism, options = variants(setup.options["seq_len"])[name]
+        slug = name.replace(" ", "").replace(",", "-").replace("=", "")
+        jobs.append(Job(f"{task}-{slug}-seed{seed}", task, dict(setup.options), mechanism, options,
+                        seed, setup, spec))
     return jobs
 
 

@@ -4,8 +4,8 @@ to lr · min_lr_ratio.
 `Schedule` is the one place a training config states its steps, batch size, learning rate and
 warm-up: `routeformer train`'s `train` section (train/config.py, where they stay flat YAML keys),
 a task run (train/task_loop.py's TaskTrainConfig), a task of a compare budget and each of its
-curriculum stages (runner/setups.py's TaskSetup and Stage) and a recall run (train/on_recall.py) each
-hold one; the loop (train/steps.py) reads it.
+curriculum stages (runner/setups.py's TaskSetup and Stage) and a recall run of the meta-tokens
+experiments (experiments/recall_runs.py) each hold one; the loop (train/steps.py) reads it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""The structural toy runs (train/on_structural.py): training, the report fields, the path weights."""
+"""The structural toy runs (experiments/structural_runs.py): training, the report fields, the path weights."""
 
 import pytest
 import torch
 
 
 def test_structural_toy_runs_train_and_report():
+    from routeformer.experiments.structural_runs import run_multihop_model, run_recency_model
     from routeformer.tasks.structural import StructuralTask
-    from routeformer.train.on_structural import run_multihop_model, run_recency_model
 
     chain = run_multihop_model("multihop x1", StructuralTask(length=8, dim=8, rank=2), steps=2, seed=0)
     assert len(chain["history"]) == 2 and chain["final"]["test_loss"] > 0
@@ -23,9 +23,9 @@ def test_structural_toy_runs_train_and_report():
 def test_chain_attention_reads_the_multihop_path_weights(options):
     """The reported weights are the mean path matrix the layer applies, taken from the op's
     dense reference with V = I (any form, identity path or not)."""
+    from routeformer.experiments.structural_runs import chain_attention
     from routeformer.models.regressor import SequenceRegressor
     from routeformer.ops.multihop import multihop_attention_reference, path_settings
-    from routeformer.train.on_structural import chain_attention
 
     torch.manual_seed(0)
     length, dim = 6, 8

@@ -1,10 +1,10 @@
-"""The recall runs of the meta-tokens reproduction (train/on_recall.py): the variants differ in one
+"""The recall runs of the meta-tokens reproduction (experiments/recall_runs.py): the variants differ in one
 thing, and fine-tuning starts from the pre-trained function."""
 
 import pytest
 import torch
 
-from routeformer.train.on_recall import RecallRun, build_model, load_body, positions_of
+from routeformer.experiments.recall_runs import RecallRun, build_model, load_body, positions_of
 
 
 def test_variants_differ_in_one_thing(tmp_path):
