@@ -9,6 +9,8 @@
 - `register()`: routeformer's attention as transformers' `attn_implementation="routeformer"`
   (AttentionInterface / AttentionMaskInterface; interface.py), done on import; DeepSeek-V3.2's
   sparse indices run through routeformer's gathered-keys kernel.
+- `patch_indexer(model)`: DeepSeek-V3.2's indexer scored in query blocks over each block's causal
+  prefix, with transformers' indices (indexer.py).
 - `sparsify_pretrained(model, "topk", batches, steps=...)`: a dense pretrained model converted to
   routed attention by train/sparsify.py's two stages (sparsify.py).
 - `export_hf(run_dir, out_dir)`: a `routeformer train` checkpoint in this format (export.py).
@@ -23,6 +25,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from routeformer.integrations.hf.cache import RouteformerCacheLayer
+from routeformer.integrations.hf.indexer import patch_indexer
 from routeformer.integrations.hf.interface import register, routeformer_attention
 from routeformer.integrations.hf.loading import PatchedConfig, PatchedForCausalLM, from_pretrained
 from routeformer.integrations.hf.model import (
@@ -47,6 +50,6 @@ register()
 
 __all__ = [
     "RouteformerAttention", "RouteformerCausalLMOutput", "RouteformerConfig", "RouteformerForCausalLM",
-    "RouteformerCacheLayer", "from_pretrained", "key_padding_mask", "patch_attention",
+    "RouteformerCacheLayer", "from_pretrained", "key_padding_mask", "patch_attention", "patch_indexer",
     "register", "routeformer_attention", "routeformer_aux_loss", "routeformer_layers", "sparsify_pretrained",
 ]
