@@ -2,7 +2,7 @@
 over the ranks): both ranks end with the same weights, which match one process trained on the
 same global batch; rank 0 alone writes the run directory and prints, and `routeformer eval` reads
 it. A 2-process `meta` run (routing samples drawn per rank) interrupted after an evaluation resumes
-bit-identically to one that never stopped."""
+bit-identically to one that never stopped. A global batch the processes cannot split is refused."""
 
 import contextlib
 import io
@@ -11,9 +11,12 @@ import os
 import socket
 import sys
 
+import pytest
 import torch
 
 from routeformer.cli import main
+from routeformer.cli.parser import build_task_train_parser
+from routeformer.cli.task_train import check_global_batch, task_run_job
 from routeformer.train.checkpoint import load_checkpoint
 from tests.bounded import rank_watchdog, spawn_ranks
 
@@ -185,3 +188,11 @@ def test_a_two_rank_meta_run_resumes_bit_identically(tmp_path):
     ours, theirs = (load_checkpoint(tmp_path / run / "checkpoint.pt")["model"] for run in ("split", "whole"))
     for name, value in theirs.items():
         assert torch.equal(ours[name], value), name
+
+
+def test_a_global_batch_the_processes_cannot_split_is_refused_naming_the_argument():
+    job = task_run_job("mqar", build_task_train_parser().parse_args(["--batch-size", "8"]))
+    check_global_batch(job, 4)
+    refused = r"argument --batch-size: the global batch \(8\) is split over the 3 processes"
+    with pytest.raises(ValueError, match=refused):
+        check_global_batch(job, 3)

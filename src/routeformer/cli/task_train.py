@@ -52,6 +52,7 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
     out = options.out or f"runs/train-{args.task}-{job.mechanism}-seed{job.seed}"
     context = init_distributed("cpu")
     try:
+        check_global_batch(job, context.world_size)
         with distributed_training(context):
             record = run_in_directory(out, job, fresh=args.fresh,
                                       log=lambda line: say(f"  {job.key}: {line}"))
@@ -72,6 +73,15 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
                       "quality": record["quality"], "test": record_test(record),
                       "train_seconds": round(record["train_seconds"], 1), "resumed": record["resumed"]}))
     return 0
+
+
+def check_global_batch(job: Job, processes: int) -> None:
+    """ValueError naming --batch-size unless every stage's batch (the global batch) divides evenly
+    over `processes`."""
+    for stage in job.setup.stages:
+        if stage.schedule.batch_size % processes:
+            raise ValueError(f"argument --batch-size: the global batch ({stage.schedule.batch_size}) is "
+                             f"split over the {processes} processes and must be divisible by their number")
 
 
 def record_steps(record: dict) -> int:
