@@ -120,6 +120,9 @@ def build_task_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model.mlp_ratio", dest="model_mlp_ratio", type=positive_float, default=None)
     parser.add_argument("--model.positions", dest="model_positions", default=None,
                         help="learned, rotary or none")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="the training forward's precision: fp32 (default) or bf16 (bfloat16 autocast; "
+                             "weights, optimizer and evaluation stay fp32)")
     parser.add_argument("--out", default=None,
                         help="run directory (default: runs/train-TASK-MECHANISM-seedS)")
     return parser

@@ -12,6 +12,14 @@ long) and --option change it (the stage on the task itself); with --steps the wa
 share of the steps. The
 trained model is kept in the run directory as `checkpoint.pt` (runner/run_dir.py), which `eval`,
 `sample` (text tasks), `export-hf` (causal models) and `train.checkpoint.load_run_model` read.
+`--precision bf16` trains under bfloat16 autocast (train/task_loop.py; fp32 by default).
+
+Under torchrun (or RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in the environment)
+the run trains DistributedDataParallel on the CPU processes (gloo), as `routeformer train` does:
+--batch-size is the global batch, sharded over the processes; process 0 alone evaluates, logs,
+writes the run directory and prints the summary.
+
+    torchrun --standalone --nproc_per_node 2 -m routeformer.cli train --task mqar --steps 600
 """
 
 from __future__ import annotations
@@ -36,15 +44,27 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
     if args.config is not None:
         raise ValueError("argument --config: applies to the LM run (train without --task); "
                          "with --task use --steps, --seq-len, --option ...")
+    from routeformer.train.distributed import finish_distributed, init_distributed
+    from routeformer.train.task_loop import distributed_training
+
     options = build_task_train_parser().parse_args(extra)
     job = task_run_job(args.task, options)
     out = options.out or f"runs/train-{args.task}-{job.mechanism}-seed{job.seed}"
+    context = init_distributed("cpu")
     try:
-        record = run_in_directory(out, job, fresh=args.fresh, log=lambda line: say(f"  {job.key}: {line}"))
+        check_global_batch(job, context.world_size)
+        with distributed_training(context):
+            record = run_in_directory(out, job, fresh=args.fresh,
+                                      log=lambda line: say(f"  {job.key}: {line}"))
     except KeyboardInterrupt:
-        print(f"routeformer: interrupted; run the same command again to resume {out!r} after its last "
-              "evaluation", file=sys.stderr, flush=True)
+        if context.is_main:
+            print(f"routeformer: interrupted; run the same command again to resume {out!r} after its last "
+                  "evaluation", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    finally:
+        finish_distributed(context)
+    if not context.is_main:
+        return 0
     kept = Path(out) / CHECKPOINT_NAME
     model = {"checkpoint": str(kept)} if kept.is_file() else {}
     print(json.dumps({"out_dir": out, "record": f"{out}/{RECORD_FILE}", **model, "task": record["task"],
@@ -53,6 +73,15 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
                       "quality": record["quality"], "test": record_test(record),
                       "train_seconds": round(record["train_seconds"], 1), "resumed": record["resumed"]}))
     return 0
+
+
+def check_global_batch(job: Job, processes: int) -> None:
+    """ValueError naming --batch-size unless every stage's batch (the global batch) divides evenly
+    over `processes`."""
+    for stage in job.setup.stages:
+        if stage.schedule.batch_size % processes:
+            raise ValueError(f"argument --batch-size: the global batch ({stage.schedule.batch_size}) is "
+                             f"split over the {processes} processes and must be divisible by their number")
 
 
 def record_steps(record: dict) -> int:
@@ -114,8 +143,9 @@ def task_run_job(task: str, options: argparse.Namespace) -> Job:
         recipes = {**recipes, mechanism: {**recipes.get(mechanism, {}), **chosen}}
     setup = replace(setup, options=task_options, schedule=schedule, evals=options.evals or setup.evals,
                     mechanism_options=recipes)
-    return task_job(f"train-{task}-{mechanism}-seed{options.seed}", task, mechanism, options.seed, setup,
-                    _model_spec(budget.spec, options))
+    job = task_job(f"train-{task}-{mechanism}-seed{options.seed}", task, mechanism, options.seed, setup,
+                   _model_spec(budget.spec, options))
+    return replace(job, precision=options.precision)
 
 
 MODEL_KEYS = ("dim", "depth", "heads", "mlp_ratio", "positions")

@@ -23,6 +23,7 @@ from typing import Any
 
 from routeformer.runner.setups import Stage, TaskSetup
 from routeformer.train.on_task import ModelSpec
+from routeformer.train.task_loop import TASK_PRECISIONS, check_task_precision
 
 MODELS_FOLDER = "models"  # where run_jobs keeps trained models (keep_models)
 
@@ -38,14 +39,18 @@ def cached_run(out_dir: Path, key: str, compute: Callable[[], dict[str, Any]]) -
 def cached_record(path: Path, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """`cached_run` for a record at `path` (`<stem>.json`): the stored record, or `compute()` run
     inside `resumable_training(path.parent, stem)` (checkpoints `<stem>.train<n>.pt` beside it,
-    deleted once the record is stored atomically)."""
-    from routeformer.train.task_loop import resumable_training, training_checkpoints
+    deleted once the record is stored atomically). Inside `train.task_loop.distributed_training`
+    only process 0 stores the record and deletes the checkpoints; the others return what
+    `compute()` returned."""
+    from routeformer.train.task_loop import is_main_process, resumable_training, training_checkpoints
 
     if path.exists():
         return json.loads(path.read_text())
     key = path.stem
     with resumable_training(path.parent, key):
         record = compute()
+    if not is_main_process():
+        return record
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".json.partial")
     partial.write_text(json.dumps(record, indent=1))
@@ -62,6 +67,9 @@ def run_key(name: str) -> str:
 
 @dataclass(frozen=True)
 class Job:
+    """One training run (module docstring); `precision` is its stages' `TaskTrainConfig.precision`
+    (ValueError naming it unless "fp32" or "bf16")."""
+
     key: str  # file-name-safe and unique within an output directory
     task: str
     task_options: dict[str, Any]
@@ -70,6 +78,10 @@ class Job:
     seed: int
     setup: TaskSetup  # `task` is its name in the budget (`setup.task_name(task)` builds the task)
     spec: ModelSpec = field(default_factory=ModelSpec)
+    precision: str = TASK_PRECISIONS[0]  # of every stage's training forward: "fp32" or "bf16"
+
+    def __post_init__(self) -> None:
+        check_task_precision(self.precision)
 
 
 def train_job(job: Job, log: Callable[[str], None] | None = None,
@@ -80,19 +92,21 @@ def train_job(job: Job, log: Callable[[str], None] | None = None,
     is tested, before the record is returned (a run directory saves it there).
 
     A one-stage setup tested at T alone gives train.on_task's record (`train`, `validation`, `test`);
-    a staged one gives the record of `staged_record` (each evaluation's stage, `tests` per length)."""
+    a staged one gives the record of `staged_record` (each evaluation's stage, `tests` per length).
+    Inside `train.task_loop.distributed_training` with several processes, processes other than 0
+    train alongside process 0 and return {} without testing or calling `keep_model`."""
     import torch
 
     from routeformer.tasks import build_task
     from routeformer.train.on_task import build_task_model, train_on_task, train_stages
-    from routeformer.train.task_loop import TaskTrainConfig
+    from routeformer.train.task_loop import TaskTrainConfig, is_main_process
 
     setup = job.setup
     name = setup.task_name(job.task)
     task = build_task(name, **job.task_options)
     total = sum(stage.schedule.steps for stage in setup.stages)
     configs = [TaskTrainConfig(stage.schedule, eval_every=max(1, stage.schedule.steps // setup.evals),
-                               seed=job.seed) for stage in setup.stages]
+                               seed=job.seed, precision=job.precision) for stage in setup.stages]
     log = log or (lambda line: say(f"  {job.key}: {line}"))
     if not setup.staged:
         log(f"started ({total} steps)")
@@ -101,6 +115,8 @@ def train_job(job: Job, log: Callable[[str], None] | None = None,
                                test_sequences=setup.test_sequences,
                                log=lambda line: log(_with_total(line, total)),
                                after_training=None if keep_model is None else _kept_by(keep_model))
+        if not is_main_process():
+            return {}
         return {**record, "task_name": job.task, "task_options": job.task_options}
     log(f"started ({total} steps in {len(setup.stages)} stages)")
     done = [sum(stage.schedule.steps for stage in setup.stages[:index]) for index in range(len(setup.stages))]
@@ -116,6 +132,8 @@ def train_job(job: Job, log: Callable[[str], None] | None = None,
     histories = train_stages(
         model, (stage(index) for index in range(len(configs))),
         lambda index, t: lambda line: log(f"T={t.seq_len} {_with_progress(line, done[index], total)}"))
+    if not is_main_process():
+        return {}
     validation = [{**record, "stage": index, "task": t.describe()}
                   for index, (t, history) in enumerate(zip(stage_tasks, histories, strict=True))
                   for record in history.evals]
@@ -152,7 +170,8 @@ def staged_record(job: Job, task: Any, model: Any, validation: list[dict[str, An
     return {
         "task": task.describe(), "task_name": setup.task_name(job.task), "setup": job.task,
         "task_options": job.task_options, "mechanism": job.mechanism, "options": job.options,
-        "seed": job.seed, "model": asdict(job.spec), "stages": [asdict(stage) for stage in setup.stages],
+        "seed": job.seed, "precision": job.precision, "model": asdict(job.spec),
+        "stages": [asdict(stage) for stage in setup.stages],
         "parameters": parameter_count(model), "validation": validation, "tests": tests,
         "quality": tests[str(task.seq_len)][task.metric], "train_seconds": train_seconds,
     }
@@ -290,8 +309,12 @@ def _stop_workers(pool) -> None:
 
 def job_config(job: Job) -> dict[str, Any]:
     """The job as JSON-ready data (what config.json holds; a one-stage setup as it read before setups
-    had stages, so earlier run directories resume)."""
-    return json.loads(json.dumps({**asdict(job), "setup": job.setup.as_dict()}))
+    had stages, and `precision` only where it is not the default fp32, so earlier run directories
+    resume)."""
+    data = {**asdict(job), "setup": job.setup.as_dict()}
+    if job.precision == TASK_PRECISIONS[0]:
+        data.pop("precision")
+    return json.loads(json.dumps(data))
 
 
 def keep_job_model(out_dir: str | Path, job: Job, model: Any, task: Any = None) -> Path:

@@ -2,10 +2,11 @@
 stored the way compare stores its runs.
 
 The directory holds `config.json` (the job: task and its options, mechanism and its options, seed,
-schedule, backbone) and, once the run has finished, its trained model as `checkpoint.pt` (the
-layout and readers of `routeformer train`'s run directories, `train.checkpoint.save_task_model`:
-weights, model config, task name and options, the tokeniser of a text task; `eval`, `sample`,
-`export-hf` and `train.checkpoint.load_run_model` read it) and then `record.json` (train_on_task's
+schedule, backbone, and the training precision where it is not fp32) and, once the run has
+finished, its trained model as `checkpoint.pt` (the layout and readers of `routeformer train`'s
+run directories, `train.checkpoint.save_task_model`: weights, model config, task name and options,
+the tokeniser of a text task; `eval`, `sample`, `export-hf` and `train.checkpoint.load_run_model`
+read it) and then `record.json` (train_on_task's
 record: the validation history, the test metrics, the parameter count). While it trains, the task
 loop's checkpoints `record.train<n>.pt` sit beside them (`cached_record`, train/task_loop.py): a
 run that is interrupted and started again resumes after its last evaluation and ends with the same
@@ -34,15 +35,55 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
     `resumed`: the loop's lines saying where it resumed (empty for a run that never stopped).
 
     Raises ValueError, before anything is written, when the job's task cannot be built with its
-    options (at T and at every stage) or `out_dir` holds a run of another config."""
-    from routeformer.train.checkpoint import checkpoint_files, remove_checkpoints
-    from routeformer.train.progress import write_text_atomic
-    from routeformer.train.resume import check_out_dir, describe, flatten
-    from routeformer.train.task_loop import training_checkpoints
+    options (at T and at every stage) or `out_dir` holds a run of another config.
 
+    Inside `train.task_loop.distributed_training` with several processes every process calls it:
+    process 0 alone prepares the directory (`fresh`, config.json), hears `log`, writes checkpoints,
+    the model and the record, and returns the record; the others train alongside it and return {}
+    (or the finished record, read back). When process 0 refuses the directory, every process raises."""
+    from routeformer.train.distributed import any_rank
+    from routeformer.train.resume import check_out_dir
+    from routeformer.train.task_loop import distributed_context
+
+    context = distributed_context()
     out_dir = Path(out_dir)
     check_out_dir(out_dir)
     task = built_task(job)
+    record_path = out_dir / RECORD_FILE
+    refused: Exception | None = None
+    if context.is_main:
+        try:
+            _prepare(out_dir, job, fresh)
+        except (ValueError, OSError) as error:
+            refused = error
+    if any_rank(refused is not None, context):  # every process waits here for the directory
+        if refused is not None:
+            raise refused
+        raise ValueError(f"{str(out_dir)!r}: process 0 refused the run directory (its error says why)")
+    log = log if context.is_main else None
+    resumed: list[str] = []
+
+    def hear(line: str) -> None:
+        if line.startswith(RESUME_LINE):
+            resumed.append(line)
+        if log is not None:
+            log(line)
+
+    def train() -> dict[str, Any]:
+        record = train_job(job, log=hear, keep_model=lambda model: keep_job_model(out_dir, job, model, task))
+        return {**record, "resumed": resumed} if record else record
+
+    return cached_record(record_path, train)
+
+
+def _prepare(out_dir: Path, job: Job, fresh: bool) -> None:
+    """Start over (`fresh`) or check that `out_dir` holds no run of another config, then write the
+    job's config.json (ValueError naming the differences, before anything is written)."""
+    from routeformer.train.checkpoint import checkpoint_files, remove_checkpoints
+    from routeformer.train.progress import write_text_atomic
+    from routeformer.train.resume import describe, flatten
+    from routeformer.train.task_loop import TASK_PRECISIONS, training_checkpoints
+
     record_path, config_path = out_dir / RECORD_FILE, out_dir / CONFIG_FILE
     config = job_config(job)
     if fresh:
@@ -54,7 +95,9 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
         raise ValueError(f"{str(out_dir)!r} holds checkpoints but no {CONFIG_FILE} of a task run (another "
                          "kind of run); use --fresh to start over, or another --out")
     if config_path.is_file():
-        before, after = flatten(json.loads(config_path.read_text())), flatten(config)
+        default = {"precision": TASK_PRECISIONS[0]}  # job_config leaves the default out
+        before = flatten({**default, **json.loads(config_path.read_text())})
+        after = flatten({**default, **config})
         changes = {key: (before.get(key), after.get(key)) for key in sorted(set(before) | set(after))
                    if before.get(key) != after.get(key)}
         if changes:
@@ -62,17 +105,6 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
                              "use --fresh to start over, or another --out")
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(config_path, json.dumps(config, indent=1) + "\n")
-    resumed: list[str] = []
-
-    def hear(line: str) -> None:
-        if line.startswith(RESUME_LINE):
-            resumed.append(line)
-        if log is not None:
-            log(line)
-
-    return cached_record(record_path, lambda: {
-        **train_job(job, log=hear, keep_model=lambda model: keep_job_model(out_dir, job, model, task)),
-        "resumed": resumed})
 
 
 __all__ = ["CONFIG_FILE", "RECORD_FILE", "built_task", "job_config", "keep_job_model", "run_in_directory"]

@@ -21,7 +21,7 @@ from routeformer.models.config import ModelConfig
 from routeformer.models.heads import TokenPredictor
 from routeformer.tasks.base import IGNORE_INDEX, Task
 from routeformer.tasks.positions import PositionBucketSums
-from routeformer.train.task_loop import TaskHistory, TaskTrainConfig, layer_stat, train_task
+from routeformer.train.task_loop import TaskHistory, TaskTrainConfig, is_main_process, layer_stat, train_task
 
 
 @dataclass(frozen=True)
@@ -151,12 +151,17 @@ def train_on_task(
     after_training: Callable[[TokenPredictor], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Train a fresh model (initialised from `seed`) and return a JSON-ready record: the
-    validation history, `test` (the task's metric on the test sample), parameter count, wall-clock."""
+    validation history, `test` (the task's metric on the test sample), parameter count, wall-clock,
+    and `train` (the schedule, seed and `precision` it trained with). Inside
+    `task_loop.distributed_training` with several processes, the processes other than 0 train
+    alongside process 0 and return {} (neither testing nor calling `after_training`)."""
     if train.seed != seed:
         raise ValueError(f"train.seed ({train.seed}) must equal seed ({seed})")
     torch.manual_seed(seed)
     model = build_task_model(task, mechanism, options, spec)
     history, = train_stages(model, [(task, train, validation_sequences)], lambda index, stage_task: log)
+    if not is_main_process():
+        return {}
     test = evaluate_on_task(model, task, "test", test_sequences)
     record = {"task": task.describe(), "mechanism": mechanism, "options": options, "seed": seed,
               "model": asdict(spec), "train": asdict(train), "parameters": parameter_count(model),

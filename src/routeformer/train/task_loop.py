@@ -14,6 +14,20 @@ corrupt checkpoint is reported, moved aside (`.corrupt`) and the call starts ove
 
 A step with a non-finite loss or gradient is skipped; MAX_NONFINITE_STEPS in a row stop the run
 (train/guard.py).
+
+Precision: `TaskTrainConfig.precision` "bf16" runs each training forward under bfloat16 autocast on
+the model's device (train/precision.py: CPU or CUDA, no gradient scaler); parameters, AdamW's state
+and every evaluation stay fp32. "fp32" (the default) runs the forward as it is.
+
+Several processes: inside `distributed_training(context)` with a `DistributedContext` of more than
+one process (`train.distributed.init_distributed`, under torchrun or with RANK / WORLD_SIZE /
+LOCAL_RANK / MASTER_ADDR / MASTER_PORT set), `train_task` trains DistributedDataParallel as the LM
+run does (train/distributed.py): the batch size is the global batch, every process draws it from
+the same seeded generator and keeps its contiguous slice, the gradients are averaged over the
+processes, and a step is skipped on all of them when its loss or gradient is non-finite on any.
+Process 0 alone evaluates, logs and writes checkpoints (each holding every process's torch RNG
+state, so a run resumed on as many processes continues as one never interrupted); the others
+return an empty history. Logged training losses are the mean over the processes.
 """
 
 from __future__ import annotations
@@ -33,23 +47,46 @@ import torch
 from torch import Tensor, nn
 
 from routeformer.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from routeformer.train.distributed import (
+    DistributedContext,
+    check_shardable,
+    gather_rng_states,
+    local_shard,
+    mean_over_ranks,
+    needs_unused_parameter_search,
+    rank_rng_state,
+    restore_rank_rng,
+)
 from routeformer.train.guard import NonFiniteGuard
 from routeformer.train.optim import build_optimizer
+from routeformer.train.precision import autocast
 from routeformer.train.schedule import Schedule
 from routeformer.train.steps import StepResult, StepState, capture_state, restore_state, run_steps
 
 MAX_NONFINITE_STEPS = 10  # a module constant, not a config field: checkpoints compare configs
+TASK_PRECISIONS = ("fp32", "bf16")  # the precisions of a task run; the first is the default
+
+
+def check_task_precision(precision: Any, argument: str = "precision") -> None:
+    """Raise ValueError naming `argument` unless `precision` is one of TASK_PRECISIONS."""
+    if precision not in TASK_PRECISIONS:
+        raise ValueError(f"{argument}: one of {list(TASK_PRECISIONS)}; got {precision!r}")
 
 
 @dataclass
 class TaskTrainConfig:
     """A task run: its schedule (steps, batch size, learning rate, warm-up, clipping), AdamW's weight
-    decay, an evaluation every `eval_every` steps (and at the end), and the seed of the weights and
-    the batches."""
+    decay, an evaluation every `eval_every` steps (and at the end), the seed of the weights and the
+    batches, and the `precision` of the training forward: "fp32" (default) or "bf16" (bfloat16
+    autocast; see the module docstring). ValueError naming `precision` for any other value."""
     schedule: Schedule = Schedule(steps=1000, batch_size=32, lr=1e-3, warmup_steps=50)
     weight_decay: float = 0.1
     eval_every: int = 100
     seed: int = 0
+    precision: str = TASK_PRECISIONS[0]
+
+    def __post_init__(self) -> None:
+        check_task_precision(self.precision)
 
 
 @dataclass
@@ -72,6 +109,33 @@ class _Resumable:
 
 
 _RESUMABLE: ContextVar[_Resumable | None] = ContextVar("routeformer_resumable_training", default=None)
+_DISTRIBUTED: ContextVar[DistributedContext | None] = ContextVar("routeformer_distributed_training",
+                                                                 default=None)
+_SINGLE_PROCESS = DistributedContext()
+
+
+@contextmanager
+def distributed_training(context: DistributedContext) -> Iterator[None]:
+    """Train every `train_task` call inside the block on the processes of `context` (see the module
+    docstring); a single-process context changes nothing. The process group is the caller's to set
+    up (`init_distributed`) and tear down (`finish_distributed`)."""
+    token = _DISTRIBUTED.set(context)
+    try:
+        yield
+    finally:
+        _DISTRIBUTED.reset(token)
+
+
+def distributed_context() -> DistributedContext:
+    """The processes task training runs on here: the innermost `distributed_training` block's
+    context, else the single process."""
+    return _DISTRIBUTED.get() or _SINGLE_PROCESS
+
+
+def is_main_process() -> bool:
+    """Whether this process evaluates, logs and writes files: always outside `distributed_training`,
+    and process 0 of several inside it."""
+    return distributed_context().is_main
 
 
 @contextmanager
@@ -90,15 +154,32 @@ def training_checkpoints(directory: str | Path, key: str) -> list[Path]:
 
 
 def _resume(path: Path, config: TaskTrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
-            generator: torch.Generator, guard: NonFiniteGuard) -> tuple[int, TaskHistory]:
-    """(completed steps, history so far) from the checkpoint at `path`, restored in place."""
+            generator: torch.Generator, guard: NonFiniteGuard, context: DistributedContext,
+            device: torch.device) -> tuple[int, TaskHistory]:
+    """(completed steps, history so far) from the checkpoint at `path`, restored in place (this
+    process's torch RNG from the checkpoint's state for it)."""
     state = load_checkpoint(path)
-    if state["config"] != asdict(config):
+    saved = {"precision": TASK_PRECISIONS[0], **state["config"]}  # checkpoints older than the field
+    if saved != asdict(config):
         raise ValueError(f"checkpoint {str(path)!r} was written with another training config "
                          f"({state['config']}, now {asdict(config)}); delete it to start this run afresh")
     step = restore_state(state, model, optimizer, generator, guard)
-    torch.set_rng_state(state["rng"]["torch"])
+    reseeded = restore_rank_rng(state["rng"], context, device, config.seed, step)
+    if reseeded and context.is_main:
+        _warn(reseeded)
     return step, TaskHistory(**state["history"])
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    parameter = next(iter(model.parameters()), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
+def _needs_unused_parameter_search(model: nn.Module) -> bool:
+    """DDP's find_unused_parameters for `model`: from its layers' mechanisms when it states them
+    (a `config.layer_attention()`), else on (correct for every model)."""
+    layers = getattr(getattr(model, "config", None), "layer_attention", None)
+    return needs_unused_parameter_search(layers()) if callable(layers) else True
 
 
 def _warn(message: str) -> None:
@@ -119,8 +200,17 @@ def train_task(
 ) -> TaskHistory:
     """Train `model` on fresh batches `make_batch(batch_size, generator)`; `forward(model, inputs,
     labels)` returns a ModelOutput (default: `model(inputs, labels)`); `evaluate(model)` runs every
-    `eval_every` steps and at the end, in eval mode."""
+    `eval_every` steps and at the end, in eval mode. `config.precision` sets the training forward's
+    autocast (fp32: none). Inside `distributed_training` with several processes the model trains
+    DistributedDataParallel (`forward` gets the wrapped model) and only process 0 evaluates, logs,
+    checkpoints and returns the history (module docstring); ValueError when the batch size is not
+    divisible by the number of processes."""
     schedule = config.schedule
+    context = distributed_context()
+    check_shardable(schedule.batch_size, context)
+    device = _device_of(model)
+    log = log if context.is_main else None
+    warn = _warn if context.is_main else (lambda message: None)
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
     forward = forward or (lambda m, inputs, labels: m(inputs, labels))
@@ -128,16 +218,34 @@ def train_task(
     history, state = TaskHistory(), StepState(0)
     resumable = _RESUMABLE.get()
     checkpoint = None if resumable is None else resumable.next_path()
-    guard = NonFiniteGuard(MAX_NONFINITE_STEPS, warn=lambda step, message: _warn(message))
+    guard = NonFiniteGuard(MAX_NONFINITE_STEPS, warn=lambda step, message: warn(message),
+                           all_ranks=lambda flag: mean_over_ranks(flag, context))
+    resumed = False
     if checkpoint is not None and checkpoint.exists():
         try:
-            state.step, history = _resume(checkpoint, config, model, optimizer, generator, guard)
+            state.step, history = _resume(checkpoint, config, model, optimizer, generator, guard, context,
+                                          device)
+            resumed = True
             if log:
                 log(f"resumed from {checkpoint.name} after step {state.step}")
         except CheckpointError as error:  # nothing was restored: the call starts over
-            os.replace(checkpoint, checkpoint.with_name(checkpoint.name + ".corrupt"))
-            _warn(f"{error}; moved aside, this run starts over")
+            if context.is_main:
+                os.replace(checkpoint, checkpoint.with_name(checkpoint.name + ".corrupt"))
+                warn(f"{error}; moved aside, this run starts over")
+    if context.rank and not resumed:  # processes other than 0 draw their own dropout / routing samples
+        torch.manual_seed(config.seed + context.rank)
+    trained = model
+    if context.enabled:
+        from torch.nn.parallel import DistributedDataParallel
+
+        trained = DistributedDataParallel(model, find_unused_parameters=_needs_unused_parameter_search(model))
     began = time.perf_counter()
+
+    def next_batch() -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        inputs, labels = make_batch(schedule.batch_size, generator)
+        if context.enabled:  # this process's slice of the global batch
+            inputs, labels = local_shard(inputs, context), local_shard(labels, context)
+        return inputs, labels, {}
 
     def evaluate_now(result: StepResult) -> None:
         nonlocal began
@@ -145,21 +253,33 @@ def train_task(
         if step % config.eval_every and step != schedule.steps:
             return
         history.train_seconds += time.perf_counter() - began
-        model.eval()  # the step loop puts it back in train mode
         output = result.output
-        record = {"step": step, "train_loss": output.loss.item(), "aux_loss": output.aux_loss.item(),
-                  **evaluate(model)}
-        history.evals.append(record)
-        if log:
-            log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
-        if checkpoint is not None:  # after evaluating: the RNG state includes what it drew
-            save_checkpoint(checkpoint, capture_state(step, model, optimizer, generator, guard,
-                                                      config=asdict(config), history=asdict(history)))
+        if context.enabled:  # every process joins the reductions and the RNG gathering
+            losses = mean_over_ranks(torch.stack([output.loss.detach().float(),
+                                                  output.aux_loss.detach().float()]), context)
+            train_loss, aux_loss = losses.tolist()
+            rank_states = gather_rng_states(context, device) if checkpoint is not None else None
+        else:
+            train_loss, aux_loss, rank_states = output.loss.item(), output.aux_loss.item(), None
+        if context.is_main:
+            model.eval()  # the step loop puts it back in train mode
+            record = {"step": step, "train_loss": train_loss, "aux_loss": aux_loss, **evaluate(model)}
+            history.evals.append(record)
+            if log:
+                log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                             for k, v in record.items()))
+            if checkpoint is not None:  # after evaluating: the RNG state includes what it drew
+                saved = capture_state(step, model, optimizer, generator, guard, config=asdict(config),
+                                      history=asdict(history))
+                if rank_states is not None:  # process 0's own state as it stands after evaluating
+                    saved["rng"]["ranks"] = [rank_rng_state(device), *rank_states[1:]]
+                save_checkpoint(checkpoint, saved)
         began = time.perf_counter()
 
-    run_steps(model, optimizer, schedule, guard, state,
-              lambda: (*make_batch(schedule.batch_size, generator), {}),
-              lambda inputs, labels, extra: forward(model, inputs, labels),
-              on_step_end=evaluate_now)
+    run_steps(model, optimizer, schedule, guard, state, next_batch,
+              lambda inputs, labels, extra: forward(trained, inputs, labels),
+              autocast=lambda: autocast(config.precision, device), on_step_end=evaluate_now)
+    if not context.is_main:
+        return TaskHistory(train_seconds=history.train_seconds)
     history.final = history.evals[-1]
     return history

@@ -1,0 +1,114 @@
+"""Task runs' precision: `--precision bf16` trains the forward under bfloat16 autocast on the CPU and
+records it; fp32, the default, leaves config.json as it was; a bad value is refused in one line
+(CLI) or by a ValueError naming the argument (library); a checkpoint written before the field
+existed resumes."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from routeformer.cli import main
+from routeformer.compare.budgets import QUICK
+from routeformer.models.heads import TokenPredictor
+from routeformer.runner.jobs import Job
+from routeformer.train.checkpoint import load_checkpoint, save_checkpoint
+from routeformer.train.schedule import Schedule
+from routeformer.train.task_loop import TaskTrainConfig, resumable_training, train_task, training_checkpoints
+
+RUN = ["train", "--task", "mqar", "--steps", "3", "--evals", "3", "--batch-size", "8", "--seed", "1",
+       "--model.dim", "16", "--model.depth", "1", "--model.heads", "2"]
+
+
+def test_bf16_trains_under_autocast_evaluates_in_fp32_and_is_recorded(tmp_path, capsys, monkeypatch):
+    forward, seen = TokenPredictor.forward, {True: set(), False: set()}
+
+    def recording(self, *args, **kwargs):
+        seen[self.training].add((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(TokenPredictor, "forward", recording)
+    run = tmp_path / "bf16"
+    assert main([*RUN, "--precision", "bf16", "--out", str(run)]) == 0
+    assert seen[True] == {(True, torch.bfloat16)}  # every training forward
+    assert {enabled for enabled, _ in seen[False]} == {False}  # evaluation and test: fp32
+    record = json.loads((run / "record.json").read_text())
+    assert record["train"]["precision"] == "bf16"
+    assert json.loads((run / "config.json").read_text())["precision"] == "bf16"
+    weights = load_checkpoint(run / "checkpoint.pt")["model"]
+    assert all(value.dtype == torch.float32 for value in weights.values())  # weights stay fp32
+    assert all(math.isfinite(entry["train_loss"] + entry["loss"]) for entry in record["validation"])
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 0
+    assert json.loads(capsys.readouterr().out)["accuracy"] == record["validation"][-1]["accuracy"]
+
+    # The same directory asked for at fp32 is another run: refused, naming the difference.
+    assert main([*RUN, "--out", str(run)]) == 2
+    error = capsys.readouterr().err
+    assert "holds a run of another config" in error and "precision" in error
+
+
+def test_fp32_is_the_default_and_config_json_leaves_it_out(tmp_path):
+    run = tmp_path / "fp32"
+    assert main([*RUN, "--out", str(run)]) == 0
+    assert "precision" not in json.loads((run / "config.json").read_text())  # as earlier runs wrote it
+    assert json.loads((run / "record.json").read_text())["train"]["precision"] == "fp32"
+    assert main([*RUN, "--precision", "fp32", "--out", str(run)]) == 0  # the same run: read back
+
+
+def test_a_bad_precision_is_refused_in_one_line_before_anything_is_written(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main([*RUN, "--precision", "fp16x", "--out", str(run)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and error.startswith("routeformer: error: argument --precision: ")
+    assert "'fp16x'" in error and "fp32" in error and "bf16" in error
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("precision", ["fp16x", "fp16", "", None])
+def test_the_library_refuses_a_bad_precision_naming_the_argument(precision):
+    with pytest.raises(ValueError, match=r"precision: one of \['fp32', 'bf16'\]; got "):
+        TaskTrainConfig(precision=precision)
+    setup = QUICK.tasks["mqar"]
+    with pytest.raises(ValueError, match=r"precision: one of \['fp32', 'bf16'\]; got "):
+        Job("k", "mqar", setup.options, "full", {}, 0, setup, precision=precision)
+
+
+def _forward(model, inputs, labels):
+    loss = (model(inputs) - labels).pow(2).mean()
+    return SimpleNamespace(total_loss=loss, loss=loss, aux_loss=torch.zeros(()))
+
+
+def _train(directory, stop_at: int | None = None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 1))
+    calls = []
+
+    def make_batch(batch_size, generator):
+        calls.append(None)
+        if len(calls) == stop_at:
+            raise KeyboardInterrupt
+        inputs = torch.randn(batch_size, 4, generator=generator)
+        return inputs, inputs.sum(dim=1, keepdim=True).sin()
+
+    config = TaskTrainConfig(Schedule(steps=5, batch_size=8, lr=1e-2, warmup_steps=1), eval_every=2, seed=4)
+    with resumable_training(directory, "run"):
+        history = train_task(model, make_batch, lambda m: {}, config, forward=_forward)
+    return model, history
+
+
+def test_a_checkpoint_without_the_precision_field_resumes_as_fp32(tmp_path):
+    straight, straight_history = _train(tmp_path / "straight")
+    with pytest.raises(KeyboardInterrupt):
+        _train(tmp_path / "old", stop_at=4)  # stopped in step 4, after the step-2 checkpoint
+    path, = training_checkpoints(tmp_path / "old", "run")
+    state = load_checkpoint(path)
+    assert state["config"].pop("precision") == "fp32"
+    save_checkpoint(path, state)  # as a checkpoint of a task run before the field existed
+    resumed, history = _train(tmp_path / "old")
+    assert history.evals == straight_history.evals
+    for name, value in straight.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name
