@@ -7,8 +7,8 @@ type of the field it lands in, before a config dataclass sees it:
 - `int`: an integer, or text/float that is one exactly (`1_000`, `1e3`, `64.0`); never a bool;
 - `float`: any finite number or numeric text (`3e-4`, `1_000`, `.5`);
 - `bool`: true/false (YAML's spellings);
-- `str`: text, or a number as its text (`out_dir: 2024`); an override's raw text is kept as typed
-  (`--out_dir 010` stays "010");
+- `str`: text, or a number as its text (`corpus: 2024`); an override of a plain `str` field keeps its
+  raw text (`--data.corpus 010` stays "010"), one of a `str | None` field is read as YAML (`null`);
 - `Any`: the value as it is;
 - `X | Y`: text goes to a `str` member first, None to a `None` member; otherwise the first member
   that takes the value, in order;
@@ -16,7 +16,8 @@ type of the field it lands in, before a config dataclass sees it:
 
 One table holds a converter per type (`_CONVERTERS`, keyed by the type or, for `list[...]` and
 `dict[...]`, by its origin); `coerce` walks an annotation with `typing.get_origin`/`get_args`.
-Anything else raises one `ValueError` line naming the field, the value and what is allowed.
+A value its type does not take raises one `ValueError` line naming the field, the value and what
+is allowed; an annotation with no converter raises TypeError.
 """
 
 from __future__ import annotations
