@@ -19,6 +19,7 @@ from routeformer.integrations.hf.indexer import (  # noqa: E402
     indexer_topk,
     indexer_topk_reference,
 )
+from tests.integrations.test_hf_interface import padded_mask  # noqa: E402
 
 VOCAB = 97
 # find_spec, not hasattr(transformers, ...): a failed lazy lookup replaces sys.modules["transformers"].
@@ -223,12 +224,7 @@ def test_the_blocked_forward_runs_and_the_state_is_unchanged(models):
 def test_padded_batch_equals_eager(models, side):
     eager, patched = models
     ids = torch.randint(1, VOCAB, (3, 70), generator=torch.Generator().manual_seed(5))
-    attention_mask = torch.ones_like(ids)
-    for row, count in {1: 13, 2: 64}.items():  # row 2 keeps fewer tokens than index_topk
-        if side == "left":
-            attention_mask[row, :count] = 0
-        else:
-            attention_mask[row, -count:] = 0
+    attention_mask = padded_mask(ids, {1: 13, 2: 64}, side)  # row 2 keeps fewer tokens than index_topk
     expected_logits, expected = forward(eager, ids, attention_mask=attention_mask)
     real = attention_mask.bool()
     for name, model in patched.items():

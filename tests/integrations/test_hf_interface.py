@@ -29,6 +29,18 @@ needs_deepseek_v32 = pytest.mark.skipif(
            f"installed {transformers.__version__}")
 
 
+def padded_mask(ids, pads, side):
+    """An attention mask of ones shaped like `ids` with `pads[row]` zeros on `side` ("left" or
+    "right") of each listed row."""
+    attention_mask = torch.ones_like(ids)
+    for row, count in pads.items():
+        if side == "left":
+            attention_mask[row, :count] = 0
+        else:
+            attention_mask[row, -count:] = 0
+    return attention_mask
+
+
 def test_the_name_is_registered_with_both_interfaces():
     assert register() == NAME == "routeformer"
     assert AttentionInterface._global_mapping[NAME] is routeformer_attention
@@ -153,13 +165,8 @@ def test_deepseek_v32_selection_matters_at_this_length(deepseek_pair):
 def test_deepseek_v32_padded_batch_equals_eager(deepseek_pair, side):
     eager, routed = deepseek_pair
     ids = torch.randint(1, VOCAB, (3, 41), generator=torch.Generator().manual_seed(5))
-    attention_mask = torch.ones_like(ids)
     pads = {1: 13, 2: 30}  # row 2 keeps fewer tokens than index_topk
-    for row, count in pads.items():
-        if side == "left":
-            attention_mask[row, :count] = 0
-        else:
-            attention_mask[row, -count:] = 0
+    attention_mask = padded_mask(ids, pads, side)
     with torch.no_grad():
         expected = eager(ids, attention_mask=attention_mask).logits
         logits = routed(ids, attention_mask=attention_mask).logits
