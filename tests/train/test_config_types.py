@@ -166,7 +166,8 @@ def test_a_union_tries_its_members_in_order_and_stops_at_the_first_that_fits():
 
 @pytest.mark.parametrize("raw, annotation, expected", [
     ("010", str, "010"), ("[a", str, "[a"), ("null", str, "null"),  # plain text fields keep the text
-    ("null", str | None, None), ("runs/x", str | None, "runs/x"),
+    ("null", str | None, None), ("~", str | None, None), ("runs/x", str | None, "runs/x"),
+    ("010", str | None, "010"), ("1e3", str | None, "1e3"), ("a: b", str | None, "a: b"),  # a path's text
     ("~", int | None, None), ("'12'", int, 12),
     ("no", bool, False), ("yes", bool, True), ("on", bool, True), ("False", bool, False),
     ("[local, full]", str | list[str], ["local", "full"]),

@@ -54,11 +54,17 @@ def coerce_section(prefix: str, types_by_name: dict[str, Any], values: dict[str,
             for key, value in values.items()}
 
 
+_NULLS = ("", "~", "null", "Null", "NULL")  # YAML 1.1's spellings of null
+
+
 def parse_override(name: str, raw: str, annotation: Any) -> Any:
-    """The value of `--name raw`: a plain `str` field keeps the text; any other reads it as YAML
-    first, then `coerce`s it. Raises ValueError when `raw` is no YAML, or as `coerce` does."""
+    """The value of `--name raw`: a `str` field keeps the text (a `str | None` field reads YAML's
+    null spellings as None); any other reads it as YAML first, then `coerce`s it. Raises ValueError
+    when `raw` is no YAML, or as `coerce` does."""
+    if annotation is str or set(typing.get_args(annotation)) == {str, type(None)}:
+        return None if annotation is not str and raw.strip() in _NULLS else raw
     try:
-        return raw if annotation is str else coerce(name, yaml.safe_load(raw), annotation)
+        return coerce(name, yaml.safe_load(raw), annotation)
     except yaml.YAMLError as error:
         problem = getattr(error, "problem", None) or "not valid YAML"
         raise ValueError(f"{name}: cannot read {raw!r} ({problem})") from None
