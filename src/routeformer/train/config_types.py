@@ -8,7 +8,8 @@ type of the field it lands in, before a config dataclass sees it:
 - `float`: any finite number or numeric text (`3e-4`, `1_000`, `.5`);
 - `bool`: true/false (YAML's spellings);
 - `str`: text, or a number as its text (`corpus: 2024`); an override of a plain `str` field keeps its
-  raw text (`--data.corpus 010` stays "010"), one of a `str | None` field is read as YAML (`null`);
+  raw text (`--data.corpus 010` stays "010"), and so does one of a `str | None` field but for
+  YAML's null spellings (`null`, `~`, empty), which give None;
 - `Any`: the value as it is;
 - `X | Y`: text goes to a `str` member first, None to a `None` member; otherwise the first member
   that takes the value, in order;
