@@ -143,6 +143,7 @@ def build_task_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model.positions", dest="model_positions", default=None,
                         help="learned, rotary or none")
     parser.add_argument("--model.tie_embeddings", dest="model_tie_embeddings", type=boolean, default=None,
+                        metavar="true|false",
                         help="true: the output head shares the token embedding's weight (default: the "
                              "budget's backbone, a separate head)")
     parser.add_argument("--betas", type=unit_float, nargs=2, default=None, metavar=("B1", "B2"),
