@@ -207,6 +207,7 @@ def _bench_steps(args: argparse.Namespace) -> int:
     from routeformer.bench.model_steps import STEP_HEADER, model_step_rows
     from routeformer.bench.timing import machine_description
     from routeformer.compare.budgets import LONG, options_for
+    from routeformer.train.on_task import spec_dict
 
     mechanisms = args.mechanisms or ["topk", "mita", "meta"]
     unknown = [m for m in mechanisms if m not in list_attentions()]
@@ -234,7 +235,7 @@ def _bench_steps(args: argparse.Namespace) -> int:
 
         output = Path(args.output)
         output.parent.mkdir(parents=True, exist_ok=True)
-        settings = {"model": asdict(LONG.spec), "tokens_per_step": args.tokens, "threads": 1,
+        settings = {"model": spec_dict(LONG.spec), "tokens_per_step": args.tokens, "threads": 1,
                     "meta_shares": args.meta_shares,
                     "repeats": args.repeats, "machine": machine_description()}
         output.write_text("# Training step of compare --long's model, against full in the same rounds\n\n"

@@ -73,6 +73,28 @@ def positive_float(text: str) -> float:
     return value
 
 
+def unit_float(text: str) -> float:
+    """argparse type: a number in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1); got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1); got {text!r}")
+    return value
+
+
+BOOLEANS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+def boolean(text: str) -> bool:
+    """argparse type: true/yes/1 or false/no/0 (any case)."""
+    value = BOOLEANS.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"must be true or false; got {text!r}")
+    return value
+
+
 def key_values(items: list[str], argument: str, accepted: Iterable[str] | None = None,
                allowed: str = "") -> dict[str, Any]:
     """{KEY: VALUE} from a repeatable `argument`'s ["KEY=VALUE", ...], each VALUE read as YAML
@@ -120,6 +142,12 @@ def build_task_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model.mlp_ratio", dest="model_mlp_ratio", type=positive_float, default=None)
     parser.add_argument("--model.positions", dest="model_positions", default=None,
                         help="learned, rotary or none")
+    parser.add_argument("--model.tie_embeddings", dest="model_tie_embeddings", type=boolean, default=None,
+                        metavar="true|false",
+                        help="true: the output head shares the token embedding's weight (default: the "
+                             "budget's backbone, a separate head)")
+    parser.add_argument("--betas", type=unit_float, nargs=2, default=None, metavar=("B1", "B2"),
+                        help="AdamW's betas, each in [0, 1) (default: 0.9 0.999)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="the training forward's precision: fp32 (default) or bf16 (bfloat16 autocast; "
                              "weights, optimizer and evaluation stay fp32)")

@@ -12,7 +12,9 @@ long) and --option change it (the stage on the task itself); with --steps the wa
 share of the steps. The
 trained model is kept in the run directory as `checkpoint.pt` (runner/run_dir.py), which `eval`,
 `sample` (text tasks), `export-hf` (causal models) and `train.checkpoint.load_run_model` read.
-`--precision bf16` trains under bfloat16 autocast (train/task_loop.py; fp32 by default).
+`--precision bf16` trains under bfloat16 autocast (train/task_loop.py; fp32 by default);
+`--betas B1 B2` sets AdamW's betas (default 0.9 0.999) and `--model.tie_embeddings true` ties the
+output head to the token embedding (default: a separate head).
 
 Under torchrun (or RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in the environment)
 the run trains DistributedDataParallel on the CPU processes (gloo), as `routeformer train` does:
@@ -145,10 +147,11 @@ def task_run_job(task: str, options: argparse.Namespace) -> Job:
                     mechanism_options=recipes)
     job = task_job(f"train-{task}-{mechanism}-seed{options.seed}", task, mechanism, options.seed, setup,
                    _model_spec(budget.spec, options))
-    return replace(job, precision=options.precision)
+    betas = {} if options.betas is None else {"betas": tuple(options.betas)}
+    return replace(job, precision=options.precision, **betas)
 
 
-MODEL_KEYS = ("dim", "depth", "heads", "mlp_ratio", "positions")
+MODEL_KEYS = ("dim", "depth", "heads", "mlp_ratio", "positions", "tie_embeddings")
 
 
 def _model_spec(spec, options: argparse.Namespace):

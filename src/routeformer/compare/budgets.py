@@ -26,12 +26,12 @@ local window covers the whole sequence.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from routeformer.runner.jobs import Job
 from routeformer.runner.setups import Stage, TaskSetup
-from routeformer.train.on_task import ModelSpec
+from routeformer.train.on_task import ModelSpec, spec_dict
 from routeformer.train.schedule import Schedule
 
 TASKS = ("lm", "mqar", "listops")
@@ -329,6 +329,6 @@ def default_corpus() -> str:
 
 def budget_summary(budget: CompareBudget) -> dict[str, Any]:
     """The budget as result.json holds it (a one-stage setup as it read before setups had stages)."""
-    return {"name": budget.name, "seeds": budget.seeds, "model": asdict(budget.spec),
+    return {"name": budget.name, "seeds": budget.seeds, "model": spec_dict(budget.spec),
             "tasks": {task: setup.as_dict() for task, setup in budget.tasks.items()},
             "bench_lengths": list(budget.bench_lengths), "repeats": budget.repeats}

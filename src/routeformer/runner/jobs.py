@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.runner.setups import Stage, TaskSetup
-from routeformer.train.on_task import ModelSpec
-from routeformer.train.task_loop import TASK_PRECISIONS, check_task_precision
+from routeformer.train.on_task import ModelSpec, spec_dict
+from routeformer.train.task_loop import TASK_BETAS, TASK_PRECISIONS, check_task_precision, task_betas
 
 MODELS_FOLDER = "models"  # where run_jobs keeps trained models (keep_models)
 
@@ -67,8 +67,10 @@ def run_key(name: str) -> str:
 
 @dataclass(frozen=True)
 class Job:
-    """One training run (module docstring); `precision` is its stages' `TaskTrainConfig.precision`
-    (ValueError naming it unless "fp32" or "bf16")."""
+    """One training run (module docstring); `precision` and `betas` are its stages'
+    `TaskTrainConfig.precision` (ValueError naming it unless "fp32" or "bf16") and AdamW betas
+    (`TaskTrainConfig.betas`: two numbers in [0, 1), default TASK_BETAS; ValueError naming it
+    otherwise). The backbone's `spec.tie_embeddings` ties the output head to the embedding."""
 
     key: str  # file-name-safe and unique within an output directory
     task: str
@@ -79,9 +81,11 @@ class Job:
     setup: TaskSetup  # `task` is its name in the budget (`setup.task_name(task)` builds the task)
     spec: ModelSpec = field(default_factory=ModelSpec)
     precision: str = TASK_PRECISIONS[0]  # of every stage's training forward: "fp32" or "bf16"
+    betas: tuple[float, float] = TASK_BETAS  # AdamW's, in every stage
 
     def __post_init__(self) -> None:
         check_task_precision(self.precision)
+        object.__setattr__(self, "betas", task_betas(self.betas))
 
 
 def train_job(job: Job, log: Callable[[str], None] | None = None,
@@ -106,7 +110,8 @@ def train_job(job: Job, log: Callable[[str], None] | None = None,
     task = build_task(name, **job.task_options)
     total = sum(stage.schedule.steps for stage in setup.stages)
     configs = [TaskTrainConfig(stage.schedule, eval_every=max(1, stage.schedule.steps // setup.evals),
-                               seed=job.seed, precision=job.precision) for stage in setup.stages]
+                               seed=job.seed, precision=job.precision, betas=job.betas)
+               for stage in setup.stages]
     log = log or (lambda line: say(f"  {job.key}: {line}"))
     if not setup.staged:
         log(f"started ({total} steps)")
@@ -170,7 +175,8 @@ def staged_record(job: Job, task: Any, model: Any, validation: list[dict[str, An
     return {
         "task": task.describe(), "task_name": setup.task_name(job.task), "setup": job.task,
         "task_options": job.task_options, "mechanism": job.mechanism, "options": job.options,
-        "seed": job.seed, "precision": job.precision, "model": asdict(job.spec),
+        "seed": job.seed, "precision": job.precision,
+        **({} if job.betas == TASK_BETAS else {"betas": list(job.betas)}), "model": spec_dict(job.spec),
         "stages": [asdict(stage) for stage in setup.stages],
         "parameters": parameter_count(model), "validation": validation, "tests": tests,
         "quality": tests[str(task.seq_len)][task.metric], "train_seconds": train_seconds,
@@ -309,11 +315,13 @@ def _stop_workers(pool) -> None:
 
 def job_config(job: Job) -> dict[str, Any]:
     """The job as JSON-ready data (what config.json holds; a one-stage setup as it read before setups
-    had stages, and `precision` only where it is not the default fp32, so earlier run directories
-    resume)."""
-    data = {**asdict(job), "setup": job.setup.as_dict()}
+    had stages, `precision` only where it is not the default fp32, `betas` only where they are not
+    TASK_BETAS, and the backbone as `spec_dict` gives it, so earlier run directories resume)."""
+    data = {**asdict(job), "setup": job.setup.as_dict(), "spec": spec_dict(job.spec)}
     if job.precision == TASK_PRECISIONS[0]:
         data.pop("precision")
+    if job.betas == TASK_BETAS:
+        data.pop("betas")
     return json.loads(json.dumps(data))
 
 

@@ -2,16 +2,16 @@
 stored the way compare stores its runs.
 
 The directory holds `config.json` (the job: task and its options, mechanism and its options, seed,
-schedule, backbone, and the training precision where it is not fp32) and, once the run has
-finished, its trained model as `checkpoint.pt` (the layout and readers of `routeformer train`'s
-run directories, `train.checkpoint.save_task_model`: weights, model config, task name and options,
-the tokeniser of a text task; `eval`, `sample`, `export-hf` and `train.checkpoint.load_run_model`
-read it) and then `record.json` (train_on_task's
-record: the validation history, the test metrics, the parameter count). While it trains, the task
-loop's checkpoints `record.train<n>.pt` sit beside them (`cached_record`, train/task_loop.py): a
-run that is interrupted and started again resumes after its last evaluation and ends with the same
-weights and record as one that never stopped; a finished run is read back, not trained again. A
-directory holding a run of another config is refused with the differences named (`fresh` starts
+schedule, backbone, and the training precision and AdamW betas where they are not the defaults) and,
+once the run has finished, its trained model as `checkpoint.pt` (the layout and readers of
+`routeformer train`'s run directories, `train.checkpoint.save_task_model`: weights, model config,
+task name and options, the tokeniser of a text task; `eval`, `sample`, `export-hf` and
+`train.checkpoint.load_run_model` read it) and then `record.json` (train_on_task's record: the
+validation history, the test metrics, the parameter count). While it trains, the task loop's
+checkpoints `record.train<n>.pt` sit beside them (`cached_record`, train/task_loop.py): a run that
+is interrupted and started again resumes after its last evaluation and ends with the same weights
+and record as one that never stopped; a finished run is read back, not trained again. A directory
+holding a run of another config is refused with the differences named (`fresh` starts
 over). Nothing is written before the job's task builds with its options: a refused option leaves
 the directory as it was.
 """
@@ -80,9 +80,10 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> None:
     """Start over (`fresh`) or check that `out_dir` holds no run of another config, then write the
     job's config.json (ValueError naming the differences, before anything is written)."""
     from routeformer.train.checkpoint import checkpoint_files, remove_checkpoints
+    from routeformer.train.on_task import SPEC_DEFAULTS
     from routeformer.train.progress import write_text_atomic
     from routeformer.train.resume import describe, flatten
-    from routeformer.train.task_loop import TASK_PRECISIONS, training_checkpoints
+    from routeformer.train.task_loop import TASK_BETAS, TASK_PRECISIONS, training_checkpoints
 
     record_path, config_path = out_dir / RECORD_FILE, out_dir / CONFIG_FILE
     config = job_config(job)
@@ -95,9 +96,9 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> None:
         raise ValueError(f"{str(out_dir)!r} holds checkpoints but no {CONFIG_FILE} of a task run (another "
                          "kind of run); use --fresh to start over, or another --out")
     if config_path.is_file():
-        default = {"precision": TASK_PRECISIONS[0]}  # job_config leaves the default out
-        before = flatten({**default, **json.loads(config_path.read_text())})
-        after = flatten({**default, **config})
+        before, after = (_with_defaults(saved, TASK_PRECISIONS[0], list(TASK_BETAS), SPEC_DEFAULTS)
+                         for saved in (json.loads(config_path.read_text()), config))
+        before, after = flatten(before), flatten(after)
         changes = {key: (before.get(key), after.get(key)) for key in sorted(set(before) | set(after))
                    if before.get(key) != after.get(key)}
         if changes:
@@ -105,6 +106,16 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> None:
                              "use --fresh to start over, or another --out")
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(config_path, json.dumps(config, indent=1) + "\n")
+
+
+def _with_defaults(config: dict[str, Any], precision: str, betas: list[float],
+                   spec_defaults: dict[str, Any]) -> dict[str, Any]:
+    """A config.json's job with the fields `job_config` leaves out at their defaults filled in."""
+    spec = config.get("spec")
+    filled = {"precision": precision, "betas": betas, **config}
+    if isinstance(spec, dict):
+        filled["spec"] = {**spec_defaults, **spec}
+    return filled
 
 
 __all__ = ["CONFIG_FILE", "RECORD_FILE", "built_task", "job_config", "keep_job_model", "run_in_directory"]

@@ -21,25 +21,57 @@ from routeformer.models.config import ModelConfig
 from routeformer.models.heads import TokenPredictor
 from routeformer.tasks.base import IGNORE_INDEX, Task
 from routeformer.tasks.positions import PositionBucketSums
-from routeformer.train.task_loop import TaskHistory, TaskTrainConfig, is_main_process, layer_stat, train_task
+from routeformer.train.task_loop import (
+    TaskHistory,
+    TaskTrainConfig,
+    is_main_process,
+    layer_stat,
+    train_config_dict,
+    train_task,
+)
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The backbone every mechanism gets on a task (only the attention differs)."""
+    """The backbone every mechanism gets on a task (only the attention differs). `tie_embeddings`:
+    the output head shares the token embedding's weight (ModelConfig.tie_embeddings; default False, a
+    separate head); TypeError naming it unless a bool."""
     dim: int = 64
     depth: int = 2
     heads: int = 2
     mlp_ratio: float = 2.0
     positions: str = "learned"
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tie_embeddings, bool):
+            raise TypeError(f"tie_embeddings: must be a bool; got {self.tie_embeddings!r}")
+
+
+# ModelSpec fields added after records were first written, with their defaults: `spec_dict` leaves a
+# field out while it has its default, so the saved form of a spec that does not use it is unchanged
+SPEC_DEFAULTS: dict[str, Any] = {"tie_embeddings": False}
+
+
+def spec_dict(spec: ModelSpec) -> dict[str, Any]:
+    """`spec` as records and run directories' config.json hold it: its fields, except those of
+    SPEC_DEFAULTS that have their default value."""
+    data = asdict(spec)
+    for key, default in SPEC_DEFAULTS.items():
+        if data[key] == default:
+            del data[key]
+    return data
 
 
 def build_task_model(task: Task, mechanism: str, options: dict[str, Any], spec: ModelSpec) -> TokenPredictor:
+    """A fresh `TokenPredictor` for `task` (its vocabulary, length, causality and meta-token) whose
+    layers all run `mechanism` with `options`, on the backbone `spec`."""
     config = ModelConfig(vocab_size=task.vocab_size, dim=spec.dim, depth=spec.depth, heads=spec.heads,
                          mlp_ratio=spec.mlp_ratio, attention=mechanism,
                          attention_options={mechanism: options} if options else {},
                          positions=spec.positions, max_seq_len=task.seq_len, causal=task.causal,
-                         tie_embeddings=False, meta_token_id=getattr(task, "meta_token_id", None))
+                         tie_embeddings=spec.tie_embeddings,
+                         meta_token_id=getattr(task, "meta_token_id", None))
     return TokenPredictor(config)
 
 
@@ -152,7 +184,8 @@ def train_on_task(
 ) -> dict[str, Any]:
     """Train a fresh model (initialised from `seed`) and return a JSON-ready record: the
     validation history, `test` (the task's metric on the test sample), parameter count, wall-clock,
-    and `train` (the schedule, seed and `precision` it trained with). Inside
+    `model` (`spec_dict(spec)`) and `train` (`train_config_dict(train)`: the schedule, seed,
+    `precision` and, where not the default, AdamW's `betas` it trained with). Inside
     `task_loop.distributed_training` with several processes, the processes other than 0 train
     alongside process 0 and return {} (neither testing nor calling `after_training`)."""
     if train.seed != seed:
@@ -164,7 +197,8 @@ def train_on_task(
         return {}
     test = evaluate_on_task(model, task, "test", test_sequences)
     record = {"task": task.describe(), "mechanism": mechanism, "options": options, "seed": seed,
-              "model": asdict(spec), "train": asdict(train), "parameters": parameter_count(model),
+              "model": spec_dict(spec), "train": train_config_dict(train),
+              "parameters": parameter_count(model),
               "validation": history.evals, "test": test, "quality": test[task.metric],
               "attention_flops_per_token": test["attention_flops_per_token"],
               "train_seconds": history.train_seconds}

@@ -65,6 +65,7 @@ from routeformer.train.steps import StepResult, StepState, capture_state, restor
 
 MAX_NONFINITE_STEPS = 10  # a module constant, not a config field: checkpoints compare configs
 TASK_PRECISIONS = ("fp32", "bf16")  # the precisions of a task run; the first is the default
+TASK_BETAS = (0.9, 0.999)  # AdamW's betas of a task run unless its config says otherwise
 
 
 def check_task_precision(precision: Any, argument: str = "precision") -> None:
@@ -73,20 +74,50 @@ def check_task_precision(precision: Any, argument: str = "precision") -> None:
         raise ValueError(f"{argument}: one of {list(TASK_PRECISIONS)}; got {precision!r}")
 
 
+def task_betas(betas: Any, argument: str = "betas") -> tuple[float, float]:
+    """`betas` as AdamW's (beta1, beta2) tuple of floats: two real numbers, each in [0, 1) (a list is
+    accepted). ValueError naming `argument` for anything else."""
+    import math
+
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise ValueError(f"{argument}: two numbers in [0, 1) (beta1, beta2); got {betas!r}")
+    values = []
+    for beta in betas:
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) \
+                or not 0 <= beta < 1:
+            raise ValueError(f"{argument}: two numbers in [0, 1) (beta1, beta2); got {betas!r}")
+        values.append(float(beta))
+    return values[0], values[1]
+
+
 @dataclass
 class TaskTrainConfig:
     """A task run: its schedule (steps, batch size, learning rate, warm-up, clipping), AdamW's weight
     decay, an evaluation every `eval_every` steps (and at the end), the seed of the weights and the
-    batches, and the `precision` of the training forward: "fp32" (default) or "bf16" (bfloat16
-    autocast; see the module docstring). ValueError naming `precision` for any other value."""
+    batches, the `precision` of the training forward: "fp32" (default) or "bf16" (bfloat16
+    autocast; see the module docstring), and AdamW's `betas` (default TASK_BETAS, (0.9, 0.999); a
+    list is stored as a tuple of floats). ValueError naming `precision` or `betas` for a bad value."""
     schedule: Schedule = Schedule(steps=1000, batch_size=32, lr=1e-3, warmup_steps=50)
     weight_decay: float = 0.1
     eval_every: int = 100
     seed: int = 0
     precision: str = TASK_PRECISIONS[0]
+    betas: tuple[float, float] = TASK_BETAS
 
     def __post_init__(self) -> None:
         check_task_precision(self.precision)
+        self.betas = task_betas(self.betas)
+
+
+def train_config_dict(config: TaskTrainConfig) -> dict[str, Any]:
+    """`config` as a run's record holds it: its fields, `betas` only where it is not TASK_BETAS (so
+    the record of a run with the default betas reads as before the field existed)."""
+    data = asdict(config)
+    if config.betas == TASK_BETAS:
+        del data["betas"]
+    else:
+        data["betas"] = list(config.betas)
+    return data
 
 
 @dataclass
@@ -159,7 +190,10 @@ def _resume(path: Path, config: TaskTrainConfig, model: nn.Module, optimizer: to
     """(completed steps, history so far) from the checkpoint at `path`, restored in place (this
     process's torch RNG from the checkpoint's state for it)."""
     state = load_checkpoint(path)
-    saved = {"precision": TASK_PRECISIONS[0], **state["config"]}  # checkpoints older than the field
+    saved = {"precision": TASK_PRECISIONS[0], "betas": TASK_BETAS,  # checkpoints older than the fields
+             **state["config"]}
+    if isinstance(saved["betas"], (list, tuple)):
+        saved["betas"] = tuple(saved["betas"])
     if saved != asdict(config):
         raise ValueError(f"checkpoint {str(path)!r} was written with another training config "
                          f"({state['config']}, now {asdict(config)}); delete it to start this run afresh")
@@ -200,11 +234,12 @@ def train_task(
 ) -> TaskHistory:
     """Train `model` on fresh batches `make_batch(batch_size, generator)`; `forward(model, inputs,
     labels)` returns a ModelOutput (default: `model(inputs, labels)`); `evaluate(model)` runs every
-    `eval_every` steps and at the end, in eval mode. `config.precision` sets the training forward's
-    autocast (fp32: none). Inside `distributed_training` with several processes the model trains
-    DistributedDataParallel (`forward` gets the wrapped model) and only process 0 evaluates, logs,
-    checkpoints and returns the history (module docstring); ValueError when the batch size is not
-    divisible by the number of processes."""
+    `eval_every` steps and at the end, in eval mode. AdamW runs with `config.betas`;
+    `config.precision` sets the training forward's autocast (fp32: none). Inside
+    `distributed_training` with several processes the model trains DistributedDataParallel
+    (`forward` gets the wrapped model) and only process 0 evaluates, logs, checkpoints and returns
+    the history (module docstring); ValueError when the batch size is not divisible by the number
+    of processes."""
     schedule = config.schedule
     context = distributed_context()
     check_shardable(schedule.batch_size, context)
@@ -214,7 +249,7 @@ def train_task(
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
     forward = forward or (lambda m, inputs, labels: m(inputs, labels))
-    optimizer = build_optimizer(model, lr=schedule.lr, weight_decay=config.weight_decay)
+    optimizer = build_optimizer(model, lr=schedule.lr, weight_decay=config.weight_decay, betas=config.betas)
     history, state = TaskHistory(), StepState(0)
     resumable = _RESUMABLE.get()
     checkpoint = None if resumable is None else resumable.next_path()
