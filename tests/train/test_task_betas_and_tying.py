@@ -6,18 +6,16 @@ resume; bad values are refused in one line (CLI) or by an error naming the argum
 import json
 
 import pytest
-import torch
 
 from routeformer.cli import main
 from routeformer.compare.budgets import QUICK
 from routeformer.runner.jobs import Job, job_config
-from routeformer.train.checkpoint import load_checkpoint, load_run_model, save_checkpoint
+from routeformer.train.checkpoint import load_run_model
 from routeformer.train.on_task import ModelSpec, spec_dict
 from routeformer.train.task_loop import (
     TASK_BETAS,
     TaskTrainConfig,
     train_config_dict,
-    training_checkpoints,
 )
 
 RUN = ["train", "--task", "mqar", "--steps", "3", "--evals", "3", "--batch-size", "8", "--seed", "1",
@@ -88,19 +86,3 @@ def test_saved_forms_leave_the_defaults_out():
     plain = job_config(Job("k", "mqar", setup.options, "full", {}, 0, setup))
     assert "betas" not in plain and "tie_embeddings" not in plain["spec"]
     assert TASK_BETAS == (0.9, 0.999)
-
-
-def test_a_checkpoint_without_the_betas_field_resumes_with_the_default(tmp_path):
-    from tests.train.test_task_precision import _train
-
-    straight, straight_history = _train(tmp_path / "straight")
-    with pytest.raises(KeyboardInterrupt):
-        _train(tmp_path / "old", stop_at=4)  # stopped in step 4, after the step-2 checkpoint
-    path, = training_checkpoints(tmp_path / "old", "run")
-    state = load_checkpoint(path)
-    assert tuple(state["config"].pop("betas")) == TASK_BETAS
-    save_checkpoint(path, state)  # as a checkpoint of a task run before the field existed
-    resumed, history = _train(tmp_path / "old")
-    assert history.evals == straight_history.evals
-    for name, value in straight.state_dict().items():
-        assert torch.equal(resumed.state_dict()[name], value), name

@@ -17,7 +17,13 @@ from routeformer.models.heads import TokenPredictor
 from routeformer.runner.jobs import Job
 from routeformer.train.checkpoint import load_checkpoint, save_checkpoint
 from routeformer.train.schedule import Schedule
-from routeformer.train.task_loop import TaskTrainConfig, resumable_training, train_task, training_checkpoints
+from routeformer.train.task_loop import (
+    TASK_BETAS,
+    TaskTrainConfig,
+    resumable_training,
+    train_task,
+    training_checkpoints,
+)
 
 RUN = ["train", "--task", "mqar", "--steps", "3", "--evals", "3", "--batch-size", "8", "--seed", "1",
        "--model.dim", "16", "--model.depth", "1", "--model.heads", "2"]
@@ -100,13 +106,15 @@ def _train(directory, stop_at: int | None = None):
     return model, history
 
 
-def test_a_checkpoint_without_the_precision_field_resumes_as_fp32(tmp_path):
+@pytest.mark.parametrize("field, default", [("precision", "fp32"), ("betas", TASK_BETAS)])
+def test_a_checkpoint_without_a_later_field_resumes_with_its_default(tmp_path, field, default):
     straight, straight_history = _train(tmp_path / "straight")
     with pytest.raises(KeyboardInterrupt):
         _train(tmp_path / "old", stop_at=4)  # stopped in step 4, after the step-2 checkpoint
     path, = training_checkpoints(tmp_path / "old", "run")
     state = load_checkpoint(path)
-    assert state["config"].pop("precision") == "fp32"
+    value = state["config"].pop(field)
+    assert (tuple(value) if field == "betas" else value) == default
     save_checkpoint(path, state)  # as a checkpoint of a task run before the field existed
     resumed, history = _train(tmp_path / "old")
     assert history.evals == straight_history.evals
