@@ -19,15 +19,11 @@ from routeformer.integrations.hf.indexer import (  # noqa: E402
     indexer_topk,
     indexer_topk_reference,
 )
-from tests.integrations.test_hf_interface import padded_mask  # noqa: E402
-
-VOCAB = 97
-# find_spec, not hasattr(transformers, ...): a failed lazy lookup replaces sys.modules["transformers"].
-HAS_DEEPSEEK_V32 = importlib.util.find_spec("transformers.models.deepseek_v32") is not None
-needs_deepseek_v32 = pytest.mark.skipif(
-    not HAS_DEEPSEEK_V32,
-    reason=f"DeepSeek-V3.2 (DeepseekV32ForCausalLM) was added in transformers 5.11.0; "
-           f"installed {transformers.__version__}")
+from tests.integrations.test_hf_interface import (  # noqa: E402
+    VOCAB,
+    needs_deepseek_v32,  # skips below transformers 5.11 (no DeepSeek-V3.2), under the tested range
+    padded_mask,
+)
 
 
 def assert_same_selection(indices, expected, scores):
