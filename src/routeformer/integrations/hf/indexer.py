@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from routeformer.integrations.hf.compat import passed_cache
+from routeformer.ops._checks import check_positive
 
 # Axis letters: B batch, S queries, T keys, H indexer heads, D index head dim, L scored keys of a block.
 
@@ -69,8 +70,7 @@ def _check_inputs(q: Tensor, k: Tensor, weights: Tensor, attention_mask: Tensor,
                  else type(attention_mask).__name__)
         raise ValueError(f"attention_mask must be [B or 1, S, T] = [{batch} or 1, {length}, {k.shape[1]}] "
                          f"(bool or additive float); got {shape}")
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
-        raise ValueError(f"topk must be a positive int; got {topk!r}")
+    check_positive("topk", topk)
 
 
 def indexer_scores_reference(q: Tensor, k: Tensor, weights: Tensor, attention_mask: Tensor,
@@ -138,8 +138,7 @@ def indexer_topk(q: Tensor, k: Tensor, weights: Tensor, attention_mask: Tensor, 
     softmax_scale the q . k scale, block >= 1 queries per block. Extra memory O(B * block * H * T).
     Raises ValueError on shapes that do not fit or a non-positive topk or block."""
     _check_inputs(q, k, weights, attention_mask, topk)
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block must be a positive int (queries scored at a time); got {block!r}")
+    check_positive("block", block)
     batch, length, heads, dim = q.shape
     keys = k.shape[1]
     count = min(topk, keys)
@@ -293,8 +292,7 @@ def patch_indexer(model: nn.Module, *, block: int = DEFAULT_BLOCK) -> nn.Module:
     if an indexer's own forward computes other indices than the blocked one."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module (a DeepseekV32ForCausalLM); got {type(model).__name__}")
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block must be a positive int (queries scored at a time); got {block!r}")
+    check_positive("block", block)
     indexer_class = _indexer_class()
     found = [(name, module) for name, module in model.named_modules() if isinstance(module, indexer_class)]
     if not found:
