@@ -23,7 +23,14 @@ from typing import Any
 
 from routeformer.runner.setups import Stage, TaskSetup
 from routeformer.train.on_task import ModelSpec, spec_dict
-from routeformer.train.task_loop import TASK_BETAS, TASK_PRECISIONS, check_task_precision, task_betas
+from routeformer.train.task_loop import (
+    TASK_BETAS,
+    TASK_PRECISIONS,
+    TRAIN_FIELD_DEFAULTS,
+    check_task_precision,
+    task_betas,
+    without_defaults,
+)
 
 MODELS_FOLDER = "models"  # where run_jobs keeps trained models (keep_models)
 
@@ -317,12 +324,8 @@ def job_config(job: Job) -> dict[str, Any]:
     """The job as JSON-ready data (what config.json holds; a one-stage setup as it read before setups
     had stages, `precision` only where it is not the default fp32, `betas` only where they are not
     TASK_BETAS, and the backbone as `spec_dict` gives it, so earlier run directories resume)."""
-    data = {**asdict(job), "setup": job.setup.as_dict(), "spec": spec_dict(job.spec)}
-    if job.precision == TASK_PRECISIONS[0]:
-        data.pop("precision")
-    if job.betas == TASK_BETAS:
-        data.pop("betas")
-    return json.loads(json.dumps(data))
+    return without_defaults({**asdict(job), "setup": job.setup.as_dict(), "spec": spec_dict(job.spec)},
+                            TRAIN_FIELD_DEFAULTS)
 
 
 def keep_job_model(out_dir: str | Path, job: Job, model: Any, task: Any = None) -> Path:

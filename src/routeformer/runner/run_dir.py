@@ -80,10 +80,9 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> None:
     """Start over (`fresh`) or check that `out_dir` holds no run of another config, then write the
     job's config.json (ValueError naming the differences, before anything is written)."""
     from routeformer.train.checkpoint import checkpoint_files, remove_checkpoints
-    from routeformer.train.on_task import SPEC_DEFAULTS
     from routeformer.train.progress import write_text_atomic
     from routeformer.train.resume import describe, flatten
-    from routeformer.train.task_loop import TASK_BETAS, TASK_PRECISIONS, training_checkpoints
+    from routeformer.train.task_loop import training_checkpoints
 
     record_path, config_path = out_dir / RECORD_FILE, out_dir / CONFIG_FILE
     config = job_config(job)
@@ -96,9 +95,8 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> None:
         raise ValueError(f"{str(out_dir)!r} holds checkpoints but no {CONFIG_FILE} of a task run (another "
                          "kind of run); use --fresh to start over, or another --out")
     if config_path.is_file():
-        before, after = (_with_defaults(saved, TASK_PRECISIONS[0], list(TASK_BETAS), SPEC_DEFAULTS)
-                         for saved in (json.loads(config_path.read_text()), config))
-        before, after = flatten(before), flatten(after)
+        saved = json.loads(config_path.read_text())
+        before, after = flatten(_with_defaults(saved)), flatten(_with_defaults(config))
         changes = {key: (before.get(key), after.get(key)) for key in sorted(set(before) | set(after))
                    if before.get(key) != after.get(key)}
         if changes:
@@ -108,13 +106,14 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> None:
     write_text_atomic(config_path, json.dumps(config, indent=1) + "\n")
 
 
-def _with_defaults(config: dict[str, Any], precision: str, betas: list[float],
-                   spec_defaults: dict[str, Any]) -> dict[str, Any]:
+def _with_defaults(config: dict[str, Any]) -> dict[str, Any]:
     """A config.json's job with the fields `job_config` leaves out at their defaults filled in."""
-    spec = config.get("spec")
-    filled = {"precision": precision, "betas": betas, **config}
-    if isinstance(spec, dict):
-        filled["spec"] = {**spec_defaults, **spec}
+    from routeformer.train.on_task import SPEC_DEFAULTS
+    from routeformer.train.task_loop import TRAIN_FIELD_DEFAULTS, with_defaults
+
+    filled = with_defaults(config, TRAIN_FIELD_DEFAULTS)
+    if isinstance(filled.get("spec"), dict):
+        filled["spec"] = with_defaults(filled["spec"], SPEC_DEFAULTS)
     return filled
 
 

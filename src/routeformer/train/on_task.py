@@ -28,6 +28,7 @@ from routeformer.train.task_loop import (
     layer_stat,
     train_config_dict,
     train_task,
+    without_defaults,
 )
 
 
@@ -56,11 +57,7 @@ SPEC_DEFAULTS: dict[str, Any] = {"tie_embeddings": False}
 def spec_dict(spec: ModelSpec) -> dict[str, Any]:
     """`spec` as records and run directories' config.json hold it: its fields, except those of
     SPEC_DEFAULTS that have their default value."""
-    data = asdict(spec)
-    for key, default in SPEC_DEFAULTS.items():
-        if data[key] == default:
-            del data[key]
-    return data
+    return without_defaults(asdict(spec), SPEC_DEFAULTS)
 
 
 def build_task_model(task: Task, mechanism: str, options: dict[str, Any], spec: ModelSpec) -> TokenPredictor:

@@ -33,6 +33,8 @@ return an empty history. Logged training losses are the mean over the processes.
 from __future__ import annotations
 
 import glob
+import json
+import math
 import os
 import sys
 import time
@@ -77,8 +79,6 @@ def check_task_precision(precision: Any, argument: str = "precision") -> None:
 def task_betas(betas: Any, argument: str = "betas") -> tuple[float, float]:
     """`betas` as AdamW's (beta1, beta2) tuple of floats: two real numbers, each in [0, 1) (a list is
     accepted). ValueError naming `argument` for anything else."""
-    import math
-
     if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
         raise ValueError(f"{argument}: two numbers in [0, 1) (beta1, beta2); got {betas!r}")
     values = []
@@ -109,15 +109,32 @@ class TaskTrainConfig:
         self.betas = task_betas(self.betas)
 
 
+# TaskTrainConfig fields added after checkpoints and records were first written, with their defaults:
+# a reader fills them in where a saved config lacks them (`with_defaults`)
+TRAIN_FIELD_DEFAULTS: dict[str, Any] = {"precision": TASK_PRECISIONS[0], "betas": TASK_BETAS}
+
+
+def json_form(value: Any) -> Any:
+    """`value` as JSON gives it back (tuples become lists)."""
+    return json.loads(json.dumps(value))
+
+
+def without_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """`data` in JSON form without the keys of `defaults` that hold their default value (so a saved
+    form reads as it did before those fields existed)."""
+    return {key: value for key, value in json_form(data).items()
+            if key not in defaults or value != json_form(defaults[key])}
+
+
+def with_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """`data` in JSON form with the keys of `defaults` it lacks filled in (`without_defaults`' inverse)."""
+    return json_form({**defaults, **data})
+
+
 def train_config_dict(config: TaskTrainConfig) -> dict[str, Any]:
     """`config` as a run's record holds it: its fields, `betas` only where it is not TASK_BETAS (so
     the record of a run with the default betas reads as before the field existed)."""
-    data = asdict(config)
-    if config.betas == TASK_BETAS:
-        del data["betas"]
-    else:
-        data["betas"] = list(config.betas)
-    return data
+    return without_defaults(asdict(config), {"betas": TASK_BETAS})
 
 
 @dataclass
@@ -190,11 +207,7 @@ def _resume(path: Path, config: TaskTrainConfig, model: nn.Module, optimizer: to
     """(completed steps, history so far) from the checkpoint at `path`, restored in place (this
     process's torch RNG from the checkpoint's state for it)."""
     state = load_checkpoint(path)
-    saved = {"precision": TASK_PRECISIONS[0], "betas": TASK_BETAS,  # checkpoints older than the fields
-             **state["config"]}
-    if isinstance(saved["betas"], (list, tuple)):
-        saved["betas"] = tuple(saved["betas"])
-    if saved != asdict(config):
+    if with_defaults(state["config"], TRAIN_FIELD_DEFAULTS) != json_form(asdict(config)):
         raise ValueError(f"checkpoint {str(path)!r} was written with another training config "
                          f"({state['config']}, now {asdict(config)}); delete it to start this run afresh")
     step = restore_state(state, model, optimizer, generator, guard)
