@@ -1,7 +1,7 @@
 """`routeformer train`: a language model trained in a run directory, with periodic evaluation and
-exact resume. The steps themselves are the one loop of train/steps.py (AdamW, warmup + cosine,
-clipping, the non-finite guard), the loop every task run shares; the windows are the LM task's
-(`tasks.lm.lm_windows`).
+exact resume. The steps run through the training driver every task run shares (train/driver.py:
+AdamW, the batch generator, the non-finite guard, DistributedDataParallel, the one loop of
+train/steps.py); the windows are the LM task's (`tasks.lm.lm_windows`).
 
 A run lives in `config.out_dir`: `config.yaml`, `metrics.jsonl`, `checkpoint.pt` and the previous
 `train.keep_checkpoints - 1` checkpoints (`checkpoint.1.pt`, ...; checksummed, written atomically:
@@ -53,12 +53,10 @@ from routeformer.train.distributed import (
     init_distributed,
     local_shard,
     mean_over_ranks,
-    needs_unused_parameter_search,
     resolve_device,
-    restore_rank_rng,
 )
+from routeformer.train.driver import Driver
 from routeformer.train.evaluate import evaluate_lm
-from routeformer.train.guard import NonFiniteGuard
 from routeformer.train.interrupts import (
     DeferredInterrupts,
     InterruptedMidStep,
@@ -66,8 +64,7 @@ from routeformer.train.interrupts import (
     interrupted_message,
 )
 from routeformer.train.logging import RunLog
-from routeformer.train.optim import apply_optimizer_settings, build_optimizer
-from routeformer.train.precision import autocast, check_precision, gradient_scaler
+from routeformer.train.precision import check_precision, gradient_scaler
 from routeformer.train.progress import Progress, peak_memory_mib
 from routeformer.train.resume import (
     check_changes,
@@ -78,7 +75,7 @@ from routeformer.train.resume import (
     recorded_final,
     write_config,
 )
-from routeformer.train.steps import StepResult, StepState, capture_state, restore_state, run_steps
+from routeformer.train.steps import StepResult
 
 
 @dataclass
@@ -149,10 +146,6 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
     settings = config.train
     torch.manual_seed(settings.seed)
     model = CausalLM(config.model).to(device)
-    betas = (settings.beta1, settings.beta2)
-    optimizer = build_optimizer(model, lr=schedule.lr, weight_decay=settings.weight_decay, betas=betas)
-    scaler = gradient_scaler(settings.precision, device)
-    data_generator = torch.Generator().manual_seed(settings.seed)
     log = None  # rank 0 alone writes the run directory (opened below)
 
     def skipped(step: int, message: str) -> None:
@@ -160,12 +153,12 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
         if log is not None:
             log.write({"step": step, "skipped": message})
 
-    guard = NonFiniteGuard(settings.max_nonfinite_steps, warn=skipped,
-                           all_ranks=lambda flag: mean_over_ranks(flag, context))
+    driver = Driver(model, schedule=schedule, seed=settings.seed, weight_decay=settings.weight_decay,
+                    betas=(settings.beta1, settings.beta2), max_nonfinite=settings.max_nonfinite_steps,
+                    device=device, on_skip=skipped, context=context,
+                    scaler=gradient_scaler(settings.precision, device), reseed=False)
     if state:
-        restore_state(state, model, optimizer, data_generator, guard, scaler)
-        apply_optimizer_settings(optimizer, weight_decay=settings.weight_decay, betas=betas)
-        reseeded = restore_rank_rng(state["rng"], context, device, config.train.seed, start)
+        reseeded = driver.restore(state)
         if reseeded:
             notice(f"warning: {reseeded}")
         finished = recorded_final(out_dir, start) if start >= schedule.steps else None
@@ -174,16 +167,7 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
                    f"{finished.get('bpc', float('nan')):.4f}, recorded in metrics.jsonl); nothing to do "
                    "(raise train.steps to train on)")
             return TrainResult(start, finished if context.is_main else None, model, vocab, out_dir, 0.0,
-                               guard.skipped)
-    elif context.rank:  # ranks other than 0 draw their own dropout / routing samples
-        torch.manual_seed(config.train.seed + context.rank)
-    trained = model
-    if context.enabled:
-        from torch.nn.parallel import DistributedDataParallel
-
-        # Routed layers may leave a parameter without gradient in a step (an expert no token chose).
-        search = needs_unused_parameter_search(config.model.layer_attention())
-        trained = DistributedDataParallel(model, find_unused_parameters=search)
+                               driver.guard.skipped)
 
     if context.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -213,8 +197,7 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
         last_saved = step
         if not context.is_main:
             return
-        saved = capture_state(step, model, optimizer, data_generator, guard, scaler=scaler.state_dict(),
-                              vocab=vocab.to_dict(), config=config.to_dict())
+        saved = driver.capture(step, vocab=vocab.to_dict(), config=config.to_dict())
         if rank_states is not None:
             saved["rng"]["ranks"] = rank_states
         save_rotating(out_dir, saved, keep=settings.keep_checkpoints)
@@ -225,11 +208,11 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
         packed = {}
         if starts is not None:  # data.pack_documents: windows with document ids (data/documents.py)
             inputs, labels, documents = packed_random_batch(train_ids, starts, schedule.batch_size,
-                                                            config.data.seq_len, data_generator)
+                                                            config.data.seq_len, driver.generator)
             packed["documents"] = local_shard(documents, context).to(device)
         else:
             inputs, labels = training_batch(train_ids, schedule.batch_size, config.data.seq_len, density,
-                                            vocab, data_generator)
+                                            vocab, driver.generator)
         return local_shard(inputs, context).to(device), local_shard(labels, context).to(device), packed
 
     def after_update(result: StepResult) -> None:
@@ -244,14 +227,13 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
             with interrupts.critical():
                 checkpoint(result.step)
 
-    position = StepState(start)
     began = time.perf_counter()
     interrupts = DeferredInterrupts(agree=lambda flag: any_rank(flag, context)).install()
+    position = driver.position
     try:
-        run_steps(model, optimizer, schedule, guard, position, next_batch,
-                  lambda inputs, labels, packed: trained(inputs, labels, **packed), scaler=scaler,
-                  autocast=lambda: autocast(settings.precision, device), on_update=after_update,
-                  on_step_end=periodic_checkpoint, after_step=after_step, interrupts=interrupts)
+        driver.train(next_batch, lambda trained, inputs, labels, packed: trained(inputs, labels, **packed),
+                     precision=settings.precision, on_update=after_update, on_step_end=periodic_checkpoint,
+                     after_step=after_step, interrupts=interrupts)
     except KeyboardInterrupt as interrupt:
         if position.at_boundary and not isinstance(interrupt, InterruptedMidStep):
             with interrupts.critical(raise_after=False):
@@ -263,7 +245,7 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
     step = position.step
     train_seconds = time.perf_counter() - began
     if not context.is_main:
-        return TrainResult(step, None, model, vocab, out_dir, train_seconds, guard.skipped)
+        return TrainResult(step, None, model, vocab, out_dir, train_seconds, driver.guard.skipped)
 
     try:
         final = evaluate_lm(model, val_ids, seq_len=config.data.seq_len, batch_size=schedule.batch_size,
@@ -275,8 +257,8 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
     log.close()
     say(f"final validation ({final['tokens']:,} chars): loss {final['loss']:.4f} nats, "
         f"bits per character {final['bpc']:.4f}, perplexity {final['ppl']:.3f}"
-        + (f"; {guard.skipped} non-finite step(s) skipped" if guard.skipped else ""))
-    return TrainResult(step, final, model, vocab, out_dir, train_seconds, guard.skipped)
+        + (f"; {driver.guard.skipped} non-finite step(s) skipped" if driver.guard.skipped else ""))
+    return TrainResult(step, final, model, vocab, out_dir, train_seconds, driver.guard.skipped)
 
 
 def training_batch(

@@ -2,9 +2,10 @@
 
 `routeformer train` (train/loop.py: a language model in a run directory, under torchrun if asked)
 and every task run (train/task_loop.py: compare, the paper experiments) differ in where batches
-come from, what they log and evaluate, and where checkpoints go; they share this loop, its
-optimizer (train/optim.py), schedule (train/schedule.py), non-finite guard (train/guard.py) and
-checkpoint state (`capture_state` / `restore_state`), so a fix to any of them reaches every run.
+come from, what they log and evaluate, and where checkpoints go; they share the driver that calls
+this loop (train/driver.py), its optimizer (train/optim.py), schedule (train/schedule.py),
+non-finite guard (train/guard.py) and checkpoint state (`capture_state` / `restore_state`), so a
+fix to any of them reaches every run.
 
 One step, in this order (the order is part of the contract: a resumed or re-run training repeats
 it bit for bit): set the scheduled learning rate, put the model in train mode (an evaluation may

@@ -1,6 +1,6 @@
 """Training on task batches (recall, counting, MQAR, ...): `train_task`, the entry point of compare
-and the paper experiments. It runs the one loop of train/steps.py (AdamW, warmup + cosine,
-clipping, the non-finite guard) with periodic evaluation.
+and the paper experiments. It runs the training driver of train/driver.py (AdamW, the batch
+generator, the non-finite guard, the one loop of train/steps.py) with periodic evaluation.
 
 Resuming: inside `resumable_training(directory, key)` (which `runner.jobs.cached_run` opens
 around every run) each `train_task` call writes a checkpoint at every evaluation — the state of
@@ -36,7 +36,6 @@ import glob
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -55,15 +54,11 @@ from routeformer.train.distributed import (
     gather_rng_states,
     local_shard,
     mean_over_ranks,
-    needs_unused_parameter_search,
     rank_rng_state,
-    restore_rank_rng,
 )
-from routeformer.train.guard import NonFiniteGuard
-from routeformer.train.optim import build_optimizer
-from routeformer.train.precision import autocast
+from routeformer.train.driver import Driver, warn
 from routeformer.train.schedule import Schedule
-from routeformer.train.steps import StepResult, StepState, capture_state, restore_state, run_steps
+from routeformer.train.steps import StepResult
 
 MAX_NONFINITE_STEPS = 10  # a module constant, not a config field: checkpoints compare configs
 TASK_PRECISIONS = ("fp32", "bf16")  # the precisions of a task run; the first is the default
@@ -201,36 +196,22 @@ def training_checkpoints(directory: str | Path, key: str) -> list[Path]:
     return sorted(Path(directory).glob(f"{glob.escape(key)}.train*.pt"))
 
 
-def _resume(path: Path, config: TaskTrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
-            generator: torch.Generator, guard: NonFiniteGuard, context: DistributedContext,
-            device: torch.device) -> tuple[int, TaskHistory]:
-    """(completed steps, history so far) from the checkpoint at `path`, restored in place (this
-    process's torch RNG from the checkpoint's state for it)."""
+def _resume(path: Path, config: TaskTrainConfig, driver: Driver) -> TaskHistory:
+    """The history so far from the checkpoint at `path`, its state restored into `driver`
+    (ValueError when it was written with another training config)."""
     state = load_checkpoint(path)
     if with_defaults(state["config"], TRAIN_FIELD_DEFAULTS) != json_form(asdict(config)):
         raise ValueError(f"checkpoint {str(path)!r} was written with another training config "
                          f"({state['config']}, now {asdict(config)}); delete it to start this run afresh")
-    step = restore_state(state, model, optimizer, generator, guard)
-    reseeded = restore_rank_rng(state["rng"], context, device, config.seed, step)
-    if reseeded and context.is_main:
-        _warn(reseeded)
-    return step, TaskHistory(**state["history"])
+    reseeded = driver.restore(state)
+    if reseeded and driver.context.is_main:
+        warn(reseeded)
+    return TaskHistory(**state["history"])
 
 
 def _device_of(model: nn.Module) -> torch.device:
     parameter = next(iter(model.parameters()), None)
     return parameter.device if parameter is not None else torch.device("cpu")
-
-
-def _needs_unused_parameter_search(model: nn.Module) -> bool:
-    """DDP's find_unused_parameters for `model`: from its layers' mechanisms when it states them
-    (a `config.layer_attention()`), else on (correct for every model)."""
-    layers = getattr(getattr(model, "config", None), "layer_attention", None)
-    return needs_unused_parameter_search(layers()) if callable(layers) else True
-
-
-def _warn(message: str) -> None:
-    print(f"routeformer: warning: {message}", file=sys.stderr, flush=True)
 
 
 def layer_stat(stats: list[dict[str, Tensor]], key: str) -> float | None:
@@ -258,39 +239,27 @@ def train_task(
     check_shardable(schedule.batch_size, context)
     device = _device_of(model)
     log = log if context.is_main else None
-    warn = _warn if context.is_main else (lambda message: None)
-    torch.manual_seed(config.seed)
-    generator = torch.Generator().manual_seed(config.seed)
+    say = warn if context.is_main else (lambda message: None)
     forward = forward or (lambda m, inputs, labels: m(inputs, labels))
-    optimizer = build_optimizer(model, lr=schedule.lr, weight_decay=config.weight_decay, betas=config.betas)
-    history, state = TaskHistory(), StepState(0)
+    driver = Driver(model, schedule=schedule, seed=config.seed, weight_decay=config.weight_decay,
+                    betas=config.betas, max_nonfinite=MAX_NONFINITE_STEPS, device=device,
+                    on_skip=lambda step, message: say(message), context=context)
+    history = TaskHistory()
     resumable = _RESUMABLE.get()
     checkpoint = None if resumable is None else resumable.next_path()
-    guard = NonFiniteGuard(MAX_NONFINITE_STEPS, warn=lambda step, message: warn(message),
-                           all_ranks=lambda flag: mean_over_ranks(flag, context))
-    resumed = False
     if checkpoint is not None and checkpoint.exists():
         try:
-            state.step, history = _resume(checkpoint, config, model, optimizer, generator, guard, context,
-                                          device)
-            resumed = True
+            history = _resume(checkpoint, config, driver)
             if log:
-                log(f"resumed from {checkpoint.name} after step {state.step}")
+                log(f"resumed from {checkpoint.name} after step {driver.step}")
         except CheckpointError as error:  # nothing was restored: the call starts over
             if context.is_main:
                 os.replace(checkpoint, checkpoint.with_name(checkpoint.name + ".corrupt"))
-                warn(f"{error}; moved aside, this run starts over")
-    if context.rank and not resumed:  # processes other than 0 draw their own dropout / routing samples
-        torch.manual_seed(config.seed + context.rank)
-    trained = model
-    if context.enabled:
-        from torch.nn.parallel import DistributedDataParallel
-
-        trained = DistributedDataParallel(model, find_unused_parameters=_needs_unused_parameter_search(model))
+                say(f"{error}; moved aside, this run starts over")
     began = time.perf_counter()
 
     def next_batch() -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        inputs, labels = make_batch(schedule.batch_size, generator)
+        inputs, labels = make_batch(schedule.batch_size, driver.generator)
         if context.enabled:  # this process's slice of the global batch
             inputs, labels = local_shard(inputs, context), local_shard(labels, context)
         return inputs, labels, {}
@@ -317,16 +286,14 @@ def train_task(
                 log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                              for k, v in record.items()))
             if checkpoint is not None:  # after evaluating: the RNG state includes what it drew
-                saved = capture_state(step, model, optimizer, generator, guard, config=asdict(config),
-                                      history=asdict(history))
+                saved = driver.capture(step, config=asdict(config), history=asdict(history))
                 if rank_states is not None:  # process 0's own state as it stands after evaluating
                     saved["rng"]["ranks"] = [rank_rng_state(device), *rank_states[1:]]
                 save_checkpoint(checkpoint, saved)
         began = time.perf_counter()
 
-    run_steps(model, optimizer, schedule, guard, state, next_batch,
-              lambda inputs, labels, extra: forward(trained, inputs, labels),
-              autocast=lambda: autocast(config.precision, device), on_step_end=evaluate_now)
+    driver.train(next_batch, lambda trained, inputs, labels, extra: forward(trained, inputs, labels),
+                 precision=config.precision, on_step_end=evaluate_now)
     if not context.is_main:
         return TaskHistory(train_seconds=history.train_seconds)
     history.final = history.evals[-1]
