@@ -104,7 +104,7 @@ BAD_ARGUMENTS = [
     (["--task", "mqar", "--option", "bogus=1"], "argument --option: expected KEY=VALUE with KEY an option"),
     (["--task", "mqar", "--option", "pairs=0"], "pairs"),
     (["--task", "mqar", "--bogus"], "unrecognized arguments: --bogus"),
-    (["--task", "mqar", "--config", "tiny"], "argument --config: applies to the LM run"),
+    (["--task", "mqar", "--config", "tiny"], "argument --task: with --config the task is lm"),
 ]
 
 

@@ -207,9 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a char-level LM. Extra --key value pairs override the config "
                     "(dotted, e.g. --model.attention local, or bare when unambiguous, e.g. --steps 100). "
                     "A run whose out_dir holds a checkpoint resumes from it. With --task NAME: train on a "
-                    "registered task through compare's run path (below).")
+                    "registered task through compare's run path (below). With --task lm --config FILE: "
+                    "that config's model (the same weights as without --task), as a task run in --out; "
+                    "the line's --key value pairs are the config's overrides, not the options below.")
     train.add_argument("--config", default=None,
-                       help=f"YAML file or bundled config name (default: {DEFAULT_CONFIG}; not with --task)")
+                       help=f"YAML file or bundled config name (default: {DEFAULT_CONFIG}); with --task lm: "
+                            "train that config's model as a task run (--key value overrides, --out DIR)")
     train.add_argument("--task", default=None, help="a registered task (mqar, lm, listops, ...)")
     train.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint and start over")
     train.help_tail = _train_help

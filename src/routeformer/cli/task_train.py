@@ -16,6 +16,17 @@ trained model is kept in the run directory as `checkpoint.pt` (runner/run_dir.py
 `--betas B1 B2` sets AdamW's betas (default 0.9 0.999) and `--model.tie_embeddings true` ties the
 output head to the token embedding (default: a separate head).
 
+`train --task lm --config FILE [--key value ...] [--out DIR]` trains, as this task run, the model
+`routeformer train --config FILE [--key value ...]` trains (the same weights): the rest of the line
+is the LM run's config overrides (`train.load_config`: `--model.dim 64`, `--steps 40`, read as the
+LM run reads them), except `--out`, and the config becomes its task-lm job by
+`runner.lm_config.lm_config_job`, which refuses in one line, naming the key, each setting the task
+path cannot train exactly (a data.path, a BPE tokenizer, packed documents, dropout, fp16, a CUDA
+device, ...). The task-run arguments that are not config keys (--mechanism, --option, --evals,
+--budget, --mechanism-option, --betas) are refused beside --config, each naming the key that
+states the same; so is --out_dir (the run directory is --out). The config file's out_dir does not
+apply.
+
 Under torchrun (or RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in the environment)
 the run trains DistributedDataParallel on the CPU processes (gloo), as `routeformer train` does:
 --batch-size is the global batch, sharded over the processes; process 0 alone evaluates, logs,
@@ -42,16 +53,16 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
     from routeformer.runner.jobs import say
     from routeformer.runner.run_dir import RECORD_FILE, run_in_directory
     from routeformer.train.checkpoint import CHECKPOINT_NAME
-
-    if args.config is not None:
-        raise ValueError("argument --config: applies to the LM run (train without --task); "
-                         "with --task use --steps, --seq-len, --option ...")
     from routeformer.train.distributed import finish_distributed, init_distributed
     from routeformer.train.task_loop import distributed_training
 
-    options = build_task_train_parser().parse_args(extra)
-    job = task_run_job(args.task, options)
-    out = options.out or f"runs/train-{args.task}-{job.mechanism}-seed{job.seed}"
+    if args.config is not None:
+        job, out = config_run_job(args.task, args.config, extra)
+    else:
+        options = build_task_train_parser().parse_args(extra)
+        job = task_run_job(args.task, options)
+        out = options.out
+    out = out or f"runs/train-{args.task}-{job.mechanism}-seed{job.seed}"
     context = init_distributed("cpu")
     try:
         check_global_batch(job, context.world_size)
@@ -75,6 +86,47 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
                       "quality": record["quality"], "test": record_test(record),
                       "train_seconds": round(record["train_seconds"], 1), "resumed": record["resumed"]}))
     return 0
+
+
+# the task-run arguments that are not config keys, and what states the same with --config
+NOT_WITH_CONFIG = {"--mechanism": "--model.attention", "--mechanism-option": "--model.attention_options",
+                   "--option": "--data.KEY", "--evals": "--train.eval_every", "--budget": None,
+                   "--betas": "--train.beta1 and --train.beta2", "--out_dir": "--out", "--out-dir": "--out"}
+
+
+def config_run_job(task: str, config: str, extra: list[str]) -> tuple[Job, str | None]:
+    """(job, --out or None) of `train --task lm --config FILE [--key value ...] [--out DIR]`: the LM
+    run config FILE (a path or a bundled name) with the overrides applied as `routeformer train`
+    applies them (`train.load_config`), as its task-lm job (`runner.lm_config.lm_config_job`).
+    ValueError naming --task unless the task is lm, naming a task-run argument that is not a config
+    key (NOT_WITH_CONFIG: it says which key states the same), or naming the config key the task path
+    cannot honour."""
+    from routeformer.cli.model_commands import resolve_config
+    from routeformer.runner.lm_config import lm_config_job
+    from routeformer.train import load_config
+
+    if task != "lm":
+        why = (" (code_lm draws its windows inside documents, the LM run anywhere in the text)"
+               if task == "code_lm" else "")
+        raise ValueError(f"argument --task: with --config the task is lm, the LM run's{why}; got {task!r}")
+    overrides, out, index = [], None, 0
+    while index < len(extra):
+        argument = extra[index]
+        name, equals, value = argument.partition("=")
+        if name in NOT_WITH_CONFIG:
+            instead = NOT_WITH_CONFIG[name]
+            raise ValueError(f"argument {name}: not with --config (the rest of the line is the config's "
+                             "--key value overrides" + (f"; use {instead}" if instead else "") + ")")
+        if name == "--out":
+            if not equals and index + 1 >= len(extra):
+                raise ValueError("argument --out: expected one argument")
+            out = value if equals else extra[index + 1]
+            index += 1 if equals else 2
+            continue
+        overrides.append(argument)
+        index += 1
+    job = lm_config_job(load_config(resolve_config(config), overrides), "train-lm")
+    return replace(job, key=f"train-lm-{job.mechanism}-seed{job.seed}"), out
 
 
 def check_global_batch(job: Job, processes: int) -> None:

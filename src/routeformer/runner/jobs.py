@@ -13,6 +13,7 @@ the sweep prints a line as each run finishes (`[3/24] key: quality (elapsed)`)."
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -27,12 +28,17 @@ from routeformer.train.task_loop import (
     TASK_BETAS,
     TASK_PRECISIONS,
     TRAIN_FIELD_DEFAULTS,
+    TaskTrainConfig,
     check_task_precision,
     task_betas,
     without_defaults,
 )
 
 MODELS_FOLDER = "models"  # where run_jobs keeps trained models (keep_models)
+TASK_WEIGHT_DECAY = TaskTrainConfig().weight_decay  # a job's AdamW weight decay unless it says otherwise
+# Job fields added after config.json files were first written, with their defaults: `job_config`
+# leaves a field out while it has its default, and run_dir fills it back in to compare
+JOB_FIELD_DEFAULTS: dict[str, Any] = {**TRAIN_FIELD_DEFAULTS, "weight_decay": TASK_WEIGHT_DECAY}
 
 
 def cached_run(out_dir: Path, key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -74,10 +80,12 @@ def run_key(name: str) -> str:
 
 @dataclass(frozen=True)
 class Job:
-    """One training run (module docstring); `precision` and `betas` are its stages'
-    `TaskTrainConfig.precision` (ValueError naming it unless "fp32" or "bf16") and AdamW betas
+    """One training run (module docstring); `precision`, `betas` and `weight_decay` are its stages'
+    `TaskTrainConfig.precision` (ValueError naming it unless "fp32" or "bf16"), AdamW betas
     (`TaskTrainConfig.betas`: two numbers in [0, 1), default TASK_BETAS; ValueError naming it
-    otherwise). The backbone's `spec.tie_embeddings` ties the output head to the embedding."""
+    otherwise) and AdamW weight decay (`TaskTrainConfig.weight_decay`, on matrices only: a finite
+    number >= 0, default TASK_WEIGHT_DECAY; ValueError naming it otherwise). The backbone's
+    `spec.tie_embeddings` ties the output head to the embedding."""
 
     key: str  # file-name-safe and unique within an output directory
     task: str
@@ -89,10 +97,16 @@ class Job:
     spec: ModelSpec = field(default_factory=ModelSpec)
     precision: str = TASK_PRECISIONS[0]  # of every stage's training forward: "fp32" or "bf16"
     betas: tuple[float, float] = TASK_BETAS  # AdamW's, in every stage
+    weight_decay: float = TASK_WEIGHT_DECAY  # AdamW's, in every stage
 
     def __post_init__(self) -> None:
         check_task_precision(self.precision)
         object.__setattr__(self, "betas", task_betas(self.betas))
+        decay = self.weight_decay
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not math.isfinite(decay) \
+                or decay < 0:
+            raise ValueError(f"weight_decay: a finite number >= 0; got {decay!r}")
+        object.__setattr__(self, "weight_decay", float(decay))
 
 
 def train_job(job: Job, log: Callable[[str], None] | None = None,
@@ -110,14 +124,15 @@ def train_job(job: Job, log: Callable[[str], None] | None = None,
 
     from routeformer.tasks import build_task
     from routeformer.train.on_task import build_task_model, train_on_task, train_stages
-    from routeformer.train.task_loop import TaskTrainConfig, is_main_process
+    from routeformer.train.task_loop import is_main_process
 
     setup = job.setup
     name = setup.task_name(job.task)
     task = build_task(name, **job.task_options)
     total = sum(stage.schedule.steps for stage in setup.stages)
     configs = [TaskTrainConfig(stage.schedule, eval_every=max(1, stage.schedule.steps // setup.evals),
-                               seed=job.seed, precision=job.precision, betas=job.betas)
+                               seed=job.seed, precision=job.precision, betas=job.betas,
+                               weight_decay=job.weight_decay)
                for stage in setup.stages]
     log = log or (lambda line: say(f"  {job.key}: {line}"))
     if not setup.staged:
@@ -183,7 +198,9 @@ def staged_record(job: Job, task: Any, model: Any, validation: list[dict[str, An
         "task": task.describe(), "task_name": setup.task_name(job.task), "setup": job.task,
         "task_options": job.task_options, "mechanism": job.mechanism, "options": job.options,
         "seed": job.seed, "precision": job.precision,
-        **({} if job.betas == TASK_BETAS else {"betas": list(job.betas)}), "model": spec_dict(job.spec),
+        **({} if job.betas == TASK_BETAS else {"betas": list(job.betas)}),
+        **({} if job.weight_decay == TASK_WEIGHT_DECAY else {"weight_decay": job.weight_decay}),
+        "model": spec_dict(job.spec),
         "stages": [asdict(stage) for stage in setup.stages],
         "parameters": parameter_count(model), "validation": validation, "tests": tests,
         "quality": tests[str(task.seq_len)][task.metric], "train_seconds": train_seconds,
@@ -323,9 +340,10 @@ def _stop_workers(pool) -> None:
 def job_config(job: Job) -> dict[str, Any]:
     """The job as JSON-ready data (what config.json holds; a one-stage setup as it read before setups
     had stages, `precision` only where it is not the default fp32, `betas` only where they are not
-    TASK_BETAS, and the backbone as `spec_dict` gives it, so earlier run directories resume)."""
+    TASK_BETAS, `weight_decay` only where it is not TASK_WEIGHT_DECAY (JOB_FIELD_DEFAULTS), and the
+    backbone as `spec_dict` gives it, so earlier run directories resume)."""
     return without_defaults({**asdict(job), "setup": job.setup.as_dict(), "spec": spec_dict(job.spec)},
-                            TRAIN_FIELD_DEFAULTS)
+                            JOB_FIELD_DEFAULTS)
 
 
 def keep_job_model(out_dir: str | Path, job: Job, model: Any, task: Any = None) -> Path:

@@ -2,8 +2,8 @@
 stored the way compare stores its runs.
 
 The directory holds `config.json` (the job: task and its options, mechanism and its options, seed,
-schedule, backbone, and the training precision and AdamW betas where they are not the defaults) and,
-once the run has finished, its trained model as `checkpoint.pt` (the layout and readers of
+schedule, backbone, and the training precision, AdamW betas and weight decay where they are not the
+defaults) and, once the run has finished, its trained model as `checkpoint.pt` (the layout and readers of
 `routeformer train`'s run directories, `train.checkpoint.save_task_model`: weights, model config,
 task name and options, the tokeniser of a text task; `eval`, `sample`, `export-hf` and
 `train.checkpoint.load_run_model` read it) and then `record.json` (train_on_task's record: the
@@ -108,10 +108,11 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> None:
 
 def _with_defaults(config: dict[str, Any]) -> dict[str, Any]:
     """A config.json's job with the fields `job_config` leaves out at their defaults filled in."""
+    from routeformer.runner.jobs import JOB_FIELD_DEFAULTS
     from routeformer.train.on_task import SPEC_DEFAULTS
-    from routeformer.train.task_loop import TRAIN_FIELD_DEFAULTS, with_defaults
+    from routeformer.train.task_loop import with_defaults
 
-    filled = with_defaults(config, TRAIN_FIELD_DEFAULTS)
+    filled = with_defaults(config, JOB_FIELD_DEFAULTS)
     if isinstance(filled.get("spec"), dict):
         filled["spec"] = with_defaults(filled["spec"], SPEC_DEFAULTS)
     return filled

@@ -1,0 +1,132 @@
+"""The task job of an LM run config: `lm_config_job(config, key)` states what `routeformer train
+--config FILE` (train/loop.py) trains as a one-stage job on task lm (`runner.jobs.train_job`, the
+path of compare and `routeformer train --task`), so that both train the same weights.
+
+What carries over: the backbone (`model.dim`, `depth`, `heads`, `mlp_ratio`, `positions`,
+`tie_embeddings`), the mechanism (`model.attention`, one name or the same name for every layer) and
+its `model.attention_options`, the corpus and `data.seq_len` (task options `corpus`, `seq_len` and,
+when above 0, `meta_density`), the whole schedule (`train.steps`, `batch_size`, `lr`,
+`warmup_steps`, `min_lr_ratio`, `grad_clip`), `train.weight_decay`, `train.beta1`/`beta2`,
+`train.seed`, `train.precision` (fp32 or bf16) and the evaluation steps (`train.eval_every`, as
+`steps // eval_every` evaluations).
+
+What is read differently, without changing the weights: a periodic evaluation reads about
+`train.eval_tokens` tokens of the task's validation split (`eval_tokens // T'` windows, T' the
+real tokens of a window) and the test after training about `train.final_eval_tokens` tokens of its
+test split (None: every window of it), where the LM run reads its whole held-out text; the task
+run checkpoints at each evaluation and keeps its model as a run directory (runner/run_dir.py), so
+`train.checkpoint_every`, `keep_checkpoints`, `log_every` and `out_dir` do not apply to it.
+`model.vocab_size` follows the tokeniser on both paths; `model.num_classes` and `pooling` belong to
+the classification head, which neither builds.
+
+Everything else that would change the model or how it trains, where the task path has no such
+setting, is refused (the list is `refusals`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from routeformer.runner.jobs import Job
+from routeformer.runner.setups import TaskSetup
+from routeformer.train.on_task import ModelSpec
+
+__all__ = ["lm_config_job", "refusals"]
+
+
+def lm_config_job(config: Any, key: str) -> Job:
+    """The one-stage task-lm `Job` named `key` that trains the model `routeformer train` trains from
+    the RunConfig `config` (module docstring: what maps, what does not apply).
+
+    Raises TypeError unless `config` is a `train.config.RunConfig`, and ValueError naming the first
+    config key the task path cannot honour exactly, as "KEY: why" (`refusals` lists them all)."""
+    from routeformer.tasks.meta_tokens import real_tokens_per_window
+    from routeformer.train.config import RunConfig
+
+    if not isinstance(config, RunConfig):
+        raise TypeError("config: a routeformer.train.config.RunConfig (load_config); "
+                        f"got {type(config).__name__}")
+    refused = refusals(config)
+    if refused:
+        raise ValueError(refused[0])
+    model, data, run = config.model, config.data, config.train
+    mechanism = model.layer_attention()[0]
+    options: dict[str, Any] = {"corpus": data.corpus, "seq_len": data.seq_len}
+    if data.meta_density > 0:
+        options["meta_density"] = data.meta_density
+    real = real_tokens_per_window(data.seq_len, data.meta_density)
+    steps = run.schedule.steps
+    setup = TaskSetup(options, run.schedule, evals=steps // run.eval_every,
+                      validation_sequences=max(1, run.eval_tokens // real),
+                      test_sequences=_test_windows(options, real, run.final_eval_tokens))
+    spec = ModelSpec(dim=model.dim, depth=model.depth, heads=model.heads, mlp_ratio=model.mlp_ratio,
+                     positions=model.positions, tie_embeddings=model.tie_embeddings)
+    return Job(key, "lm", dict(options), mechanism, dict(model.attention_options.get(mechanism, {})),
+               run.seed, setup, spec, precision=run.precision, betas=(run.beta1, run.beta2),
+               weight_decay=run.weight_decay)
+
+
+def refusals(config: Any) -> list[str]:
+    """Every setting of the RunConfig `config` that the task path cannot train exactly, one
+    "KEY: why" line each, in the order of the config's sections (empty: `lm_config_job` translates
+    it). Refused: `data.path` (a file's text is `data.corpus: text:PATH`), a tokenizer other than
+    "char", `data.pack_documents`, `model.attention` naming several mechanisms, `model.dropout` above
+    0, `model.causal` false, `model.max_seq_len` above `data.seq_len` with learned positions (a
+    larger position table), `model.meta_token_id` set without meta-tokens, `model.zero_meta_positions_*`,
+    `train.precision` fp16, `train.device` other than cpu, `train.logger` tensorboard,
+    `train.log_stats`, `train.max_nonfinite_steps` other than the task loop's, and `train.eval_every`
+    not dividing `train.steps`."""
+    from routeformer.train.task_loop import MAX_NONFINITE_STEPS, TASK_PRECISIONS
+
+    model, data, run = config.model, config.data, config.train
+    found = []
+    if data.path:
+        found.append(f"data.path: task lm reads a corpus spec (a file's text is data.corpus text:PATH); "
+                     f"got {data.path!r}")
+    if data.tokenizer != "char":
+        found.append(f"data.tokenizer: task lm tokenises characters ('char'); got {data.tokenizer!r}")
+    if data.pack_documents:
+        found.append("data.pack_documents: task lm draws unpacked windows; set it false")
+    if len(set(model.layer_attention())) > 1:
+        found.append("model.attention: the task path runs one mechanism in every layer; "
+                     f"got {model.attention!r}")
+    if model.dropout:
+        found.append(f"model.dropout: the task backbone has no dropout; got {model.dropout!r}")
+    if not model.causal:
+        found.append("model.causal: task lm trains a causal model; got false")
+    if model.positions == "learned" and model.max_seq_len > data.seq_len:
+        found.append(f"model.max_seq_len: with learned positions the task model's table has data.seq_len "
+                     f"({data.seq_len}) rows; got {model.max_seq_len} (set it to at most data.seq_len)")
+    if model.meta_token_id is not None and data.meta_density == 0:
+        found.append(f"model.meta_token_id: task lm names a meta-token only with data.meta_density > 0; "
+                     f"got {model.meta_token_id!r}")
+    for name in ("zero_meta_positions_train", "zero_meta_positions_eval"):
+        if getattr(model, name):
+            found.append(f"model.{name}: the task backbone keeps the positions at meta-tokens; got true")
+    if run.precision not in TASK_PRECISIONS:
+        found.append(f"train.precision: a task run trains in one of {list(TASK_PRECISIONS)}; "
+                     f"got {run.precision!r}")
+    if run.device != "cpu":
+        found.append(f"train.device: a task run trains on the CPU ('cpu'); got {run.device!r}")
+    if run.logger != "jsonl":
+        found.append("train.logger: a task run keeps its metrics in record.json ('jsonl'); "
+                     f"got {run.logger!r}")
+    if run.log_stats:
+        found.append(f"train.log_stats: a task run logs no attention stats; got {run.log_stats!r}")
+    if run.max_nonfinite_steps != MAX_NONFINITE_STEPS:
+        found.append(f"train.max_nonfinite_steps: a task run stops after {MAX_NONFINITE_STEPS} non-finite "
+                     f"steps in a row; got {run.max_nonfinite_steps!r}")
+    steps = run.schedule.steps
+    if steps % run.eval_every:
+        found.append(f"train.eval_every: must divide train.steps ({steps}), the task run evaluating "
+                     f"steps // eval_every times; got {run.eval_every}")
+    return found
+
+
+def _test_windows(options: dict[str, Any], real: int, tokens: int | None) -> int:
+    """Test windows of about `tokens` tokens (`real` per window); None: every window of the test
+    split of task lm built with `options`."""
+    if tokens is not None:
+        return max(1, tokens // real)
+    from routeformer.tasks import build_task
+
+    return max(1, (len(build_task("lm", **options).ids("test")) - 1) // real)

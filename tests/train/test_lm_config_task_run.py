@@ -1,0 +1,166 @@
+"""`routeformer train --task lm --config FILE`: the LM run config FILE, with the line's overrides,
+trained as a task run (`runner.lm_config.lm_config_job` -> the run directory of runner/run_dir.py)
+gives the weights `routeformer train --config FILE` gives; every setting the task path cannot honour
+is refused naming its config key, in one line on the command line and before anything is written.
+A job's AdamW `weight_decay` reaches the optimizer and is saved only where it is not the default."""
+
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from routeformer.cli import main
+from routeformer.compare.budgets import QUICK
+from routeformer.runner.jobs import TASK_WEIGHT_DECAY, Job, job_config, staged_record
+from routeformer.runner.lm_config import lm_config_job, refusals
+from routeformer.runner.run_dir import run_in_directory
+from routeformer.tasks import build_task
+from routeformer.tasks.meta_tokens import real_tokens_per_window
+from routeformer.train import load_config, task_loop
+from routeformer.train.checkpoint import load_run_model
+from routeformer.train.on_task import ModelSpec, build_task_model, spec_dict
+from routeformer.train.schedule import Schedule
+from routeformer.train.task_loop import TRAIN_FIELD_DEFAULTS, TaskTrainConfig, without_defaults
+
+TINY = str(Path(__file__).resolve().parents[2] / "src" / "routeformer" / "configs" / "tiny.yaml")
+# the overrides apply on both paths: a narrower, shorter run, with a short final evaluation
+OVERRIDES = ["--model.dim", "16", "--steps", "10", "--final_eval_tokens", "256"]
+
+
+def test_the_task_run_of_a_config_trains_the_lm_runs_weights(tmp_path, capsys):
+    lm, task = tmp_path / "lm", tmp_path / "task"
+    assert main(["train", "--config", TINY, "--out_dir", str(lm), *OVERRIDES]) == 0
+    assert main(["train", "--task", "lm", "--config", TINY, *OVERRIDES, "--out", str(task)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["out_dir"] == str(task) and summary["steps"] == 10
+    config = json.loads((task / "config.json").read_text())
+    assert config["task"] == "lm" and config["task_options"] == {"corpus": "pydoc", "seq_len": 32}
+    assert config["spec"]["dim"] == 16 and config["spec"]["tie_embeddings"] is True
+    assert config["betas"] == [0.9, 0.99] and "weight_decay" not in config  # tiny.yaml's 0.1
+    assert config["setup"]["evals"] == 1 and config["setup"]["test_sequences"] == 8
+    expected, got = load_run_model(lm).model.state_dict(), load_run_model(task).model.state_dict()
+    assert set(got) == set(expected)
+    assert [key for key in expected if not torch.equal(got[key], expected[key])] == []
+    # the same command again reads the finished run back
+    assert main(["train", "--task", "lm", "--config", TINY, *OVERRIDES, "--out", str(task)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["resumed"] == []
+
+
+META = ["--data.meta_density", "0.1", "--model.meta_token_id", "3"]
+REFUSED = [
+    (["--data.path", "notes.txt"], "data.path"),
+    (["--data.tokenizer", "tokenizer.json"], "data.tokenizer"),
+    (["--data.pack_documents", "true"], "data.pack_documents"),
+    (["--model.attention", "[local, full]"], "model.attention"),
+    (["--model.dropout", "0.1"], "model.dropout"),
+    (["--model.causal", "false"], "model.causal"),
+    (["--model.positions", "learned", "--model.max_seq_len", "64"], "model.max_seq_len"),
+    (["--model.meta_token_id", "3"], "model.meta_token_id"),
+    ([*META, "--model.zero_meta_positions_train", "true"], "model.zero_meta_positions_train"),
+    ([*META, "--model.zero_meta_positions_eval", "true"], "model.zero_meta_positions_eval"),
+    (["--train.precision", "fp16"], "train.precision"),
+    (["--train.device", "cuda"], "train.device"),
+    (["--train.device", "auto"], "train.device"),
+    (["--train.logger", "tensorboard"], "train.logger"),
+    (["--train.log_stats", "[kl]"], "train.log_stats"),
+    (["--train.max_nonfinite_steps", "3"], "train.max_nonfinite_steps"),
+    (["--train.eval_every", "7"], "train.eval_every"),
+    (["--train.eval_every", "40"], "train.eval_every"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key"), REFUSED, ids=[" ".join(o) for o, _ in REFUSED])
+def test_each_setting_the_task_path_cannot_honour_is_refused_naming_its_key(overrides, key):
+    config = load_config(TINY, overrides)
+    assert [line.split(":")[0] for line in refusals(config)] == [key]
+    with pytest.raises(ValueError, match=rf"^{key}: "):
+        lm_config_job(config, "k")
+
+
+def test_what_the_task_path_honours_or_does_not_apply_is_accepted():
+    config = load_config(TINY, ["--model.attention", "[local, local]", "--model.attention_options",
+                                "{local: {window: 8}, topk: {topk: 4}}", "--checkpoint_every", "3",
+                                "--keep_checkpoints", "1", "--log_every", "1", "--model.num_classes", "5",
+                                "--model.positions", "learned", "--model.max_seq_len", "16",
+                                "--data.meta_density", "0.2", "--train.precision", "bf16"])
+    job = lm_config_job(config, "k")
+    assert (job.mechanism, job.options, job.precision) == ("local", {"window": 8}, "bf16")
+    assert job.task_options == {"corpus": "pydoc", "seq_len": 32, "meta_density": 0.2}
+    real = real_tokens_per_window(32, 0.2)  # the real tokens of a window: eval_tokens are read in them
+    assert real < 32 and job.setup.validation_sequences == 2048 // real
+    everything = lm_config_job(load_config(TINY), "k").setup.test_sequences  # the whole test split
+    assert everything == (len(build_task("lm", corpus="pydoc", seq_len=32).ids("test")) - 1) // 32
+    with pytest.raises(TypeError, match="config: a routeformer.train.config.RunConfig"):
+        lm_config_job(config.to_dict(), "k")
+
+
+CLI_REFUSED = [
+    (["--task", "code_lm"], "argument --task: with --config the task is lm"),
+    (["--task", "mqar"], "argument --task: with --config the task is lm"),
+    (["--task", "lm", "--mechanism", "local"], "argument --mechanism: not with --config"),
+    (["--task", "lm", "--option", "corpus=pydoc"], "argument --option: not with --config"),
+    (["--task", "lm", "--evals", "2"], "argument --evals: not with --config"),
+    (["--task", "lm", "--betas", "0.9", "0.95"], "use --train.beta1 and --train.beta2"),
+    (["--task", "lm", "--budget=long"], "argument --budget: not with --config"),
+    (["--task", "lm", "--out_dir", "x"], "argument --out_dir: not with --config"),
+    (["--task", "lm", "--train.precision", "fp16"], "train.precision: a task run trains in one of"),
+    (["--task", "lm", "--data.pack_documents", "true"], "data.pack_documents: "),
+    (["--task", "lm", "--nokey", "3"], "unknown config key 'nokey'"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), CLI_REFUSED, ids=[" ".join(a) for a, _ in CLI_REFUSED])
+def test_the_command_refuses_in_one_line_and_writes_nothing(tmp_path, capsys, argv, message):
+    run = tmp_path / "run"
+    assert main(["train", "--config", TINY, *argv, "--out", str(run)]) == 2
+    captured = capsys.readouterr()
+    error = captured.err.strip()
+    assert error.startswith("routeformer: error: ") and "\n" not in error, error
+    assert message in error and captured.out == ""
+    assert not run.exists()
+
+
+def _small_job(**changes) -> Job:
+    setup = replace(QUICK.tasks["mqar"], schedule=Schedule(steps=2, batch_size=8, lr=1e-3, warmup_steps=1),
+                    evals=1, validation_sequences=8, test_sequences=8)
+    return replace(Job("wd", "mqar", dict(setup.options), "full", {}, 0, setup,
+                       ModelSpec(dim=16, depth=1, heads=2, positions="rotary")), **changes)
+
+
+def test_a_jobs_weight_decay_reaches_adamw_and_is_saved(tmp_path, monkeypatch):
+    seen, build = [], task_loop.build_optimizer
+
+    def recorded(model, **settings):
+        seen.append(settings["weight_decay"])
+        return build(model, **settings)
+
+    monkeypatch.setattr(task_loop, "build_optimizer", recorded)
+    run = tmp_path / "run"
+    record = run_in_directory(run, _small_job(weight_decay=0.25), log=lambda line: None)
+    assert seen == [0.25] and record["train"]["weight_decay"] == 0.25
+    assert json.loads((run / "config.json").read_text())["weight_decay"] == 0.25
+    with pytest.raises(ValueError, match=r"another config \(weight_decay 0.25 -> 0.1\)"):
+        run_in_directory(run, _small_job(), log=lambda line: None)
+
+
+def test_the_default_weight_decay_leaves_saved_forms_as_they_were():
+    job = _small_job()
+    assert TASK_WEIGHT_DECAY == TaskTrainConfig().weight_decay == 0.1 and job.weight_decay == 0.1
+    before = {**asdict(job), "setup": job.setup.as_dict(), "spec": spec_dict(job.spec)}
+    del before["weight_decay"]  # the job as config.json held it before the field existed
+    assert json.dumps(job_config(job)) == json.dumps(without_defaults(before, TRAIN_FIELD_DEFAULTS))
+    assert job_config(_small_job(weight_decay=0.0))["weight_decay"] == 0.0
+    staged = replace(job.setup, eval_multiples=(2,))
+    task = build_task("mqar", **job.task_options)
+    model = build_task_model(task, "full", {}, job.spec)
+    assert "weight_decay" not in staged_record(replace(job, setup=staged), task, model, [], 0.0)
+    decayed = replace(job, setup=staged, weight_decay=0.5)
+    assert staged_record(decayed, task, model, [], 0.0)["weight_decay"] == 0.5
+
+
+@pytest.mark.parametrize("decay", [-0.1, float("nan"), float("inf"), "0.1", True, None])
+def test_a_bad_weight_decay_is_refused_naming_it(decay):
+    with pytest.raises(ValueError, match="weight_decay: a finite number >= 0"):
+        _small_job(weight_decay=decay)
