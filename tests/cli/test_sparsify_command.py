@@ -92,7 +92,7 @@ def test_bad_arguments_are_one_line_and_write_nothing(capsys, dense_run, tmp_pat
 
 def test_bad_sources_are_refused(capsys, dense_run, routed_run, tmp_path):
     out = tmp_path / "out"
-    cases = [(tmp_path / "missing", r"does not exist; SRC must be a task run directory"),
+    cases = [(tmp_path / "missing", r"does not exist; SRC must be a run directory of `routeformer train"),
              (routed_run, r"source layer 0 runs 'topk'.*no dense attention to copy")]
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
@@ -111,3 +111,34 @@ def test_bad_sources_are_refused(capsys, dense_run, routed_run, tmp_path):
     argv = ["sparsify", str(dense_run), "--mechanism", "topk", "--out", str(routed_run)]
     status, _, err = _run(capsys, argv)
     assert status == 2 and "exists; name a new directory" in err
+
+
+LM_RUN = ["--config", "tiny", "--steps", "10", "--final_eval_tokens", "256"]
+LM_CONVERT = ["--mechanism", "topk", "--option", "topk=4", "--steps", "3", "--sparse-steps", "2",
+              "--batch-size", "4", "--seed", "2"]
+
+
+def test_an_lm_run_converts_as_the_task_lm_run_it_equals(capsys, tmp_path):
+    lm, task = tmp_path / "lm", tmp_path / "task"
+    assert main(["train", *LM_RUN, "--out_dir", str(lm)]) == 0
+    assert main(["train", "--task", "lm", *LM_RUN, "--out", str(task)]) == 0
+    records = []
+    for source in (lm, task):
+        out = tmp_path / f"{source.name}-topk"
+        status, _, err = _run(capsys, ["sparsify", str(source), *LM_CONVERT, "--out", str(out)])
+        assert status == 0, err
+        records.append(json.loads((out / "record.json").read_text()))
+        assert load_run_model(out).config["task"] == "lm"
+    from_lm, from_task = records
+    assert from_lm["metric"] == "bits_per_char" and from_lm["source_tokens"] == 10 * 8 * 32
+    assert from_lm["test"] == from_task["test"]  # the same weights, task and conversion
+
+
+def test_an_lm_run_the_task_path_cannot_train_is_refused(capsys, tmp_path):
+    lm, out = tmp_path / "lm", tmp_path / "out"
+    assert main(["train", *LM_RUN, "--data.pack_documents", "true", "--out_dir", str(lm)]) == 0
+    capsys.readouterr()  # the training run's own lines
+    status, _, err = _run(capsys, ["sparsify", str(lm), *LM_CONVERT, "--out", str(out)])
+    assert status == 2 and len(err.strip().splitlines()) == 1
+    assert "LM run that does not convert as task lm: data.pack_documents" in err, err
+    assert not out.exists()

@@ -246,10 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Copy a dense task run's weights into a routed model and train its routing parameters: "
                     "stage 1 (--steps) with the dense model frozen (topk: by the KL to dense attention over "
                     "every key; meta: its controller by the task loss; mita has nothing to warm up); stage 2 "
-                    "(--sparse-steps) everything, on the task loss. Writes a task run directory "
+                    "(--sparse-steps) everything, on the task loss. A `routeformer train` LM run converts "
+                    "as the task-lm run its config translates to. Writes a task run directory "
                     "that eval, sample and export-hf read (docs/sparsify.md).")
-    sparsify.add_argument("source", metavar="SRC", help="a task run directory (routeformer train --task) or "
-                                                        "its checkpoint file")
+    sparsify.add_argument("source", metavar="SRC", help="a run directory of routeformer train --task "
+                                                        "or routeformer train, or its checkpoint file")
     sparsify.add_argument("--mechanism", required=True,
                           help="the routed attention: topk, meta or mita (docs/sparsify.md)")
     sparsify.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",

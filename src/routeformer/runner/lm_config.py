@@ -30,7 +30,7 @@ from routeformer.runner.jobs import Job
 from routeformer.runner.setups import TaskSetup
 from routeformer.train.on_task import ModelSpec
 
-__all__ = ["lm_config_job", "refusals"]
+__all__ = ["lm_config_job", "lm_run_as_task_run", "refusals"]
 
 
 def lm_config_job(config: Any, key: str) -> Job:
@@ -63,6 +63,29 @@ def lm_config_job(config: Any, key: str) -> Job:
     return Job(key, "lm", dict(options), mechanism, dict(model.attention_options.get(mechanism, {})),
                run.seed, setup, spec, precision=run.precision, betas=(run.beta1, run.beta2),
                weight_decay=run.weight_decay)
+
+
+def lm_run_as_task_run(run: Any) -> Any:
+    """A `routeformer train` LM run (`train.checkpoint.load_run_model`'s RunModel with `task` None)
+    as the task run of its `lm_config_job`: the same model and weights, with `task` (task lm with
+    the config's corpus and length) and `config` (the job, as a task run's config.json holds it) —
+    what `routeformer sparsify` reads from a task run. A task run is returned as it is.
+
+    Raises ValueError when the run's config is one the task path cannot train (`refusals`' line) or
+    its tokeniser is not the task's (the corpus changed since the run was trained)."""
+    from dataclasses import replace
+
+    from routeformer.runner.jobs import built_task, job_config
+    from routeformer.train.config import RunConfig
+
+    if run.task is not None:
+        return run
+    job = lm_config_job(RunConfig.from_dict(run.config), "lm-run")
+    task = built_task(job)
+    if run.tokenizer is None or run.tokenizer.to_dict() != task.vocab.to_dict():
+        raise ValueError(f"the run's tokeniser is not task lm's for corpus {job.task_options['corpus']!r} "
+                         "(the corpus changed since the run was trained)")
+    return replace(run, task=task, config=job_config(job))
 
 
 def refusals(config: Any) -> list[str]:
