@@ -18,7 +18,7 @@ from routeformer.runner.lm_config import lm_config_job, refusals
 from routeformer.runner.run_dir import run_in_directory
 from routeformer.tasks import build_task
 from routeformer.tasks.meta_tokens import real_tokens_per_window
-from routeformer.train import load_config, task_loop
+from routeformer.train import driver, load_config
 from routeformer.train.checkpoint import load_run_model
 from routeformer.train.on_task import ModelSpec, build_task_model, spec_dict
 from routeformer.train.schedule import Schedule
@@ -130,13 +130,13 @@ def _small_job(**changes) -> Job:
 
 
 def test_a_jobs_weight_decay_reaches_adamw_and_is_saved(tmp_path, monkeypatch):
-    seen, build = [], task_loop.build_optimizer
+    seen, build = [], driver.build_optimizer
 
     def recorded(model, **settings):
         seen.append(settings["weight_decay"])
         return build(model, **settings)
 
-    monkeypatch.setattr(task_loop, "build_optimizer", recorded)
+    monkeypatch.setattr(driver, "build_optimizer", recorded)
     run = tmp_path / "run"
     record = run_in_directory(run, _small_job(weight_decay=0.25), log=lambda line: None)
     assert seen == [0.25] and record["train"]["weight_decay"] == 0.25

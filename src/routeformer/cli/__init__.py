@@ -7,6 +7,7 @@
                       [--batch-size N] [--lr LR] [--evals N] [--seed S] [--precision fp32|bf16]
                       [--betas B1 B2] [--model.KEY VALUE ...] [--out DIR] [--fresh]
     routeformer train --task lm --config NAME|PATH [--key value ...] [--out DIR] [--fresh]
+    routeformer train --spec FILE|RUN_DIR [--KEY.PATH VALUE ...] [--out DIR] [--fresh]
     routeformer eval RUN_OR_CHECKPOINT [--corpus SPEC] [--max-tokens N] [--split S] [--sequences N]
     routeformer sample RUN_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
     routeformer sparsify SRC --mechanism topk [--option KEY=VALUE ...] [--steps N] [--sparse-steps M]

@@ -71,7 +71,7 @@ def command_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from routeformer.train import load_config, train
     from routeformer.train.interrupts import RunInterrupted
 
-    if args.task is not None:  # any registered task, through compare's run path
+    if args.task is not None or args.spec is not None:  # a task run, through compare's run path
         from routeformer.cli.task_train import command_train_task
 
         return command_train_task(args, overrides)

@@ -214,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"YAML file or bundled config name (default: {DEFAULT_CONFIG}); with --task lm: "
                             "train that config's model as a task run (--key value overrides, --out DIR)")
     train.add_argument("--task", default=None, help="a registered task (mqar, lm, listops, ...)")
+    train.add_argument("--spec", default=None, metavar="FILE",
+                       help="a run spec: JSON or YAML of a task run's config.json form, or a task run "
+                            "directory (retrains its run); the rest of the line is --KEY.PATH VALUE "
+                            "overrides (--seed 2, --spec.dim 128, --setup.schedule.steps 100) and --out DIR")
     train.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint and start over")
     train.help_tail = _train_help
 

@@ -56,13 +56,15 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
     from routeformer.train.distributed import finish_distributed, init_distributed
     from routeformer.train.task_loop import distributed_training
 
-    if args.config is not None:
+    if args.spec is not None:
+        job, out = spec_run_job(args, extra)
+    elif args.config is not None:
         job, out = config_run_job(args.task, args.config, extra)
     else:
         options = build_task_train_parser().parse_args(extra)
         job = task_run_job(args.task, options)
         out = options.out
-    out = out or f"runs/train-{args.task}-{job.mechanism}-seed{job.seed}"
+    out = out or f"runs/train-{job.task}-{job.mechanism}-seed{job.seed}"
     context = init_distributed("cpu")
     try:
         check_global_batch(job, context.world_size)
@@ -127,6 +129,34 @@ def config_run_job(task: str, config: str, extra: list[str]) -> tuple[Job, str |
         index += 1
     job = lm_config_job(load_config(resolve_config(config), overrides), "train-lm")
     return replace(job, key=f"train-lm-{job.mechanism}-seed{job.seed}"), out
+
+
+def spec_run_job(args: argparse.Namespace, extra: list[str]) -> tuple[Job, str | None]:
+    """(job, --out or None) of `train --spec FILE [--KEY.PATH VALUE ...] [--out DIR]`: the run spec
+    FILE (JSON or YAML, or a run directory's config.json) with the dotted overrides set
+    (`runner.spec.load_spec`). ValueError naming --task or --config (not with --spec), an override
+    without a value, or as `load_spec` does."""
+    from routeformer.runner.spec import load_spec
+
+    for name in ("task", "config"):
+        if getattr(args, name) is not None:
+            raise ValueError(f"argument --{name}: not with --spec (the spec names the task and the model)")
+    overrides, out, index = [], None, 0
+    while index < len(extra):
+        name, equals, value = extra[index].partition("=")
+        if not name.startswith("--") or len(name) < 3:
+            raise ValueError(f"argument {extra[index]!r}: with --spec, the rest of the line is "
+                             "--KEY.PATH VALUE overrides of the spec (and --out DIR)")
+        if not equals:
+            if index + 1 >= len(extra) or extra[index + 1].startswith("--"):
+                raise ValueError(f"argument {name}: expected one argument")
+            value = extra[index + 1]
+        index += 1 if equals else 2
+        if name == "--out":
+            out = value
+        else:
+            overrides.append((name[2:], value))
+    return load_spec(args.spec, overrides), out
 
 
 def check_global_batch(job: Job, processes: int) -> None:
