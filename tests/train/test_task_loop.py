@@ -143,3 +143,49 @@ def test_a_non_finite_step_is_skipped(tmp_path, capsys):
     assert "step 3: non-finite loss nan" in capsys.readouterr().err
     assert len(history.evals) == 4 and all(torch.isfinite(p).all() for p in model.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def _ctrl_c_batches(at_call: int, presses: int = 1):
+    """Batches that press Ctrl-C `presses` times while drawing the batch of call `at_call`."""
+    import signal
+
+    make_batch, calls = _batches()
+
+    def pressing(batch_size, generator):
+        if len(calls) + 1 == at_call:
+            for _ in range(presses):
+                signal.raise_signal(signal.SIGINT)
+        return make_batch(batch_size, generator)
+
+    return pressing, calls
+
+
+def _train_with(directory, make_batch):
+    model = _model()
+    with resumable_training(directory, "run"):
+        history = train_task(model, make_batch, _evaluate, CONFIG, forward=_forward)
+    return model, history
+
+
+def test_ctrl_c_saves_at_the_step_boundary_and_the_resumed_run_repeats_no_step(tmp_path):
+    reference, reference_history, _ = _train(tmp_path / "straight", "run")
+    pressing, _ = _ctrl_c_batches(at_call=5)  # inside step 5, after the step-4 evaluation
+    with pytest.raises(KeyboardInterrupt):
+        _train_with(tmp_path / "stopped", pressing)
+    make_batch, calls = _batches()
+    resumed, history = _train_with(tmp_path / "stopped", make_batch)
+    assert len(calls) == STEPS - 5, "the run resumes after step 5, where Ctrl-C stopped it"
+    for ours, theirs in zip(resumed.state_dict().values(), reference.state_dict().values(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert history.evals == reference_history.evals
+
+
+def test_a_second_ctrl_c_stops_inside_the_step_keeping_the_last_evaluation(tmp_path):
+    from routeformer.train.interrupts import InterruptedMidStep
+
+    pressing, _ = _ctrl_c_batches(at_call=5, presses=2)
+    with pytest.raises(InterruptedMidStep):
+        _train_with(tmp_path, pressing)
+    make_batch, calls = _batches()
+    _train_with(tmp_path, make_batch)
+    assert len(calls) == STEPS - 4, "nothing saved in step 5: the run resumes after the step-4 evaluation"

@@ -73,8 +73,9 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
                                       log=lambda line: say(f"  {job.key}: {line}"))
     except KeyboardInterrupt:
         if context.is_main:
-            print(f"routeformer: interrupted; run the same command again to resume {out!r} after its last "
-                  "evaluation", file=sys.stderr, flush=True)
+            print(f"routeformer: interrupted; run the same command again to resume {out!r} (after the step "
+                  "Ctrl-C stopped at, or after the last evaluation when it stopped inside a step)",
+                  file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     finally:
         finish_distributed(context)

@@ -3,17 +3,17 @@ stored the way compare stores its runs.
 
 The directory holds `config.json` (the job: task and its options, mechanism and its options, seed,
 schedule, backbone, and the training precision, AdamW betas and weight decay where they are not the
-defaults) and, once the run has finished, its trained model as `checkpoint.pt` (the layout and readers of
-`routeformer train`'s run directories, `train.checkpoint.save_task_model`: weights, model config,
-task name and options, the tokeniser of a text task; `eval`, `sample`, `export-hf` and
-`train.checkpoint.load_run_model` read it) and then `record.json` (train_on_task's record: the
+defaults) and, once the run has finished, its trained model as `checkpoint.pt` (the layout and
+readers of `routeformer train`'s run directories, `train.checkpoint.save_task_model`: weights,
+model config, task name and options, the tokeniser of a text task; `eval`, `sample`, `export-hf`
+and `train.checkpoint.load_run_model` read it) and then `record.json` (train_on_task's record: the
 validation history, the test metrics, the parameter count). While it trains, the task loop's
 checkpoints `record.train<n>.pt` sit beside them (`cached_record`, train/task_loop.py): a run that
-is interrupted and started again resumes after its last evaluation and ends with the same weights
-and record as one that never stopped; a finished run is read back, not trained again. A directory
-holding a run of another config is refused with the differences named (`fresh` starts
-over). Nothing is written before the job's task builds with its options: a refused option leaves
-the directory as it was.
+is interrupted and started again resumes after its last evaluation (after the step Ctrl-C stopped
+it at) and ends with the same weights and record as one that never stopped; a finished run is read
+back, not trained again. A directory holding a run of another config is refused with the
+differences named (`fresh` starts over). Nothing is written before the job's task builds with its
+options: a refused option leaves the directory as it was.
 """
 
 from __future__ import annotations

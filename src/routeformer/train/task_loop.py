@@ -2,15 +2,19 @@
 and the paper experiments. It runs the training driver of train/driver.py (AdamW, the batch
 generator, the non-finite guard, the one loop of train/steps.py) with periodic evaluation.
 
-Resuming: inside `resumable_training(directory, key)` (which `runner.jobs.cached_run` opens
-around every run) each `train_task` call writes a checkpoint at every evaluation — the state of
+Resuming: inside `resumable_training(directory, key)` (which `runner.jobs.cached_run` opens around
+every run) each `train_task` call writes a checkpoint at every evaluation — the state of
 `steps.capture_state` (model, optimizer, step, the batch generator's and torch's RNG states) plus
-the config and history — to `<directory>/<key>.train<n>.pt`, n counting the calls in the block,
-and a later call with the same n resumes from it: an interrupted experiment re-runs nothing but
-the steps after its last evaluation, and ends with the same weights and history as an
-uninterrupted one. A finished call resumes as finished (its final weights loaded), so a run that
-trains several models in turn skips the finished ones. Outside such a block nothing is written. A
-corrupt checkpoint is reported, moved aside (`.corrupt`) and the call starts over.
+the config and history — to `<directory>/<key>.train<n>.pt`, n counting the calls in the block, and
+a later call with the same n resumes from it: an interrupted experiment re-runs nothing but the
+steps after its last evaluation (or after the step Ctrl-C stopped it at, below), and ends with the
+same weights and history as an uninterrupted one. A finished call resumes as finished (its final
+weights loaded), so a run that trains several models in turn skips the finished ones. Outside such
+a block nothing is written. A corrupt checkpoint is reported, moved aside (`.corrupt`) and the call
+starts over. Ctrl-C stops such a call at the next step boundary and saves its checkpoint there
+(train/interrupts.py: a second Ctrl-C stops at once, keeping the last one), so the resumed run
+repeats no step and still ends as one never interrupted; the KeyboardInterrupt propagates after the
+save.
 
 A step with a non-finite loss or gradient is skipped; MAX_NONFINITE_STEPS in a row stop the run
 (train/guard.py).
@@ -50,6 +54,7 @@ from torch import Tensor, nn
 from routeformer.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from routeformer.train.distributed import (
     DistributedContext,
+    any_rank,
     check_shardable,
     gather_rng_states,
     local_shard,
@@ -57,6 +62,7 @@ from routeformer.train.distributed import (
     rank_rng_state,
 )
 from routeformer.train.driver import Driver, warn
+from routeformer.train.interrupts import DeferredInterrupts, InterruptedMidStep
 from routeformer.train.schedule import Schedule
 from routeformer.train.steps import StepResult
 
@@ -289,11 +295,38 @@ def train_task(
                 saved = driver.capture(step, config=asdict(config), history=asdict(history))
                 if rank_states is not None:  # process 0's own state as it stands after evaluating
                     saved["rng"]["ranks"] = [rank_rng_state(device), *rank_states[1:]]
-                save_checkpoint(checkpoint, saved)
+                with interrupts.critical():
+                    save_checkpoint(checkpoint, saved)
         began = time.perf_counter()
 
-    driver.train(next_batch, lambda trained, inputs, labels, extra: forward(trained, inputs, labels),
-                 precision=config.precision, on_step_end=evaluate_now)
+    def save_at_boundary() -> None:
+        """The checkpoint of a run stopped by Ctrl-C at a step boundary (every process joins)."""
+        history.train_seconds += time.perf_counter() - began
+        rank_states = gather_rng_states(context, device)
+        if context.is_main:
+            saved = driver.capture(driver.step, config=asdict(config), history=asdict(history))
+            if rank_states is not None:
+                saved["rng"]["ranks"] = rank_states
+            save_checkpoint(checkpoint, saved)
+            if log:
+                log(f"interrupted: saved {checkpoint.name} after step {driver.step}")
+
+    # Ctrl-C stops a resumable run at the next step boundary, saved there (train/interrupts.py)
+    interrupts = DeferredInterrupts(agree=lambda flag: any_rank(flag, context))
+    if checkpoint is not None:
+        interrupts.install()
+    try:
+        driver.train(next_batch, lambda trained, inputs, labels, extra: forward(trained, inputs, labels),
+                     precision=config.precision, on_step_end=evaluate_now,
+                     interrupts=interrupts if checkpoint is not None else None)
+    except KeyboardInterrupt as interrupt:
+        if checkpoint is not None and driver.position.at_boundary \
+                and not isinstance(interrupt, InterruptedMidStep):
+            with interrupts.critical(raise_after=False):
+                save_at_boundary()
+        raise
+    finally:
+        interrupts.restore()
     if not context.is_main:
         return TaskHistory(train_seconds=history.train_seconds)
     history.final = history.evals[-1]
