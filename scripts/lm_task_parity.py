@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# `routeformer train` and `routeformer train --task lm` train the same weights",
         "",
-        f"Measured {began:%Y-%m-%d %H:%M} UTC on {machine_description()}, one thread, torch "
-        f"{torch.__version__}. Command: "
+        f"Measured {began:%Y-%m-%d %H:%M} UTC on {machine_description()}. Command: "
         f"`python scripts/lm_task_parity.py --config {args.config} --out {args.out}`.",
         "",
         "| run | command | steps | final evaluation |",
