@@ -1,7 +1,9 @@
 """`routeformer train --task lm --config FILE`: the LM run config FILE, with the line's overrides,
 trained as a task run (`runner.lm_config.lm_config_job` -> the run directory of runner/run_dir.py)
-gives the weights `routeformer train --config FILE` gives; every setting the task path cannot honour
-is refused naming its config key, in one line on the command line and before anything is written.
+gives the weights `routeformer train --config FILE` gives (also for a local text file, `data.path`,
+and a BPE `data.tokenizer`, whose task runs eval and sample read); every setting the task path
+cannot honour is refused naming its config key, in one line on the command line and before anything
+is written.
 A job's AdamW `weight_decay` reaches the optimizer and is saved only where it is not the default."""
 
 import json
@@ -14,7 +16,7 @@ import torch
 from routeformer.cli import main
 from routeformer.compare.budgets import QUICK
 from routeformer.runner.jobs import TASK_WEIGHT_DECAY, Job, job_config, staged_record
-from routeformer.runner.lm_config import lm_config_job, refusals
+from routeformer.runner.lm_config import lm_config_job, lm_run_as_task_run, refusals
 from routeformer.runner.run_dir import run_in_directory
 from routeformer.tasks import build_task
 from routeformer.tasks.meta_tokens import real_tokens_per_window
@@ -48,10 +50,53 @@ def test_the_task_run_of_a_config_trains_the_lm_runs_weights(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["resumed"] == []
 
 
+def _text_source(tmp_path, source):
+    """(overrides, task options): the LM run's overrides for `source` ("file": a local text file;
+    else that file with a BPE tokenizer trained offline) and the task options they translate to."""
+    from tests.tasks.test_lm_text_sources import text_file
+
+    path = text_file(tmp_path / "notes.txt")
+    if source == "file":
+        return ["--data.path", path], {"path": path}
+    pytest.importorskip("tokenizers")
+    from tests.data.test_tokenizers import train_bpe
+
+    (tmp_path / "bpe").mkdir()
+    train_bpe(tmp_path / "bpe" / "tokenizer.json")
+    spec = str(tmp_path / "bpe")
+    return ["--data.path", path, "--data.tokenizer", spec], {"path": path, "tokenizer": spec}
+
+
+@pytest.mark.parametrize("source", ["file", "file and bpe tokenizer"])
+def test_a_local_text_and_a_bpe_tokenizer_train_the_lm_runs_weights(tmp_path, capsys, monkeypatch, source):
+    monkeypatch.setenv("ROUTEFORMER_CACHE_DIR", str(tmp_path / "cache"))
+    text, options = _text_source(tmp_path, source)
+    lm, task = tmp_path / "lm", tmp_path / "task"
+    assert main(["train", "--config", TINY, "--out_dir", str(lm), *OVERRIDES, *text]) == 0
+    assert main(["train", "--task", "lm", "--config", TINY, *OVERRIDES, *text, "--out", str(task)]) == 0
+    capsys.readouterr()
+    config = json.loads((task / "config.json").read_text())
+    assert config["task_options"] == {"corpus": "pydoc", "seq_len": 32, **options}
+    expected, task_run = load_run_model(lm).model.state_dict(), load_run_model(task)
+    got = task_run.model.state_dict()
+    assert set(got) == set(expected)
+    assert [key for key in expected if not torch.equal(got[key], expected[key])] == []
+    lm_tokenizer = load_run_model(lm, build_task=False).tokenizer
+    assert task_run.tokenizer.to_dict() == task_run.task.vocab.to_dict() == lm_tokenizer.to_dict()
+    # the LM run reads as the task run of its config (what sparsify converts)
+    as_task = lm_run_as_task_run(load_run_model(lm, build_task=False))
+    assert as_task.task.options() == config["task_options"]
+    # eval and sample read the task run directory
+    record = json.loads((task / "record.json").read_text())
+    assert main(["eval", str(task)]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert evaluated["bits_per_char"] == record["validation"][-1]["bits_per_char"]
+    assert main(["sample", str(task), "--prompt", "the quick", "--tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("the quick")
+
+
 META = ["--data.meta_density", "0.1", "--model.meta_token_id", "3"]
 REFUSED = [
-    (["--data.path", "notes.txt"], "data.path"),
-    (["--data.tokenizer", "tokenizer.json"], "data.tokenizer"),
     (["--data.pack_documents", "true"], "data.pack_documents"),
     (["--model.attention", "[local, full]"], "model.attention"),
     (["--model.dropout", "0.1"], "model.dropout"),

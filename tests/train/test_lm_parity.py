@@ -2,7 +2,8 @@
 task lm) train the same weights when the task job is the run config's
 (`runner.lm_config.lm_config_job`): every entry of the two state dicts is equal, for the bundled
 config and for one that sets what else the translation carries (meta-tokens, bf16, learned
-positions, one mechanism listed per layer, weight decay, the cosine floor, clipping, betas, seed)."""
+positions, one mechanism listed per layer, weight decay, the cosine floor, clipping, betas, seed), and
+for a local text file (`data.path`)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,13 @@ CARRIED = ["--steps", "10", "--data.meta_density", "0.1", "--train.precision", "
            "--train.beta1", "0.8", "--seed", "3"]
 
 
-@pytest.mark.parametrize("overrides", [[], CARRIED], ids=["tiny.yaml", "carried settings"])
+@pytest.mark.parametrize("overrides", [[], CARRIED, "local text"], ids=["tiny.yaml", "carried settings",
+                                                                      "local text"])
 def test_an_lm_run_config_and_its_task_job_train_equal_weights(tmp_path, overrides):
+    if overrides == "local text":
+        from tests.tasks.test_lm_text_sources import text_file
+
+        overrides = ["--steps", "10", "--data.path", text_file(tmp_path / "notes.txt")]
     # a short final evaluation: it reads the trained weights, it does not change them
     config = load_config(str(TINY), ["--out_dir", str(tmp_path / "lm"), "--final_eval_tokens", "256",
                                      *overrides])

@@ -21,11 +21,10 @@ output head to the token embedding (default: a separate head).
 is the LM run's config overrides (`train.load_config`: `--model.dim 64`, `--steps 40`, read as the
 LM run reads them), except `--out`, and the config becomes its task-lm job by
 `runner.lm_config.lm_config_job`, which refuses in one line, naming the key, each setting the task
-path cannot train exactly (a data.path, a BPE tokenizer, packed documents, dropout, fp16, a CUDA
-device, ...). The task-run arguments that are not config keys (--mechanism, --option, --evals,
---budget, --mechanism-option, --betas) are refused beside --config, each naming the key that
-states the same; so is --out_dir (the run directory is --out). The config file's out_dir does not
-apply.
+path cannot train exactly (packed documents, dropout, fp16, a CUDA device, ...). The task-run
+arguments that are not config keys (--mechanism, --option, --evals, --budget, --mechanism-option,
+--betas) are refused beside --config, each naming the key that states the same; so is --out_dir (the
+run directory is --out). The config file's out_dir does not apply.
 
 Under torchrun (or RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in the environment)
 the run trains DistributedDataParallel on the CPU processes (gloo), as `routeformer train` does:

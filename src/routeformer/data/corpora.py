@@ -91,13 +91,15 @@ def load_corpus(spec: str) -> Corpus:
     raise ValueError(f"unknown corpus {spec!r}; valid: {', '.join(CORPORA)}")
 
 
-def load_path(path: str | Path) -> Corpus:
-    """The corpus in a local file or folder (see the module docstring): `data.path`."""
+def load_path(path: str | Path, option: str = "data.path") -> Corpus:
+    """The corpus in a local file or folder (see the module docstring): `data.path`. Raises
+    ValueError, naming `option` (the setting that gave the path), for a path that is neither a file
+    nor a folder and for a folder without text files."""
     path = Path(path)
     if path.is_file():
         return _split(f"path:{path}", _read(path))
     if not path.is_dir():
-        raise ValueError(f"data.path {str(path)!r} is neither a file nor a folder")
+        raise ValueError(f"{option} {str(path)!r} is neither a file nor a folder")
     for train_name, valid_name in (("train.txt", "valid.txt"), ("wiki.train.raw", "wiki.valid.raw"),
                                    ("wiki.train.tokens", "wiki.valid.tokens")):
         if (path / train_name).is_file() and (path / valid_name).is_file():
@@ -105,7 +107,7 @@ def load_path(path: str | Path) -> Corpus:
                           _read(path / valid_name))
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
     if not files:
-        raise ValueError(f"data.path {str(path)!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
+        raise ValueError(f"{option} {str(path)!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
     return _split(f"path:{path} ({len(files)} files)", "\n".join(_read(file) for file in files))
 
 

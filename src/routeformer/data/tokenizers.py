@@ -52,20 +52,22 @@ class BPETokenizer:
         self.source = source
 
     @classmethod
-    def from_path(cls, path: str | Path) -> BPETokenizer:
-        """Load `path`: a tokenizer.json, or a directory holding tokenizer.json."""
+    def from_path(cls, path: str | Path, option: str = "data.tokenizer") -> BPETokenizer:
+        """Load `path`: a tokenizer.json, or a directory holding tokenizer.json. Raises ValueError,
+        naming `option` (the setting that gave the path), when there is no such file, it is not a
+        tokenizers JSON file, or the `tokenizers` package is missing."""
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
             where = f"directory {str(path)!r} has no tokenizer.json" if path.is_dir() else \
                 f"{str(path)!r} does not exist"
-            raise ValueError(f"data.tokenizer must be 'char', a tokenizer.json file or a Hugging Face "
+            raise ValueError(f"{option} must be 'char', a tokenizer.json file or a Hugging Face "
                              f"tokenizer directory; {where}")
-        Tokenizer = _tokenizers().Tokenizer
+        Tokenizer = _tokenizers(option).Tokenizer
         try:
             return cls(Tokenizer.from_file(str(file)), source=str(file))
         except Exception as error:  # the Rust side raises a bare Exception on malformed files
-            raise ValueError(f"data.tokenizer {str(file)!r} is not a tokenizers JSON file: "
+            raise ValueError(f"{option} {str(file)!r} is not a tokenizers JSON file: "
                              f"{' '.join(str(error).split())}") from None
 
     def __len__(self) -> int:
@@ -95,14 +97,15 @@ class BPETokenizer:
         return cls(Tokenizer.from_str(json.dumps(values["tokenizer"])), source=values.get("source", ""))
 
 
-def build_tokenizer(spec: str, train_text: str) -> Tokenizer:
+def build_tokenizer(spec: str, train_text: str, option: str = "data.tokenizer") -> Tokenizer:
     """The tokeniser `data.tokenizer` names (see the module docstring); `char` builds its vocabulary
-    from `train_text`."""
+    from `train_text`. Raises ValueError naming `option` (the setting that gave `spec`) for a spec
+    that is not a non-empty string or a path that holds no tokenizer."""
     if not isinstance(spec, str) or not spec:
-        raise ValueError(f"data.tokenizer must be 'char' or a path to a tokenizer; got {spec!r}")
+        raise ValueError(f"{option} must be 'char' or a path to a tokenizer; got {spec!r}")
     if spec == CHAR:
         return CharVocab.from_text(train_text)
-    return BPETokenizer.from_path(spec)
+    return BPETokenizer.from_path(spec, option)
 
 
 def tokenizer_from_dict(values: dict[str, Any]) -> Tokenizer:
@@ -123,10 +126,10 @@ def _pieces(text: str, size: int) -> list[str]:
     return pieces
 
 
-def _tokenizers():
+def _tokenizers(option: str = "data.tokenizer"):
     try:
         import tokenizers
     except ImportError:
-        raise ValueError("data.tokenizer PATH needs the `tokenizers` package: "
+        raise ValueError(f"{option} PATH needs the `tokenizers` package: "
                          "pip install 'routeformer[tokenizers]'") from None
     return tokenizers

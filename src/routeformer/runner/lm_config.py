@@ -4,16 +4,18 @@ path of compare and `routeformer train --task`), so that both train the same wei
 
 What carries over: the backbone (`model.dim`, `depth`, `heads`, `mlp_ratio`, `positions`,
 `tie_embeddings`), the mechanism (`model.attention`, one name or the same name for every layer) and
-its `model.attention_options`, the corpus and `data.seq_len` (task options `corpus`, `seq_len` and,
-when above 0, `meta_density`), the whole schedule (`train.steps`, `batch_size`, `lr`,
-`warmup_steps`, `min_lr_ratio`, `grad_clip`), `train.weight_decay`, `train.beta1`/`beta2`,
-`train.seed`, `train.precision` (fp32 or bf16) and the evaluation steps (`train.eval_every`, as
-`steps // eval_every` evaluations).
+its `model.attention_options`, the text and `data.seq_len` (task options `corpus`, `seq_len`, and
+`meta_density` when above 0, `path` for a `data.path` and `tokenizer` for a `data.tokenizer` other
+than "char": the task then reads the training ids the LM run reads), the whole schedule
+(`train.steps`, `batch_size`, `lr`, `warmup_steps`, `min_lr_ratio`, `grad_clip`),
+`train.weight_decay`, `train.beta1`/`beta2`, `train.seed`, `train.precision` (fp32 or bf16) and
+the evaluation steps (`train.eval_every`, as `steps // eval_every` evaluations).
 
 What is read differently, without changing the weights: a periodic evaluation reads about
 `train.eval_tokens` tokens of the task's validation split (`eval_tokens // T'` windows, T' the
 real tokens of a window) and the test after training about `train.final_eval_tokens` tokens of its
-test split (None: every window of it), where the LM run reads its whole held-out text; the task
+test split (None: every window of it), where the LM run reads its whole held-out text (the task's
+validation and test splits are the two halves of it, or a corpus's own two splits); the task
 run checkpoints at each evaluation and keeps its model as a run directory (runner/run_dir.py), so
 `train.checkpoint_every`, `keep_checkpoints`, `log_every` and `out_dir` do not apply to it.
 `model.vocab_size` follows the tokeniser on both paths; `model.num_classes` and `pooling` belong to
@@ -53,6 +55,10 @@ def lm_config_job(config: Any, key: str) -> Job:
     options: dict[str, Any] = {"corpus": data.corpus, "seq_len": data.seq_len}
     if data.meta_density > 0:
         options["meta_density"] = data.meta_density
+    if data.path:  # named only when set, so the jobs of other configs stay as they were
+        options["path"] = data.path
+    if data.tokenizer != "char":
+        options["tokenizer"] = data.tokenizer
     real = real_tokens_per_window(data.seq_len, data.meta_density)
     steps = run.schedule.steps
     setup = TaskSetup(options, run.schedule, evals=steps // run.eval_every,
@@ -83,16 +89,16 @@ def lm_run_as_task_run(run: Any) -> Any:
     job = lm_config_job(RunConfig.from_dict(run.config), "lm-run")
     task = built_task(job)
     if run.tokenizer is None or run.tokenizer.to_dict() != task.vocab.to_dict():
-        raise ValueError(f"the run's tokeniser is not task lm's for corpus {job.task_options['corpus']!r} "
-                         "(the corpus changed since the run was trained)")
+        source = job.task_options.get("path", job.task_options["corpus"])
+        raise ValueError(f"the run's tokeniser is not task lm's for {source!r} (the text or the tokenizer "
+                         "changed since the run was trained)")
     return replace(run, task=task, config=job_config(job))
 
 
 def refusals(config: Any) -> list[str]:
     """Every setting of the RunConfig `config` that the task path cannot train exactly, one
     "KEY: why" line each, in the order of the config's sections (empty: `lm_config_job` translates
-    it). Refused: `data.path` (a file's text is `data.corpus: text:PATH`), a tokenizer other than
-    "char", `data.pack_documents`, `model.attention` naming several mechanisms, `model.dropout` above
+    it). Refused: `data.pack_documents`, `model.attention` naming several mechanisms, `model.dropout` above
     0, `model.causal` false, `model.max_seq_len` above `data.seq_len` with learned positions (a
     larger position table), `model.meta_token_id` set without meta-tokens, `model.zero_meta_positions_*`,
     `train.precision` fp16, `train.device` other than cpu, `train.logger` tensorboard,
@@ -102,11 +108,6 @@ def refusals(config: Any) -> list[str]:
 
     model, data, run = config.model, config.data, config.train
     found = []
-    if data.path:
-        found.append(f"data.path: task lm reads a corpus spec (a file's text is data.corpus text:PATH); "
-                     f"got {data.path!r}")
-    if data.tokenizer != "char":
-        found.append(f"data.tokenizer: task lm tokenises characters ('char'); got {data.tokenizer!r}")
     if data.pack_documents:
         found.append("data.pack_documents: task lm draws unpacked windows; set it false")
     if len(set(model.layer_attention())) > 1:

@@ -1,9 +1,21 @@
-"""Character-level language modelling as a task: `build_task("lm", corpus="pydoc", seq_len=128)`.
+"""Language modelling as a task: `build_task("lm", corpus="pydoc", seq_len=128)`.
 
 Train batches are random windows of the corpus's training text. The corpus's held-out text is
 cut in two: its first half is the validation split, its second half the test split (choose on one,
 report on the other). A corpus with a test split of its own (`pystdlib`) keeps its three splits.
 The metric is bits per character (lower is better).
+
+`path` (None by default) reads a local text file or folder instead of the `corpus` spec, exactly as
+a training config's `data.path` does (`data.corpora.load_path`: a file split 90/10, a folder of
+`train`/`valid` files, or every text file of a folder joined and split 90/10). `tokenizer` is
+"char" by default (`CharVocab`: one id per character of the training text) or what `data.tokenizer`
+accepts: a Hugging Face `tokenizers` model, a tokenizer.json or a directory holding one
+(`data.tokenizers.build_tokenizer`); its ids are read through the token cache (data/token_cache.py)
+as `routeformer train` reads them. The training ids are then the ones `routeformer train` trains on
+for `data.path` / `data.tokenizer`; the held-out text is encoded whole and its ids halved as above.
+`vocab` is the tokeniser either way, and with a BPE tokeniser the metric and the baselines count
+bits per token, not per character. documents="start" needs `tokenizer="char"` (document boundaries
+are kept in characters).
 
 `documents="start"` (for a corpus of documents, `pystdlib`) evaluates at the beginning of one
 document per window: a `fixed_sample` row (and a `batch(split="validation"/"test")` row) holds the
@@ -52,14 +64,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from routeformer.data.batches import IGNORE_INDEX, random_batch
-from routeformer.data.corpora import load_corpus
-from routeformer.data.vocab import CharVocab
+from routeformer.data.corpora import load_corpus, load_path
+from routeformer.data.token_cache import encode_cached
+from routeformer.data.tokenizers import CHAR, Tokenizer, build_tokenizer
 from routeformer.ops._checks import check_positive
 from routeformer.tasks.base import Task, check_batch_size
 from routeformer.tasks.meta_tokens import check_density, inject_into_batch, real_tokens_per_window
@@ -81,16 +95,45 @@ class DocumentSpans:
     lengths: Tensor
 
 
+def _encoded(corpus: str, path: str | None = None,
+             tokenizer: str = CHAR) -> tuple[str, Tokenizer, Tensor, Tensor, Tensor]:
+    """(corpus name, tokeniser, train ids, validation ids, test ids) of the `corpus` spec, or of the
+    local file or folder `path` when set, tokenised by `tokenizer`; loaded once per process while
+    the files under `path` and the tokenizer file stay as they are (size and modification time)."""
+    tokenizer_file = None if tokenizer == CHAR else _tokenizer_file(tokenizer)
+    return _encoded_once(corpus, path, tokenizer, _stamp(path), _stamp(tokenizer_file))
+
+
 @lru_cache(maxsize=4)
-def _encoded(corpus: str) -> tuple[str, CharVocab, Tensor, Tensor, Tensor]:
-    """(corpus name, vocabulary, train ids, validation ids, test ids), loaded once per process."""
-    text = load_corpus(corpus)
-    vocab = CharVocab.from_text(text.train)
+def _encoded_once(corpus: str, path: str | None, tokenizer: str,
+                  *stamps: tuple) -> tuple[str, Tokenizer, Tensor, Tensor, Tensor]:
+    text = load_corpus(corpus) if path is None else load_path(path, "path")
+    vocab = build_tokenizer(tokenizer, text.train, "tokenizer")
+    # characters are encoded directly, as ever; a BPE model's ids come through the token cache
+    encode = vocab.encode if tokenizer == CHAR else (lambda part: encode_cached(vocab, part))
     if text.test is not None:
-        return text.name, vocab, vocab.encode(text.train), vocab.encode(text.val), vocab.encode(text.test)
-    held_out = vocab.encode(text.val)
+        return text.name, vocab, encode(text.train), encode(text.val), encode(text.test)
+    held_out = encode(text.val)
     half = len(held_out) // 2
-    return text.name, vocab, vocab.encode(text.train), held_out[:half], held_out[half:]
+    return text.name, vocab, encode(text.train), held_out[:half], held_out[half:]
+
+
+def _tokenizer_file(spec: str) -> Path:
+    """The file `build_tokenizer` reads for the path `spec`: a tokenizer.json, or the one in a folder."""
+    path = Path(spec)
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
+def _stamp(path: str | Path | None) -> tuple[tuple[str, int, int], ...]:
+    """(file, size, modification time) of `path` or of every file under the folder `path`."""
+    if path is None:
+        return ()
+    path = Path(path)
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else []
+    return tuple((str(f), (info := f.stat()).st_size, info.st_mtime_ns) for f in files)
 
 
 @lru_cache(maxsize=4)
@@ -190,8 +233,20 @@ class CharLM(Task):
     higher_is_better = False
 
     def __init__(self, corpus: str = "pydoc", seq_len: int = 128, meta_density: float = 0.0,
-                 documents: str = "stream", train_windows: str = "anywhere") -> None:
+                 documents: str = "stream", train_windows: str = "anywhere", path: str | None = None,
+                 tokenizer: str = CHAR) -> None:
+        """`corpus`: a corpus spec (data/corpora.py); `path`: a local text file or folder read instead
+        (None: the spec); `tokenizer`: "char" or a tokenizer.json / tokenizer directory (module
+        docstring). Raises ValueError naming the option for a bad value: a `path` that is not a
+        non-empty string or holds no text, a `tokenizer` that is not "char" or a tokenizer file
+        (or not "char" with documents="start"), and the checks of the other options."""
         check_positive("seq_len", seq_len)
+        if path is not None and (not isinstance(path, str) or not path):
+            raise ValueError(f"path must be None or a local text file or folder (a non-empty string); "
+                             f"got {path!r}")
+        if not isinstance(tokenizer, str) or not tokenizer:
+            raise ValueError(f"tokenizer must be 'char' or a path to a tokenizer.json or a folder holding "
+                             f"one; got {tokenizer!r}")
         self.meta_density = check_density("meta_density", meta_density)
         if documents not in WINDOW_MODES:
             raise ValueError(f"documents must be one of {list(WINDOW_MODES)}; got {documents!r}")
@@ -201,18 +256,27 @@ class CharLM(Task):
         if documents == "stream" and train_windows != "anywhere":
             raise ValueError(f"train_windows={train_windows!r} applies to documents='start'; "
                              f"documents='stream' draws its windows anywhere in the joined text")
+        if path is not None and documents != "stream":
+            raise ValueError(f"path={path!r} needs documents='stream': documents={documents!r} needs a "
+                             "corpus of documents (corpus='pystdlib'), and a path's text is one stream")
+        if tokenizer != CHAR and documents != "stream":
+            raise ValueError(f"tokenizer={tokenizer!r} needs documents='stream': documents={documents!r} "
+                             "keeps the document boundaries in characters (tokenizer='char')")
         self.corpus, self.seq_len, self.name, self.documents = corpus, seq_len, "lm", documents
-        self.train_windows = train_windows
+        self.train_windows, self.path, self.tokenizer = train_windows, path, tokenizer
         self.copy_contexts, self.copy_distance = COPY_CONTEXTS, COPY_DISTANCE
         self._copy_masks: dict[tuple[str, int, int, int], Tensor] = {}
-        self.corpus_name, self.vocab, *self._ids = _encoded(corpus)
+        self._bigram: tuple[Tensor, Tensor, Tensor] | None = None
+        self.corpus_name, self.vocab, *self._ids = _encoded(corpus, path, tokenizer)
         self.vocab_size = len(self.vocab)
         self.meta_token_id = self.vocab.pause_id if meta_density > 0 else None
         self._real = real_tokens_per_window(seq_len, meta_density)
+        source = f"corpus {corpus!r}" if path is None else f"path {path!r}"
+        unit = "characters" if tokenizer == CHAR else "tokens"
         for split, ids in zip(SPLIT_NAMES, self._ids, strict=True):
             if len(ids) < seq_len + 1:
-                raise ValueError(f"seq_len={seq_len} is longer than the {split} text of corpus "
-                                 f"{corpus!r} ({len(ids)} characters)")
+                raise ValueError(f"seq_len={seq_len} is longer than the {split} text of {source} "
+                                 f"({len(ids)} {unit})")
         self._document_starts: list[Tensor] | None = None
         self._document_lengths: list[Tensor] = []
         if documents == "start":
@@ -235,6 +299,10 @@ class CharLM(Task):
         options = {"corpus": self.corpus, "seq_len": self.seq_len}
         if self.meta_density:
             options["meta_density"] = self.meta_density
+        if self.path is not None:
+            options["path"] = self.path
+        if self.tokenizer != CHAR:
+            options["tokenizer"] = self.tokenizer
         if self.documents == "stream":
             return options
         # train_windows is always named, so a record trained at starts never reads as one trained anywhere
@@ -312,9 +380,9 @@ class CharLM(Task):
             return {}
         inputs, labels = self.fixed_sample(split, sequences)
         asked = labels != IGNORE_INDEX
-        unigram, bigram = self._ngram_probabilities()
         safe = labels.clamp(min=0)
-        bits = {"unigram": -unigram[safe].log2(), "bigram": -bigram[inputs, safe].log2()}
+        bits = {"unigram": -self._unigram()[safe].log2(),
+                "bigram": -self._bigram_probability(inputs, safe).log2()}
         floors: dict[str, dict[str, float]] = {"copy-predictable fraction": {}}
         for context in self.copy_contexts:
             mask = self.copy_predictable(split, sequences, context)
@@ -337,23 +405,31 @@ class CharLM(Task):
 
     def baselines(self, sequences: int = 0) -> dict[str, float]:
         """Bits per character of unigram and bigram models (fitted on train) on the test split."""
-        train, test = self.ids("train"), self.ids("test")
-        size = self.vocab_size
-        unigram = torch.bincount(train, minlength=size).double() + 1
-        unigram_bits = -(unigram / unigram.sum()).log2()[test[1:]].mean()
-        pair_ids = train[:-1] * size + train[1:]
-        pairs = torch.bincount(pair_ids, minlength=size * size).double().view(size, size) + 1
-        bigram = pairs / pairs.sum(1, keepdim=True)
-        bigram_bits = -bigram[test[:-1], test[1:]].log2().mean()
+        test = self.ids("test")
+        unigram_bits = -self._unigram().log2()[test[1:]].mean()
+        bigram_bits = -self._bigram_probability(test[:-1], test[1:]).log2().mean()
         return {"unigram (bits/char)": float(unigram_bits), "bigram (bits/char)": float(bigram_bits)}
 
-    def _ngram_probabilities(self) -> tuple[Tensor, Tensor]:
-        """Add-one unigram [V] and bigram [V, V] (row: previous character) fitted on train."""
-        train, size = self.ids("train"), self.vocab_size
-        unigram = torch.bincount(train, minlength=size).double() + 1
-        pairs = torch.bincount(train[:-1] * size + train[1:], minlength=size * size).double()
-        pairs = pairs.view(size, size) + 1
-        return unigram / unigram.sum(), pairs / pairs.sum(1, keepdim=True)
+    def _unigram(self) -> Tensor:
+        """The add-one unigram model fitted on train: probabilities [V], float64."""
+        unigram = torch.bincount(self.ids("train"), minlength=self.vocab_size).double() + 1
+        return unigram / unigram.sum()
+
+    def _bigram_probability(self, previous: Tensor, target: Tensor) -> Tensor:
+        """The add-one bigram model fitted on train, P(`target` | `previous`) elementwise (float64, the
+        shape of `previous`): (count of the pair + 1) / (count of `previous` as a previous token + V).
+        Only the pairs that occur are counted (no [V, V] table, which a BPE vocabulary of 50k ids
+        would need 20 GB for); counted once per task instance."""
+        if self._bigram is None:
+            train, size = self.ids("train"), self.vocab_size
+            keys, counts = torch.unique(train[:-1] * size + train[1:], return_counts=True)
+            rows = torch.bincount(train[:-1], minlength=size).double() + size
+            self._bigram = keys, counts.double(), rows
+        keys, counts, rows = self._bigram
+        query = previous * self.vocab_size + target
+        where = torch.searchsorted(keys, query).clamp(max=len(keys) - 1)
+        count = torch.where(keys[where] == query, counts[where], 0.0)
+        return (count + 1) / rows[previous]
 
     def position_baselines(self, sequences: int = 1024, position_buckets: Sequence[int] | None = None,
                            split: str = "test") -> dict[str, dict[str, float]]:
@@ -365,9 +441,9 @@ class CharLM(Task):
         inputs, labels = self.fixed_sample(split, sequences)
         asked = labels != IGNORE_INDEX
         previous, target = inputs[asked], labels[asked]
-        unigram, bigram = self._ngram_probabilities()
         floors = {}
-        for name, probability in (("unigram", unigram[target]), ("bigram", bigram[previous, target])):
+        for name, probability in (("unigram", self._unigram()[target]),
+                                  ("bigram", self._bigram_probability(previous, target))):
             sums = PositionBucketSums(self.seq_len, position_buckets)
             sums.add(-probability.log(), labels)
             floors[f"{name} (bits/char)"] = sums.bits()
