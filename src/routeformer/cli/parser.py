@@ -151,6 +151,9 @@ def build_task_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="the training forward's precision: fp32 (default) or bf16 (bfloat16 autocast; "
                              "weights, optimizer and evaluation stay fp32)")
+    parser.add_argument("--logger", choices=("jsonl", "tensorboard"), default="jsonl",
+                        help="where the run's metrics go besides record.json: metrics.jsonl (default), or "
+                             "metrics.jsonl and TensorBoard event files in DIR/tensorboard (.[tensorboard])")
     parser.add_argument("--out", default=None,
                         help="run directory (default: runs/train-TASK-MECHANISM-seedS)")
     return parser

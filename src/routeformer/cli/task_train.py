@@ -14,7 +14,9 @@ trained model is kept in the run directory as `checkpoint.pt` (runner/run_dir.py
 `sample` (text tasks), `export-hf` (causal models) and `train.checkpoint.load_run_model` read.
 `--precision bf16` trains under bfloat16 autocast (train/task_loop.py; fp32 by default);
 `--betas B1 B2` sets AdamW's betas (default 0.9 0.999) and `--model.tie_embeddings true` ties the
-output head to the token embedding (default: a separate head).
+output head to the token embedding (default: a separate head). The run directory's `metrics.jsonl`
+holds a line per evaluation and a final one (runner/run_dir.py); `--logger tensorboard` also writes
+them as TensorBoard event files to `DIR/tensorboard`.
 
 `train --task lm --config FILE [--key value ...] [--out DIR]` trains, as this task run, the model
 `routeformer train --config FILE [--key value ...]` trains (the same weights): the rest of the line
@@ -55,6 +57,7 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
     from routeformer.train.distributed import finish_distributed, init_distributed
     from routeformer.train.task_loop import distributed_training
 
+    logger = "jsonl"
     if args.spec is not None:
         job, out = spec_run_job(args, extra)
     elif args.config is not None:
@@ -62,13 +65,13 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
     else:
         options = build_task_train_parser().parse_args(extra)
         job = task_run_job(args.task, options)
-        out = options.out
+        out, logger = options.out, options.logger
     out = out or f"runs/train-{job.task}-{job.mechanism}-seed{job.seed}"
     context = init_distributed("cpu")
     try:
         check_global_batch(job, context.world_size)
         with distributed_training(context):
-            record = run_in_directory(out, job, fresh=args.fresh,
+            record = run_in_directory(out, job, fresh=args.fresh, logger=logger,
                                       log=lambda line: say(f"  {job.key}: {line}"))
     except KeyboardInterrupt:
         if context.is_main:

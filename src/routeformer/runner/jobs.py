@@ -110,11 +110,16 @@ class Job:
 
 
 def train_job(job: Job, log: Callable[[str], None] | None = None,
-              keep_model: Callable[[Any], None] | None = None) -> dict[str, Any]:
+              keep_model: Callable[[Any], None] | None = None,
+              on_eval: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Train one fresh model through the stages of the job's setup, then test it at T and at each of
     its evaluation multiples (see runner/setups.py). `log` hears the run's progress lines (default:
     `say`, prefixed with the job's key); `keep_model(model)` is called with the trained model once it
-    is tested, before the record is returned (a run directory saves it there).
+    is tested, before the record is returned (a run directory saves it there). `on_eval(record)`
+    (None: nothing) hears each validation evaluation as it is made, before its checkpoint is saved
+    (not those a resumed run reads back): the validation history's record (`step`, `train_loss`,
+    `aux_loss`, the task's validation metrics), for a staged setup with `step` counted over the whole
+    run and `stage`, the index of the stage. The record returned is the same with or without it.
 
     A one-stage setup tested at T alone gives train.on_task's record (`train`, `validation`, `test`);
     a staged one gives the record of `staged_record` (each evaluation's stage, `tests` per length).
@@ -141,7 +146,8 @@ def train_job(job: Job, log: Callable[[str], None] | None = None,
                                spec=job.spec, validation_sequences=setup.validation_sequences,
                                test_sequences=setup.test_sequences,
                                log=lambda line: log(_with_total(line, total)),
-                               after_training=None if keep_model is None else _kept_by(keep_model))
+                               after_training=None if keep_model is None else _kept_by(keep_model),
+                               on_eval=on_eval)
         if not is_main_process():
             return {}
         return {**record, "task_name": job.task, "task_options": job.task_options}
@@ -158,7 +164,9 @@ def train_job(job: Job, log: Callable[[str], None] | None = None,
 
     histories = train_stages(
         model, (stage(index) for index in range(len(configs))),
-        lambda index, t: lambda line: log(f"T={t.seq_len} {_with_progress(line, done[index], total)}"))
+        lambda index, t: lambda line: log(f"T={t.seq_len} {_with_progress(line, done[index], total)}"),
+        on_eval=None if on_eval is None else lambda index, record: on_eval(
+            {**record, "step": done[index] + record["step"], "stage": index}))
     if not is_main_process():
         return {}
     validation = [{**record, "stage": index, "task": t.describe()}

@@ -132,8 +132,8 @@ def refusals(config: Any) -> list[str]:
     if run.device != "cpu":
         found.append(f"train.device: a task run trains on the CPU ('cpu'); got {run.device!r}")
     if run.logger != "jsonl":
-        found.append("train.logger: a task run keeps its metrics in record.json ('jsonl'); "
-                     f"got {run.logger!r}")
+        found.append("train.logger: a task run translated from an LM config logs to metrics.jsonl alone "
+                     f"('jsonl'); got {run.logger!r}")
     if run.log_stats:
         found.append(f"train.log_stats: a task run logs no attention stats; got {run.log_stats!r}")
     if run.max_nonfinite_steps != MAX_NONFINITE_STEPS:

@@ -14,6 +14,17 @@ it at) and ends with the same weights and record as one that never stopped; a fi
 back, not trained again. A directory holding a run of another config is refused with the
 differences named (`fresh` starts over). Nothing is written before the job's task builds with its
 options: a refused option leaves the directory as it was.
+
+While it trains, the run keeps `metrics.jsonl` (train/logging.py's `RunLog`, the LM run's log), one
+JSON object a line: one per validation evaluation as it is made, `{"step": N, "train_loss": ...,
+"aux_loss": ..., "val_<metric>": ...}` (the validation metrics of the history's record, `val_`
+prefixed: val_loss, val_accuracy, val_bits_per_char, ...; a staged run's `step` counts over all its
+stages and the line names its `stage`, 0 for the first), then, once the record is made (before
+record.json is stored), `{"step": N, "final": true, "test_<metric>": ...}` with the test at T. A
+resumed run first drops the lines past the step it resumed after (RunLog's `resume_step`), so every
+evaluation has one line; a finished run is read back and its file left as it is. With `logger`
+"tensorboard" the same values also go to TensorBoard event files in `tensorboard/` (`.[tensorboard]`).
+Runs outside a run directory (compare's `run_jobs`, the experiments) write no metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -24,17 +35,23 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.runner.jobs import Job, built_task, cached_record, job_config, keep_job_model, train_job
+from routeformer.train.config import LOGGERS
+from routeformer.train.logging import RunLog
+from routeformer.train.progress import read_records
 
-CONFIG_FILE, RECORD_FILE = "config.json", "record.json"
+CONFIG_FILE, RECORD_FILE, METRICS_FILE = "config.json", "record.json", "metrics.jsonl"
 RESUME_LINE = "resumed from "  # how the task loop's log says it resumed (train/task_loop.py)
 
 
 def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
-                     log: Callable[[str], None] | None = None) -> dict[str, Any]:
+                     log: Callable[[str], None] | None = None, logger: str = "jsonl") -> dict[str, Any]:
     """Train `job` in `out_dir` (or resume it, or read back its finished record); the record gains
-    `resumed`: the loop's lines saying where it resumed (empty for a run that never stopped).
+    `resumed`: the loop's lines saying where it resumed (empty for a run that never stopped). The
+    run's metrics go to `out_dir/metrics.jsonl` and, with `logger` "tensorboard", to TensorBoard too
+    (module docstring; default "jsonl": metrics.jsonl alone).
 
-    Raises ValueError, before anything is written, when the job's task cannot be built with its
+    Raises ValueError, before anything is written, when `logger` is neither "jsonl" nor "tensorboard"
+    (or is "tensorboard" without the tensorboard package), the job's task cannot be built with its
     options (at T and at every stage) or `out_dir` holds a run of another config.
 
     Inside `train.task_loop.distributed_training` with several processes every process calls it:
@@ -43,10 +60,11 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
     (or the finished record, read back). When process 0 refuses the directory, every process raises."""
     from routeformer.train.distributed import any_rank
     from routeformer.train.resume import check_out_dir
-    from routeformer.train.task_loop import distributed_context
+    from routeformer.train.task_loop import distributed_context, training_checkpoints
 
     context = distributed_context()
     out_dir = Path(out_dir)
+    _check_logger(logger)
     check_out_dir(out_dir)
     task = built_task(job)
     record_path = out_dir / RECORD_FILE
@@ -70,10 +88,68 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
             log(line)
 
     def train() -> dict[str, Any]:
-        record = train_job(job, log=hear, keep_model=lambda model: keep_job_model(out_dir, job, model, task))
+        metrics = None
+        if context.is_main:
+            resuming = bool(training_checkpoints(out_dir, record_path.stem))
+            metrics = _TaskMetrics(out_dir, logger, resuming=resuming)
+        try:
+            record = train_job(job, log=hear,
+                               keep_model=lambda model: keep_job_model(out_dir, job, model, task),
+                               on_eval=None if metrics is None else metrics.evaluation)
+            if metrics is not None and record:
+                metrics.final(sum(stage.schedule.steps for stage in job.setup.stages),
+                              record["test"] if "test" in record else record["tests"][str(task.seq_len)])
+        finally:
+            if metrics is not None:
+                metrics.close()
         return {**record, "resumed": resumed} if record else record
 
     return cached_record(record_path, train)
+
+
+class _TaskMetrics:
+    """A task run directory's metrics.jsonl (module docstring) through `RunLog`. A fresh run (no
+    training checkpoint in the directory) starts the file at once; a resumed one opens it at its first
+    new evaluation, dropping the lines from that step on (the lines past the step it resumed after:
+    none lie between), or, resumed as finished, at the final line, keeping every line."""
+
+    def __init__(self, out_dir: Path, logger: str, *, resuming: bool) -> None:
+        self.out_dir, self.logger = out_dir, logger
+        self.log: RunLog | None = None if resuming else RunLog(out_dir, resume_step=None, logger=logger)
+
+    def evaluation(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        if self.log is None:
+            self.log = RunLog(self.out_dir, resume_step=step - 1, logger=self.logger)
+        line = {"step": step, **({"stage": record["stage"]} if "stage" in record else {}),
+                "train_loss": record["train_loss"], "aux_loss": record["aux_loss"]}
+        line.update({f"val_{key}": value for key, value in record.items()
+                     if key not in ("step", "stage", "train_loss", "aux_loss")})
+        self.log.write(line)
+
+    def final(self, step: int, test: dict[str, Any]) -> None:
+        if self.log is None:  # resumed as finished: the evaluations' lines are all there
+            self.log = RunLog(self.out_dir, resume_step=step, logger=self.logger)
+            if any(line.get("final") for line in read_records(self.log.path)):
+                return  # stopped between its final line and record.json: written once
+        self.log.write({"step": step, "final": True, **{f"test_{key}": value for key, value in test.items()}})
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+
+
+def _check_logger(logger: Any) -> None:
+    """ValueError naming `logger` unless it is one of LOGGERS, or when it is "tensorboard" and the
+    tensorboard package is missing."""
+    if logger not in LOGGERS:
+        raise ValueError(f"logger: one of {list(LOGGERS)}; got {logger!r}")
+    if logger == "tensorboard":
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise ValueError("logger 'tensorboard' needs the tensorboard package: "
+                             "pip install 'routeformer[tensorboard]'") from None
 
 
 def _prepare(out_dir: Path, job: Job, fresh: bool) -> None:
@@ -87,7 +163,8 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> None:
     record_path, config_path = out_dir / RECORD_FILE, out_dir / CONFIG_FILE
     config = job_config(job)
     if fresh:
-        for path in (record_path, config_path, *training_checkpoints(out_dir, record_path.stem)):
+        for path in (record_path, config_path, out_dir / METRICS_FILE,
+                     *training_checkpoints(out_dir, record_path.stem)):
             path.unlink(missing_ok=True)
         if out_dir.is_dir():
             remove_checkpoints(out_dir)
@@ -118,4 +195,5 @@ def _with_defaults(config: dict[str, Any]) -> dict[str, Any]:
     return filled
 
 
-__all__ = ["CONFIG_FILE", "RECORD_FILE", "built_task", "job_config", "keep_job_model", "run_in_directory"]
+__all__ = ["CONFIG_FILE", "METRICS_FILE", "RECORD_FILE", "built_task", "job_config", "keep_job_model",
+           "run_in_directory"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from routeformer.tasks.positions import PositionBucketSums
 from routeformer.train.task_loop import (
     TaskHistory,
     TaskTrainConfig,
+    evaluations_to,
     is_main_process,
     layer_stat,
     train_config_dict,
@@ -156,20 +158,26 @@ def evaluate_on_task(model: TokenPredictor, task: Task, split: str, sequences: i
 def train_stages(
     model: TokenPredictor, stages: Iterable[tuple[Task, TaskTrainConfig, int]],
     log_for: Callable[[int, Task], Callable[[str], None] | None] = lambda index, task: None,
+    on_eval: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> list[TaskHistory]:
     """Train `model` on each stage in turn: (task, config, validation sequences), the task's training
     batches for `config`'s schedule, evaluated every `config.eval_every` steps on that many of its
     validation sequences (an iterable: a stage's task may be built when the stage begins). Returns each
-    stage's history; `log_for(index, task)` hears a stage's lines."""
+    stage's history; `log_for(index, task)` hears a stage's lines and `on_eval(index, record)` (None:
+    nothing) each evaluation of the stage as it is made (`task_loop.evaluations_to`: the record its
+    history gains, `step` counted within the stage; not those a resumed stage reads back)."""
     histories = []
     for index, (task, config, sequences) in enumerate(stages):
         def forward(model, inputs, labels, task=task):
             return model(inputs, labels, mask=task.mask(inputs), logits_at_labels=True)
 
-        histories.append(train_task(
-            model, lambda batch_size, generator, task=task: task.batch(batch_size, generator, "train"),
-            lambda m, task=task, sequences=sequences: evaluate_on_task(m, task, "validation", sequences),
-            config, forward=forward, log=log_for(index, task)))
+        listening = (nullcontext() if on_eval is None
+                     else evaluations_to(lambda record, index=index: on_eval(index, record)))
+        with listening:
+            histories.append(train_task(
+                model, lambda batch_size, generator, task=task: task.batch(batch_size, generator, "train"),
+                lambda m, task=task, sequences=sequences: evaluate_on_task(m, task, "validation", sequences),
+                config, forward=forward, log=log_for(index, task)))
     return histories
 
 
@@ -178,18 +186,22 @@ def train_on_task(
     spec: ModelSpec = ModelSpec(), validation_sequences: int = 256, test_sequences: int = 1024,
     log: Callable[[str], None] | None = None,
     after_training: Callable[[TokenPredictor], dict[str, Any]] | None = None,
+    on_eval: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Train a fresh model (initialised from `seed`) and return a JSON-ready record: the
     validation history, `test` (the task's metric on the test sample), parameter count, wall-clock,
     `model` (`spec_dict(spec)`) and `train` (`train_config_dict(train)`: the schedule, seed,
     `precision` and, where not the default, AdamW's `betas` it trained with). Inside
     `task_loop.distributed_training` with several processes, the processes other than 0 train
-    alongside process 0 and return {} (neither testing nor calling `after_training`)."""
+    alongside process 0 and return {} (neither testing nor calling `after_training`). `on_eval(record)`
+    (None: nothing) hears each validation evaluation as it is made (`train_stages`' on_eval); the
+    record is the same with or without it."""
     if train.seed != seed:
         raise ValueError(f"train.seed ({train.seed}) must equal seed ({seed})")
     torch.manual_seed(seed)
     model = build_task_model(task, mechanism, options, spec)
-    history, = train_stages(model, [(task, train, validation_sequences)], lambda index, stage_task: log)
+    history, = train_stages(model, [(task, train, validation_sequences)], lambda index, stage_task: log,
+                            on_eval=None if on_eval is None else lambda index, record: on_eval(record))
     if not is_main_process():
         return {}
     test = evaluate_on_task(model, task, "test", test_sequences)

@@ -160,6 +160,8 @@ class _Resumable:
 _RESUMABLE: ContextVar[_Resumable | None] = ContextVar("routeformer_resumable_training", default=None)
 _DISTRIBUTED: ContextVar[DistributedContext | None] = ContextVar("routeformer_distributed_training",
                                                                  default=None)
+_EVALUATIONS: ContextVar[Callable[[dict[str, Any]], None] | None] = ContextVar(
+    "routeformer_evaluation_listener", default=None)
 _SINGLE_PROCESS = DistributedContext()
 
 
@@ -195,6 +197,19 @@ def resumable_training(directory: str | Path, key: str) -> Iterator[None]:
         yield
     finally:
         _RESUMABLE.reset(token)
+
+
+@contextmanager
+def evaluations_to(listener: Callable[[dict[str, Any]], None]) -> Iterator[None]:
+    """Hand each evaluation of the `train_task` calls inside the block to `listener(record)` as it is
+    made: a copy of the record its history gains (`step`, `train_loss`, `aux_loss` and the evaluation's
+    metrics), before that evaluation's checkpoint is saved. Evaluations a resumed call reads back from
+    its checkpoint are not handed over again; processes other than 0 hand over nothing."""
+    token = _EVALUATIONS.set(listener)
+    try:
+        yield
+    finally:
+        _EVALUATIONS.reset(token)
 
 
 def training_checkpoints(directory: str | Path, key: str) -> list[Path]:
@@ -288,6 +303,8 @@ def train_task(
             model.eval()  # the step loop puts it back in train mode
             record = {"step": step, "train_loss": train_loss, "aux_loss": aux_loss, **evaluate(model)}
             history.evals.append(record)
+            if (listener := _EVALUATIONS.get()) is not None:  # before the checkpoint: a resume redoes it
+                listener(dict(record))
             if log:
                 log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                              for k, v in record.items()))

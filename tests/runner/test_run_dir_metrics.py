@@ -1,0 +1,193 @@
+"""A task run directory keeps metrics.jsonl while it trains: a line per evaluation (the LM run's
+keys: step, train_loss, aux_loss, val_*; a staged run's stage) and a final line with the test, one
+line per step however often the run was interrupted; runs outside a run directory write none."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from routeformer.cli import main
+from routeformer.compare.budgets import Stage, curriculum_setup
+from routeformer.runner import run_dir
+from routeformer.runner.jobs import Job, TaskSetup, run_jobs, train_job
+from routeformer.runner.run_dir import METRICS_FILE, run_in_directory
+from routeformer.tasks.mqar import MQAR
+from routeformer.train.on_task import ModelSpec
+from routeformer.train.progress import read_records
+from routeformer.train.schedule import Schedule
+from routeformer.train.task_loop import training_checkpoints
+
+# 6 steps, evaluated (and checkpointed) after steps 2, 4 and 6
+MQAR_RUN = ["train", "--task", "mqar", "--steps", "6", "--evals", "3", "--batch-size", "16", "--seed", "1"]
+TOY = Schedule(steps=4, batch_size=4, lr=1e-3, warmup_steps=1)
+MQAR_OPTIONS = {"seq_len": 16, "pairs": 2, "vocab_size": 16}
+
+
+def _job(setup=None) -> Job:
+    setup = setup or TaskSetup(options={}, schedule=TOY, evals=2, validation_sequences=8, test_sequences=8)
+    return Job(key="mqar-full-s0", task="mqar", task_options=MQAR_OPTIONS, mechanism="full", options={},
+               seed=0, setup=setup)
+
+
+def _train(capsys, out, *extra):
+    assert main([*MQAR_RUN, "--out", str(out), *extra]) == 0
+    capsys.readouterr()
+    return read_records(out / METRICS_FILE), json.loads((out / "record.json").read_text())
+
+
+def _interrupt_batches(monkeypatch, at: int | None) -> list[int]:
+    """Count MQAR's training batches; raise KeyboardInterrupt at the `at`-th (None: never)."""
+    calls, batch = [], MQAR.batch
+
+    def counted(self, batch_size, generator, split="train"):
+        if split == "train":
+            calls.append(batch_size)
+            if len(calls) == at:
+                raise KeyboardInterrupt
+        return batch(self, batch_size, generator, split)
+
+    monkeypatch.setattr(MQAR, "batch", counted)
+    return calls
+
+
+def test_a_task_run_has_a_line_per_evaluation_and_a_final_line(tmp_path, capsys):
+    lines, record = _train(capsys, tmp_path / "run")
+    *evaluations, final = lines
+    assert [line["step"] for line in evaluations] == [2, 4, 6]
+    for line, entry in zip(evaluations, record["validation"], strict=True):
+        assert list(line)[:3] == ["step", "train_loss", "aux_loss"]
+        losses = ("step", "train_loss", "aux_loss")
+        assert line == {**{key: entry[key] for key in losses},
+                        **{f"val_{key}": value for key, value in entry.items() if key not in losses}}
+        assert {"val_loss", "val_accuracy"} <= set(line)
+    assert final == {"step": 6, "final": True,
+                     **{f"test_{key}": value for key, value in record["test"].items()}}
+    assert final["test_accuracy"] == record["quality"]
+
+
+def test_an_interrupted_run_resumed_has_each_step_once(tmp_path, capsys, monkeypatch):
+    straight, _ = _train(capsys, tmp_path / "straight")
+    out = tmp_path / "interrupted"
+    _interrupt_batches(monkeypatch, at=5)  # stopped in step 5: evaluations 2 and 4 are checkpointed
+    assert main([*MQAR_RUN, "--out", str(out)]) == 130
+    capsys.readouterr()
+    assert [line["step"] for line in read_records(out / METRICS_FILE)] == [2, 4]
+    with (out / METRICS_FILE).open("a") as handle:  # as if killed after a line, before its checkpoint
+        handle.write(json.dumps({**straight[2], "train_loss": -1.0}) + "\n")
+    calls = _interrupt_batches(monkeypatch, at=None)
+    resumed, record = _train(capsys, out)
+    assert len(calls) == 2 and record["resumed"] == ["resumed from record.train0.pt after step 4"]
+    assert resumed == straight  # the same lines, each step once
+
+    _train(capsys, out)  # finished: read back, the file left as it is
+    assert read_records(out / METRICS_FILE) == straight
+
+
+def test_a_run_stopped_between_its_final_line_and_its_record_writes_one_final_line(tmp_path, capsys,
+                                                                                     monkeypatch):
+    straight, _ = _train(capsys, tmp_path / "straight")
+    out, final = tmp_path / "stopped", run_dir._TaskMetrics.final
+
+    def final_then_stop(self, step, test):
+        final(self, step, test)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_dir._TaskMetrics, "final", final_then_stop)
+    assert main([*MQAR_RUN, "--out", str(out)]) == 130
+    capsys.readouterr()
+    assert not (out / "record.json").exists() and training_checkpoints(out, "record")
+    monkeypatch.setattr(run_dir._TaskMetrics, "final", final)
+    lines, _ = _train(capsys, out)  # resumes as finished: tested again, no second final line
+    assert lines == straight
+
+
+def test_fresh_starts_the_file_over(tmp_path, capsys):
+    first, _ = _train(capsys, tmp_path / "run")
+    again, _ = _train(capsys, tmp_path / "run", "--fresh")
+    assert [line["step"] for line in again] == [line["step"] for line in first] == [2, 4, 6, 6]
+
+
+def _staged_job() -> Job:
+    """Two stages (T=16 for 2 steps, then T=32 for 3), each evaluated at its end; tested at 32, 64, 128."""
+    toy = replace(TOY, steps=2)
+    setup = curriculum_setup({"seq_len": 32, "pairs": 4, "vocab_size": 16},
+                             (Stage({"seq_len": 16, "pairs": 2}, toy), Stage({}, replace(toy, steps=3))),
+                             evals=1, validation_sequences=8, test_tokens=256)
+    return replace(_job(setup), task_options=dict(setup.options), spec=ModelSpec(positions="rotary"))
+
+
+def test_a_staged_run_counts_steps_over_its_stages_and_names_the_stage(tmp_path):
+    record = run_in_directory(tmp_path / "staged", _staged_job(), log=lambda line: None)
+    *evaluations, final = read_records(tmp_path / "staged" / METRICS_FILE)
+    assert [(line["step"], line["stage"]) for line in evaluations] == [(2, 0), (5, 1)]
+    assert [line["val_accuracy"] for line in evaluations] == [e["accuracy"] for e in record["validation"]]
+    assert final == {"step": 5, "final": True,
+                     **{f"test_{key}": value for key, value in record["tests"]["32"].items()}}
+
+
+def test_a_staged_run_interrupted_in_its_second_stage_has_each_step_once(tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    run_in_directory(straight, _staged_job(), log=lambda line: None)
+    out = tmp_path / "interrupted"
+    _interrupt_batches(monkeypatch, at=4)  # inside the second step of the second stage: before its checkpoint
+    with pytest.raises(KeyboardInterrupt):
+        run_in_directory(out, _staged_job(), log=lambda line: None)
+    assert [line["step"] for line in read_records(out / METRICS_FILE)] == [2]
+    calls = _interrupt_batches(monkeypatch, at=None)
+    record = run_in_directory(out, _staged_job(), log=lambda line: None)
+    assert len(calls) == 3 and record["validation"][0]["stage"] == 0  # the second stage alone, again
+    def timeless(run):
+        return [{key: value for key, value in line.items() if key != "test_seconds"}
+                for line in read_records(run / METRICS_FILE)]
+
+    assert timeless(out) == timeless(straight)  # the same lines, each step once
+
+
+def test_the_evaluation_hook_hears_the_history_and_changes_no_record():
+    job = _job()
+    heard = []
+    plain = train_job(job, log=lambda line: None)
+    listened = train_job(job, log=lambda line: None, on_eval=heard.append)
+    assert heard == plain["validation"]
+    timeless = [{key: value for key, value in record.items() if key != "train_seconds"}
+                for record in (plain, listened)]
+    assert json.dumps(timeless[0]) == json.dumps(timeless[1])
+
+
+def test_compare_runs_write_no_metrics(tmp_path):
+    records = run_jobs(tmp_path, [_job()], workers=1, progress=lambda line: None, keep_models=True)
+    assert "error" not in records["mqar-full-s0"]
+    assert (tmp_path / "models" / "mqar-full-s0" / "checkpoint.pt").is_file()
+    assert not list(tmp_path.rglob(METRICS_FILE)) and not list(tmp_path.rglob("tensorboard"))
+
+
+def test_tensorboard_receives_the_task_run_metrics(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lines, _ = _train(capsys, tmp_path / "run", "--logger", "tensorboard")
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [event.step for event in events.Scalars("val/accuracy")] == [2, 4, 6]
+    assert [event.value for event in events.Scalars("train/test_accuracy")] == pytest.approx(
+        [lines[-1]["test_accuracy"]])
+
+
+def test_a_logger_that_cannot_run_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def without_tensorboard(name, *args, **kwargs):
+        if name.startswith(("torch.utils.tensorboard", "tensorboard")):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_tensorboard)
+    assert main([*MQAR_RUN, "--out", str(tmp_path / "run"), "--logger", "tensorboard"]) == 2
+    assert "logger 'tensorboard' needs the tensorboard package" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match=r"logger: one of \['jsonl', 'tensorboard'\]; got 'wandb'"):
+        run_in_directory(tmp_path / "run", _job(), logger="wandb")
+    assert not (tmp_path / "run").exists()
