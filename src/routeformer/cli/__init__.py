@@ -26,16 +26,15 @@ import sys
 
 from routeformer.cli.bench_command import command_bench
 from routeformer.cli.catalogue_commands import command_doctor, command_list, command_reproduce
+from routeformer.cli.config_files import CONFIG_DIR, resolve_config
 from routeformer.cli.exit_status import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED
 from routeformer.cli.model_commands import (
-    CONFIG_DIR,
     command_compare,
     command_eval,
     command_export_hf,
     command_sample,
     command_train,
     load_for_use,
-    resolve_config,
 )
 from routeformer.cli.parser import (
     DEFAULT_CONFIG,

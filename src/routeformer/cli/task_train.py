@@ -106,7 +106,7 @@ def config_run_job(task: str, config: str, extra: list[str]) -> tuple[Job, str |
     ValueError naming --task unless the task is lm, naming a task-run argument that is not a config
     key (NOT_WITH_CONFIG: it says which key states the same), or naming the config key the task path
     cannot honour."""
-    from routeformer.cli.model_commands import resolve_config
+    from routeformer.cli.config_files import resolve_config
     from routeformer.runner.lm_config import lm_config_job
     from routeformer.train import load_config
 
