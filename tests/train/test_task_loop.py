@@ -167,7 +167,17 @@ def _train_with(directory, make_batch):
     return model, history
 
 
-def test_ctrl_c_saves_at_the_step_boundary_and_the_resumed_run_repeats_no_step(tmp_path):
+@pytest.fixture
+def ctrl_c_handled(monkeypatch):
+    """Python's own SIGINT handler while the test runs (an earlier test may have left another)."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_saves_at_the_step_boundary_and_the_resumed_run_repeats_no_step(tmp_path, ctrl_c_handled):
     reference, reference_history, _ = _train(tmp_path / "straight", "run")
     pressing, _ = _ctrl_c_batches(at_call=5)  # inside step 5, after the step-4 evaluation
     with pytest.raises(KeyboardInterrupt):
@@ -180,7 +190,7 @@ def test_ctrl_c_saves_at_the_step_boundary_and_the_resumed_run_repeats_no_step(t
     assert history.evals == reference_history.evals
 
 
-def test_a_second_ctrl_c_stops_inside_the_step_keeping_the_last_evaluation(tmp_path):
+def test_a_second_ctrl_c_stops_inside_the_step_keeping_the_last_evaluation(tmp_path, ctrl_c_handled):
     from routeformer.train.interrupts import InterruptedMidStep
 
     pressing, _ = _ctrl_c_batches(at_call=5, presses=2)
