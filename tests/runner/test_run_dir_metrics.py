@@ -12,11 +12,11 @@ from routeformer.compare.budgets import Stage, curriculum_setup
 from routeformer.runner import run_dir
 from routeformer.runner.jobs import Job, TaskSetup, run_jobs, train_job
 from routeformer.runner.run_dir import METRICS_FILE, run_in_directory
-from routeformer.tasks.mqar import MQAR
 from routeformer.train.on_task import ModelSpec
 from routeformer.train.progress import read_records
 from routeformer.train.schedule import Schedule
 from routeformer.train.task_loop import training_checkpoints
+from tests.train.runs import count_train_batches
 
 # 6 steps, evaluated (and checkpointed) after steps 2, 4 and 6
 MQAR_RUN = ["train", "--task", "mqar", "--steps", "6", "--evals", "3", "--batch-size", "16", "--seed", "1"]
@@ -34,21 +34,6 @@ def _train(capsys, out, *extra):
     assert main([*MQAR_RUN, "--out", str(out), *extra]) == 0
     capsys.readouterr()
     return read_records(out / METRICS_FILE), json.loads((out / "record.json").read_text())
-
-
-def _interrupt_batches(monkeypatch, at: int | None) -> list[int]:
-    """Count MQAR's training batches; raise KeyboardInterrupt at the `at`-th (None: never)."""
-    calls, batch = [], MQAR.batch
-
-    def counted(self, batch_size, generator, split="train"):
-        if split == "train":
-            calls.append(batch_size)
-            if len(calls) == at:
-                raise KeyboardInterrupt
-        return batch(self, batch_size, generator, split)
-
-    monkeypatch.setattr(MQAR, "batch", counted)
-    return calls
 
 
 def test_a_task_run_has_a_line_per_evaluation_and_a_final_line(tmp_path, capsys):
@@ -69,13 +54,14 @@ def test_a_task_run_has_a_line_per_evaluation_and_a_final_line(tmp_path, capsys)
 def test_an_interrupted_run_resumed_has_each_step_once(tmp_path, capsys, monkeypatch):
     straight, _ = _train(capsys, tmp_path / "straight")
     out = tmp_path / "interrupted"
-    _interrupt_batches(monkeypatch, at=5)  # stopped in step 5: evaluations 2 and 4 are checkpointed
+    # stopped in step 5: evaluations 2 and 4 are checkpointed
+    count_train_batches(monkeypatch, interrupt_at=5)
     assert main([*MQAR_RUN, "--out", str(out)]) == 130
     capsys.readouterr()
     assert [line["step"] for line in read_records(out / METRICS_FILE)] == [2, 4]
     with (out / METRICS_FILE).open("a") as handle:  # as if killed after a line, before its checkpoint
         handle.write(json.dumps({**straight[2], "train_loss": -1.0}) + "\n")
-    calls = _interrupt_batches(monkeypatch, at=None)
+    calls = count_train_batches(monkeypatch, interrupt_at=None)
     resumed, record = _train(capsys, out)
     assert len(calls) == 2 and record["resumed"] == ["resumed from record.train0.pt after step 4"]
     assert resumed == straight  # the same lines, each step once
@@ -130,11 +116,12 @@ def test_a_staged_run_interrupted_in_its_second_stage_has_each_step_once(tmp_pat
     straight = tmp_path / "straight"
     run_in_directory(straight, _staged_job(), log=lambda line: None)
     out = tmp_path / "interrupted"
-    _interrupt_batches(monkeypatch, at=4)  # inside the second step of the second stage: before its checkpoint
+    # inside the second step of the second stage: before its checkpoint
+    count_train_batches(monkeypatch, interrupt_at=4)
     with pytest.raises(KeyboardInterrupt):
         run_in_directory(out, _staged_job(), log=lambda line: None)
     assert [line["step"] for line in read_records(out / METRICS_FILE)] == [2]
-    calls = _interrupt_batches(monkeypatch, at=None)
+    calls = count_train_batches(monkeypatch, interrupt_at=None)
     record = run_in_directory(out, _staged_job(), log=lambda line: None)
     assert len(calls) == 3 and record["validation"][0]["stage"] == 0  # the second stage alone, again
     def timeless(run):

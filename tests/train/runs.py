@@ -1,5 +1,6 @@
 """Toy training runs shared by the training tests."""
 
+from routeformer.tasks.mqar import MQAR
 from tests.train.test_training import tiny_config
 
 
@@ -7,3 +8,19 @@ def quick_config(out_dir, *extra):
     """The tiny 12-step run of test_training, its final evaluation cut to 1024 characters (the whole
     validation split costs more than the training)."""
     return tiny_config(out_dir, "--final_eval_tokens", "1024", *extra)
+
+
+def count_train_batches(monkeypatch, interrupt_at: int | None = None) -> list[int]:
+    """Count the training batches MQAR draws (their sizes, in order); raise KeyboardInterrupt at the
+    `interrupt_at`-th (None: never)."""
+    calls, batch = [], MQAR.batch
+
+    def counted(self, batch_size, generator, split="train"):
+        if split == "train":
+            calls.append(batch_size)
+            if len(calls) == interrupt_at:
+                raise KeyboardInterrupt
+        return batch(self, batch_size, generator, split)
+
+    monkeypatch.setattr(MQAR, "batch", counted)
+    return calls

@@ -10,9 +10,9 @@ import pytest
 from routeformer.cli import main
 from routeformer.compare.budgets import QUICK
 from routeformer.tasks import build_task
-from routeformer.tasks.mqar import MQAR
 from routeformer.train.on_task import build_task_model, parameter_count
 from routeformer.train.task_loop import training_checkpoints
+from tests.train.runs import count_train_batches
 
 # 6 steps, evaluated (and checkpointed) after steps 2, 4 and 6
 MQAR_RUN = ["train", "--task", "mqar", "--steps", "6", "--evals", "3", "--batch-size", "16", "--seed", "1"]
@@ -22,21 +22,6 @@ def _train(capsys, out, *extra):
     assert main([*MQAR_RUN, "--out", str(out), *extra]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     return summary, json.loads((out / "record.json").read_text())
-
-
-def _count_train_batches(monkeypatch, interrupt_at: int | None = None) -> list[int]:
-    """Count the training batches MQAR draws; raise KeyboardInterrupt at the `interrupt_at`-th."""
-    calls, batch = [], MQAR.batch
-
-    def counted(self, batch_size, generator, split="train"):
-        if split == "train":
-            calls.append(batch_size)
-            if len(calls) == interrupt_at:
-                raise KeyboardInterrupt
-        return batch(self, batch_size, generator, split)
-
-    monkeypatch.setattr(MQAR, "batch", counted)
-    return calls
 
 
 def test_mqar_run_writes_a_record_with_test_metrics(tmp_path, capsys):
@@ -58,12 +43,12 @@ def test_mqar_run_writes_a_record_with_test_metrics(tmp_path, capsys):
 def test_an_interrupted_run_resumes_to_the_record_of_one_that_never_stopped(tmp_path, capsys, monkeypatch):
     _, straight = _train(capsys, tmp_path / "straight")
     out = tmp_path / "interrupted"
-    _count_train_batches(monkeypatch, interrupt_at=5)  # killed in step 5: steps 1-4 are checkpointed
+    count_train_batches(monkeypatch, interrupt_at=5)  # killed in step 5: steps 1-4 are checkpointed
     assert main([*MQAR_RUN, "--out", str(out)]) == 130
     assert "run the same command again to resume" in capsys.readouterr().err
     assert not (out / "record.json").exists() and len(training_checkpoints(out, "record")) == 1
 
-    calls = _count_train_batches(monkeypatch)
+    calls = count_train_batches(monkeypatch)
     _, resumed = _train(capsys, out)
     assert len(calls) == 2  # steps 5 and 6 only: it continued, it did not restart
     assert resumed["resumed"] == ["resumed from record.train0.pt after step 4"]
@@ -71,7 +56,7 @@ def test_an_interrupted_run_resumes_to_the_record_of_one_that_never_stopped(tmp_
     assert resumed["test"] == straight["test"] and resumed["quality"] == straight["quality"]
     assert training_checkpoints(out, "record") == []
 
-    calls = _count_train_batches(monkeypatch)
+    calls = count_train_batches(monkeypatch)
     _, again = _train(capsys, out)  # finished: read back, not trained again
     assert calls == [] and again == resumed
 
