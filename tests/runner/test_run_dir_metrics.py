@@ -124,6 +124,7 @@ def test_a_staged_run_interrupted_in_its_second_stage_has_each_step_once(tmp_pat
     calls = count_train_batches(monkeypatch, interrupt_at=None)
     record = run_in_directory(out, _staged_job(), log=lambda line: None)
     assert len(calls) == 3 and record["validation"][0]["stage"] == 0  # the second stage alone, again
+    assert record["resumed"] == ["T=16 resumed from record.train0.pt after step 2"]
     def timeless(run):
         return [{key: value for key, value in line.items() if key != "test_seconds"}
                 for line in read_records(run / METRICS_FILE)]

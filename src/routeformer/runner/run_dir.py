@@ -46,7 +46,8 @@ RESUME_LINE = "resumed from "  # how the task loop's log says it resumed (train/
 def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
                      log: Callable[[str], None] | None = None, logger: str = "jsonl") -> dict[str, Any]:
     """Train `job` in `out_dir` (or resume it, or read back its finished record); the record gains
-    `resumed`: the loop's lines saying where it resumed (empty for a run that never stopped). The
+    `resumed`: the loop's lines saying where it resumed (empty for a run that never stopped; a staged
+    run's lines start with the stage's length, `T=16 resumed from ...`). The
     run's metrics go to `out_dir/metrics.jsonl` and, with `logger` "tensorboard", to TensorBoard too
     (module docstring; default "jsonl": metrics.jsonl alone).
 
@@ -82,7 +83,7 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
     resumed: list[str] = []
 
     def hear(line: str) -> None:
-        if line.startswith(RESUME_LINE):
+        if _says_resumed(line):
             resumed.append(line)
         if log is not None:
             log(line)
@@ -105,6 +106,13 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
         return {**record, "resumed": resumed} if record else record
 
     return cached_record(record_path, train)
+
+
+def _says_resumed(line: str) -> bool:
+    """Whether a progress line of `train_job` says where the run resumed (a staged run's lines start
+    with their stage's length, `T=16 resumed from ...`)."""
+    head, _, rest = line.partition(" ")
+    return line.startswith(RESUME_LINE) or head.startswith("T=") and rest.startswith(RESUME_LINE)
 
 
 class _TaskMetrics:
