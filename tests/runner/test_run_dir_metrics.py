@@ -16,7 +16,7 @@ from routeformer.train.on_task import ModelSpec
 from routeformer.train.progress import read_records
 from routeformer.train.schedule import Schedule
 from routeformer.train.task_loop import training_checkpoints
-from tests.train.runs import count_train_batches
+from tests.train.runs import count_train_batches, hide_tensorboard
 
 # 6 steps, evaluated (and checkpointed) after steps 2, 4 and 6
 MQAR_RUN = ["train", "--task", "mqar", "--steps", "6", "--evals", "3", "--batch-size", "16", "--seed", "1"]
@@ -163,16 +163,7 @@ def test_tensorboard_receives_the_task_run_metrics(tmp_path, capsys):
 
 
 def test_a_logger_that_cannot_run_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def without_tensorboard(name, *args, **kwargs):
-        if name.startswith(("torch.utils.tensorboard", "tensorboard")):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", without_tensorboard)
+    hide_tensorboard(monkeypatch)
     assert main([*MQAR_RUN, "--out", str(tmp_path / "run"), "--logger", "tensorboard"]) == 2
     assert "logger 'tensorboard' needs the tensorboard package" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()

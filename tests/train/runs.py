@@ -24,3 +24,17 @@ def count_train_batches(monkeypatch, interrupt_at: int | None = None) -> list[in
 
     monkeypatch.setattr(MQAR, "batch", counted)
     return calls
+
+
+def hide_tensorboard(monkeypatch) -> None:
+    """Make `import tensorboard` (and torch.utils.tensorboard) fail, as where it is not installed."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def without_tensorboard(name, *args, **kwargs):
+        if name.startswith(("torch.utils.tensorboard", "tensorboard")):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_tensorboard)

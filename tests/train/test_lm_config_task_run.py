@@ -25,6 +25,7 @@ from routeformer.train.checkpoint import load_run_model
 from routeformer.train.on_task import ModelSpec, build_task_model, spec_dict
 from routeformer.train.schedule import Schedule
 from routeformer.train.task_loop import TRAIN_FIELD_DEFAULTS, TaskTrainConfig, without_defaults
+from tests.train.runs import hide_tensorboard
 
 TINY = str(Path(__file__).resolve().parents[2] / "src" / "routeformer" / "configs" / "tiny.yaml")
 # the overrides apply on both paths: a narrower, shorter run, with a short final evaluation
@@ -108,7 +109,6 @@ REFUSED = [
     (["--train.precision", "fp16"], "train.precision"),
     (["--train.device", "cuda"], "train.device"),
     (["--train.device", "auto"], "train.device"),
-    (["--train.logger", "tensorboard"], "train.logger"),
     (["--train.log_stats", "[kl]"], "train.log_stats"),
     (["--train.max_nonfinite_steps", "3"], "train.max_nonfinite_steps"),
     (["--train.eval_every", "7"], "train.eval_every"),
@@ -122,6 +122,15 @@ def test_each_setting_the_task_path_cannot_honour_is_refused_naming_its_key(over
     assert [line.split(":")[0] for line in refusals(config)] == [key]
     with pytest.raises(ValueError, match=rf"^{key}: "):
         lm_config_job(config, "k")
+
+
+def test_the_configs_logger_is_the_run_directorys(tmp_path, capsys, monkeypatch):
+    hide_tensorboard(monkeypatch)  # so the logger's own refusal shows it reached the run directory
+    argv = ["train", "--task", "lm", "--config", TINY, "--train.logger", "tensorboard",
+            "--out", str(tmp_path / "r")]
+    assert main(argv) == 2
+    assert "logger 'tensorboard' needs the tensorboard package" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 def test_what_the_task_path_honours_or_does_not_apply_is_accepted():

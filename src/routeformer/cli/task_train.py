@@ -23,7 +23,8 @@ them as TensorBoard event files to `DIR/tensorboard`.
 is the LM run's config overrides (`train.load_config`: `--model.dim 64`, `--steps 40`, read as the
 LM run reads them), except `--out`, and the config becomes its task-lm job by
 `runner.lm_config.lm_config_job`, which refuses in one line, naming the key, each setting the task
-path cannot train exactly (packed documents, dropout, fp16, a CUDA device, ...). The task-run
+path cannot train exactly (packed documents, dropout, fp16, a CUDA device, ...); the config's
+`train.logger` is the run directory's (`--train.logger tensorboard`: TensorBoard too). The task-run
 arguments that are not config keys (--mechanism, --option, --evals, --budget, --mechanism-option,
 --betas) are refused beside --config, each naming the key that states the same; so is --out_dir (the
 run directory is --out). The config file's out_dir does not apply.
@@ -61,7 +62,7 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
     if args.spec is not None:
         job, out = spec_run_job(args, extra)
     elif args.config is not None:
-        job, out = config_run_job(args.task, args.config, extra)
+        job, out, logger = config_run_job(args.task, args.config, extra)
     else:
         options = build_task_train_parser().parse_args(extra)
         job = task_run_job(args.task, options)
@@ -99,10 +100,11 @@ NOT_WITH_CONFIG = {"--mechanism": "--model.attention", "--mechanism-option": "--
                    "--betas": "--train.beta1 and --train.beta2", "--out_dir": "--out", "--out-dir": "--out"}
 
 
-def config_run_job(task: str, config: str, extra: list[str]) -> tuple[Job, str | None]:
-    """(job, --out or None) of `train --task lm --config FILE [--key value ...] [--out DIR]`: the LM
-    run config FILE (a path or a bundled name) with the overrides applied as `routeformer train`
-    applies them (`train.load_config`), as its task-lm job (`runner.lm_config.lm_config_job`).
+def config_run_job(task: str, config: str, extra: list[str]) -> tuple[Job, str | None, str]:
+    """(job, --out or None, the config's `train.logger`) of `train --task lm --config FILE [--key value
+    ...] [--out DIR]`: the LM run config FILE (a path or a bundled name) with the overrides applied
+    as `routeformer train` applies them (`train.load_config`), as its task-lm job
+    (`runner.lm_config.lm_config_job`).
     ValueError naming --task unless the task is lm, naming a task-run argument that is not a config
     key (NOT_WITH_CONFIG: it says which key states the same), or naming the config key the task path
     cannot honour."""
@@ -130,8 +132,9 @@ def config_run_job(task: str, config: str, extra: list[str]) -> tuple[Job, str |
             continue
         overrides.append(argument)
         index += 1
-    job = lm_config_job(load_config(resolve_config(config), overrides), "train-lm")
-    return replace(job, key=f"train-lm-{job.mechanism}-seed{job.seed}"), out
+    loaded = load_config(resolve_config(config), overrides)
+    job = lm_config_job(loaded, "train-lm")
+    return replace(job, key=f"train-lm-{job.mechanism}-seed{job.seed}"), out, loaded.train.logger
 
 
 def spec_run_job(args: argparse.Namespace, extra: list[str]) -> tuple[Job, str | None]:

@@ -18,6 +18,8 @@ test split (None: every window of it), where the LM run reads its whole held-out
 validation and test splits are the two halves of it, or a corpus's own two splits); the task
 run checkpoints at each evaluation and keeps its model as a run directory (runner/run_dir.py), so
 `train.checkpoint_every`, `keep_checkpoints`, `log_every` and `out_dir` do not apply to it.
+`train.logger` is the run directory's logger, not part of the job (`routeformer train --task lm
+--config` passes it to `runner.run_dir.run_in_directory`).
 `model.vocab_size` follows the tokeniser on both paths; `model.num_classes` and `pooling` belong to
 the classification head, which neither builds.
 
@@ -96,14 +98,13 @@ def lm_run_as_task_run(run: Any) -> Any:
 
 
 def refusals(config: Any) -> list[str]:
-    """Every setting of the RunConfig `config` that the task path cannot train exactly, one
-    "KEY: why" line each, in the order of the config's sections (empty: `lm_config_job` translates
-    it). Refused: `data.pack_documents`, `model.attention` naming several mechanisms, `model.dropout` above
-    0, `model.causal` false, `model.max_seq_len` above `data.seq_len` with learned positions (a
-    larger position table), `model.meta_token_id` set without meta-tokens, `model.zero_meta_positions_*`,
-    `train.precision` fp16, `train.device` other than cpu, `train.logger` tensorboard,
-    `train.log_stats`, `train.max_nonfinite_steps` other than the task loop's, and `train.eval_every`
-    not dividing `train.steps`."""
+    """Every setting of the RunConfig `config` that the task path cannot train exactly, one "KEY: why" line
+    each, in the order of the config's sections (empty: `lm_config_job` translates it). Refused:
+    `data.pack_documents`, `model.attention` naming several mechanisms, `model.dropout` above 0,
+    `model.causal` false, `model.max_seq_len` above `data.seq_len` with learned positions (a larger
+    position table), `model.meta_token_id` set without meta-tokens, `model.zero_meta_positions_*`,
+    `train.precision` fp16, `train.device` other than cpu, `train.log_stats`, `train.max_nonfinite_steps`
+    other than the task loop's, and `train.eval_every` not dividing `train.steps`."""
     from routeformer.train.task_loop import MAX_NONFINITE_STEPS, TASK_PRECISIONS
 
     model, data, run = config.model, config.data, config.train
@@ -131,9 +132,6 @@ def refusals(config: Any) -> list[str]:
                      f"got {run.precision!r}")
     if run.device != "cpu":
         found.append(f"train.device: a task run trains on the CPU ('cpu'); got {run.device!r}")
-    if run.logger != "jsonl":
-        found.append("train.logger: a task run translated from an LM config logs to metrics.jsonl alone "
-                     f"('jsonl'); got {run.logger!r}")
     if run.log_stats:
         found.append(f"train.log_stats: a task run logs no attention stats; got {run.log_stats!r}")
     if run.max_nonfinite_steps != MAX_NONFINITE_STEPS:
