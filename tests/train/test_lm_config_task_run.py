@@ -51,6 +51,22 @@ def test_the_task_run_of_a_config_trains_the_lm_runs_weights(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["resumed"] == []
 
 
+@pytest.mark.parametrize(("extra", "option"), [(["--data.pack_documents", "true"], {"pack_documents": True}),
+                                               (["--data.meta_density", "0.1"], {"meta_density": 0.1})],
+                         ids=["packed documents", "meta-tokens"])
+def test_batches_with_unset_labels_train_the_lm_runs_weights(tmp_path, capsys, extra, option):
+    lm, task = tmp_path / "lm", tmp_path / "task"
+    assert main(["train", "--config", TINY, "--out_dir", str(lm), *OVERRIDES, *extra]) == 0
+    assert main(["train", "--task", "lm", "--config", TINY, *OVERRIDES, *extra, "--out", str(task)]) == 0
+    config = json.loads((task / "config.json").read_text())
+    assert config["task_options"] == {"corpus": "pydoc", "seq_len": 32, **option}
+    expected, got = load_run_model(lm).model.state_dict(), load_run_model(task).model.state_dict()
+    assert [key for key in expected if not torch.equal(got[key], expected[key])] == []
+    plain = tmp_path / "plain"  # the option changed the weights: the test above could fail
+    assert main(["train", "--task", "lm", "--config", TINY, *OVERRIDES, "--out", str(plain)]) == 0
+    assert not torch.equal(load_run_model(plain).model.state_dict()["lm_head.weight"], got["lm_head.weight"])
+
+
 def _text_source(tmp_path, source):
     """(overrides, task options): the LM run's overrides for `source` ("file": a local text file;
     else that file with a BPE tokenizer trained offline) and the task options they translate to."""
@@ -98,7 +114,6 @@ def test_a_local_text_and_a_bpe_tokenizer_train_the_lm_runs_weights(tmp_path, ca
 
 META = ["--data.meta_density", "0.1", "--model.meta_token_id", "3"]
 REFUSED = [
-    (["--data.pack_documents", "true"], "data.pack_documents"),
     (["--model.attention", "[local, full]"], "model.attention"),
     (["--model.dropout", "0.1"], "model.dropout"),
     (["--model.causal", "false"], "model.causal"),
@@ -160,7 +175,7 @@ CLI_REFUSED = [
     (["--task", "lm", "--budget=long"], "argument --budget: not with --config"),
     (["--task", "lm", "--out_dir", "x"], "argument --out_dir: not with --config"),
     (["--task", "lm", "--train.precision", "fp16"], "train.precision: a task run trains in one of"),
-    (["--task", "lm", "--data.pack_documents", "true"], "data.pack_documents: "),
+    (["--task", "lm", "--model.dropout", "0.1"], "model.dropout: "),
     (["--task", "lm", "--nokey", "3"], "unknown config key 'nokey'"),
 ]
 

@@ -5,8 +5,9 @@ path of compare and `routeformer train --task`), so that both train the same wei
 What carries over: the backbone (`model.dim`, `depth`, `heads`, `mlp_ratio`, `positions`,
 `tie_embeddings`), the mechanism (`model.attention`, one name or the same name for every layer) and
 its `model.attention_options`, the text and `data.seq_len` (task options `corpus`, `seq_len`, and
-`meta_density` when above 0, `path` for a `data.path` and `tokenizer` for a `data.tokenizer` other
-than "char": the task then reads the training ids the LM run reads), the whole schedule
+`meta_density` when above 0, `path` for a `data.path`, `tokenizer` for a `data.tokenizer` other
+than "char" and `pack_documents` when set: the task then reads, and packs, the training ids the LM
+run reads), the whole schedule
 (`train.steps`, `batch_size`, `lr`, `warmup_steps`, `min_lr_ratio`, `grad_clip`),
 `train.weight_decay`, `train.beta1`/`beta2`, `train.seed`, `train.precision` (fp32 or bf16) and
 the evaluation steps (`train.eval_every`, as `steps // eval_every` evaluations).
@@ -61,6 +62,8 @@ def lm_config_job(config: Any, key: str) -> Job:
         options["path"] = data.path
     if data.tokenizer != "char":
         options["tokenizer"] = data.tokenizer
+    if data.pack_documents:
+        options["pack_documents"] = True
     real = real_tokens_per_window(data.seq_len, data.meta_density)
     steps = run.schedule.steps
     setup = TaskSetup(options, run.schedule, evals=steps // run.eval_every,
@@ -100,7 +103,7 @@ def lm_run_as_task_run(run: Any) -> Any:
 def refusals(config: Any) -> list[str]:
     """Every setting of the RunConfig `config` that the task path cannot train exactly, one "KEY: why" line
     each, in the order of the config's sections (empty: `lm_config_job` translates it). Refused:
-    `data.pack_documents`, `model.attention` naming several mechanisms, `model.dropout` above 0,
+    `model.attention` naming several mechanisms, `model.dropout` above 0,
     `model.causal` false, `model.max_seq_len` above `data.seq_len` with learned positions (a larger
     position table), `model.meta_token_id` set without meta-tokens, `model.zero_meta_positions_*`,
     `train.precision` fp16, `train.device` other than cpu, `train.log_stats`, `train.max_nonfinite_steps`
@@ -109,8 +112,6 @@ def refusals(config: Any) -> list[str]:
 
     model, data, run = config.model, config.data, config.train
     found = []
-    if data.pack_documents:
-        found.append("data.pack_documents: task lm draws unpacked windows; set it false")
     if len(set(model.layer_attention())) > 1:
         found.append("model.attention: the task path runs one mechanism in every layer; "
                      f"got {model.attention!r}")

@@ -4,6 +4,9 @@ A task is a seeded generator plus its metric:
 
     task.batch(batch_size, generator, split="train") -> (inputs [B, T] long, labels [B, T] long)
 
+(the training loop draws `task.training_batch(batch_size, generator)`: the same plus the extra
+keyword arguments of the model's forward, {} unless the task's batches carry more)
+
 `labels[b, t]` is the token the model must predict *at* position t (already shifted for causal
 tasks), -100 where nothing is asked. Non-causal tasks (ListOps) ask at a position the whole
 sequence can be read from. `task.pad_id` (or None) marks padding: `mask = inputs != pad_id`.
@@ -93,6 +96,15 @@ class Task(ABC):
             empty = torch.empty(0, self.seq_len, dtype=torch.long)
             return empty, empty.clone()
         return torch.cat(inputs), torch.cat(labels)
+
+    def training_batch(
+        self, batch_size: int, generator: torch.Generator,
+    ) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        """A training batch and the extra keyword arguments the model's forward takes with it:
+        `batch(batch_size, generator, "train")` and {} (a task whose training batches carry more, such
+        as task lm's packed document ids, returns them here)."""
+        inputs, labels = self.batch(batch_size, generator, "train")
+        return inputs, labels, {}
 
     def mask(self, inputs: Tensor) -> Tensor | None:
         """Key-padding mask (True = real token) for `inputs`, or None when nothing is padded."""

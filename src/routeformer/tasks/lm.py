@@ -48,6 +48,12 @@ bits/char on these characters (`bits_per_char_copy_predictable`, per context len
 pre-training of "Language Modeling with Learned Meta-Tokens"): windows then hold fewer real
 characters, no loss is taken on predicting a meta-token, and `meta_token_id` names its id.
 
+`pack_documents=True` (only with documents="stream" and no meta-tokens; False by default) packs
+the training batches as a training config's `data.pack_documents` does (data/documents.py): a
+document is a paragraph (text up to a blank line), `training_batch` adds document ids
+(`{"documents": ...}`, so that no attention crosses a paragraph boundary) and takes no loss across
+one; `batch` and evaluation stay on plain windows.
+
 `lm_windows` draws the training windows of every language model in routeformer: this task's and
 those of `routeformer train` (train/loop.py, on its own corpus and tokenizer), so both train on the
 same kind of batch from the same generator calls.
@@ -72,6 +78,7 @@ from torch import Tensor
 
 from routeformer.data.batches import IGNORE_INDEX, random_batch
 from routeformer.data.corpora import load_corpus, load_path
+from routeformer.data.documents import DOCUMENT_SEPARATOR, document_starts, packed_random_batch
 from routeformer.data.token_cache import encode_cached
 from routeformer.data.tokenizers import CHAR, Tokenizer, build_tokenizer
 from routeformer.ops._checks import check_positive
@@ -234,12 +241,13 @@ class CharLM(Task):
 
     def __init__(self, corpus: str = "pydoc", seq_len: int = 128, meta_density: float = 0.0,
                  documents: str = "stream", train_windows: str = "anywhere", path: str | None = None,
-                 tokenizer: str = CHAR) -> None:
+                 tokenizer: str = CHAR, pack_documents: bool = False) -> None:
         """`corpus`: a corpus spec (data/corpora.py); `path`: a local text file or folder read instead
         (None: the spec); `tokenizer`: "char" or a tokenizer.json / tokenizer directory (module
         docstring). Raises ValueError naming the option for a bad value: a `path` that is not a
         non-empty string or holds no text, a `tokenizer` that is not "char" or a tokenizer file
-        (or not "char" with documents="start"), and the checks of the other options."""
+        (or not "char" with documents="start"), a `pack_documents` that is not a bool or is set with
+        documents="start" or meta_density > 0, and the checks of the other options."""
         check_positive("seq_len", seq_len)
         if path is not None and (not isinstance(path, str) or not path):
             raise ValueError(f"path must be None or a local text file or folder (a non-empty string); "
@@ -262,7 +270,14 @@ class CharLM(Task):
         if tokenizer != CHAR and documents != "stream":
             raise ValueError(f"tokenizer={tokenizer!r} needs documents='stream': documents={documents!r} "
                              "keeps the document boundaries in characters (tokenizer='char')")
+        if not isinstance(pack_documents, bool):
+            raise ValueError(f"pack_documents must be true or false; got {pack_documents!r}")
+        if pack_documents and (documents != "stream" or meta_density > 0):
+            raise ValueError("pack_documents=True needs documents='stream' and meta_density=0 (packed "
+                             f"windows of the joined text, no meta-tokens); got documents={documents!r}, "
+                             f"meta_density={meta_density!r}")
         self.corpus, self.seq_len, self.name, self.documents = corpus, seq_len, "lm", documents
+        self.pack_documents = pack_documents
         self.train_windows, self.path, self.tokenizer = train_windows, path, tokenizer
         self.copy_contexts, self.copy_distance = COPY_CONTEXTS, COPY_DISTANCE
         self._copy_masks: dict[tuple[str, int, int, int], Tensor] = {}
@@ -277,6 +292,7 @@ class CharLM(Task):
             if len(ids) < seq_len + 1:
                 raise ValueError(f"seq_len={seq_len} is longer than the {split} text of {source} "
                                  f"({len(ids)} {unit})")
+        self._paragraph_starts: Tensor | None = None  # pack_documents: built at the first training batch
         self._document_starts: list[Tensor] | None = None
         self._document_lengths: list[Tensor] = []
         if documents == "start":
@@ -303,6 +319,8 @@ class CharLM(Task):
             options["path"] = self.path
         if self.tokenizer != CHAR:
             options["tokenizer"] = self.tokenizer
+        if self.pack_documents:
+            options["pack_documents"] = True
         if self.documents == "stream":
             return options
         # train_windows is always named, so a record trained at starts never reads as one trained anywhere
@@ -339,6 +357,21 @@ class CharLM(Task):
         rows = torch.randint(0, len(starts), (batch_size,), generator=generator)
         inputs, labels = document_start_windows(self.ids(split), starts[rows], self._real)
         return self._inject(inputs, labels, generator)
+
+    def training_batch(
+        self, batch_size: int, generator: torch.Generator,
+    ) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        """`batch(batch_size, generator, "train")` and {}; with pack_documents, the same windows packed:
+        labels -100 at each paragraph's last token and `{"documents": ids [B, T]}` (module docstring)."""
+        if not self.pack_documents:
+            return super().training_batch(batch_size, generator)
+        check_batch_size(batch_size)
+        if self._paragraph_starts is None:
+            separator = self.vocab.encode(DOCUMENT_SEPARATOR)
+            self._paragraph_starts = document_starts(self.ids("train"), separator)
+        inputs, labels, documents = packed_random_batch(self.ids("train"), self._paragraph_starts,
+                                                        batch_size, self.seq_len, generator)
+        return inputs, labels, {"documents": documents}
 
     def fixed_sample(self, split: str, sequences: int, seed: int = 0) -> tuple[Tensor, Tensor]:
         """The first `sequences` non-overlapping windows of the split (all it has, if fewer); with

@@ -231,7 +231,11 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
     interrupts = DeferredInterrupts(agree=lambda flag: any_rank(flag, context)).install()
     position = driver.position
     try:
-        driver.train(next_batch, lambda trained, inputs, labels, packed: trained(inputs, labels, **packed),
+        # the logits only where a label is set, as task runs project them (the same weights as the
+        # task run of this config where packed documents or meta-tokens leave labels unset)
+        driver.train(next_batch,
+                     lambda trained, inputs, labels, packed: trained(inputs, labels, logits_at_labels=True,
+                                                                     **packed),
                      precision=settings.precision, on_update=after_update, on_step_end=periodic_checkpoint,
                      after_step=after_step, interrupts=interrupts)
     except KeyboardInterrupt as interrupt:

@@ -168,14 +168,14 @@ def train_stages(
     history gains, `step` counted within the stage; not those a resumed stage reads back)."""
     histories = []
     for index, (task, config, sequences) in enumerate(stages):
-        def forward(model, inputs, labels, task=task):
-            return model(inputs, labels, mask=task.mask(inputs), logits_at_labels=True)
+        def forward(model, inputs, labels, task=task, **extra):
+            return model(inputs, labels, mask=task.mask(inputs), logits_at_labels=True, **extra)
 
         listening = (nullcontext() if on_eval is None
                      else evaluations_to(lambda record, index=index: on_eval(index, record)))
         with listening:
             histories.append(train_task(
-                model, lambda batch_size, generator, task=task: task.batch(batch_size, generator, "train"),
+                model, lambda batch_size, generator, task=task: task.training_batch(batch_size, generator),
                 lambda m, task=task, sequences=sequences: evaluate_on_task(m, task, "validation", sequences),
                 config, forward=forward, log=log_for(index, task)))
     return histories

@@ -247,8 +247,10 @@ def train_task(
     forward: Callable[[nn.Module, Tensor, Tensor], Any] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> TaskHistory:
-    """Train `model` on fresh batches `make_batch(batch_size, generator)`; `forward(model, inputs,
-    labels)` returns a ModelOutput (default: `model(inputs, labels)`); `evaluate(model)` runs every
+    """Train `model` on fresh batches `make_batch(batch_size, generator)`: (inputs, labels) or
+    (inputs, labels, extra), `extra` a dict of tensors [B, ...] the forward also takes (a task's
+    `training_batch`); `forward(model, inputs, labels, **extra)` returns a ModelOutput (default:
+    `model(inputs, labels, **extra)`); `evaluate(model)` runs every
     `eval_every` steps and at the end, in eval mode. AdamW runs with `config.betas`;
     `config.precision` sets the training forward's autocast (fp32: none). Inside
     `distributed_training` with several processes the model trains DistributedDataParallel
@@ -261,7 +263,7 @@ def train_task(
     device = _device_of(model)
     log = log if context.is_main else None
     say = warn if context.is_main else (lambda message: None)
-    forward = forward or (lambda m, inputs, labels: m(inputs, labels))
+    forward = forward or (lambda m, inputs, labels, **extra: m(inputs, labels, **extra))
     driver = Driver(model, schedule=schedule, seed=config.seed, weight_decay=config.weight_decay,
                     betas=config.betas, max_nonfinite=MAX_NONFINITE_STEPS, device=device,
                     on_skip=lambda step, message: say(message), context=context)
@@ -280,10 +282,12 @@ def train_task(
     began = time.perf_counter()
 
     def next_batch() -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        inputs, labels = make_batch(schedule.batch_size, driver.generator)
+        inputs, labels, *more = make_batch(schedule.batch_size, driver.generator)
+        extra = more[0] if more else {}
         if context.enabled:  # this process's slice of the global batch
             inputs, labels = local_shard(inputs, context), local_shard(labels, context)
-        return inputs, labels, {}
+            extra = {name: local_shard(value, context) for name, value in extra.items()}
+        return inputs, labels, extra
 
     def evaluate_now(result: StepResult) -> None:
         nonlocal began
@@ -333,7 +337,8 @@ def train_task(
     if checkpoint is not None:
         interrupts.install()
     try:
-        driver.train(next_batch, lambda trained, inputs, labels, extra: forward(trained, inputs, labels),
+        driver.train(next_batch,
+                     lambda trained, inputs, labels, extra: forward(trained, inputs, labels, **extra),
                      precision=config.precision, on_step_end=evaluate_now,
                      interrupts=interrupts if checkpoint is not None else None)
     except KeyboardInterrupt as interrupt:
