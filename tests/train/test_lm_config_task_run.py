@@ -51,10 +51,11 @@ def test_the_task_run_of_a_config_trains_the_lm_runs_weights(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["resumed"] == []
 
 
-@pytest.mark.parametrize(("extra", "option"), [(["--data.pack_documents", "true"], {"pack_documents": True}),
-                                               (["--data.meta_density", "0.1"], {"meta_density": 0.1})],
-                         ids=["packed documents", "meta-tokens"])
-def test_batches_with_unset_labels_train_the_lm_runs_weights(tmp_path, capsys, extra, option):
+@pytest.mark.parametrize(("extra", "option"), [
+    (["--data.pack_documents", "true"], {"pack_documents": True}),
+    (["--data.meta_density", "0.1"], {"meta_density": 0.1}),
+], ids=["packed documents", "meta-tokens"])
+def test_packing_and_meta_tokens_train_the_lm_runs_weights(tmp_path, capsys, extra, option):
     lm, task = tmp_path / "lm", tmp_path / "task"
     assert main(["train", "--config", TINY, "--out_dir", str(lm), *OVERRIDES, *extra]) == 0
     assert main(["train", "--task", "lm", "--config", TINY, *OVERRIDES, *extra, "--out", str(task)]) == 0
@@ -175,7 +176,7 @@ CLI_REFUSED = [
     (["--task", "lm", "--budget=long"], "argument --budget: not with --config"),
     (["--task", "lm", "--out_dir", "x"], "argument --out_dir: not with --config"),
     (["--task", "lm", "--train.precision", "fp16"], "train.precision: a task run trains in one of"),
-    (["--task", "lm", "--model.dropout", "0.1"], "model.dropout: "),
+    (["--task", "lm", "--model.attention", "[local, full]"], "model.attention: "),
     (["--task", "lm", "--nokey", "3"], "unknown config key 'nokey'"),
 ]
 

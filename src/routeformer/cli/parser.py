@@ -146,6 +146,9 @@ def build_task_train_parser() -> argparse.ArgumentParser:
                         metavar="true|false",
                         help="true: the output head shares the token embedding's weight (default: the "
                              "budget's backbone, a separate head)")
+    parser.add_argument("--model.dropout", dest="model_dropout", type=unit_float, default=None,
+                        help="dropout after each block and on the embeddings while training, in [0, 1) "
+                             "(default: the budget's backbone, none)")
     parser.add_argument("--betas", type=unit_float, nargs=2, default=None, metavar=("B1", "B2"),
                         help="AdamW's betas, each in [0, 1) (default: 0.9 0.999)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",

@@ -13,17 +13,18 @@ share of the steps. The
 trained model is kept in the run directory as `checkpoint.pt` (runner/run_dir.py), which `eval`,
 `sample` (text tasks), `export-hf` (causal models) and `train.checkpoint.load_run_model` read.
 `--precision bf16` trains under bfloat16 autocast (train/task_loop.py; fp32 by default);
-`--betas B1 B2` sets AdamW's betas (default 0.9 0.999) and `--model.tie_embeddings true` ties the
-output head to the token embedding (default: a separate head). The run directory's `metrics.jsonl`
-holds a line per evaluation and a final one (runner/run_dir.py); `--logger tensorboard` also writes
-them as TensorBoard event files to `DIR/tensorboard`.
+`--betas B1 B2` sets AdamW's betas (default 0.9 0.999), `--model.tie_embeddings true` ties the
+output head to the token embedding (default: a separate head) and `--model.dropout P` trains with
+dropout P (default 0). The run directory's `metrics.jsonl` holds a line per evaluation and a final
+one (runner/run_dir.py); `--logger tensorboard` also writes them as TensorBoard event files to
+`DIR/tensorboard`.
 
 `train --task lm --config FILE [--key value ...] [--out DIR]` trains, as this task run, the model
 `routeformer train --config FILE [--key value ...]` trains (the same weights): the rest of the line
 is the LM run's config overrides (`train.load_config`: `--model.dim 64`, `--steps 40`, read as the
 LM run reads them), except `--out`, and the config becomes its task-lm job by
 `runner.lm_config.lm_config_job`, which refuses in one line, naming the key, each setting the task
-path cannot train exactly (packed documents, dropout, fp16, a CUDA device, ...); the config's
+path cannot train exactly (layers of different mechanisms, fp16, a CUDA device, ...); the config's
 `train.logger` is the run directory's (`--train.logger tensorboard`: TensorBoard too). The task-run
 arguments that are not config keys (--mechanism, --option, --evals, --budget, --mechanism-option,
 --betas) are refused beside --config, each naming the key that states the same; so is --out_dir (the
@@ -239,7 +240,7 @@ def task_run_job(task: str, options: argparse.Namespace) -> Job:
     return replace(job, precision=options.precision, **betas)
 
 
-MODEL_KEYS = ("dim", "depth", "heads", "mlp_ratio", "positions", "tie_embeddings")
+MODEL_KEYS = ("dim", "depth", "heads", "mlp_ratio", "positions", "tie_embeddings", "dropout")
 
 
 def _model_spec(spec, options: argparse.Namespace):

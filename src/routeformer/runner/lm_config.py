@@ -1,31 +1,30 @@
-"""The task job of an LM run config: `lm_config_job(config, key)` states what `routeformer train
---config FILE` (train/loop.py) trains as a one-stage job on task lm (`runner.jobs.train_job`, the
-path of compare and `routeformer train --task`), so that both train the same weights.
+"""The task job of an LM run config: `lm_config_job(config, key)` states what `routeformer train --config
+FILE` (train/loop.py) trains as a one-stage job on task lm (`runner.jobs.train_job`, the path of
+compare and `routeformer train --task`), so that both train the same weights.
 
 What carries over: the backbone (`model.dim`, `depth`, `heads`, `mlp_ratio`, `positions`,
-`tie_embeddings`), the mechanism (`model.attention`, one name or the same name for every layer) and
-its `model.attention_options`, the text and `data.seq_len` (task options `corpus`, `seq_len`, and
-`meta_density` when above 0, `path` for a `data.path`, `tokenizer` for a `data.tokenizer` other
-than "char" and `pack_documents` when set: the task then reads, and packs, the training ids the LM
-run reads), the whole schedule
-(`train.steps`, `batch_size`, `lr`, `warmup_steps`, `min_lr_ratio`, `grad_clip`),
-`train.weight_decay`, `train.beta1`/`beta2`, `train.seed`, `train.precision` (fp32 or bf16) and
-the evaluation steps (`train.eval_every`, as `steps // eval_every` evaluations).
+`tie_embeddings`), the mechanism (`model.attention`, one name or the same name for every
+layer) and its `model.attention_options`, the text and `data.seq_len` (task options `corpus`,
+`seq_len`, and `meta_density` when above 0, `path` for a `data.path`, `tokenizer` for a
+`data.tokenizer` other than "char" and `pack_documents` when set: the task then reads, and packs, the
+training ids the LM run reads), the whole schedule (`train.steps`, `batch_size`, `lr`, `warmup_steps`,
+`min_lr_ratio`, `grad_clip`), `train.weight_decay`, `train.beta1`/`beta2`, `train.seed`,
+`train.precision` (fp32 or bf16) and the evaluation steps (`train.eval_every`, as `steps //
+eval_every` evaluations).
 
 What is read differently, without changing the weights: a periodic evaluation reads about
-`train.eval_tokens` tokens of the task's validation split (`eval_tokens // T'` windows, T' the
-real tokens of a window) and the test after training about `train.final_eval_tokens` tokens of its
-test split (None: every window of it), where the LM run reads its whole held-out text (the task's
-validation and test splits are the two halves of it, or a corpus's own two splits); the task
-run checkpoints at each evaluation and keeps its model as a run directory (runner/run_dir.py), so
+`train.eval_tokens` tokens of the task's validation split (`eval_tokens // T'` windows, T' the real
+tokens of a window) and the test after training about `train.final_eval_tokens` tokens of its test
+split (None: every window of it), where the LM run reads its whole held-out text (the task's
+validation and test splits are the two halves of it, or a corpus's own two splits); the task run
+checkpoints at each evaluation and keeps its model as a run directory (runner/run_dir.py), so
 `train.checkpoint_every`, `keep_checkpoints`, `log_every` and `out_dir` do not apply to it.
 `train.logger` is the run directory's logger, not part of the job (`routeformer train --task lm
---config` passes it to `runner.run_dir.run_in_directory`).
-`model.vocab_size` follows the tokeniser on both paths; `model.num_classes` and `pooling` belong to
-the classification head, which neither builds.
+--config` passes it to `runner.run_dir.run_in_directory`). `model.vocab_size` follows the tokeniser on
+both paths; `model.num_classes` and `pooling` belong to the classification head, which neither builds.
 
-Everything else that would change the model or how it trains, where the task path has no such
-setting, is refused (the list is `refusals`)."""
+Everything else that would change the model or how it trains, where the task path has no such setting,
+is refused (the list is `refusals`)."""
 
 from __future__ import annotations
 
@@ -101,13 +100,14 @@ def lm_run_as_task_run(run: Any) -> Any:
 
 
 def refusals(config: Any) -> list[str]:
-    """Every setting of the RunConfig `config` that the task path cannot train exactly, one "KEY: why" line
-    each, in the order of the config's sections (empty: `lm_config_job` translates it). Refused:
-    `model.attention` naming several mechanisms, `model.dropout` above 0,
-    `model.causal` false, `model.max_seq_len` above `data.seq_len` with learned positions (a larger
-    position table), `model.meta_token_id` set without meta-tokens, `model.zero_meta_positions_*`,
-    `train.precision` fp16, `train.device` other than cpu, `train.log_stats`, `train.max_nonfinite_steps`
-    other than the task loop's, and `train.eval_every` not dividing `train.steps`."""
+    """Every setting of the RunConfig `config` that the task path cannot train exactly, one "KEY: why"
+    line each, in the order of the config's sections (empty: `lm_config_job` translates it). Refused:
+    `model.attention` naming several mechanisms, `model.dropout` above 0 (the two paths draw the masks
+    from different RNG states), `model.causal` false, `model.max_seq_len` above
+    `data.seq_len` with learned positions (a larger position table), `model.meta_token_id` set without
+    meta-tokens, `model.zero_meta_positions_*`, `train.precision` fp16, `train.device` other than cpu,
+    `train.log_stats`, `train.max_nonfinite_steps` other than the task loop's, and `train.eval_every` not
+    dividing `train.steps`."""
     from routeformer.train.task_loop import MAX_NONFINITE_STEPS, TASK_PRECISIONS
 
     model, data, run = config.model, config.data, config.train
@@ -116,7 +116,9 @@ def refusals(config: Any) -> list[str]:
         found.append("model.attention: the task path runs one mechanism in every layer; "
                      f"got {model.attention!r}")
     if model.dropout:
-        found.append(f"model.dropout: the task backbone has no dropout; got {model.dropout!r}")
+        found.append("model.dropout: a task run draws its dropout masks from torch's RNG reseeded after "
+                     "building the model, the LM run from its state after building it (other masks); "
+                     f"got {model.dropout!r}")
     if not model.causal:
         found.append("model.causal: task lm trains a causal model; got false")
     if model.positions == "learned" and model.max_seq_len > data.seq_len:

@@ -38,22 +38,29 @@ from routeformer.train.task_loop import (
 class ModelSpec:
     """The backbone every mechanism gets on a task (only the attention differs). `tie_embeddings`:
     the output head shares the token embedding's weight (ModelConfig.tie_embeddings; default False, a
-    separate head); TypeError naming it unless a bool."""
+    separate head); TypeError naming it unless a bool. `dropout`: ModelConfig.dropout, the dropout
+    after each attention and MLP block and on the embeddings while training (default 0.0, none);
+    ValueError naming it unless a number in [0, 1)."""
     dim: int = 64
     depth: int = 2
     heads: int = 2
     mlp_ratio: float = 2.0
     positions: str = "learned"
     tie_embeddings: bool = False
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.tie_embeddings, bool):
             raise TypeError(f"tie_embeddings: must be a bool; got {self.tie_embeddings!r}")
+        rate = self.dropout
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+            raise ValueError(f"dropout: a number in [0, 1); got {rate!r}")
+        object.__setattr__(self, "dropout", float(rate))
 
 
 # ModelSpec fields added after records were first written, with their defaults: `spec_dict` leaves a
 # field out while it has its default, so the saved form of a spec that does not use it is unchanged
-SPEC_DEFAULTS: dict[str, Any] = {"tie_embeddings": False}
+SPEC_DEFAULTS: dict[str, Any] = {"tie_embeddings": False, "dropout": 0.0}
 
 
 def spec_dict(spec: ModelSpec) -> dict[str, Any]:
@@ -69,7 +76,7 @@ def build_task_model(task: Task, mechanism: str, options: dict[str, Any], spec: 
                          mlp_ratio=spec.mlp_ratio, attention=mechanism,
                          attention_options={mechanism: options} if options else {},
                          positions=spec.positions, max_seq_len=task.seq_len, causal=task.causal,
-                         tie_embeddings=spec.tie_embeddings,
+                         tie_embeddings=spec.tie_embeddings, dropout=spec.dropout,
                          meta_token_id=getattr(task, "meta_token_id", None))
     return TokenPredictor(config)
 
