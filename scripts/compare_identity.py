@@ -1,9 +1,13 @@
 """Whether two `routeformer compare` invocations gave the same quality numbers, seed by seed.
 
     python scripts/compare_identity.py BEFORE/result.json AFTER/result.json [--out identity.txt]
+    python scripts/compare_identity.py BEFORE AFTER [--out identity.txt]   # two --out directories
 
-Prints one line per (task, mechanism) cell, the two means and whether every per-seed quality is
-equal bit for bit, then the count; exits 1 when a cell differs or is missing on one side.
+Prints one line per (task, mechanism) cell, the per-seed qualities on both sides and whether every
+one is equal bit for bit, then the count; exits 1 when a cell differs or is missing on one side. A
+directory is read through its run records (`runs/<key>.json`: the training runs of an invocation
+stopped before it wrote result.json, such as one stopped in its cost measurements), or, for a
+`routeformer train --task` run directory, its record.json.
 """
 
 from __future__ import annotations
@@ -15,7 +19,18 @@ from pathlib import Path
 
 
 def per_seed(path: Path) -> dict[tuple[str, str], list[float]]:
-    """{(task, mechanism): the per-seed qualities} of a compare result.json."""
+    """{(task, mechanism): the per-seed qualities} of a compare result.json, or of the run records of
+    a compare output directory (in seed order)."""
+    if path.is_dir():
+        single = path / "record.json"  # a `routeformer train --task` run directory
+        runs = [single] if single.is_file() else sorted((path / "runs").glob("*.json"))
+        records = [json.loads(run.read_text()) for run in runs]
+        cells: dict[tuple[str, str], list[tuple[int, float]]] = {}
+        for record in records:
+            if "mechanism" in record and "seed" in record:  # not the floors' records
+                cells.setdefault((record["task_name"], record["mechanism"]), []).append(
+                    (record["seed"], record["quality"]))
+        return {cell: [quality for _, quality in sorted(seeds)] for cell, seeds in cells.items()}
     tasks = json.loads(path.read_text())["tasks"]
     return {(task, row["mechanism"]): row["qualities"]
             for task, data in tasks.items() for row in data["rows"]}
