@@ -16,10 +16,9 @@ from routeformer.train.on_task import ModelSpec
 from routeformer.train.progress import read_records
 from routeformer.train.schedule import Schedule
 from routeformer.train.task_loop import training_checkpoints
-from tests.train.runs import count_train_batches, hide_tensorboard
+from tests.train.runs import MQAR_RUN, count_train_batches, hide_tensorboard
 
 # 6 steps, evaluated (and checkpointed) after steps 2, 4 and 6
-MQAR_RUN = ["train", "--task", "mqar", "--steps", "6", "--evals", "3", "--batch-size", "16", "--seed", "1"]
 TOY = Schedule(steps=4, batch_size=4, lr=1e-3, warmup_steps=1)
 MQAR_OPTIONS = {"seq_len": 16, "pairs": 2, "vocab_size": 16}
 

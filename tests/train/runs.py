@@ -3,6 +3,11 @@
 from routeformer.tasks.mqar import MQAR
 from tests.train.test_training import tiny_config
 
+# `routeformer train --task mqar` runs of a few steps: the default backbone, and a narrower one
+MQAR_RUN = ["train", "--task", "mqar", "--steps", "6", "--evals", "3", "--batch-size", "16", "--seed", "1"]
+SMALL_MQAR_RUN = ["train", "--task", "mqar", "--steps", "3", "--evals", "3", "--batch-size", "8",
+                  "--seed", "1", "--model.dim", "16", "--model.depth", "1", "--model.heads", "2"]
+
 
 def quick_config(out_dir, *extra):
     """The tiny 12-step run of test_training, its final evaluation cut to 1024 characters (the whole

@@ -17,9 +17,7 @@ from routeformer.train.task_loop import (
     TaskTrainConfig,
     train_config_dict,
 )
-
-RUN = ["train", "--task", "mqar", "--steps", "3", "--evals", "3", "--batch-size", "8", "--seed", "1",
-       "--model.dim", "16", "--model.depth", "1", "--model.heads", "2"]
+from tests.train.runs import SMALL_MQAR_RUN as RUN
 
 
 def test_defaults_leave_config_json_and_the_record_as_they_were(tmp_path):

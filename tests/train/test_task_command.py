@@ -12,10 +12,9 @@ from routeformer.compare.budgets import QUICK
 from routeformer.tasks import build_task
 from routeformer.train.on_task import build_task_model, parameter_count
 from routeformer.train.task_loop import training_checkpoints
-from tests.train.runs import count_train_batches
+from tests.train.runs import MQAR_RUN, count_train_batches
 
 # 6 steps, evaluated (and checkpointed) after steps 2, 4 and 6
-MQAR_RUN = ["train", "--task", "mqar", "--steps", "6", "--evals", "3", "--batch-size", "16", "--seed", "1"]
 
 
 def _train(capsys, out, *extra):

@@ -13,9 +13,7 @@ from routeformer.runner.jobs import Job, job_config
 from routeformer.runner.spec import job_from_dict
 from routeformer.train.checkpoint import load_run_model
 from routeformer.train.on_task import ModelSpec, spec_dict
-
-RUN = ["train", "--task", "mqar", "--steps", "3", "--evals", "3", "--batch-size", "8", "--seed", "1",
-       "--model.dim", "16", "--model.depth", "1", "--model.heads", "2"]
+from tests.train.runs import SMALL_MQAR_RUN as RUN
 
 
 def test_dropout_trains_is_recorded_and_is_off_by_default(tmp_path):

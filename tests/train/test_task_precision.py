@@ -24,9 +24,7 @@ from routeformer.train.task_loop import (
     train_task,
     training_checkpoints,
 )
-
-RUN = ["train", "--task", "mqar", "--steps", "3", "--evals", "3", "--batch-size", "8", "--seed", "1",
-       "--model.dim", "16", "--model.depth", "1", "--model.heads", "2"]
+from tests.train.runs import SMALL_MQAR_RUN as RUN
 
 
 def test_bf16_trains_under_autocast_evaluates_in_fp32_and_is_recorded(tmp_path, capsys, monkeypatch):
