@@ -15,6 +15,9 @@
  *    query is routed again from scratch without a guess. The slack is tuned per block from the
  *    candidate counts (too many: shrink; a failure: grow), so speed depends on the data but the
  *    result never does.
+ *    Threads split the rows (B·R), each routed by one thread from its first block, so the result,
+ *    slot order included, is also the same on any number of threads (fewer rows than threads leave
+ *    threads idle).
  * 2. A bfloat16 prefilter with exact rescoring. Tiles are scored with AVX-512 BF16 pair dot
  *    products (_mm512_dpbf16_ps, ~1.5x the fp32 FMA rate measured here) on bf16 copies; a key
  *    passes if approx > threshold - margin, where margin bounds |approx - exact| (below), so the
@@ -120,8 +123,8 @@ typedef struct {
     int64_t num_keys, dim, pairs;
 } Row;
 
-/* Per-thread speculation state: ratio = min over the last block of (K-th best) / |q|. */
-typedef struct { int64_t bh, last_i0; float ratio, slack; int crowded, exact; } Guess;
+/* A row's speculation state: ratio = min over the last block of (K-th best) / |q|. */
+typedef struct { float ratio, slack; int crowded, exact; } Guess;
 
 static inline float exact_score(const float *q, const float *k, int64_t dim) {
     float s = 0.0f; /* the lane order of route_topk_f32's tiles: bitwise the same score */
@@ -531,7 +534,7 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
                         int64_t heads, int64_t length, int64_t keys, int64_t dim, int64_t slots, int causal,
                         int64_t local_window, int64_t global_tokens, int64_t *index, uint8_t *valid, int threads) {
     if (dim > MAX_DIM || dim < 1) return -1;
-    int64_t pairs = PREFILTER_BF16 ? (dim + 1) / 2 : 0, tiles = (keys + V - 1) / V, blocks = (length + QB - 1) / QB;
+    int64_t pairs = PREFILTER_BF16 ? (dim + 1) / 2 : 0, tiles = (keys + V - 1) / V;
     int64_t scored = 0;
     size_t element = bf16 ? 2 : 4;
     uint32_t *key_pairs = calloc((size_t)(rows * tiles * pairs * V) + 1, sizeof(uint32_t)); /* + 1: never NULL */
@@ -557,50 +560,53 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
         uint16_t *bits = PREFILTER_BF16 ? malloc(sizeof(uint16_t) * QB * (tiles + 1)) : NULL;
         float *tile_scores = PREFILTER_EXACT ? malloc(sizeof(float) * QB * entries * V) : NULL;
         int64_t *hit_tiles = PREFILTER_EXACT ? malloc(sizeof(int64_t) * QB * entries) : NULL;
-        Guess guess = {.bh = -1};
-        _Pragma("omp for schedule(dynamic, 8)")
-        for (int64_t task = 0; task < rows * blocks; task++) {
-            int64_t bh = task / blocks, i0 = (task % blocks) * QB, nq = length - i0 < QB ? length - i0 : QB;
-            if (bh != guess.bh || i0 < guess.last_i0) /* a new row, or back to its start: no guess yet */
-                guess = (Guess){.bh = bh, .ratio = NAN, .slack = 0.25f * row[bh].key_norm, .crowded = 0, .exact = 0};
-            guess.last_i0 = i0;
-            const uint8_t *mask = key_mask ? key_mask + (bh / heads) * keys : NULL;
-            Out out = {index + bh * length * slots, valid + bh * length * slots, scores, buffer_keys, buffer, bits,
-                       tiles + 1, tile_scores, hit_tiles, entries};
-            if (guess.exact) { /* see 3.: the rest of this row by the exact scan */
-                route_topk_f32_exact_block(row[bh].queries, row[bh].key_tiles, mask, keys, dim, slots, causal,
-                                           local_window, global_tokens, i0, nq, out.index, out.valid, scores,
-                                           buffer_keys);
-                scored += QB * ((causal ? i0 + nq : keys) + V - 1) / V * V;
-                continue;
+        /* A task is a whole row, its blocks routed in order from a fresh guess, so the guesses (and
+         * with them the flushes and the order of each query's slots) are one thread's on any number of
+         * threads: blocks of a row handed out as threads free up would start from other guesses and
+         * list the same keys in another order, which changes the attention's sums. */
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int64_t bh = 0; bh < rows; bh++) {
+            Guess guess = {.ratio = NAN, .slack = 0.25f * row[bh].key_norm, .crowded = 0, .exact = 0};
+            for (int64_t i0 = 0; i0 < length; i0 += QB) {
+                int64_t nq = length - i0 < QB ? length - i0 : QB;
+                const uint8_t *mask = key_mask ? key_mask + (bh / heads) * keys : NULL;
+                Out out = {index + bh * length * slots, valid + bh * length * slots, scores, buffer_keys, buffer, bits,
+                           tiles + 1, tile_scores, hit_tiles, entries};
+                if (guess.exact) { /* see 3.: the rest of this row by the exact scan */
+                    route_topk_f32_exact_block(row[bh].queries, row[bh].key_tiles, mask, keys, dim, slots, causal,
+                                               local_window, global_tokens, i0, nq, out.index, out.valid, scores,
+                                               buffer_keys);
+                    scored += QB * ((causal ? i0 + nq : keys) + V - 1) / V * V;
+                    continue;
+                }
+                float kth[QB], kth_one[QB];
+                int64_t appended[QB], appended_one[QB];
+                int failed[QB], failed_one[QB];
+                scored += route_block(&row[bh], mask, slots, causal, local_window, global_tokens, i0, nq,
+                                      isfinite(guess.slack) ? guess.ratio : NAN, guess.slack, &out, kth, appended, failed);
+                for (int64_t a = 0; a < nq; a++)
+                    if (failed[a]) { /* the guess was too high: route this query again without one */
+                        _Pragma("omp atomic")
+                        refuted_total++;
+                        scored += route_block(&row[bh], mask, slots, causal, local_window, global_tokens, i0 + a, 1,
+                                              NAN, 0, &out, kth_one, appended_one, failed_one);
+                    }
+                if (guess.ratio == guess.ratio && isfinite(guess.slack)) { /* it speculated: is that paying? */
+                    int64_t total = 0, eligible = 0;
+                    for (int64_t a = 0; a < nq; a++) {
+                        total += appended[a];
+                        eligible += causal ? i0 + a + 1 : keys;
+                    }
+                    int crowded = total > EXACT_ABOVE * nq * slots && EXACT_SHARE * total > eligible;
+                    guess.crowded = crowded ? guess.crowded + 1 : 0;
+                    if (guess.crowded >= EXACT_AFTER) {
+                        guess.exact = 1;
+                        _Pragma("omp atomic")
+                        exact_total++;
+                    }
+                }
+                update_guess(&guess, &row[bh], i0, nq, kth, appended, failed, slots);
             }
-            float kth[QB], kth_one[QB];
-            int64_t appended[QB], appended_one[QB];
-            int failed[QB], failed_one[QB];
-            scored += route_block(&row[bh], mask, slots, causal, local_window, global_tokens, i0, nq,
-                                  isfinite(guess.slack) ? guess.ratio : NAN, guess.slack, &out, kth, appended, failed);
-            for (int64_t a = 0; a < nq; a++)
-                if (failed[a]) { /* the guess was too high: route this query again without one */
-                    _Pragma("omp atomic")
-                    refuted_total++;
-                    scored += route_block(&row[bh], mask, slots, causal, local_window, global_tokens, i0 + a, 1,
-                                          NAN, 0, &out, kth_one, appended_one, failed_one);
-                }
-            if (guess.ratio == guess.ratio && isfinite(guess.slack)) { /* it speculated: is that paying? */
-                int64_t total = 0, eligible = 0;
-                for (int64_t a = 0; a < nq; a++) {
-                    total += appended[a];
-                    eligible += causal ? i0 + a + 1 : keys;
-                }
-                int crowded = total > EXACT_ABOVE * nq * slots && EXACT_SHARE * total > eligible;
-                guess.crowded = crowded ? guess.crowded + 1 : 0;
-                if (guess.crowded >= EXACT_AFTER) {
-                    guess.exact = 1;
-                    _Pragma("omp atomic")
-                    exact_total++;
-                }
-            }
-            update_guess(&guess, &row[bh], i0, nq, kth, appended, failed, slots);
         }
         free(scores);
         free(buffer_keys);
