@@ -229,15 +229,17 @@ def test_crowded_rows_switch_to_the_exact_scan_and_select_the_same(causal, local
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_index_is_the_same_on_one_thread_or_two_slot_order_included(dtype):
+@pytest.mark.parametrize("batch", [8, 1])  # 16 rows, each one task; 2 rows, in runs of blocks
+def test_the_index_is_the_same_on_one_thread_or_two_slot_order_included(dtype, batch):
     """Crowded rows (routing vectors from 16 distinct ones) make the guesses, and so the flushes and
-    the order in which a query's keys are listed, depend on the blocks routed before in the row: a
-    row routed by one thread from its start gives the same index, slot for slot, on any number of
+    the order in which a query's keys are listed, depend on the blocks routed before in the row:
+    tasks fixed by the shape (whole rows, or runs of a row's blocks when the rows are few), each
+    routed by one thread from its start, give the same index, slot for slot, on any number of
     threads and on every call (the attention sums the slots in that order)."""
     gen = torch.Generator().manual_seed(11)
     table = torch.randn(16, 16, generator=gen)
-    tokens = torch.randint(0, 16, (8, 512), generator=gen)
-    route_k = table[tokens].unsqueeze(1).expand(8, 2, 512, 16).contiguous()
+    tokens = torch.randint(0, 16, (batch, 512), generator=gen)
+    route_k = table[tokens].unsqueeze(1).expand(batch, 2, 512, 16).contiguous()
     route_q = route_k + 1e-3 * torch.randn(route_k.shape, generator=gen)
     route_q, route_k = route_q.to(dtype), route_k.to(dtype)
     threads = torch.get_num_threads()

@@ -15,9 +15,9 @@
  *    query is routed again from scratch without a guess. The slack is tuned per block from the
  *    candidate counts (too many: shrink; a failure: grow), so speed depends on the data but the
  *    result never does.
- *    Threads split the rows (B·R), each routed by one thread from its first block, so the result,
- *    slot order included, is also the same on any number of threads (fewer rows than threads leave
- *    threads idle).
+ *    Threads take rows (B·R) whole, or, below MIN_TASKS rows, runs of a row's blocks fixed by the
+ *    shape; each is routed from its first block by one thread, so the result, slot order included,
+ *    is also the same on any number of threads.
  * 2. A bfloat16 prefilter with exact rescoring. Tiles are scored with AVX-512 BF16 pair dot
  *    products (_mm512_dpbf16_ps, ~1.5x the fp32 FMA rate measured here) on bf16 copies; a key
  *    passes if approx > threshold - margin, where margin bounds |approx - exact| (below), so the
@@ -104,6 +104,7 @@ static int64_t exact_total;   /* rows switched to the exact scan (per thread tha
 #define EXACT_ABOVE 4         /* a block is crowded (see 3.) above EXACT_ABOVE x slots candidates a query */
 #define EXACT_SHARE 8         /* ... and above 1 / EXACT_SHARE of the keys it scanned */
 #define EXACT_AFTER 8         /* crowded blocks in a row after which the row switches */
+#define MIN_TASKS 16          /* fewer rows than this are routed in runs of blocks, >= this many tasks */
 
 int64_t route_topk_spec_available(void) { return 1; }
 int64_t route_topk_spec_exact(void) { return !PREFILTER_BF16; } /* exact prefilter: no margin */
@@ -534,7 +535,10 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
                         int64_t heads, int64_t length, int64_t keys, int64_t dim, int64_t slots, int causal,
                         int64_t local_window, int64_t global_tokens, int64_t *index, uint8_t *valid, int threads) {
     if (dim > MAX_DIM || dim < 1) return -1;
-    int64_t pairs = PREFILTER_BF16 ? (dim + 1) / 2 : 0, tiles = (keys + V - 1) / V;
+    int64_t pairs = PREFILTER_BF16 ? (dim + 1) / 2 : 0, tiles = (keys + V - 1) / V, blocks = (length + QB - 1) / QB;
+    int64_t parts = rows >= MIN_TASKS ? 1 : (MIN_TASKS + rows - 1) / rows; /* runs of blocks a row */
+    if (parts > blocks) parts = blocks;
+    int64_t per = (blocks + parts - 1) / parts; /* blocks a run */
     int64_t scored = 0;
     size_t element = bf16 ? 2 : 4;
     uint32_t *key_pairs = calloc((size_t)(rows * tiles * pairs * V) + 1, sizeof(uint32_t)); /* + 1: never NULL */
@@ -560,14 +564,16 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
         uint16_t *bits = PREFILTER_BF16 ? malloc(sizeof(uint16_t) * QB * (tiles + 1)) : NULL;
         float *tile_scores = PREFILTER_EXACT ? malloc(sizeof(float) * QB * entries * V) : NULL;
         int64_t *hit_tiles = PREFILTER_EXACT ? malloc(sizeof(int64_t) * QB * entries) : NULL;
-        /* A task is a whole row, its blocks routed in order from a fresh guess, so the guesses (and
-         * with them the flushes and the order of each query's slots) are one thread's on any number of
-         * threads: blocks of a row handed out as threads free up would start from other guesses and
-         * list the same keys in another order, which changes the attention's sums. */
+        /* A task is a run of consecutive blocks of one row (the whole row when there are at least
+         * MIN_TASKS rows), routed in order from a fresh guess. The runs depend on the shape alone, so
+         * the guesses (and with them the flushes and the order of each query's slots) are the same
+         * on any number of threads: blocks handed out as threads free up would continue other
+         * blocks' guesses, listing the same keys in another order, which changes the attention's sums. */
         _Pragma("omp for schedule(dynamic, 1)")
-        for (int64_t bh = 0; bh < rows; bh++) {
+        for (int64_t task = 0; task < rows * parts; task++) {
+            int64_t bh = task / parts, first = task % parts * per * QB, stop = first + per * QB;
             Guess guess = {.ratio = NAN, .slack = 0.25f * row[bh].key_norm, .crowded = 0, .exact = 0};
-            for (int64_t i0 = 0; i0 < length; i0 += QB) {
+            for (int64_t i0 = first; i0 < length && i0 < stop; i0 += QB) {
                 int64_t nq = length - i0 < QB ? length - i0 : QB;
                 const uint8_t *mask = key_mask ? key_mask + (bh / heads) * keys : NULL;
                 Out out = {index + bh * length * slots, valid + bh * length * slots, scores, buffer_keys, buffer, bits,
