@@ -6,6 +6,9 @@ it selects exactly what float32 selects on the widened values, and against the f
 unrounded vectors each selected key is within the stated tolerance of the K-th best."""
 
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -41,6 +44,17 @@ def _both(route_q, route_k, slots, causal=True, key_mask=None, local_window=0, g
     tiled = route_topk_op(route_q.float(), _tiled(route_k.float()), mask, heads, num_keys, slots, causal,
                           local_window, global_tokens)
     return slot_membership(*fast, route_k.shape[2]), slot_membership(*tiled, route_k.shape[2])
+
+
+@contextmanager
+def _threads(count: int) -> Iterator[None]:
+    """torch (and so the kernels) on `count` threads inside the block, the previous count after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _refuted() -> int:
@@ -217,15 +231,11 @@ def test_crowded_rows_switch_to_the_exact_scan_and_select_the_same(causal, local
     if not masked:
         assert torch.equal(fast, route_topk_reference(route_q.double(), route_k.double(), 48, causal=causal))
     random_q, random_k = (torch.randn(2, 2, 1500, 16, generator=gen) for _ in range(2))
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
+    for count in (1, 2):
+        with _threads(count):
             before = _exact_rows()
             _both(random_q, random_k, 48, causal)
-            assert _exact_rows() == before
-    finally:
-        torch.set_num_threads(threads)
+        assert _exact_rows() == before
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -242,13 +252,9 @@ def test_the_index_is_the_same_on_one_thread_or_two_slot_order_included(dtype, b
     route_k = table[tokens].unsqueeze(1).expand(batch, 2, 512, 16).contiguous()
     route_q = route_k + 1e-3 * torch.randn(route_k.shape, generator=gen)
     route_q, route_k = route_q.to(dtype), route_k.to(dtype)
-    threads = torch.get_num_threads()
-    try:
-        calls = []
-        for count in (1, 2, 2, 2, 3):
-            torch.set_num_threads(count)
+    calls = []
+    for count in (1, 2, 2, 2, 3):
+        with _threads(count):
             calls.append(route_topk_rows_op(route_q, route_k, None, 2, 64, True, 0, 0))
-    finally:
-        torch.set_num_threads(threads)
     for index, valid in calls[1:]:
         assert torch.equal(index, calls[0][0]) and torch.equal(valid, calls[0][1])

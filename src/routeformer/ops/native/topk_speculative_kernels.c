@@ -31,8 +31,8 @@
  * with non-finite or huge values (|q|, kmax >= 2^60) skip the prefilter (every key is rescored).
  *
  * 3. An exact fallback. A block is crowded when it appends more than EXACT_ABOVE x slots
- *    candidates a query and more than 1 / EXACT_SHARE of the keys it scanned; a row with
- *    EXACT_AFTER crowded speculating blocks in a row is routed on from there by route_topk_f32's
+ *    candidates a query and more than 1 / EXACT_SHARE of the keys it scanned; a task (a row, or a
+ *    run of its blocks) with EXACT_AFTER crowded speculating blocks in a row is routed on from there by route_topk_f32's
  *    own fp32 tile scan (exact scores, forward, a key kept only if it beats the K-th best). Such
  *    rows have routing scores crowded within the bf16 margin of the K-th best: repeated vectors
  *    (a position-blind router's first layer reads only the token; 15 distinct routing keys at
@@ -100,7 +100,7 @@ void route_topk_f32_exact_block(const float *rq, const float *rkt, const uint8_t
 #endif
 
 static int64_t refuted_total; /* queries routed again since the library was loaded (tests read it) */
-static int64_t exact_total;   /* rows switched to the exact scan (per thread that routed them; tests read it) */
+static int64_t exact_total;   /* tasks (rows or runs of blocks) switched to the exact scan (tests read it) */
 #define EXACT_ABOVE 4         /* a block is crowded (see 3.) above EXACT_ABOVE x slots candidates a query */
 #define EXACT_SHARE 8         /* ... and above 1 / EXACT_SHARE of the keys it scanned */
 #define EXACT_AFTER 8         /* crowded blocks in a row after which the row switches */
@@ -573,12 +573,12 @@ int64_t route_topk_spec(const void *rq, const void *rk, int bf16, const uint8_t 
         for (int64_t task = 0; task < rows * parts; task++) {
             int64_t bh = task / parts, first = task % parts * per * QB, stop = first + per * QB;
             Guess guess = {.ratio = NAN, .slack = 0.25f * row[bh].key_norm, .crowded = 0, .exact = 0};
+            const uint8_t *mask = key_mask ? key_mask + (bh / heads) * keys : NULL;
+            Out out = {index + bh * length * slots, valid + bh * length * slots, scores, buffer_keys, buffer, bits,
+                       tiles + 1, tile_scores, hit_tiles, entries};
             for (int64_t i0 = first; i0 < length && i0 < stop; i0 += QB) {
                 int64_t nq = length - i0 < QB ? length - i0 : QB;
-                const uint8_t *mask = key_mask ? key_mask + (bh / heads) * keys : NULL;
-                Out out = {index + bh * length * slots, valid + bh * length * slots, scores, buffer_keys, buffer, bits,
-                           tiles + 1, tile_scores, hit_tiles, entries};
-                if (guess.exact) { /* see 3.: the rest of this row by the exact scan */
+                if (guess.exact) { /* see 3.: the rest of this task's run by the exact scan */
                     route_topk_f32_exact_block(row[bh].queries, row[bh].key_tiles, mask, keys, dim, slots, causal,
                                                local_window, global_tokens, i0, nq, out.index, out.valid, scores,
                                                buffer_keys);
