@@ -26,6 +26,7 @@ step, and the mechanisms that always use every parameter skip it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from collections.abc import Iterable
@@ -191,7 +192,12 @@ def restore_rank_rng(rng: dict[str, Any], context: DistributedContext, device: t
 
 
 def finish_distributed(context: DistributedContext) -> None:
+    """Leave the process group `init_distributed` joined: the ranks first wait for each other (at
+    most RNG_GATHER_TIMEOUT, on the gloo group; a rank that is gone or stuck elsewhere is not waited
+    for), so that no rank tears gloo down while another still writes or reads its connections."""
     if context.initialised_here:
         import torch.distributed as dist
 
+        with contextlib.suppress(RuntimeError):  # a rank that left or failed: destroy all the same
+            dist.barrier(group=context.cpu_group)
         dist.destroy_process_group()
