@@ -1,10 +1,13 @@
 """run_jobs' worker processes (spawned): two runs finish in two workers; the wait is bounded —
-past `timeout_s` the workers are stopped and a TimeoutError names the unfinished runs."""
+past `timeout_s` the workers are stopped and a TimeoutError names the unfinished runs. Every job
+trains on one thread, in a worker or in the calling process, so its record does not depend on the
+number of workers."""
 
 import multiprocessing
 import time
 
 import pytest
+import torch
 
 from routeformer.runner.jobs import Job, TaskSetup, run_jobs
 from routeformer.train.schedule import Schedule
@@ -37,3 +40,21 @@ def test_the_wait_for_the_workers_is_bounded(tmp_path):
     assert time.monotonic() - began < 60  # stopped, not waited for
     assert multiprocessing.active_children() == []
     assert not list((tmp_path / "runs").glob("*.json"))
+
+
+def _threads_of(job):
+    """A job's record: the number of threads it ran on (a module-level function: workers import it)."""
+    return {"threads": torch.get_num_threads(), "quality": float(job.seed)}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_every_job_trains_on_one_thread_whatever_the_number_of_workers(tmp_path, workers):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        records = run_jobs(tmp_path, tiny_jobs(2), workers=workers, progress=lambda line: None,
+                           timeout_s=240, train=_threads_of)
+        assert [record["threads"] for record in records.values()] == [1, 1]
+        assert torch.get_num_threads() == 2  # the caller's count is left as it was
+    finally:
+        torch.set_num_threads(before)

@@ -263,7 +263,8 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
              timeout_s: float | None = None, train: Callable[[Any], dict[str, Any]] | None = None,
              keep_models: bool = False) -> dict[str, dict]:
     """Every job's record, by key. Finished jobs are read from `out/runs/`; the others run in
-    `workers` spawned processes (or in this one when workers == 1).
+    `workers` spawned processes (or in this one when workers == 1), each job on one thread (so a
+    record does not depend on `workers`).
 
     The wait for the worker processes is bounded by `timeout_s` (None: by the jobs themselves — a
     sweep's runs take what its budget says, up to hours): past it, the workers are stopped and a
@@ -291,9 +292,15 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
             note(job.key, json.loads(stored.read_text()))
         else:
             pending.append(job)
-    if workers == 1 or len(pending) <= 1:
-        for job in pending:
-            note(*_run_one(out, job, None, train, keep_models))
+    if workers == 1 or len(pending) <= 1:  # one thread per job, as in a worker process
+        import torch
+
+        threads = torch.get_num_threads()
+        try:
+            for job in pending:
+                note(*_run_one(out, job, 1, train, keep_models))
+        finally:
+            torch.set_num_threads(threads)
         return records
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
