@@ -192,9 +192,10 @@ def restore_rank_rng(rng: dict[str, Any], context: DistributedContext, device: t
 
 
 def finish_distributed(context: DistributedContext) -> None:
-    """Leave the process group `init_distributed` joined: the ranks first wait for each other (at
-    most RNG_GATHER_TIMEOUT, on the gloo group; a rank that is gone or stuck elsewhere is not waited
-    for), so that no rank tears gloo down while another still writes or reads its connections."""
+    """Leave the process group `init_distributed` joined: the ranks first meet at a barrier on the
+    gloo group, so that no rank tears gloo down while another still uses its connections; a rank
+    that is gone, or stuck elsewhere past RNG_GATHER_TIMEOUT, ends the wait and the group is
+    destroyed all the same."""
     if context.initialised_here:
         import torch.distributed as dist
 
