@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from routeformer.experiments.registry import register_experiment
-from routeformer.runner.jobs import TaskSetup, cached_run, say
+from routeformer.runner.jobs import TaskSetup, cached_run, one_thread, say
 from routeformer.runner.seeds import seed_grid
 from routeformer.train.on_task import ModelSpec
 from routeformer.train.schedule import Schedule
@@ -156,14 +156,10 @@ def train_variant(budget: MatchedBudget, name: str, seed: int) -> dict[str, Any]
 def _cached_variant(job: tuple[Path, MatchedBudget, str, int]) -> dict[str, Any]:
     """One (variant, seed) run on one thread (tiny models: a 2-core machine runs two), cached."""
     out_dir, budget, name, seed = job
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         key = f"{name}-seed{seed}"
         say(f"meta-attention-matched: {key}")
         return cached_run(out_dir, key, lambda: train_variant(budget, name, seed))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def run_matched(out_dir: Path, budget: MatchedBudget, command: str) -> Path:

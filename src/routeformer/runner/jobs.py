@@ -17,7 +17,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -234,6 +235,19 @@ def _with_progress(line: str, done: int, total: int) -> str:
     return f"{head} ({done + int(head[5:])}/{total}) {rest}"
 
 
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread inside the block (as every training job runs), the caller's count after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _run_one(out: Path, job: Any, threads: int | None,
              train: Callable[[Any], dict[str, Any]] | None = None,
              keep_models: bool = False) -> tuple[str, dict[str, Any]]:
@@ -292,15 +306,10 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
             note(job.key, json.loads(stored.read_text()))
         else:
             pending.append(job)
-    if workers == 1 or len(pending) <= 1:  # one thread per job, as in a worker process
-        import torch
-
-        threads = torch.get_num_threads()
-        try:
+    if workers == 1 or len(pending) <= 1:
+        with one_thread():  # as in a worker process
             for job in pending:
-                note(*_run_one(out, job, 1, train, keep_models))
-        finally:
-            torch.set_num_threads(threads)
+                note(*_run_one(out, job, None, train, keep_models))
         return records
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
