@@ -20,6 +20,7 @@ import pytest
 
 from routeformer.cli import main
 from routeformer.train.checkpoint import checkpoint_files, load_checkpoint
+from tests.extras import require
 from tests.train.test_checkpoint import damage
 
 TRAIN = ["train", "--config", "tiny", "--steps", "12", "--checkpoint_every", "5", "--eval_every", "6",
@@ -135,7 +136,7 @@ def test_compare_without_the_bench_keeps_the_earlier_bench_and_wall_time(tmp_pat
 
 
 def test_export_hf_says_how_to_load_what_it_wrote(tmp_path, capsys, monkeypatch):
-    pytest.importorskip("transformers")
+    require("transformers", "hf")
     from routeformer.integrations.hf import export
 
     monkeypatch.setattr(export, "export_hf", lambda run_dir, out_dir: tmp_path / "hf")

@@ -15,6 +15,7 @@ from torch import nn
 import routeformer as rf
 from routeformer.cli import main
 from routeformer.data.vocab import CharVocab
+from tests.extras import require
 
 DIM, HEADS = 16, 2
 
@@ -233,14 +234,14 @@ def test_prompt_characters_outside_the_vocabulary():
 
 # -- transformers integration ---------------------------------------------------------------------
 def test_patch_attention_on_a_plain_module():
-    from routeformer.integrations.hf import patch_attention
+    patch_attention = require("routeformer.integrations.hf", "hf").patch_attention
 
     with pytest.raises(TypeError, match="model must be a transformers model.*got Linear"):
         patch_attention(nn.Linear(3, 3), "local")
 
 
 def test_patch_attention_twice():
-    transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
+    transformers = require("transformers", "hf")
     from routeformer.integrations.hf import patch_attention
 
     config = transformers.GPT2Config(n_embd=16, n_head=2, n_layer=1, vocab_size=32, n_positions=32)

@@ -24,6 +24,7 @@ from routeformer.train.checkpoint import (
     save_task_model,
 )
 from routeformer.train.task_loop import training_checkpoints
+from tests.extras import require
 
 # a few steps each, evaluated (and checkpointed by the task loop) twice
 MQAR_RUN = ["train", "--task", "mqar", "--steps", "4", "--evals", "2", "--batch-size", "16", "--seed", "1"]
@@ -90,7 +91,7 @@ def test_eval_of_a_task_run_gives_the_metrics_training_recorded(mqar_run, capsys
 
 
 def test_export_hf_of_a_causal_task_run_gives_the_same_logits(mqar_run, tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers", "hf")
     import routeformer.integrations.hf  # noqa: F401  (registers the model with transformers)
 
     out = tmp_path / "hf"
@@ -127,7 +128,7 @@ def test_an_lm_task_run_evaluates_samples_and_exports(lm_run, tmp_path, capsys):
     run = load_run_model(lm_run)
     assert run.tokenizer.tokens == run.task.vocab.tokens  # the task's own vocabulary
 
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers", "hf")
     import routeformer.integrations.hf  # noqa: F401
 
     hf = tmp_path / "hf"
@@ -152,7 +153,7 @@ def test_a_bidirectional_task_run_evaluates_but_neither_samples_nor_exports(tmp_
     assert status == 0 and json.loads(printed)["metric"] == "accuracy"
     status, _, err = _run(capsys, ["sample", str(out)])
     assert status == 2 and "is a run of task 'listops'" in err and err.count("\n") == 1
-    pytest.importorskip("transformers")
+    require("transformers", "hf")
     status, _, err = _run(capsys, ["export-hf", str(out), str(tmp_path / "hf")])
     assert status == 2 and err.count("\n") == 1
     assert "is a run of task 'listops', whose model reads the whole sequence (causal=False)" in err
@@ -184,7 +185,7 @@ def test_eval_and_export_hf_name_the_same_step_when_the_newest_checkpoint_is_tru
     refusal = f"its newest intact one is {str(run / 'checkpoint.1.pt')!r} (step 2)"
     status, _, err = _run(capsys, ["eval", str(run)])
     assert status == 2 and refusal in err
-    pytest.importorskip("transformers")
+    require("transformers", "hf")
     status, _, err = _run(capsys, ["export-hf", str(run), str(tmp_path / "hf")])
     assert status == 2 and refusal in err and err.count("\n") == 1
     assert not (tmp_path / "hf").exists()

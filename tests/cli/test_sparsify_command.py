@@ -10,6 +10,7 @@ import torch
 
 from routeformer.cli import main
 from routeformer.train.checkpoint import load_checkpoint, load_run_model
+from tests.extras import require
 
 DENSE_RUN = ["train", "--task", "mqar", "--steps", "20", "--evals", "1", "--batch-size", "16", "--seed", "1"]
 CONVERT = ["--mechanism", "topk", "--option", "topk=8", "--steps", "6", "--sparse-steps", "4",
@@ -52,11 +53,15 @@ def test_the_converted_run_records_its_source_and_cost(dense_run, routed_run):
     assert changed  # stage 2 trained the dense weights too
 
 
-def test_eval_and_export_hf_read_the_converted_run(capsys, routed_run, tmp_path):
+def test_eval_reads_the_converted_run(capsys, routed_run):
     status, out, err = _run(capsys, ["eval", str(routed_run)])
     assert status == 0, err
     result = json.loads(out.strip().splitlines()[-1])
     assert result["metric"] == "accuracy" and "routing_recall" in result
+
+
+def test_export_hf_reads_the_converted_run(capsys, routed_run, tmp_path):
+    require("routeformer.integrations.hf", "hf")
     status, out, err = _run(capsys, ["export-hf", str(routed_run), str(tmp_path / "hf")])
     assert status == 0, err
     assert (tmp_path / "hf" / "config.json").is_file()

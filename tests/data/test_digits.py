@@ -4,6 +4,9 @@ import pytest
 import torch
 
 from routeformer.data.digits import load_digits
+from tests.extras import require
+
+require("sklearn", "vision")
 
 
 def test_digits_split_and_upsampling():

@@ -10,6 +10,7 @@ from routeformer.models.config import ModelConfig
 from routeformer.models.heads import CausalLM
 from routeformer.runner.jobs import cached_run
 from routeformer.runner.report import markdown_table
+from tests.extras import require
 
 
 def test_registry_lists_the_topk_experiments_and_rejects_unknown_names(tmp_path):
@@ -67,6 +68,7 @@ def test_meta_attention_experiments_are_registered_and_init_runs(tmp_path):
 
 
 def test_mita_experiments_are_registered_and_train_at_toy_size(tmp_path):
+    require("sklearn", "vision")
     from routeformer.experiments.mita import train_vit
 
     names = {"mita-digits-vit", "mita-listops", "mita-listops-long", "mita-speed"}

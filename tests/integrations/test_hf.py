@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.extras import require
+
+transformers = require("transformers", "hf")
 
 from routeformer.integrations.hf import (  # noqa: E402
     key_padding_mask,

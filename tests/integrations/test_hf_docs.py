@@ -3,9 +3,9 @@
 import re
 from pathlib import Path
 
-import pytest
+from tests.extras import require
 
-pytest.importorskip("transformers")
+require("transformers", "hf")
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 

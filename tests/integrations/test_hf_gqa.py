@@ -5,7 +5,9 @@ logits with the original's parameters and decode-cache bytes (no repeated K/V)."
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.extras import require
+
+transformers = require("transformers", "hf")
 
 from routeformer.attention.base import key_value_bytes  # noqa: E402
 from routeformer.attention.full import FullAttention  # noqa: E402

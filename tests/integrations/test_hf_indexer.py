@@ -9,7 +9,9 @@ import inspect
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.extras import require
+
+transformers = require("transformers", "hf")
 
 from routeformer.integrations.hf import patch_indexer  # noqa: E402
 from routeformer.integrations.hf.indexer import (  # noqa: E402

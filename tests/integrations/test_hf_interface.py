@@ -8,7 +8,9 @@ import inspect
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.extras import require
+
+transformers = require("transformers", "hf")
 
 from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402

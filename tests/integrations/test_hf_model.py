@@ -6,7 +6,9 @@ import json
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.extras import require
+
+transformers = require("transformers", "hf")
 
 from routeformer.cli import main  # noqa: E402
 from routeformer.data.vocab import CharVocab  # noqa: E402

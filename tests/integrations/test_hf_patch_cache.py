@@ -8,7 +8,9 @@ import sys
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.extras import require
+
+transformers = require("transformers", "hf")
 
 from routeformer.integrations.hf import patch_attention, routeformer_layers  # noqa: E402
 from routeformer.integrations.hf.loading import from_pretrained  # noqa: E402

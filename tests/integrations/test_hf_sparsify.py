@@ -6,7 +6,9 @@ uncached one (tiny models built from a config, no downloads)."""
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.extras import require
+
+transformers = require("transformers", "hf")
 
 from routeformer.integrations.hf import (  # noqa: E402
     patch_attention,

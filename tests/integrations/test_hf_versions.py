@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.extras import require
+
+transformers = require("transformers", "hf")
 
 from transformers import DynamicCache  # noqa: E402
 
