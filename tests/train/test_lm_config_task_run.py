@@ -123,8 +123,6 @@ REFUSED = [
     ([*META, "--model.zero_meta_positions_train", "true"], "model.zero_meta_positions_train"),
     ([*META, "--model.zero_meta_positions_eval", "true"], "model.zero_meta_positions_eval"),
     (["--train.precision", "fp16"], "train.precision"),
-    (["--train.device", "cuda"], "train.device"),
-    (["--train.device", "auto"], "train.device"),
     (["--train.log_stats", "[kl]"], "train.log_stats"),
     (["--train.max_nonfinite_steps", "3"], "train.max_nonfinite_steps"),
     (["--train.eval_every", "7"], "train.eval_every"),

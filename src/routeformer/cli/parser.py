@@ -111,6 +111,9 @@ def key_values(items: list[str], argument: str, accepted: Iterable[str] | None =
     return chosen
 
 
+DEVICES = ("cpu", "cuda", "auto")  # where a task run trains: --device, --spec's --device, train.device
+
+
 def build_task_train_parser() -> argparse.ArgumentParser:
     """The arguments of `routeformer train --task NAME` (parsed after `train`'s own: without --task
     the rest of the line is config overrides of the LM run)."""
@@ -154,6 +157,9 @@ def build_task_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="the training forward's precision: fp32 (default) or bf16 (bfloat16 autocast; "
                              "weights, optimizer and evaluation stay fp32)")
+    parser.add_argument("--device", choices=DEVICES, default="cpu",
+                        help="where the model trains and is evaluated: cpu (default), cuda (cuda:LOCAL_RANK "
+                             "under torchrun) or auto (cuda when available)")
     parser.add_argument("--logger", choices=("jsonl", "tensorboard"), default="jsonl",
                         help="where the run's metrics go besides record.json: metrics.jsonl (default), or "
                              "metrics.jsonl and TensorBoard event files in DIR/tensorboard (.[tensorboard])")

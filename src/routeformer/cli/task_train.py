@@ -13,25 +13,28 @@ share of the steps. The
 trained model is kept in the run directory as `checkpoint.pt` (runner/run_dir.py), which `eval`,
 `sample` (text tasks), `export-hf` (causal models) and `train.checkpoint.load_run_model` read.
 `--precision bf16` trains under bfloat16 autocast (train/task_loop.py; fp32 by default);
-`--betas B1 B2` sets AdamW's betas (default 0.9 0.999), `--model.tie_embeddings true` ties the
-output head to the token embedding (default: a separate head) and `--model.dropout P` trains with
-dropout P (default 0). The run directory's `metrics.jsonl` holds a line per evaluation and a final
-one (runner/run_dir.py); `--logger tensorboard` also writes them as TensorBoard event files to
-`DIR/tensorboard`.
+`--device cuda` (or `auto`: cuda when available) builds, trains and evaluates the model on the GPU
+(cuda:LOCAL_RANK under torchrun; default cpu), the batches drawn on the CPU as there, so that a run
+sees the same tokens on either device; `--betas B1 B2` sets AdamW's betas (default 0.9 0.999),
+`--model.tie_embeddings true` ties the output head to the token embedding (default: a separate
+head) and `--model.dropout P` trains with dropout P (default 0). The run directory's
+`metrics.jsonl` holds a line per evaluation and a final one (runner/run_dir.py); `--logger
+tensorboard` also writes them as TensorBoard event files to `DIR/tensorboard`.
 
 `train --task lm --config FILE [--key value ...] [--out DIR]` trains, as this task run, the model
 `routeformer train --config FILE [--key value ...]` trains (the same weights): the rest of the line
 is the LM run's config overrides (`train.load_config`: `--model.dim 64`, `--steps 40`, read as the
 LM run reads them), except `--out`, and the config becomes its task-lm job by
 `runner.lm_config.lm_config_job`, which refuses in one line, naming the key, each setting the task
-path cannot train exactly (layers of different mechanisms, fp16, a CUDA device, ...); the config's
-`train.logger` is the run directory's (`--train.logger tensorboard`: TensorBoard too). The task-run
-arguments that are not config keys (--mechanism, --option, --evals, --budget, --mechanism-option,
---betas) are refused beside --config, each naming the key that states the same; so is --out_dir (the
-run directory is --out). The config file's out_dir does not apply.
+path cannot train exactly (layers of different mechanisms, fp16, ...); the config's `train.device`
+is where the task run trains, and its `train.logger` the run directory's (`--train.logger
+tensorboard`: TensorBoard too). The task-run arguments that are not config keys (--mechanism,
+--option, --evals, --budget, --mechanism-option, --betas) are refused beside --config, each naming
+the key that states the same; so is --out_dir (the run directory is --out). The config file's
+out_dir does not apply.
 
 Under torchrun (or RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in the environment)
-the run trains DistributedDataParallel on the CPU processes (gloo), as `routeformer train` does:
+the run trains DistributedDataParallel, as `routeformer train` does (gloo on the CPU, nccl on CUDA):
 --batch-size is the global batch, sharded over the processes; process 0 alone evaluates, logs,
 writes the run directory and prints the summary.
 
@@ -48,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.cli.exit_status import EXIT_INTERRUPTED
-from routeformer.cli.parser import build_task_train_parser, key_values
+from routeformer.cli.parser import DEVICES, build_task_train_parser, key_values
 from routeformer.runner.jobs import Job, TaskSetup
 
 
@@ -57,22 +60,23 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
     from routeformer.runner.run_dir import RECORD_FILE, run_in_directory
     from routeformer.train.checkpoint import CHECKPOINT_NAME
     from routeformer.train.distributed import finish_distributed, init_distributed
-    from routeformer.train.task_loop import distributed_training
+    from routeformer.train.task_loop import distributed_training, training_on
 
     logger = "jsonl"
     if args.spec is not None:
-        job, out = spec_run_job(args, extra)
+        job, out, device, argument = *spec_run_job(args, extra), "argument --device"
     elif args.config is not None:
-        job, out, logger = config_run_job(args.task, args.config, extra)
+        job, out, logger, device = config_run_job(args.task, args.config, extra)
+        argument = "train.device"
     else:
         options = build_task_train_parser().parse_args(extra)
         job = task_run_job(args.task, options)
-        out, logger = options.out, options.logger
+        out, logger, device, argument = options.out, options.logger, options.device, "argument --device"
     out = out or f"runs/train-{job.task}-{job.mechanism}-seed{job.seed}"
-    context = init_distributed("cpu")
+    context = init_distributed(device)
     try:
         check_global_batch(job, context.world_size)
-        with distributed_training(context):
+        with distributed_training(context), training_on(run_device(device, context, argument)):
             record = run_in_directory(out, job, fresh=args.fresh, logger=logger,
                                       log=lambda line: say(f"  {job.key}: {line}"))
     except KeyboardInterrupt:
@@ -101,10 +105,10 @@ NOT_WITH_CONFIG = {"--mechanism": "--model.attention", "--mechanism-option": "--
                    "--betas": "--train.beta1 and --train.beta2", "--out_dir": "--out", "--out-dir": "--out"}
 
 
-def config_run_job(task: str, config: str, extra: list[str]) -> tuple[Job, str | None, str]:
-    """(job, --out or None, the config's `train.logger`) of `train --task lm --config FILE [--key value
-    ...] [--out DIR]`: the LM run config FILE (a path or a bundled name) with the overrides applied
-    as `routeformer train` applies them (`train.load_config`), as its task-lm job
+def config_run_job(task: str, config: str, extra: list[str]) -> tuple[Job, str | None, str, str]:
+    """(job, --out or None, the config's `train.logger`, its `train.device`) of `train --task lm
+    --config FILE [--key value ...] [--out DIR]`: the LM run config FILE (a path or a bundled name)
+    with the overrides applied as `routeformer train` applies them (`train.load_config`), as its task-lm job
     (`runner.lm_config.lm_config_job`).
     ValueError naming --task unless the task is lm, naming a task-run argument that is not a config
     key (NOT_WITH_CONFIG: it says which key states the same), or naming the config key the task path
@@ -135,20 +139,22 @@ def config_run_job(task: str, config: str, extra: list[str]) -> tuple[Job, str |
         index += 1
     loaded = load_config(resolve_config(config), overrides)
     job = lm_config_job(loaded, "train-lm")
-    return replace(job, key=f"train-lm-{job.mechanism}-seed{job.seed}"), out, loaded.train.logger
+    return (replace(job, key=f"train-lm-{job.mechanism}-seed{job.seed}"), out, loaded.train.logger,
+            loaded.train.device)
 
 
-def spec_run_job(args: argparse.Namespace, extra: list[str]) -> tuple[Job, str | None]:
-    """(job, --out or None) of `train --spec FILE [--KEY.PATH VALUE ...] [--out DIR]`: the run spec
-    FILE (JSON or YAML, or a run directory's config.json) with the dotted overrides set
-    (`runner.spec.load_spec`). ValueError naming --task or --config (not with --spec), an override
-    without a value, or as `load_spec` does."""
+def spec_run_job(args: argparse.Namespace, extra: list[str]) -> tuple[Job, str | None, str]:
+    """(job, --out or None, --device or "cpu") of `train --spec FILE [--KEY.PATH VALUE ...] [--out DIR]
+    [--device NAME]`: the run spec FILE (JSON or YAML, or a run directory's config.json) with the
+    dotted overrides set (`runner.spec.load_spec`). ValueError naming --task or --config (not with
+    --spec), an override without a value, a --device other than cpu, cuda or auto, or as `load_spec`
+    does."""
     from routeformer.runner.spec import load_spec
 
     for name in ("task", "config"):
         if getattr(args, name) is not None:
             raise ValueError(f"argument --{name}: not with --spec (the spec names the task and the model)")
-    overrides, out, index = [], None, 0
+    overrides, out, device, index = [], None, "cpu", 0
     while index < len(extra):
         name, equals, value = extra[index].partition("=")
         if not name.startswith("--") or len(name) < 3:
@@ -161,9 +167,26 @@ def spec_run_job(args: argparse.Namespace, extra: list[str]) -> tuple[Job, str |
         index += 1 if equals else 2
         if name == "--out":
             out = value
+        elif name == "--device":
+            if value not in DEVICES:
+                raise ValueError(f"argument --device: one of {list(DEVICES)}; got {value!r}")
+            device = value
         else:
             overrides.append((name[2:], value))
-    return load_spec(args.spec, overrides), out
+    return load_spec(args.spec, overrides), out, device
+
+
+def run_device(name: str, context: Any, argument: str) -> Any:
+    """The torch device a task run trains on for `name` (one of DEVICES; cuda: this process's
+    LOCAL_RANK under torchrun; auto: cuda when available). ValueError naming `argument` when it asks
+    for CUDA and none is available."""
+    import torch
+
+    from routeformer.train.distributed import resolve_device
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{argument}: 'cuda' but no CUDA device is available; use cpu or auto")
+    return resolve_device(name, context)
 
 
 def check_global_batch(job: Job, processes: int) -> None:

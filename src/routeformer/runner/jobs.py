@@ -114,9 +114,11 @@ def train_job(job: Job, log: Callable[[str], None] | None = None,
               keep_model: Callable[[Any], None] | None = None,
               on_eval: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Train one fresh model through the stages of the job's setup, then test it at T and at each of
-    its evaluation multiples (see runner/setups.py). `log` hears the run's progress lines (default:
-    `say`, prefixed with the job's key); `keep_model(model)` is called with the trained model once it
-    is tested, before the record is returned (a run directory saves it there). `on_eval(record)`
+    its evaluation multiples (see runner/setups.py), on `train.task_loop.training_device()` (the
+    CPU unless inside `training_on(device)`; a record trained elsewhere names its `device`). `log`
+    hears the run's progress lines (default: `say`, prefixed with the job's key); `keep_model(model)`
+    is called with the trained model once it is tested, before the record is returned (a run
+    directory saves it there). `on_eval(record)`
     (None: nothing) hears each validation evaluation as it is made, before its checkpoint is saved
     (not those a resumed run reads back): the validation history's record (`step`, `train_loss`,
     `aux_loss`, the task's validation metrics), for a staged setup with `step` counted over the whole
@@ -130,7 +132,7 @@ def train_job(job: Job, log: Callable[[str], None] | None = None,
 
     from routeformer.tasks import build_task
     from routeformer.train.on_task import build_task_model, train_on_task, train_stages
-    from routeformer.train.task_loop import is_main_process
+    from routeformer.train.task_loop import is_main_process, training_device
 
     setup = job.setup
     name = setup.task_name(job.task)
@@ -151,11 +153,11 @@ def train_job(job: Job, log: Callable[[str], None] | None = None,
                                on_eval=on_eval)
         if not is_main_process():
             return {}
-        return {**record, "task_name": job.task, "task_options": job.task_options}
+        return {**record, "task_name": job.task, "task_options": job.task_options, **_device_entry()}
     log(f"started ({total} steps in {len(setup.stages)} stages)")
     done = [sum(stage.schedule.steps for stage in setup.stages[:index]) for index in range(len(setup.stages))]
     torch.manual_seed(job.seed)
-    model = build_task_model(task, job.mechanism, job.options, job.spec)
+    model = build_task_model(task, job.mechanism, job.options, job.spec).to(training_device())
     stage_tasks: list[Any] = []  # each built when its stage begins
 
     def stage(index: int) -> tuple[Any, Any, int]:
@@ -173,10 +175,20 @@ def train_job(job: Job, log: Callable[[str], None] | None = None,
     validation = [{**record, "stage": index, "task": t.describe()}
                   for index, (t, history) in enumerate(zip(stage_tasks, histories, strict=True))
                   for record in history.evals]
-    record = staged_record(job, task, model, validation, sum(h.train_seconds for h in histories))
+    record = {**staged_record(job, task, model, validation, sum(h.train_seconds for h in histories)),
+              **_device_entry()}
     if keep_model is not None:
         keep_model(model)
     return record
+
+
+def _device_entry() -> dict[str, str]:
+    """{"device": name} of a run trained off the CPU (`train.task_loop.training_on`); {} on the CPU,
+    so that CPU records keep their shape."""
+    from routeformer.train.task_loop import training_device
+
+    device = training_device()
+    return {} if device.type == "cpu" else {"device": str(device)}
 
 
 def _kept_by(keep_model: Callable[[Any], None]) -> Callable[[Any], dict[str, Any]]:

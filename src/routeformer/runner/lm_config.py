@@ -105,7 +105,7 @@ def refusals(config: Any) -> list[str]:
     `model.attention` naming several mechanisms, `model.dropout` above 0 (the two paths draw the masks
     from different RNG states), `model.causal` false, `model.max_seq_len` above
     `data.seq_len` with learned positions (a larger position table), `model.meta_token_id` set without
-    meta-tokens, `model.zero_meta_positions_*`, `train.precision` fp16, `train.device` other than cpu,
+    meta-tokens, `model.zero_meta_positions_*`, `train.precision` fp16,
     `train.log_stats`, `train.max_nonfinite_steps` other than the task loop's, and `train.eval_every` not
     dividing `train.steps`."""
     from routeformer.train.task_loop import MAX_NONFINITE_STEPS, TASK_PRECISIONS
@@ -133,8 +133,6 @@ def refusals(config: Any) -> list[str]:
     if run.precision not in TASK_PRECISIONS:
         found.append(f"train.precision: a task run trains in one of {list(TASK_PRECISIONS)}; "
                      f"got {run.precision!r}")
-    if run.device != "cpu":
-        found.append(f"train.device: a task run trains on the CPU ('cpu'); got {run.device!r}")
     if run.log_stats:
         found.append(f"train.log_stats: a task run logs no attention stats; got {run.log_stats!r}")
     if run.max_nonfinite_steps != MAX_NONFINITE_STEPS:

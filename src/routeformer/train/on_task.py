@@ -30,6 +30,7 @@ from routeformer.train.task_loop import (
     layer_stat,
     train_config_dict,
     train_task,
+    training_device,
     without_defaults,
 )
 
@@ -96,7 +97,8 @@ ROUTING_STATS = ("routing_recall", "hard_fraction", "rows_full", "rows_linear", 
 def evaluate_on_task(model: TokenPredictor, task: Task, split: str, sequences: int,
                      batch_size: int = 256, position_buckets: Sequence[int] | None = None) -> dict[str, Any]:
     """The task's metric on a fixed sample of `split` (accuracy at the asked positions, or bits per
-    token for LM tasks), the mean loss in nats, and the attention FLOPs executed per token.
+    token for LM tasks), the mean loss in nats, and the attention FLOPs executed per token. The
+    sample is drawn on the CPU and each batch of it moved to the model's device.
 
     For LM tasks (metric "bits_per_char") the record also holds `bits_per_char_by_position`
     ({"0-256": bits, ...}) and `tokens_by_position` (the count of predictions in each bucket),
@@ -113,6 +115,7 @@ def evaluate_on_task(model: TokenPredictor, task: Task, split: str, sequences: i
     was_training = model.training
     model.eval()
     inputs, labels = task.fixed_sample(split, sequences)
+    device = next(model.parameters()).device
     by_position = (PositionBucketSums(inputs.shape[1], position_buckets)
                    if task.metric == "bits_per_char" and inputs.shape[1] > 0 else None)
     correct = asked = 0
@@ -125,16 +128,18 @@ def evaluate_on_task(model: TokenPredictor, task: Task, split: str, sequences: i
         copy_masks = {context: mask for context, mask in copy_masks.items() if mask is not None}
     token_losses = []
     for start in range(0, inputs.shape[0], batch_size):
-        chunk_inputs, chunk_labels = inputs[start:start + batch_size], labels[start:start + batch_size]
-        result = model(chunk_inputs, chunk_labels, mask=task.mask(chunk_inputs), logits_at_labels=True)
-        targets = chunk_labels[chunk_labels != IGNORE_INDEX]
+        chunk_labels = labels[start:start + batch_size]
+        chunk_inputs, on_device = inputs[start:start + batch_size].to(device), chunk_labels.to(device)
+        result = model(chunk_inputs, on_device, mask=task.mask(chunk_inputs), logits_at_labels=True)
+        targets = on_device[on_device != IGNORE_INDEX]
         correct += int((result.logits.argmax(-1) == targets).sum())
         nats += float(torch.nn.functional.cross_entropy(result.logits.float(), targets, reduction="sum"))
         if by_position is not None:
-            token_nats = torch.nn.functional.cross_entropy(result.logits.float(), targets, reduction="none")
+            token_nats = torch.nn.functional.cross_entropy(result.logits.float(), targets,
+                                                           reduction="none").cpu()
             by_position.add(token_nats, chunk_labels)
             if copy_masks:
-                token_losses.append(token_nats.detach().double().cpu())
+                token_losses.append(token_nats.detach().double())
         asked += targets.numel()
         flops += sum(float(layer["flops"]) for layer in result.stats)
         for key in ROUTING_STATS:
@@ -195,7 +200,8 @@ def train_on_task(
     after_training: Callable[[TokenPredictor], dict[str, Any]] | None = None,
     on_eval: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Train a fresh model (initialised from `seed`) and return a JSON-ready record: the
+    """Train a fresh model (initialised from `seed`, built on `task_loop.training_device()`: the
+    innermost `training_on` block's device, else the CPU) and return a JSON-ready record: the
     validation history, `test` (the task's metric on the test sample), parameter count, wall-clock,
     `model` (`spec_dict(spec)`) and `train` (`train_config_dict(train)`: the schedule, seed,
     `precision` and, where not the default, AdamW's `betas` it trained with). Inside
@@ -206,7 +212,7 @@ def train_on_task(
     if train.seed != seed:
         raise ValueError(f"train.seed ({train.seed}) must equal seed ({seed})")
     torch.manual_seed(seed)
-    model = build_task_model(task, mechanism, options, spec)
+    model = build_task_model(task, mechanism, options, spec).to(training_device())
     history, = train_stages(model, [(task, train, validation_sequences)], lambda index, stage_task: log,
                             on_eval=None if on_eval is None else lambda index, record: on_eval(record))
     if not is_main_process():

@@ -162,6 +162,7 @@ _DISTRIBUTED: ContextVar[DistributedContext | None] = ContextVar("routeformer_di
                                                                  default=None)
 _EVALUATIONS: ContextVar[Callable[[dict[str, Any]], None] | None] = ContextVar(
     "routeformer_evaluation_listener", default=None)
+_DEVICE: ContextVar[torch.device | None] = ContextVar("routeformer_training_device", default=None)
 _SINGLE_PROCESS = DistributedContext()
 
 
@@ -187,6 +188,28 @@ def is_main_process() -> bool:
     """Whether this process evaluates, logs and writes files: always outside `distributed_training`,
     and process 0 of several inside it."""
     return distributed_context().is_main
+
+
+@contextmanager
+def training_on(device: torch.device | str) -> Iterator[None]:
+    """Build the model of every task run inside the block (`train.on_task.train_on_task`,
+    `runner.jobs.train_job`) on `device` (a torch device or its name, e.g. "cuda:0"), where
+    `train_task` and `train.on_task.evaluate_on_task` move each batch to (outside: the CPU).
+    Raises ValueError naming `device` unless torch knows it."""
+    try:
+        token = _DEVICE.set(torch.device(device))
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: a torch device such as 'cpu' or 'cuda:0'; got {device!r}") from None
+    try:
+        yield
+    finally:
+        _DEVICE.reset(token)
+
+
+def training_device() -> torch.device:
+    """The device task runs build their models on here: the innermost `training_on` block's, else
+    the CPU."""
+    return _DEVICE.get() or torch.device("cpu")
 
 
 @contextmanager
@@ -250,7 +273,7 @@ def train_task(
     """Train `model` on fresh batches `make_batch(batch_size, generator)`: (inputs, labels) or
     (inputs, labels, extra), `extra` a dict of tensors [B, ...] the forward also takes (a task's
     `training_batch`); `forward(model, inputs, labels, **extra)` returns a ModelOutput (default:
-    `model(inputs, labels, **extra)`); `evaluate(model)` runs every
+    `model(inputs, labels, **extra)`), each batch moved to the model's device; `evaluate(model)` runs every
     `eval_every` steps and at the end, in eval mode. AdamW runs with `config.betas`;
     `config.precision` sets the training forward's autocast (fp32: none). Inside
     `distributed_training` with several processes the model trains DistributedDataParallel
@@ -287,7 +310,7 @@ def train_task(
         if context.enabled:  # this process's slice of the global batch
             inputs, labels = local_shard(inputs, context), local_shard(labels, context)
             extra = {name: local_shard(value, context) for name, value in extra.items()}
-        return inputs, labels, extra
+        return inputs.to(device), labels.to(device), {name: value.to(device) for name, value in extra.items()}
 
     def evaluate_now(result: StepResult) -> None:
         nonlocal began
