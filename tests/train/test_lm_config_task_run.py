@@ -54,8 +54,9 @@ def test_the_task_run_of_a_config_trains_the_lm_runs_weights(tmp_path, capsys):
 @pytest.mark.parametrize(("extra", "option"), [
     (["--data.pack_documents", "true"], {"pack_documents": True}),
     (["--data.meta_density", "0.1"], {"meta_density": 0.1}),
-], ids=["packed documents", "meta-tokens"])
-def test_packing_and_meta_tokens_train_the_lm_runs_weights(tmp_path, capsys, extra, option):
+    (["--model.dropout", "0.2"], {}),
+], ids=["packed documents", "meta-tokens", "dropout"])
+def test_packing_meta_tokens_and_dropout_train_the_lm_runs_weights(tmp_path, capsys, extra, option):
     lm, task = tmp_path / "lm", tmp_path / "task"
     assert main(["train", "--config", TINY, "--out_dir", str(lm), *OVERRIDES, *extra]) == 0
     assert main(["train", "--task", "lm", "--config", TINY, *OVERRIDES, *extra, "--out", str(task)]) == 0
@@ -116,7 +117,6 @@ def test_a_local_text_and_a_bpe_tokenizer_train_the_lm_runs_weights(tmp_path, ca
 META = ["--data.meta_density", "0.1", "--model.meta_token_id", "3"]
 REFUSED = [
     (["--model.attention", "[local, full]"], "model.attention"),
-    (["--model.dropout", "0.1"], "model.dropout"),
     (["--model.causal", "false"], "model.causal"),
     (["--model.positions", "learned", "--model.max_seq_len", "64"], "model.max_seq_len"),
     (["--model.meta_token_id", "3"], "model.meta_token_id"),

@@ -3,7 +3,8 @@ FILE` (train/loop.py) trains as a one-stage job on task lm (`runner.jobs.train_j
 compare and `routeformer train --task`), so that both train the same weights.
 
 What carries over: the backbone (`model.dim`, `depth`, `heads`, `mlp_ratio`, `positions`,
-`tie_embeddings`), the mechanism (`model.attention`, one name or the same name for every
+`tie_embeddings`, `dropout`: both paths seed torch's RNG after building the model, so they draw the
+same masks), the mechanism (`model.attention`, one name or the same name for every
 layer) and its `model.attention_options`, the text and `data.seq_len` (task options `corpus`,
 `seq_len`, and `meta_density` when above 0, `path` for a `data.path`, `tokenizer` for a
 `data.tokenizer` other than "char" and `pack_documents` when set: the task then reads, and packs, the
@@ -69,7 +70,7 @@ def lm_config_job(config: Any, key: str) -> Job:
                       validation_sequences=max(1, run.eval_tokens // real),
                       test_sequences=_test_windows(options, real, run.final_eval_tokens))
     spec = ModelSpec(dim=model.dim, depth=model.depth, heads=model.heads, mlp_ratio=model.mlp_ratio,
-                     positions=model.positions, tie_embeddings=model.tie_embeddings)
+                     positions=model.positions, tie_embeddings=model.tie_embeddings, dropout=model.dropout)
     return Job(key, "lm", dict(options), mechanism, dict(model.attention_options.get(mechanism, {})),
                run.seed, setup, spec, precision=run.precision, betas=(run.beta1, run.beta2),
                weight_decay=run.weight_decay)
@@ -102,8 +103,7 @@ def lm_run_as_task_run(run: Any) -> Any:
 def refusals(config: Any) -> list[str]:
     """Every setting of the RunConfig `config` that the task path cannot train exactly, one "KEY: why"
     line each, in the order of the config's sections (empty: `lm_config_job` translates it). Refused:
-    `model.attention` naming several mechanisms, `model.dropout` above 0 (the two paths draw the masks
-    from different RNG states), `model.causal` false, `model.max_seq_len` above
+    `model.attention` naming several mechanisms, `model.causal` false, `model.max_seq_len` above
     `data.seq_len` with learned positions (a larger position table), `model.meta_token_id` set without
     meta-tokens, `model.zero_meta_positions_*`, `train.precision` fp16,
     `train.log_stats`, `train.max_nonfinite_steps` other than the task loop's, and `train.eval_every` not
@@ -115,10 +115,6 @@ def refusals(config: Any) -> list[str]:
     if len(set(model.layer_attention())) > 1:
         found.append("model.attention: the task path runs one mechanism in every layer; "
                      f"got {model.attention!r}")
-    if model.dropout:
-        found.append("model.dropout: a task run draws its dropout masks from torch's RNG reseeded after "
-                     "building the model, the LM run from its state after building it (other masks); "
-                     f"got {model.dropout!r}")
     if not model.causal:
         found.append("model.causal: task lm trains a causal model; got false")
     if model.positions == "learned" and model.max_seq_len > data.seq_len:

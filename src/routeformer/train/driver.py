@@ -54,27 +54,25 @@ class Driver:
     Args:
         model: the module to train, on `device`.
         schedule: steps, batch size, learning rate, warm-up, cosine floor and clipping.
-        seed: seeds the batch generator (and, with `reseed`, torch's RNG first; process r > 0 of
-            several draws from `seed + r` unless restored).
+        seed: seeds torch's RNG (after the caller built the model, so a run's dropout masks and
+            routing samples do not depend on how its weights were initialised; process r > 0 of
+            several draws from `seed + r` unless restored), then the batch generator.
         weight_decay, betas: AdamW's.
         max_nonfinite: non-finite steps in a row that stop the run (train/guard.py).
         on_skip: `on_skip(step, message)` hears each skipped step (default: a warning on stderr).
         context: the processes the run trains on (default: this one alone).
         scaler: the gradient scaler of an fp16 run (None: none; fp32 and bf16).
-        reseed: call `torch.manual_seed(seed)` before anything else (task runs do, after building the
-            model; `routeformer train` seeds once, before building it).
     """
 
     def __init__(self, model: nn.Module, *, schedule: Schedule, seed: int, weight_decay: float,
                  betas: tuple[float, float], max_nonfinite: int, device: torch.device,
                  on_skip: Callable[[int, str], None] | None = None,
-                 context: DistributedContext | None = None, scaler: torch.amp.GradScaler | None = None,
-                 reseed: bool = True) -> None:
+                 context: DistributedContext | None = None,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
         self.model, self.schedule, self.seed, self.device = model, schedule, seed, device
         self.context = context or DistributedContext()
         self.weight_decay, self.betas, self.scaler = weight_decay, betas, scaler
-        if reseed:
-            torch.manual_seed(seed)
+        torch.manual_seed(seed)
         self.generator = torch.Generator().manual_seed(seed)
         self.optimizer = build_optimizer(model, lr=schedule.lr, weight_decay=weight_decay, betas=betas)
         self.guard = NonFiniteGuard(max_nonfinite, warn=on_skip or (lambda step, message: warn(message)),

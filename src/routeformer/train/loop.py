@@ -156,7 +156,7 @@ def _train(config: RunConfig, resume: bool, after_step: Callable[[int], None] | 
     driver = Driver(model, schedule=schedule, seed=settings.seed, weight_decay=settings.weight_decay,
                     betas=(settings.beta1, settings.beta2), max_nonfinite=settings.max_nonfinite_steps,
                     device=device, on_skip=skipped, context=context,
-                    scaler=gradient_scaler(settings.precision, device), reseed=False)
+                    scaler=gradient_scaler(settings.precision, device))
     if state:
         reseeded = driver.restore(state)
         if reseeded:
