@@ -122,7 +122,6 @@ REFUSED = [
     (["--model.meta_token_id", "3"], "model.meta_token_id"),
     ([*META, "--model.zero_meta_positions_train", "true"], "model.zero_meta_positions_train"),
     ([*META, "--model.zero_meta_positions_eval", "true"], "model.zero_meta_positions_eval"),
-    (["--train.precision", "fp16"], "train.precision"),
     (["--train.log_stats", "[kl]"], "train.log_stats"),
     (["--train.max_nonfinite_steps", "3"], "train.max_nonfinite_steps"),
     (["--train.eval_every", "7"], "train.eval_every"),
@@ -173,7 +172,6 @@ CLI_REFUSED = [
     (["--task", "lm", "--betas", "0.9", "0.95"], "use --train.beta1 and --train.beta2"),
     (["--task", "lm", "--budget=long"], "argument --budget: not with --config"),
     (["--task", "lm", "--out_dir", "x"], "argument --out_dir: not with --config"),
-    (["--task", "lm", "--train.precision", "fp16"], "train.precision: a task run trains in one of"),
     (["--task", "lm", "--model.attention", "[local, full]"], "model.attention: "),
     (["--task", "lm", "--nokey", "3"], "unknown config key 'nokey'"),
 ]

@@ -1,7 +1,8 @@
 """Task runs' precision: `--precision bf16` trains the forward under bfloat16 autocast on the CPU and
-records it; fp32, the default, leaves config.json as it was; a bad value is refused in one line
-(CLI) or by a ValueError naming the argument (library); a checkpoint written before the field
-existed resumes."""
+records it; fp32, the default, leaves config.json as it was; fp16 (float16 autocast and a gradient
+scaler) trains on CUDA only (checked where a GPU is present; refused in one line elsewhere); a bad
+value is refused in one line (CLI) or by a ValueError naming the argument (library); a checkpoint
+written before the field existed resumes."""
 
 import json
 import math
@@ -72,13 +73,40 @@ def test_a_bad_precision_is_refused_in_one_line_before_anything_is_written(tmp_p
     assert not run.exists()
 
 
-@pytest.mark.parametrize("precision", ["fp16x", "fp16", "", None])
+@pytest.mark.parametrize("precision", ["fp16x", "FP16", "", None])
 def test_the_library_refuses_a_bad_precision_naming_the_argument(precision):
-    with pytest.raises(ValueError, match=r"precision: one of \['fp32', 'bf16'\]; got "):
+    with pytest.raises(ValueError, match=r"precision: one of \['fp32', 'bf16', 'fp16'\]; got "):
         TaskTrainConfig(precision=precision)
     setup = QUICK.tasks["mqar"]
-    with pytest.raises(ValueError, match=r"precision: one of \['fp32', 'bf16'\]; got "):
+    with pytest.raises(ValueError, match=r"precision: one of \['fp32', 'bf16', 'fp16'\]; got "):
         Job("k", "mqar", setup.options, "full", {}, 0, setup, precision=precision)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is refused only off CUDA")
+def test_fp16_off_cuda_is_refused_by_the_loop_and_in_one_line_by_the_command(tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"^train.precision='fp16' needs a CUDA device"):
+        train_task(nn.Linear(4, 1), lambda size, generator: (torch.zeros(size, 4), torch.zeros(size, 1)),
+                   lambda model: {}, TaskTrainConfig(precision="fp16"), forward=_forward)
+    config = ["train", "--task", "lm", "--config", "tiny", "--train.precision", "fp16"]
+    for argv, named in (([*RUN, "--precision", "fp16"], "argument --precision"),
+                        ([*RUN, "--precision", "fp16", "--device", "auto"], "argument --precision"),
+                        (config, "train.precision")):
+        run = tmp_path / "run"
+        assert main([*argv, "--out", str(run)]) == 2
+        error = capsys.readouterr().err.strip()
+        assert error == (f"routeformer: error: {named}: 'fp16' needs a CUDA device (float16 autocast "
+                         "with a gradient scaler); on cpu use bf16")
+        assert not run.exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_fp16_task_run_on_cuda_trains_and_is_recorded(tmp_path, capsys):
+    run = tmp_path / "fp16"
+    assert main([*RUN, "--precision", "fp16", "--device", "cuda", "--out", str(run)]) == 0
+    record = json.loads((run / "record.json").read_text())
+    assert record["train"]["precision"] == "fp16" and record["device"] == "cuda:0"
+    assert all(math.isfinite(entry["train_loss"]) for entry in record["validation"])
+    assert json.loads((run / "config.json").read_text())["precision"] == "fp16"
 
 
 def _forward(model, inputs, labels):

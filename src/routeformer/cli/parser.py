@@ -154,9 +154,10 @@ def build_task_train_parser() -> argparse.ArgumentParser:
                              "(default: the budget's backbone, none)")
     parser.add_argument("--betas", type=unit_float, nargs=2, default=None, metavar=("B1", "B2"),
                         help="AdamW's betas, each in [0, 1) (default: 0.9 0.999)")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                        help="the training forward's precision: fp32 (default) or bf16 (bfloat16 autocast; "
-                             "weights, optimizer and evaluation stay fp32)")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="the training forward's precision: fp32 (default), bf16 (bfloat16 autocast) or "
+                             "fp16 (float16 autocast and a gradient scaler; --device cuda only); weights, "
+                             "optimizer and evaluation stay fp32")
     parser.add_argument("--device", choices=DEVICES, default="cpu",
                         help="where the model trains and is evaluated: cpu (default), cuda (cuda:LOCAL_RANK "
                              "under torchrun) or auto (cuda when available)")

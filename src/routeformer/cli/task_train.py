@@ -12,7 +12,8 @@ long) and --option change it (the stage on the task itself); with --steps the wa
 share of the steps. The
 trained model is kept in the run directory as `checkpoint.pt` (runner/run_dir.py), which `eval`,
 `sample` (text tasks), `export-hf` (causal models) and `train.checkpoint.load_run_model` read.
-`--precision bf16` trains under bfloat16 autocast (train/task_loop.py; fp32 by default);
+`--precision bf16` trains under bfloat16 autocast, `fp16` under float16 autocast with a gradient
+scaler (CUDA only) (train/task_loop.py; fp32 by default);
 `--device cuda` (or `auto`: cuda when available) builds, trains and evaluates the model on the GPU
 (cuda:LOCAL_RANK under torchrun; default cpu), the batches drawn on the CPU as there, so that a run
 sees the same tokens on either device; `--betas B1 B2` sets AdamW's betas (default 0.9 0.999),
@@ -64,19 +65,25 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
 
     logger = "jsonl"
     if args.spec is not None:
-        job, out, device, argument = *spec_run_job(args, extra), "argument --device"
+        job, out, device = spec_run_job(args, extra)
+        names = ("argument --device", "precision")
     elif args.config is not None:
         job, out, logger, device = config_run_job(args.task, args.config, extra)
-        argument = "train.device"
+        names = ("train.device", "train.precision")
     else:
         options = build_task_train_parser().parse_args(extra)
         job = task_run_job(args.task, options)
-        out, logger, device, argument = options.out, options.logger, options.device, "argument --device"
+        out, logger, device = options.out, options.logger, options.device
+        names = ("argument --device", "argument --precision")
     out = out or f"runs/train-{job.task}-{job.mechanism}-seed{job.seed}"
     context = init_distributed(device)
     try:
         check_global_batch(job, context.world_size)
-        with distributed_training(context), training_on(run_device(device, context, argument)):
+        on = run_device(device, context, names[0])
+        if job.precision == "fp16" and on.type != "cuda":
+            raise ValueError(f"{names[1]}: 'fp16' needs a CUDA device (float16 autocast with a gradient "
+                             f"scaler); on {on.type} use bf16")
+        with distributed_training(context), training_on(on):
             record = run_in_directory(out, job, fresh=args.fresh, logger=logger,
                                       log=lambda line: say(f"  {job.key}: {line}"))
     except KeyboardInterrupt:

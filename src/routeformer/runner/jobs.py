@@ -82,7 +82,7 @@ def run_key(name: str) -> str:
 @dataclass(frozen=True)
 class Job:
     """One training run (module docstring); `precision`, `betas` and `weight_decay` are its stages'
-    `TaskTrainConfig.precision` (ValueError naming it unless "fp32" or "bf16"), AdamW betas
+    `TaskTrainConfig.precision` (ValueError naming it unless "fp32", "bf16" or "fp16"), AdamW betas
     (`TaskTrainConfig.betas`: two numbers in [0, 1), default TASK_BETAS; ValueError naming it
     otherwise) and AdamW weight decay (`TaskTrainConfig.weight_decay`, on matrices only: a finite
     number >= 0, default TASK_WEIGHT_DECAY; ValueError naming it otherwise). The backbone's
@@ -96,7 +96,7 @@ class Job:
     seed: int
     setup: TaskSetup  # `task` is its name in the budget (`setup.task_name(task)` builds the task)
     spec: ModelSpec = field(default_factory=ModelSpec)
-    precision: str = TASK_PRECISIONS[0]  # of every stage's training forward: "fp32" or "bf16"
+    precision: str = TASK_PRECISIONS[0]  # of every stage's training forward: fp32, bf16, fp16 (CUDA)
     betas: tuple[float, float] = TASK_BETAS  # AdamW's, in every stage
     weight_decay: float = TASK_WEIGHT_DECAY  # AdamW's, in every stage
 

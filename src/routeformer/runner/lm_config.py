@@ -10,7 +10,8 @@ layer) and its `model.attention_options`, the text and `data.seq_len` (task opti
 `data.tokenizer` other than "char" and `pack_documents` when set: the task then reads, and packs, the
 training ids the LM run reads), the whole schedule (`train.steps`, `batch_size`, `lr`, `warmup_steps`,
 `min_lr_ratio`, `grad_clip`), `train.weight_decay`, `train.beta1`/`beta2`, `train.seed`,
-`train.precision` (fp32 or bf16) and the evaluation steps (`train.eval_every`, as `steps //
+`train.precision` (fp32, bf16, or fp16 on CUDA), `train.device` (where the task run trains: the
+caller's `train.task_loop.training_on`) and the evaluation steps (`train.eval_every`, as `steps //
 eval_every` evaluations).
 
 What is read differently, without changing the weights: a periodic evaluation reads about
@@ -105,10 +106,10 @@ def refusals(config: Any) -> list[str]:
     line each, in the order of the config's sections (empty: `lm_config_job` translates it). Refused:
     `model.attention` naming several mechanisms, `model.causal` false, `model.max_seq_len` above
     `data.seq_len` with learned positions (a larger position table), `model.meta_token_id` set without
-    meta-tokens, `model.zero_meta_positions_*`, `train.precision` fp16,
+    meta-tokens, `model.zero_meta_positions_*`,
     `train.log_stats`, `train.max_nonfinite_steps` other than the task loop's, and `train.eval_every` not
     dividing `train.steps`."""
-    from routeformer.train.task_loop import MAX_NONFINITE_STEPS, TASK_PRECISIONS
+    from routeformer.train.task_loop import MAX_NONFINITE_STEPS
 
     model, data, run = config.model, config.data, config.train
     found = []
@@ -126,9 +127,6 @@ def refusals(config: Any) -> list[str]:
     for name in ("zero_meta_positions_train", "zero_meta_positions_eval"):
         if getattr(model, name):
             found.append(f"model.{name}: the task backbone keeps the positions at meta-tokens; got true")
-    if run.precision not in TASK_PRECISIONS:
-        found.append(f"train.precision: a task run trains in one of {list(TASK_PRECISIONS)}; "
-                     f"got {run.precision!r}")
     if run.log_stats:
         found.append(f"train.log_stats: a task run logs no attention stats; got {run.log_stats!r}")
     if run.max_nonfinite_steps != MAX_NONFINITE_STEPS:

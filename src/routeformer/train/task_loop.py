@@ -20,8 +20,10 @@ A step with a non-finite loss or gradient is skipped; MAX_NONFINITE_STEPS in a r
 (train/guard.py).
 
 Precision: `TaskTrainConfig.precision` "bf16" runs each training forward under bfloat16 autocast on
-the model's device (train/precision.py: CPU or CUDA, no gradient scaler); parameters, AdamW's state
-and every evaluation stay fp32. "fp32" (the default) runs the forward as it is.
+the model's device (train/precision.py: CPU or CUDA, no gradient scaler); "fp16" under float16
+autocast with a gradient scaler (CUDA only: ValueError on another device; the scaler's state is in
+the checkpoint); parameters, AdamW's state and every evaluation stay fp32. "fp32" (the default)
+runs the forward as it is.
 
 Several processes: inside `distributed_training(context)` with a `DistributedContext` of more than
 one process (`train.distributed.init_distributed`, under torchrun or with RANK / WORLD_SIZE /
@@ -63,11 +65,12 @@ from routeformer.train.distributed import (
 )
 from routeformer.train.driver import Driver, warn
 from routeformer.train.interrupts import DeferredInterrupts, InterruptedMidStep
+from routeformer.train.precision import check_precision, gradient_scaler
 from routeformer.train.schedule import Schedule
 from routeformer.train.steps import StepResult
 
 MAX_NONFINITE_STEPS = 10  # a module constant, not a config field: checkpoints compare configs
-TASK_PRECISIONS = ("fp32", "bf16")  # the precisions of a task run; the first is the default
+TASK_PRECISIONS = ("fp32", "bf16", "fp16")  # the precisions of a task run; the first is the default
 TASK_BETAS = (0.9, 0.999)  # AdamW's betas of a task run unless its config says otherwise
 
 
@@ -95,8 +98,9 @@ def task_betas(betas: Any, argument: str = "betas") -> tuple[float, float]:
 class TaskTrainConfig:
     """A task run: its schedule (steps, batch size, learning rate, warm-up, clipping), AdamW's weight
     decay, an evaluation every `eval_every` steps (and at the end), the seed of the weights and the
-    batches, the `precision` of the training forward: "fp32" (default) or "bf16" (bfloat16
-    autocast; see the module docstring), and AdamW's `betas` (default TASK_BETAS, (0.9, 0.999); a
+    batches, the `precision` of the training forward: "fp32" (default), "bf16" (bfloat16
+    autocast) or "fp16" (float16 autocast with a gradient scaler, CUDA only; see the module
+    docstring), and AdamW's `betas` (default TASK_BETAS, (0.9, 0.999); a
     list is stored as a tuple of floats). ValueError naming `precision` or `betas` for a bad value."""
     schedule: Schedule = Schedule(steps=1000, batch_size=32, lr=1e-3, warmup_steps=50)
     weight_decay: float = 0.1
@@ -287,9 +291,11 @@ def train_task(
     log = log if context.is_main else None
     say = warn if context.is_main else (lambda message: None)
     forward = forward or (lambda m, inputs, labels, **extra: m(inputs, labels, **extra))
+    check_precision(config.precision, device)
     driver = Driver(model, schedule=schedule, seed=config.seed, weight_decay=config.weight_decay,
                     betas=config.betas, max_nonfinite=MAX_NONFINITE_STEPS, device=device,
-                    on_skip=lambda step, message: say(message), context=context)
+                    on_skip=lambda step, message: say(message), context=context,
+                    scaler=gradient_scaler("fp16", device) if config.precision == "fp16" else None)
     history = TaskHistory()
     resumable = _RESUMABLE.get()
     checkpoint = None if resumable is None else resumable.next_path()
