@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from routeformer.compare.budgets import CompareBudget, layer_options
-from routeformer.runner.jobs import cached_run, say
+from routeformer.runner.jobs import cached_run, one_thread, say
 from routeformer.runner.setups import TaskSetup
 from routeformer.train.on_task import ModelSpec
 
@@ -79,16 +79,12 @@ def measure_alone(task_name: str, mechanism: str, setup: TaskSetup, spec: ModelS
         model.zero_grad(set_to_none=True)
         forward().total_loss.backward()
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the training workers run; two threads on tiny models only wait
-    try:
+    with one_thread():  # as the training workers run; two threads on tiny models only wait
         model.eval()
         inference_s = median_times({"inference": inference}, repeats, warmup=2)["inference"]
         model.train()
         step_s = median_times({"step": training_step}, repeats, warmup=2)["step"]
         peak = peak_memory_mib(training_step)
-    finally:
-        torch.set_num_threads(threads)
     return {"inference_ms": 1000 * inference_s, "train_step_ms": 1000 * step_s, "train_step_peak_mib": peak}
 
 
@@ -120,9 +116,7 @@ def measure_beside_full(
         torch.manual_seed(0)
         return build_task_model(task, name, layer_options(setup, name, setup.seq_len), spec)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         names = with_baseline([mechanism])  # full, and the mechanism timed against it
         tasks = {name: build_task(task_name, **task_options_of(name)) for name in names}
         models = {name: model_for(name, tasks[name]) for name in names}
@@ -169,8 +163,6 @@ def measure_beside_full(
                 "full_infer_ms_per_seq": 1000 * _median(rounds["full"]) / setup.cost_batch,
                 "infer_time_vs_full": ratio_quartiles(rounds[mechanism], rounds["full"])[1],
             }
-    finally:
-        torch.set_num_threads(threads)
     return costs
 
 
