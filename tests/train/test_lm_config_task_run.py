@@ -69,6 +69,24 @@ def test_packing_meta_tokens_and_dropout_train_the_lm_runs_weights(tmp_path, cap
     assert not torch.equal(load_run_model(plain).model.state_dict()["lm_head.weight"], got["lm_head.weight"])
 
 
+def test_an_eval_every_that_does_not_divide_the_steps_evaluates_at_the_lm_runs_steps(tmp_path, capsys):
+    lm, task = tmp_path / "lm", tmp_path / "task"
+    every = [*OVERRIDES, "--train.eval_every", "4"]  # 10 steps: evaluations after 4 and 8, then the end
+    assert main(["train", "--config", TINY, "--out_dir", str(lm), *every]) == 0
+    assert main(["train", "--task", "lm", "--config", TINY, *every, "--out", str(task)]) == 0
+    capsys.readouterr()
+    assert json.loads((task / "config.json").read_text())["setup"]["eval_every"] == 4
+    record = json.loads((task / "record.json").read_text())
+    assert [entry["step"] for entry in record["validation"]] == [4, 8, 10]
+    lm_steps = [json.loads(line)["step"] for line in (lm / "metrics.jsonl").read_text().splitlines()
+                if "val_bpc" in json.loads(line)]
+    assert lm_steps[:2] == [4, 8]
+    expected, got = load_run_model(lm).model.state_dict(), load_run_model(task).model.state_dict()
+    assert [key for key in expected if not torch.equal(got[key], expected[key])] == []
+    dividing = lm_config_job(load_config(TINY, [*OVERRIDES, "--train.eval_every", "5"]), "k")
+    assert "eval_every" not in dividing.setup.as_dict() and dividing.setup.evals == 2  # as before
+
+
 def _text_source(tmp_path, source):
     """(overrides, task options): the LM run's overrides for `source` ("file": a local text file;
     else that file with a BPE tokenizer trained offline) and the task options they translate to."""
@@ -124,8 +142,6 @@ REFUSED = [
     ([*META, "--model.zero_meta_positions_eval", "true"], "model.zero_meta_positions_eval"),
     (["--train.log_stats", "[kl]"], "train.log_stats"),
     (["--train.max_nonfinite_steps", "3"], "train.max_nonfinite_steps"),
-    (["--train.eval_every", "7"], "train.eval_every"),
-    (["--train.eval_every", "40"], "train.eval_every"),
 ]
 
 

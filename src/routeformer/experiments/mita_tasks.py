@@ -124,7 +124,7 @@ def listops_run(out: Path, name: str, mechanism: str, options: dict[str, Any], s
     def compute() -> dict[str, Any]:
         torch.set_num_threads(1)
         task = build_task("listops", **setup.options)
-        train = TaskTrainConfig(setup.schedule, eval_every=max(1, setup.schedule.steps // setup.evals),
+        train = TaskTrainConfig(setup.schedule, eval_every=setup.eval_every_in(setup.schedule.steps),
                                 seed=seed)
         return train_on_task(task, mechanism, options, seed=seed, train=train, spec=SPEC,
                              validation_sequences=setup.validation_sequences,

@@ -138,7 +138,7 @@ def train_job(job: Job, log: Callable[[str], None] | None = None,
     name = setup.task_name(job.task)
     task = build_task(name, **job.task_options)
     total = sum(stage.schedule.steps for stage in setup.stages)
-    configs = [TaskTrainConfig(stage.schedule, eval_every=max(1, stage.schedule.steps // setup.evals),
+    configs = [TaskTrainConfig(stage.schedule, eval_every=setup.eval_every_in(stage.schedule.steps),
                                seed=job.seed, precision=job.precision, betas=job.betas,
                                weight_decay=job.weight_decay)
                for stage in setup.stages]

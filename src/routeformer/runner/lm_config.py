@@ -11,8 +11,8 @@ layer) and its `model.attention_options`, the text and `data.seq_len` (task opti
 training ids the LM run reads), the whole schedule (`train.steps`, `batch_size`, `lr`, `warmup_steps`,
 `min_lr_ratio`, `grad_clip`), `train.weight_decay`, `train.beta1`/`beta2`, `train.seed`,
 `train.precision` (fp32, bf16, or fp16 on CUDA), `train.device` (where the task run trains: the
-caller's `train.task_loop.training_on`) and the evaluation steps (`train.eval_every`, as `steps //
-eval_every` evaluations).
+caller's `train.task_loop.training_on`) and the evaluation steps (`train.eval_every`: `steps //
+eval_every` evaluations where it divides the steps, else the setup's `eval_every`).
 
 What is read differently, without changing the weights: a periodic evaluation reads about
 `train.eval_tokens` tokens of the task's validation split (`eval_tokens // T'` windows, T' the real
@@ -67,7 +67,9 @@ def lm_config_job(config: Any, key: str) -> Job:
         options["pack_documents"] = True
     real = real_tokens_per_window(data.seq_len, data.meta_density)
     steps = run.schedule.steps
-    setup = TaskSetup(options, run.schedule, evals=steps // run.eval_every,
+    # eval_every only where it does not divide the steps, so the jobs of other configs stay as they were
+    setup = TaskSetup(options, run.schedule, evals=max(1, steps // run.eval_every),
+                      eval_every=run.eval_every if steps % run.eval_every else 0,
                       validation_sequences=max(1, run.eval_tokens // real),
                       test_sequences=_test_windows(options, real, run.final_eval_tokens))
     spec = ModelSpec(dim=model.dim, depth=model.depth, heads=model.heads, mlp_ratio=model.mlp_ratio,
@@ -107,8 +109,7 @@ def refusals(config: Any) -> list[str]:
     `model.attention` naming several mechanisms, `model.causal` false, `model.max_seq_len` above
     `data.seq_len` with learned positions (a larger position table), `model.meta_token_id` set without
     meta-tokens, `model.zero_meta_positions_*`,
-    `train.log_stats`, `train.max_nonfinite_steps` other than the task loop's, and `train.eval_every` not
-    dividing `train.steps`."""
+    `train.log_stats` and `train.max_nonfinite_steps` other than the task loop's."""
     from routeformer.train.task_loop import MAX_NONFINITE_STEPS
 
     model, data, run = config.model, config.data, config.train
@@ -132,10 +133,6 @@ def refusals(config: Any) -> list[str]:
     if run.max_nonfinite_steps != MAX_NONFINITE_STEPS:
         found.append(f"train.max_nonfinite_steps: a task run stops after {MAX_NONFINITE_STEPS} non-finite "
                      f"steps in a row; got {run.max_nonfinite_steps!r}")
-    steps = run.schedule.steps
-    if steps % run.eval_every:
-        found.append(f"train.eval_every: must divide train.steps ({steps}), the task run evaluating "
-                     f"steps // eval_every times; got {run.eval_every}")
     return found
 
 

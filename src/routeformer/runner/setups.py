@@ -18,8 +18,9 @@ from routeformer.train.schedule import Schedule
 
 MIN_VALIDATION_SEQUENCES = 8  # a shorter stage is validated on as many tokens, in at least this many
 MIN_TEST_SEQUENCES = 4  # a longer test (2T, 4T) reads as many tokens, in at least this many sequences
-# the fields a one-stage setup leaves at their defaults (`as_dict` omits them there)
-STAGED_FIELDS = ("curriculum", "eval_multiples", "task", "mechanism_options", "cost_batch")
+# the fields `as_dict` omits where they have their defaults (the staged ones, and `eval_every`), so
+# that a setup which does not use them reads as it did before they existed
+STAGED_FIELDS = ("curriculum", "eval_multiples", "task", "mechanism_options", "cost_batch", "eval_every")
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,10 @@ class TaskSetup:
     on as many tokens); `test_sequences` at T (at k·T as many tokens); `task`: the registered task
     when it differs from the setup's name in its budget (e.g. `mqar_512` builds `mqar`);
     `mechanism_options`: a mechanism's training recipe on this task, over compare's length budgets;
-    `cost_batch`: sequences per inference call when a staged setup's costs are timed."""
+    `cost_batch`: sequences per inference call when a staged setup's costs are timed; `eval_every`:
+    evaluate every this many steps of a stage (and at its end) in place of `evals` evenly spaced
+    evaluations (0, the default: `evals`). ValueError naming `evals`, `eval_every` or
+    `eval_multiples` for a bad value."""
 
     options: dict[str, Any]
     schedule: Schedule
@@ -50,6 +54,7 @@ class TaskSetup:
     task: str = ""
     mechanism_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     cost_batch: int = 4
+    eval_every: int = 0
 
     def __post_init__(self) -> None:
         bad = [m for m in self.eval_multiples if not isinstance(m, int) or m < 2]
@@ -57,6 +62,14 @@ class TaskSetup:
             raise ValueError(f"eval_multiples must be integers >= 2 (T itself is always tested); got {bad}")
         if not isinstance(self.evals, int) or self.evals < 1:
             raise ValueError(f"evals must be a positive integer; got {self.evals!r}")
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ValueError("eval_every must be an integer >= 0 (0: evals evenly spaced); "
+                             f"got {self.eval_every!r}")
+
+    def eval_every_in(self, steps: int) -> int:
+        """Steps between a stage's evaluations for a stage of `steps` steps: `eval_every` when set,
+        else `steps // evals` (at least 1)."""
+        return self.eval_every or max(1, steps // self.evals)
 
     @property
     def stages(self) -> tuple[Stage, ...]:
