@@ -55,8 +55,9 @@ def test_the_task_run_of_a_config_trains_the_lm_runs_weights(tmp_path, capsys):
     (["--data.pack_documents", "true"], {"pack_documents": True}),
     (["--data.meta_density", "0.1"], {"meta_density": 0.1}),
     (["--model.dropout", "0.2"], {}),
-], ids=["packed documents", "meta-tokens", "dropout"])
-def test_packing_meta_tokens_and_dropout_train_the_lm_runs_weights(tmp_path, capsys, extra, option):
+    (["--model.positions", "learned", "--model.max_seq_len", "64"], {}),
+], ids=["packed documents", "meta-tokens", "dropout", "a longer learned position table"])
+def test_packing_meta_tokens_dropout_and_positions_train_the_lm_runs_weights(tmp_path, capsys, extra, option):
     lm, task = tmp_path / "lm", tmp_path / "task"
     assert main(["train", "--config", TINY, "--out_dir", str(lm), *OVERRIDES, *extra]) == 0
     assert main(["train", "--task", "lm", "--config", TINY, *OVERRIDES, *extra, "--out", str(task)]) == 0
@@ -136,7 +137,6 @@ META = ["--data.meta_density", "0.1", "--model.meta_token_id", "3"]
 REFUSED = [
     (["--model.attention", "[local, full]"], "model.attention"),
     (["--model.causal", "false"], "model.causal"),
-    (["--model.positions", "learned", "--model.max_seq_len", "64"], "model.max_seq_len"),
     (["--model.meta_token_id", "3"], "model.meta_token_id"),
     ([*META, "--model.zero_meta_positions_train", "true"], "model.zero_meta_positions_train"),
     ([*META, "--model.zero_meta_positions_eval", "true"], "model.zero_meta_positions_eval"),
@@ -246,3 +246,17 @@ def test_the_default_weight_decay_leaves_saved_forms_as_they_were():
 def test_a_bad_weight_decay_is_refused_naming_it(decay):
     with pytest.raises(ValueError, match="weight_decay: a finite number >= 0"):
         _small_job(weight_decay=decay)
+
+
+def test_a_specs_longer_position_table_is_built_saved_only_where_set_and_checked():
+    task = build_task("mqar", **QUICK.tasks["mqar"].options)
+    spec = ModelSpec(dim=16, depth=1, heads=2, positions="learned", max_seq_len=task.seq_len + 8)
+    model = build_task_model(task, "full", {}, spec)
+    assert model.config.max_seq_len == task.seq_len + 8
+    shorter = build_task_model(task, "full", {}, replace(spec, max_seq_len=4))  # at least the task's
+    assert shorter.config.max_seq_len == task.seq_len
+    assert "max_seq_len" not in spec_dict(replace(spec, max_seq_len=0))
+    assert spec_dict(spec)["max_seq_len"] == task.seq_len + 8
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=r"^max_seq_len: an integer >= 0 \(0: the task"):
+            replace(spec, max_seq_len=bad)

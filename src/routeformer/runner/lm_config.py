@@ -4,7 +4,8 @@ compare and `routeformer train --task`), so that both train the same weights.
 
 What carries over: the backbone (`model.dim`, `depth`, `heads`, `mlp_ratio`, `positions`,
 `tie_embeddings`, `dropout`: both paths seed torch's RNG after building the model, so they draw the
-same masks), the mechanism (`model.attention`, one name or the same name for every
+same masks; `max_seq_len` where learned positions need a table longer than `data.seq_len`), the
+mechanism (`model.attention`, one name or the same name for every
 layer) and its `model.attention_options`, the text and `data.seq_len` (task options `corpus`,
 `seq_len`, and `meta_density` when above 0, `path` for a `data.path`, `tokenizer` for a
 `data.tokenizer` other than "char" and `pack_documents` when set: the task then reads, and packs, the
@@ -72,8 +73,10 @@ def lm_config_job(config: Any, key: str) -> Job:
                       eval_every=run.eval_every if steps % run.eval_every else 0,
                       validation_sequences=max(1, run.eval_tokens // real),
                       test_sequences=_test_windows(options, real, run.final_eval_tokens))
+    longer = model.positions == "learned" and model.max_seq_len > data.seq_len  # a larger position table
     spec = ModelSpec(dim=model.dim, depth=model.depth, heads=model.heads, mlp_ratio=model.mlp_ratio,
-                     positions=model.positions, tie_embeddings=model.tie_embeddings, dropout=model.dropout)
+                     positions=model.positions, tie_embeddings=model.tie_embeddings, dropout=model.dropout,
+                     max_seq_len=model.max_seq_len if longer else 0)
     return Job(key, "lm", dict(options), mechanism, dict(model.attention_options.get(mechanism, {})),
                run.seed, setup, spec, precision=run.precision, betas=(run.beta1, run.beta2),
                weight_decay=run.weight_decay)
@@ -106,8 +109,7 @@ def lm_run_as_task_run(run: Any) -> Any:
 def refusals(config: Any) -> list[str]:
     """Every setting of the RunConfig `config` that the task path cannot train exactly, one "KEY: why"
     line each, in the order of the config's sections (empty: `lm_config_job` translates it). Refused:
-    `model.attention` naming several mechanisms, `model.causal` false, `model.max_seq_len` above
-    `data.seq_len` with learned positions (a larger position table), `model.meta_token_id` set without
+    `model.attention` naming several mechanisms, `model.causal` false, `model.meta_token_id` set without
     meta-tokens, `model.zero_meta_positions_*`,
     `train.log_stats` and `train.max_nonfinite_steps` other than the task loop's."""
     from routeformer.train.task_loop import MAX_NONFINITE_STEPS
@@ -119,9 +121,6 @@ def refusals(config: Any) -> list[str]:
                      f"got {model.attention!r}")
     if not model.causal:
         found.append("model.causal: task lm trains a causal model; got false")
-    if model.positions == "learned" and model.max_seq_len > data.seq_len:
-        found.append(f"model.max_seq_len: with learned positions the task model's table has data.seq_len "
-                     f"({data.seq_len}) rows; got {model.max_seq_len} (set it to at most data.seq_len)")
     if model.meta_token_id is not None and data.meta_density == 0:
         found.append(f"model.meta_token_id: task lm names a meta-token only with data.meta_density > 0; "
                      f"got {model.meta_token_id!r}")

@@ -41,7 +41,9 @@ class ModelSpec:
     the output head shares the token embedding's weight (ModelConfig.tie_embeddings; default False, a
     separate head); TypeError naming it unless a bool. `dropout`: ModelConfig.dropout, the dropout
     after each attention and MLP block and on the embeddings while training (default 0.0, none);
-    ValueError naming it unless a number in [0, 1)."""
+    ValueError naming it unless a number in [0, 1). `max_seq_len`: rows of a learned position table
+    where it is to be longer than the task's seq_len (default 0: the task's seq_len, as the table
+    has at least); ValueError naming it unless an integer >= 0."""
     dim: int = 64
     depth: int = 2
     heads: int = 2
@@ -49,6 +51,7 @@ class ModelSpec:
     positions: str = "learned"
     tie_embeddings: bool = False
     dropout: float = 0.0
+    max_seq_len: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.tie_embeddings, bool):
@@ -57,11 +60,14 @@ class ModelSpec:
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
             raise ValueError(f"dropout: a number in [0, 1); got {rate!r}")
         object.__setattr__(self, "dropout", float(rate))
+        rows = self.max_seq_len
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"max_seq_len: an integer >= 0 (0: the task's seq_len); got {rows!r}")
 
 
 # ModelSpec fields added after records were first written, with their defaults: `spec_dict` leaves a
 # field out while it has its default, so the saved form of a spec that does not use it is unchanged
-SPEC_DEFAULTS: dict[str, Any] = {"tie_embeddings": False, "dropout": 0.0}
+SPEC_DEFAULTS: dict[str, Any] = {"tie_embeddings": False, "dropout": 0.0, "max_seq_len": 0}
 
 
 def spec_dict(spec: ModelSpec) -> dict[str, Any]:
@@ -72,11 +78,13 @@ def spec_dict(spec: ModelSpec) -> dict[str, Any]:
 
 def build_task_model(task: Task, mechanism: str, options: dict[str, Any], spec: ModelSpec) -> TokenPredictor:
     """A fresh `TokenPredictor` for `task` (its vocabulary, length, causality and meta-token) whose
-    layers all run `mechanism` with `options`, on the backbone `spec`."""
+    layers all run `mechanism` with `options`, on the backbone `spec` (positions for the longer of
+    the task's seq_len and `spec.max_seq_len`)."""
     config = ModelConfig(vocab_size=task.vocab_size, dim=spec.dim, depth=spec.depth, heads=spec.heads,
                          mlp_ratio=spec.mlp_ratio, attention=mechanism,
                          attention_options={mechanism: options} if options else {},
-                         positions=spec.positions, max_seq_len=task.seq_len, causal=task.causal,
+                         positions=spec.positions, max_seq_len=max(task.seq_len, spec.max_seq_len),
+                         causal=task.causal,
                          tie_embeddings=spec.tie_embeddings, dropout=spec.dropout,
                          meta_token_id=getattr(task, "meta_token_id", None))
     return TokenPredictor(config)
