@@ -30,6 +30,7 @@ from tests.train.runs import hide_tensorboard
 TINY = str(Path(__file__).resolve().parents[2] / "src" / "routeformer" / "configs" / "tiny.yaml")
 # the overrides apply on both paths: a narrower, shorter run, with a short final evaluation
 OVERRIDES = ["--model.dim", "16", "--steps", "10", "--final_eval_tokens", "256"]
+HYBRID_OPTIONS = "{local: {window: 8}, topk: {topk: 4}}"  # topk's are not a layer's: left out of the job
 
 
 def test_the_task_run_of_a_config_trains_the_lm_runs_weights(tmp_path, capsys):
@@ -56,7 +57,9 @@ def test_the_task_run_of_a_config_trains_the_lm_runs_weights(tmp_path, capsys):
     (["--data.meta_density", "0.1"], {"meta_density": 0.1}),
     (["--model.dropout", "0.2"], {}),
     (["--model.positions", "learned", "--model.max_seq_len", "64"], {}),
-], ids=["packed documents", "meta-tokens", "dropout", "a longer learned position table"])
+    (["--model.attention", "[local, full]", "--model.attention_options", HYBRID_OPTIONS], {}),
+], ids=["packed documents", "meta-tokens", "dropout", "a longer learned position table",
+        "a mechanism per layer"])
 def test_packing_meta_tokens_dropout_and_positions_train_the_lm_runs_weights(tmp_path, capsys, extra, option):
     lm, task = tmp_path / "lm", tmp_path / "task"
     assert main(["train", "--config", TINY, "--out_dir", str(lm), *OVERRIDES, *extra]) == 0
@@ -135,7 +138,6 @@ def test_a_local_text_and_a_bpe_tokenizer_train_the_lm_runs_weights(tmp_path, ca
 
 META = ["--data.meta_density", "0.1", "--model.meta_token_id", "3"]
 REFUSED = [
-    (["--model.attention", "[local, full]"], "model.attention"),
     (["--model.causal", "false"], "model.causal"),
     (["--model.meta_token_id", "3"], "model.meta_token_id"),
     ([*META, "--model.zero_meta_positions_train", "true"], "model.zero_meta_positions_train"),
@@ -170,6 +172,9 @@ def test_what_the_task_path_honours_or_does_not_apply_is_accepted():
                                 "--data.meta_density", "0.2", "--train.precision", "bf16"])
     job = lm_config_job(config, "k")
     assert (job.mechanism, job.options, job.precision) == ("local", {"window": 8}, "bf16")
+    hybrid = lm_config_job(load_config(TINY, ["--model.attention", "[local, full]",
+                                              "--model.attention_options", HYBRID_OPTIONS]), "k")
+    assert (hybrid.mechanism, hybrid.options) == (["local", "full"], {"local": {"window": 8}})
     assert job.task_options == {"corpus": "pydoc", "seq_len": 32, "meta_density": 0.2}
     real = real_tokens_per_window(32, 0.2)  # the real tokens of a window: eval_tokens are read in them
     assert real < 32 and job.setup.validation_sequences == 2048 // real
@@ -188,7 +193,6 @@ CLI_REFUSED = [
     (["--task", "lm", "--betas", "0.9", "0.95"], "use --train.beta1 and --train.beta2"),
     (["--task", "lm", "--budget=long"], "argument --budget: not with --config"),
     (["--task", "lm", "--out_dir", "x"], "argument --out_dir: not with --config"),
-    (["--task", "lm", "--model.attention", "[local, full]"], "model.attention: "),
     (["--task", "lm", "--nokey", "3"], "unknown config key 'nokey'"),
 ]
 

@@ -27,7 +27,7 @@ tensorboard` also writes them as TensorBoard event files to `DIR/tensorboard`.
 is the LM run's config overrides (`train.load_config`: `--model.dim 64`, `--steps 40`, read as the
 LM run reads them), except `--out`, and the config becomes its task-lm job by
 `runner.lm_config.lm_config_job`, which refuses in one line, naming the key, each setting the task
-path cannot train exactly (layers of different mechanisms, fp16, ...); the config's `train.device`
+path cannot train exactly (a non-causal model, `train.log_stats`, ...); the config's `train.device`
 is where the task run trains, and its `train.logger` the run directory's (`--train.logger
 tensorboard`: TensorBoard too). The task-run arguments that are not config keys (--mechanism,
 --option, --evals, --budget, --mechanism-option, --betas) are refused beside --config, each naming
@@ -54,6 +54,7 @@ from typing import Any
 from routeformer.cli.exit_status import EXIT_INTERRUPTED
 from routeformer.cli.parser import DEVICES, build_task_train_parser, key_values
 from routeformer.runner.jobs import Job, TaskSetup
+from routeformer.train.on_task import mechanism_label
 
 
 def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
@@ -75,7 +76,7 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
         job = task_run_job(args.task, options)
         out, logger, device = options.out, options.logger, options.device
         names = ("argument --device", "argument --precision")
-    out = out or f"runs/train-{job.task}-{job.mechanism}-seed{job.seed}"
+    out = out or f"runs/train-{job.task}-{mechanism_label(job.mechanism)}-seed{job.seed}"
     context = init_distributed(device)
     try:
         check_global_batch(job, context.world_size)
@@ -146,8 +147,8 @@ def config_run_job(task: str, config: str, extra: list[str]) -> tuple[Job, str |
         index += 1
     loaded = load_config(resolve_config(config), overrides)
     job = lm_config_job(loaded, "train-lm")
-    return (replace(job, key=f"train-lm-{job.mechanism}-seed{job.seed}"), out, loaded.train.logger,
-            loaded.train.device)
+    key = f"train-lm-{mechanism_label(job.mechanism)}-seed{job.seed}"
+    return replace(job, key=key), out, loaded.train.logger, loaded.train.device
 
 
 def spec_run_job(args: argparse.Namespace, extra: list[str]) -> tuple[Job, str | None, str]:

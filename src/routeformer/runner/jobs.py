@@ -86,12 +86,14 @@ class Job:
     (`TaskTrainConfig.betas`: two numbers in [0, 1), default TASK_BETAS; ValueError naming it
     otherwise) and AdamW weight decay (`TaskTrainConfig.weight_decay`, on matrices only: a finite
     number >= 0, default TASK_WEIGHT_DECAY; ValueError naming it otherwise). The backbone's
-    `spec.tie_embeddings` ties the output head to the embedding."""
+    `spec.tie_embeddings` ties the output head to the embedding. `mechanism` is one registered name
+    (every layer runs it with `options`) or a list of names, one per layer, with `options` keyed by
+    name (`train.on_task.layer_attention`)."""
 
     key: str  # file-name-safe and unique within an output directory
     task: str
     task_options: dict[str, Any]
-    mechanism: str
+    mechanism: str | list[str]
     options: dict[str, Any]
     seed: int
     setup: TaskSetup  # `task` is its name in the budget (`setup.task_name(task)` builds the task)

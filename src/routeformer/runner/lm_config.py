@@ -5,8 +5,9 @@ compare and `routeformer train --task`), so that both train the same weights.
 What carries over: the backbone (`model.dim`, `depth`, `heads`, `mlp_ratio`, `positions`,
 `tie_embeddings`, `dropout`: both paths seed torch's RNG after building the model, so they draw the
 same masks; `max_seq_len` where learned positions need a table longer than `data.seq_len`), the
-mechanism (`model.attention`, one name or the same name for every
-layer) and its `model.attention_options`, the text and `data.seq_len` (task options `corpus`,
+mechanism (`model.attention`: one name, or a list with a name per layer, which becomes the job's
+list of layer mechanisms) and its `model.attention_options` (of the one mechanism, or keyed by the
+layers' mechanisms), the text and `data.seq_len` (task options `corpus`,
 `seq_len`, and `meta_density` when above 0, `path` for a `data.path`, `tokenizer` for a
 `data.tokenizer` other than "char" and `pack_documents` when set: the task then reads, and packs, the
 training ids the LM run reads), the whole schedule (`train.steps`, `batch_size`, `lr`, `warmup_steps`,
@@ -56,7 +57,13 @@ def lm_config_job(config: Any, key: str) -> Job:
     if refused:
         raise ValueError(refused[0])
     model, data, run = config.model, config.data, config.train
-    mechanism = model.layer_attention()[0]
+    layers = model.layer_attention()
+    mechanism: str | list[str] = layers[0] if len(set(layers)) == 1 else layers
+    if isinstance(mechanism, str):
+        options_of = dict(model.attention_options.get(mechanism, {}))
+    else:  # keyed by the layers' mechanisms, as the LM run's attention_options are
+        options_of = {name: dict(values) for name, values in model.attention_options.items()
+                      if name in layers and values}
     options: dict[str, Any] = {"corpus": data.corpus, "seq_len": data.seq_len}
     if data.meta_density > 0:
         options["meta_density"] = data.meta_density
@@ -77,7 +84,7 @@ def lm_config_job(config: Any, key: str) -> Job:
     spec = ModelSpec(dim=model.dim, depth=model.depth, heads=model.heads, mlp_ratio=model.mlp_ratio,
                      positions=model.positions, tie_embeddings=model.tie_embeddings, dropout=model.dropout,
                      max_seq_len=model.max_seq_len if longer else 0)
-    return Job(key, "lm", dict(options), mechanism, dict(model.attention_options.get(mechanism, {})),
+    return Job(key, "lm", dict(options), mechanism, options_of,
                run.seed, setup, spec, precision=run.precision, betas=(run.beta1, run.beta2),
                weight_decay=run.weight_decay)
 
@@ -109,16 +116,12 @@ def lm_run_as_task_run(run: Any) -> Any:
 def refusals(config: Any) -> list[str]:
     """Every setting of the RunConfig `config` that the task path cannot train exactly, one "KEY: why"
     line each, in the order of the config's sections (empty: `lm_config_job` translates it). Refused:
-    `model.attention` naming several mechanisms, `model.causal` false, `model.meta_token_id` set without
-    meta-tokens, `model.zero_meta_positions_*`,
+    `model.causal` false, `model.meta_token_id` set without meta-tokens, `model.zero_meta_positions_*`,
     `train.log_stats` and `train.max_nonfinite_steps` other than the task loop's."""
     from routeformer.train.task_loop import MAX_NONFINITE_STEPS
 
     model, data, run = config.model, config.data, config.train
     found = []
-    if len(set(model.layer_attention())) > 1:
-        found.append("model.attention: the task path runs one mechanism in every layer; "
-                     f"got {model.attention!r}")
     if not model.causal:
         found.append("model.causal: task lm trains a causal model; got false")
     if model.meta_token_id is not None and data.meta_density == 0:

@@ -76,13 +76,37 @@ def spec_dict(spec: ModelSpec) -> dict[str, Any]:
     return without_defaults(asdict(spec), SPEC_DEFAULTS)
 
 
-def build_task_model(task: Task, mechanism: str, options: dict[str, Any], spec: ModelSpec) -> TokenPredictor:
+def mechanism_label(mechanism: str | list[str]) -> str:
+    """A run's mechanism as one name for keys and directory names: the name itself, or the layers'
+    names joined by "+" ("local+local+full")."""
+    return mechanism if isinstance(mechanism, str) else "+".join(mechanism)
+
+
+def layer_attention(mechanism: str | list[str], options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """(ModelConfig.attention, ModelConfig.attention_options) of a run whose `mechanism` is one
+    registered name, every layer running it with `options`, or a list of names, one per layer, with
+    `options` then keyed by name ({"local": {"window": 64}}; a name without an entry runs its
+    registered defaults). ValueError naming `options` when a per-layer run's options name a
+    mechanism that is not among its layers."""
+    if isinstance(mechanism, str):
+        return mechanism, ({mechanism: options} if options else {})
+    strays = sorted(set(options) - set(mechanism))
+    if strays:
+        raise ValueError(f"options: with a mechanism per layer ({list(mechanism)}) the options are keyed by "
+                         f"the layers' mechanisms; got options for {strays}")
+    return list(mechanism), {name: values for name, values in options.items() if values}
+
+
+def build_task_model(task: Task, mechanism: str | list[str], options: dict[str, Any],
+                     spec: ModelSpec) -> TokenPredictor:
     """A fresh `TokenPredictor` for `task` (its vocabulary, length, causality and meta-token) whose
-    layers all run `mechanism` with `options`, on the backbone `spec` (positions for the longer of
-    the task's seq_len and `spec.max_seq_len`)."""
+    layers run `mechanism` with `options` (`layer_attention`: one name for every layer, or one per
+    layer), on the backbone `spec` (positions for the longer of the task's seq_len and
+    `spec.max_seq_len`). ValueError as `layer_attention` and ModelConfig raise (a list whose length is
+    not `spec.depth`, a name that is not registered)."""
+    attention, attention_options = layer_attention(mechanism, options)
     config = ModelConfig(vocab_size=task.vocab_size, dim=spec.dim, depth=spec.depth, heads=spec.heads,
-                         mlp_ratio=spec.mlp_ratio, attention=mechanism,
-                         attention_options={mechanism: options} if options else {},
+                         mlp_ratio=spec.mlp_ratio, attention=attention, attention_options=attention_options,
                          positions=spec.positions, max_seq_len=max(task.seq_len, spec.max_seq_len),
                          causal=task.causal,
                          tie_embeddings=spec.tie_embeddings, dropout=spec.dropout,
