@@ -1,7 +1,7 @@
 """A run with a mechanism per layer: `Job.mechanism` a list of registered names (one per layer) with
 `options` keyed by name. It reads back from its config.json form unchanged, trains through
 `train_job` and the command line (`train --spec`), and keeps a model whose layers run what the list
-says; options for a mechanism that is no layer's, or a list of the wrong length, are refused naming
+says, which eval and export-hf read; options for a mechanism that is no layer's, or a list of the wrong length, are refused naming
 them."""
 
 import json
@@ -17,6 +17,7 @@ from routeformer.tasks import build_task
 from routeformer.train.checkpoint import load_run_model
 from routeformer.train.on_task import ModelSpec, build_task_model, layer_attention, mechanism_label
 from routeformer.train.schedule import Schedule
+from tests.extras import require
 
 LAYERS = ["local", "full"]
 
@@ -47,7 +48,13 @@ def test_train_spec_runs_a_per_layer_job_into_a_directory_named_by_its_layers(tm
     assert main(["train", "--spec", str(spec)]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["out_dir"] == "runs/train-mqar-local+full-seed0" and summary["mechanism"] == LAYERS
-    assert load_run_model(tmp_path / summary["out_dir"]).model.config.layer_attention() == LAYERS
+    run = tmp_path / summary["out_dir"]
+    assert load_run_model(run).model.config.layer_attention() == LAYERS
+    assert main(["eval", str(run)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["metric"] == "accuracy"
+    require("routeformer.integrations.hf", "hf")
+    assert main(["export-hf", str(run), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file()
 
 
 def test_one_name_keeps_its_options_unkeyed():
