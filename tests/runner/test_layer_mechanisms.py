@@ -1,8 +1,8 @@
 """A run with a mechanism per layer: `Job.mechanism` a list of registered names (one per layer) with
 `options` keyed by name. It reads back from its config.json form unchanged, trains through
 `train_job` and the command line (`train --spec`), and keeps a model whose layers run what the list
-says, which eval and export-hf read; options for a mechanism that is no layer's, or a list of the wrong length, are refused naming
-them."""
+says, which eval and export-hf read; options for a mechanism that is no layer's, or a list of the
+wrong length, are refused naming them."""
 
 import json
 from dataclasses import replace
