@@ -279,6 +279,10 @@ CLI_CALLS = {
         ["train", "--config", "tiny", "--model.causal", "maybe"],
         "model.causal must be true or false; got 'maybe'",
     ),
+    "a language model that reads ahead": (
+        ["train", "--config", "tiny", "--model.causal", "false"],
+        "model.causal: routeformer train trains a causal language model; got False",
+    ),
 }
 
 

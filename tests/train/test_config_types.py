@@ -231,8 +231,8 @@ def test_attention_options_retype_only_numeric_text_of_numeric_defaults(options,
 def test_config_files_and_overrides_use_the_same_conversions(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("data: {corpus: 2024, path: null}\nmodel: {meta_token_id: 3.0}\n")
-    config = load_config(path, ["--model.causal", "no", "--lr", "1", "--log_stats", "[1, kl]",
+    config = load_config(path, ["--model.tie_embeddings", "no", "--lr", "1", "--log_stats", "[1, kl]",
                                 "--final_eval_tokens", "null"])
     assert config.data.corpus == "2024" and config.data.path is None and config.model.meta_token_id == 3
-    assert config.model.causal is False and type(config.train.schedule.lr) is float
+    assert config.model.tie_embeddings is False and type(config.train.schedule.lr) is float
     assert config.train.log_stats == ["1", "kl"] and config.train.final_eval_tokens is None

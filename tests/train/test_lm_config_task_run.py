@@ -138,7 +138,6 @@ def test_a_local_text_and_a_bpe_tokenizer_train_the_lm_runs_weights(tmp_path, ca
 
 META = ["--data.meta_density", "0.1", "--model.meta_token_id", "3"]
 REFUSED = [
-    (["--model.causal", "false"], "model.causal"),
     (["--model.meta_token_id", "3"], "model.meta_token_id"),
     ([*META, "--model.zero_meta_positions_train", "true"], "model.zero_meta_positions_train"),
     ([*META, "--model.zero_meta_positions_eval", "true"], "model.zero_meta_positions_eval"),

@@ -116,14 +116,12 @@ def lm_run_as_task_run(run: Any) -> Any:
 def refusals(config: Any) -> list[str]:
     """Every setting of the RunConfig `config` that the task path cannot train exactly, one "KEY: why"
     line each, in the order of the config's sections (empty: `lm_config_job` translates it). Refused:
-    `model.causal` false, `model.meta_token_id` set without meta-tokens, `model.zero_meta_positions_*`,
+    `model.meta_token_id` set without meta-tokens, `model.zero_meta_positions_*`,
     `train.log_stats` and `train.max_nonfinite_steps` other than the task loop's."""
     from routeformer.train.task_loop import MAX_NONFINITE_STEPS
 
     model, data, run = config.model, config.data, config.train
     found = []
-    if not model.causal:
-        found.append("model.causal: task lm trains a causal model; got false")
     if model.meta_token_id is not None and data.meta_density == 0:
         found.append(f"model.meta_token_id: task lm names a meta-token only with data.meta_density > 0; "
                      f"got {model.meta_token_id!r}")

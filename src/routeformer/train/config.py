@@ -93,6 +93,9 @@ class RunConfig:
                      "max_nonfinite_steps", "keep_checkpoints"):
             check_positive(f"train.{name}", train[name])
         check_positive("data.seq_len", self.data.seq_len)
+        if self.model.causal is not True:  # a language model must not read the characters it predicts
+            raise ValueError(f"model.causal: routeformer train trains a causal language model; "
+                             f"got {self.model.causal!r}")
         from routeformer.tasks.meta_tokens import check_density
 
         check_density("data.meta_density", self.data.meta_density)
