@@ -279,6 +279,10 @@ CLI_CALLS = {
         ["train", "--config", "tiny", "--model.causal", "maybe"],
         "model.causal must be true or false; got 'maybe'",
     ),
+    "a meta-token id without meta-tokens": (
+        ["train", "--config", "tiny", "--model.meta_token_id", "3"],
+        "model.meta_token_id: routeformer train sets it to the tokeniser.s pause id where data.meta_density",
+    ),
     "a language model that reads ahead": (
         ["train", "--config", "tiny", "--model.causal", "false"],
         "model.causal: routeformer train trains a causal language model; got False",

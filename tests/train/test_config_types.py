@@ -230,7 +230,7 @@ def test_attention_options_retype_only_numeric_text_of_numeric_defaults(options,
 
 def test_config_files_and_overrides_use_the_same_conversions(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("data: {corpus: 2024, path: null}\nmodel: {meta_token_id: 3.0}\n")
+    path.write_text("data: {corpus: 2024, path: null, meta_density: 0.1}\nmodel: {meta_token_id: 3.0}\n")
     config = load_config(path, ["--model.tie_embeddings", "no", "--lr", "1", "--log_stats", "[1, kl]",
                                 "--final_eval_tokens", "null"])
     assert config.data.corpus == "2024" and config.data.path is None and config.model.meta_token_id == 3

@@ -58,8 +58,10 @@ def test_the_task_run_of_a_config_trains_the_lm_runs_weights(tmp_path, capsys):
     (["--model.dropout", "0.2"], {}),
     (["--model.positions", "learned", "--model.max_seq_len", "64"], {}),
     (["--model.attention", "[local, full]", "--model.attention_options", HYBRID_OPTIONS], {}),
+    (["--data.meta_density", "0.1", "--model.meta_token_id", "3", "--model.zero_meta_positions_train", "true",
+      "--model.zero_meta_positions_eval", "true", "--model.positions", "learned"], {"meta_density": 0.1}),
 ], ids=["packed documents", "meta-tokens", "dropout", "a longer learned position table",
-        "a mechanism per layer"])
+        "a mechanism per layer", "no positions at meta-tokens"])
 def test_packing_meta_tokens_dropout_and_positions_train_the_lm_runs_weights(tmp_path, capsys, extra, option):
     lm, task = tmp_path / "lm", tmp_path / "task"
     assert main(["train", "--config", TINY, "--out_dir", str(lm), *OVERRIDES, *extra]) == 0
@@ -136,11 +138,7 @@ def test_a_local_text_and_a_bpe_tokenizer_train_the_lm_runs_weights(tmp_path, ca
     assert capsys.readouterr().out.startswith("the quick")
 
 
-META = ["--data.meta_density", "0.1", "--model.meta_token_id", "3"]
 REFUSED = [
-    (["--model.meta_token_id", "3"], "model.meta_token_id"),
-    ([*META, "--model.zero_meta_positions_train", "true"], "model.zero_meta_positions_train"),
-    ([*META, "--model.zero_meta_positions_eval", "true"], "model.zero_meta_positions_eval"),
     (["--train.log_stats", "[kl]"], "train.log_stats"),
     (["--train.max_nonfinite_steps", "3"], "train.max_nonfinite_steps"),
 ]

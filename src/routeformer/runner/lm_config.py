@@ -4,17 +4,17 @@ compare and `routeformer train --task`), so that both train the same weights.
 
 What carries over: the backbone (`model.dim`, `depth`, `heads`, `mlp_ratio`, `positions`,
 `tie_embeddings`, `dropout`: both paths seed torch's RNG after building the model, so they draw the
-same masks; `max_seq_len` where learned positions need a table longer than `data.seq_len`), the
-mechanism (`model.attention`: one name, or a list with a name per layer, which becomes the job's
-list of layer mechanisms) and its `model.attention_options` (of the one mechanism, or keyed by the
-layers' mechanisms), the text and `data.seq_len` (task options `corpus`,
-`seq_len`, and `meta_density` when above 0, `path` for a `data.path`, `tokenizer` for a
-`data.tokenizer` other than "char" and `pack_documents` when set: the task then reads, and packs, the
-training ids the LM run reads), the whole schedule (`train.steps`, `batch_size`, `lr`, `warmup_steps`,
-`min_lr_ratio`, `grad_clip`), `train.weight_decay`, `train.beta1`/`beta2`, `train.seed`,
-`train.precision` (fp32, bf16, or fp16 on CUDA), `train.device` (where the task run trains: the
-caller's `train.task_loop.training_on`) and the evaluation steps (`train.eval_every`: `steps //
-eval_every` evaluations where it divides the steps, else the setup's `eval_every`).
+same masks; `max_seq_len` where learned positions need a table longer than `data.seq_len`;
+`zero_meta_positions_train` / `_eval`), the mechanism (`model.attention`: one name, or a list with a
+name per layer, which becomes the job's list of layer mechanisms) and its `model.attention_options`
+(of the one mechanism, or keyed by the layers' mechanisms), the text and `data.seq_len` (task
+options `corpus`, `seq_len`, and `meta_density` when above 0, `path` for a `data.path`, `tokenizer`
+for a `data.tokenizer` other than "char" and `pack_documents` when set: the task then reads, and
+packs, the training ids the LM run reads), the whole schedule (`train.steps`, `batch_size`, `lr`,
+`warmup_steps`, `min_lr_ratio`, `grad_clip`), `train.weight_decay`, `train.beta1`/`beta2`,
+`train.seed`, `train.precision` (fp32, bf16, or fp16 on CUDA), `train.device` (where the task run
+trains: the caller's `train.task_loop.training_on`) and the evaluation steps (`train.eval_every`:
+`steps // eval_every` evaluations where it divides the steps, else the setup's `eval_every`).
 
 What is read differently, without changing the weights: a periodic evaluation reads about
 `train.eval_tokens` tokens of the task's validation split (`eval_tokens // T'` windows, T' the real
@@ -83,7 +83,9 @@ def lm_config_job(config: Any, key: str) -> Job:
     longer = model.positions == "learned" and model.max_seq_len > data.seq_len  # a larger position table
     spec = ModelSpec(dim=model.dim, depth=model.depth, heads=model.heads, mlp_ratio=model.mlp_ratio,
                      positions=model.positions, tie_embeddings=model.tie_embeddings, dropout=model.dropout,
-                     max_seq_len=model.max_seq_len if longer else 0)
+                     max_seq_len=model.max_seq_len if longer else 0,
+                     zero_meta_positions_train=model.zero_meta_positions_train,
+                     zero_meta_positions_eval=model.zero_meta_positions_eval)
     return Job(key, "lm", dict(options), mechanism, options_of,
                run.seed, setup, spec, precision=run.precision, betas=(run.beta1, run.beta2),
                weight_decay=run.weight_decay)
@@ -116,18 +118,11 @@ def lm_run_as_task_run(run: Any) -> Any:
 def refusals(config: Any) -> list[str]:
     """Every setting of the RunConfig `config` that the task path cannot train exactly, one "KEY: why"
     line each, in the order of the config's sections (empty: `lm_config_job` translates it). Refused:
-    `model.meta_token_id` set without meta-tokens, `model.zero_meta_positions_*`,
     `train.log_stats` and `train.max_nonfinite_steps` other than the task loop's."""
     from routeformer.train.task_loop import MAX_NONFINITE_STEPS
 
-    model, data, run = config.model, config.data, config.train
+    run = config.train
     found = []
-    if model.meta_token_id is not None and data.meta_density == 0:
-        found.append(f"model.meta_token_id: task lm names a meta-token only with data.meta_density > 0; "
-                     f"got {model.meta_token_id!r}")
-    for name in ("zero_meta_positions_train", "zero_meta_positions_eval"):
-        if getattr(model, name):
-            found.append(f"model.{name}: the task backbone keeps the positions at meta-tokens; got true")
     if run.log_stats:
         found.append(f"train.log_stats: a task run logs no attention stats; got {run.log_stats!r}")
     if run.max_nonfinite_steps != MAX_NONFINITE_STEPS:

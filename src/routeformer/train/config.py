@@ -99,6 +99,11 @@ class RunConfig:
         from routeformer.tasks.meta_tokens import check_density
 
         check_density("data.meta_density", self.data.meta_density)
+        if self.model.meta_token_id is not None and self.data.meta_density == 0:
+            raise ValueError("model.meta_token_id: routeformer train sets it to the tokeniser's pause id "
+                             "where data.meta_density > 0; without meta-tokens it would mark a real token "
+                             "as one; "
+                             f"got {self.model.meta_token_id!r}")
         if self.data.pack_documents and self.data.meta_density > 0:
             raise ValueError("data.pack_documents with data.meta_density > 0 is not supported; "
                              "use one of them")

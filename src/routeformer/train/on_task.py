@@ -43,7 +43,10 @@ class ModelSpec:
     after each attention and MLP block and on the embeddings while training (default 0.0, none);
     ValueError naming it unless a number in [0, 1). `max_seq_len`: rows of a learned position table
     where it is to be longer than the task's seq_len (default 0: the task's seq_len, as the table
-    has at least); ValueError naming it unless an integer >= 0."""
+    has at least); ValueError naming it unless an integer >= 0. `zero_meta_positions_train` /
+    `zero_meta_positions_eval`: ModelConfig's, no position at a meta-token in training / evaluation
+    (default False; a task with meta-tokens only, ModelConfig refusing them elsewhere); TypeError
+    naming them unless bools."""
     dim: int = 64
     depth: int = 2
     heads: int = 2
@@ -52,10 +55,13 @@ class ModelSpec:
     tie_embeddings: bool = False
     dropout: float = 0.0
     max_seq_len: int = 0
+    zero_meta_positions_train: bool = False
+    zero_meta_positions_eval: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tie_embeddings, bool):
-            raise TypeError(f"tie_embeddings: must be a bool; got {self.tie_embeddings!r}")
+        for name in ("tie_embeddings", "zero_meta_positions_train", "zero_meta_positions_eval"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: must be a bool; got {getattr(self, name)!r}")
         rate = self.dropout
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
             raise ValueError(f"dropout: a number in [0, 1); got {rate!r}")
@@ -67,7 +73,8 @@ class ModelSpec:
 
 # ModelSpec fields added after records were first written, with their defaults: `spec_dict` leaves a
 # field out while it has its default, so the saved form of a spec that does not use it is unchanged
-SPEC_DEFAULTS: dict[str, Any] = {"tie_embeddings": False, "dropout": 0.0, "max_seq_len": 0}
+SPEC_DEFAULTS: dict[str, Any] = {"tie_embeddings": False, "dropout": 0.0, "max_seq_len": 0,
+                                 "zero_meta_positions_train": False, "zero_meta_positions_eval": False}
 
 
 def spec_dict(spec: ModelSpec) -> dict[str, Any]:
@@ -110,7 +117,9 @@ def build_task_model(task: Task, mechanism: str | list[str], options: dict[str, 
                          positions=spec.positions, max_seq_len=max(task.seq_len, spec.max_seq_len),
                          causal=task.causal,
                          tie_embeddings=spec.tie_embeddings, dropout=spec.dropout,
-                         meta_token_id=getattr(task, "meta_token_id", None))
+                         meta_token_id=getattr(task, "meta_token_id", None),
+                         zero_meta_positions_train=spec.zero_meta_positions_train,
+                         zero_meta_positions_eval=spec.zero_meta_positions_eval)
     return TokenPredictor(config)
 
 
