@@ -141,9 +141,9 @@ def test_an_lm_run_converts_as_the_task_lm_run_it_equals(capsys, tmp_path):
 
 def test_an_lm_run_the_task_path_cannot_train_is_refused(capsys, tmp_path):
     lm, out = tmp_path / "lm", tmp_path / "out"
-    assert main(["train", *LM_RUN, "--train.max_nonfinite_steps", "3", "--out_dir", str(lm)]) == 0
+    assert main(["train", *LM_RUN, "--train.log_stats", "[kl]", "--out_dir", str(lm)]) == 0
     capsys.readouterr()  # the training run's own lines
     status, _, err = _run(capsys, ["sparsify", str(lm), *LM_CONVERT, "--out", str(out)])
     assert status == 2 and len(err.strip().splitlines()) == 1
-    assert "LM run that does not convert as task lm: train.max_nonfinite_steps" in err, err
+    assert "LM run that does not convert as task lm: train.log_stats" in err, err
     assert not out.exists()

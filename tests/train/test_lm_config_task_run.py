@@ -89,6 +89,9 @@ def test_an_eval_every_that_does_not_divide_the_steps_evaluates_at_the_lm_runs_s
     assert lm_steps[:2] == [4, 8]
     expected, got = load_run_model(lm).model.state_dict(), load_run_model(task).model.state_dict()
     assert [key for key in expected if not torch.equal(got[key], expected[key])] == []
+    limited = lm_config_job(load_config(TINY, ["--train.max_nonfinite_steps", "3"]), "k")
+    assert limited.max_nonfinite_steps == 3 and job_config(limited)["max_nonfinite_steps"] == 3
+    assert "max_nonfinite_steps" not in job_config(lm_config_job(load_config(TINY), "k"))
     dividing = lm_config_job(load_config(TINY, [*OVERRIDES, "--train.eval_every", "5"]), "k")
     assert "eval_every" not in dividing.setup.as_dict() and dividing.setup.evals == 2  # as before
 
@@ -140,7 +143,6 @@ def test_a_local_text_and_a_bpe_tokenizer_train_the_lm_runs_weights(tmp_path, ca
 
 REFUSED = [
     (["--train.log_stats", "[kl]"], "train.log_stats"),
-    (["--train.max_nonfinite_steps", "3"], "train.max_nonfinite_steps"),
 ]
 
 

@@ -27,7 +27,7 @@ tensorboard` also writes them as TensorBoard event files to `DIR/tensorboard`.
 is the LM run's config overrides (`train.load_config`: `--model.dim 64`, `--steps 40`, read as the
 LM run reads them), except `--out`, and the config becomes its task-lm job by
 `runner.lm_config.lm_config_job`, which refuses in one line, naming the key, each setting the task
-path cannot train exactly (`train.log_stats`, `train.max_nonfinite_steps`); the config's `train.device`
+path cannot train exactly (`train.log_stats`); the config's `train.device`
 is where the task run trains, and its `train.logger` the run directory's (`--train.logger
 tensorboard`: TensorBoard too). The task-run arguments that are not config keys (--mechanism,
 --option, --evals, --budget, --mechanism-option, --betas) are refused beside --config, each naming

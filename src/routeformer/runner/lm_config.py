@@ -12,9 +12,10 @@ options `corpus`, `seq_len`, and `meta_density` when above 0, `path` for a `data
 for a `data.tokenizer` other than "char" and `pack_documents` when set: the task then reads, and
 packs, the training ids the LM run reads), the whole schedule (`train.steps`, `batch_size`, `lr`,
 `warmup_steps`, `min_lr_ratio`, `grad_clip`), `train.weight_decay`, `train.beta1`/`beta2`,
-`train.seed`, `train.precision` (fp32, bf16, or fp16 on CUDA), `train.device` (where the task run
-trains: the caller's `train.task_loop.training_on`) and the evaluation steps (`train.eval_every`:
-`steps // eval_every` evaluations where it divides the steps, else the setup's `eval_every`).
+`train.seed`, `train.max_nonfinite_steps`, `train.precision` (fp32, bf16, or fp16 on CUDA),
+`train.device` (where the task run trains: the caller's `train.task_loop.training_on`) and the
+evaluation steps (`train.eval_every`: `steps // eval_every` evaluations where it divides the steps,
+else the setup's `eval_every`).
 
 What is read differently, without changing the weights: a periodic evaluation reads about
 `train.eval_tokens` tokens of the task's validation split (`eval_tokens // T'` windows, T' the real
@@ -88,7 +89,7 @@ def lm_config_job(config: Any, key: str) -> Job:
                      zero_meta_positions_eval=model.zero_meta_positions_eval)
     return Job(key, "lm", dict(options), mechanism, options_of,
                run.seed, setup, spec, precision=run.precision, betas=(run.beta1, run.beta2),
-               weight_decay=run.weight_decay)
+               weight_decay=run.weight_decay, max_nonfinite_steps=run.max_nonfinite_steps)
 
 
 def lm_run_as_task_run(run: Any) -> Any:
@@ -118,16 +119,11 @@ def lm_run_as_task_run(run: Any) -> Any:
 def refusals(config: Any) -> list[str]:
     """Every setting of the RunConfig `config` that the task path cannot train exactly, one "KEY: why"
     line each, in the order of the config's sections (empty: `lm_config_job` translates it). Refused:
-    `train.log_stats` and `train.max_nonfinite_steps` other than the task loop's."""
-    from routeformer.train.task_loop import MAX_NONFINITE_STEPS
-
+    `train.log_stats` (a task run logs its evaluations' routing statistics, not per-step ones)."""
     run = config.train
     found = []
     if run.log_stats:
         found.append(f"train.log_stats: a task run logs no attention stats; got {run.log_stats!r}")
-    if run.max_nonfinite_steps != MAX_NONFINITE_STEPS:
-        found.append(f"train.max_nonfinite_steps: a task run stops after {MAX_NONFINITE_STEPS} non-finite "
-                     f"steps in a row; got {run.max_nonfinite_steps!r}")
     return found
 
 

@@ -16,8 +16,8 @@ starts over. Ctrl-C stops such a call at the next step boundary and saves its ch
 repeats no step and still ends as one never interrupted; the KeyboardInterrupt propagates after the
 save.
 
-A step with a non-finite loss or gradient is skipped; MAX_NONFINITE_STEPS in a row stop the run
-(train/guard.py).
+A step with a non-finite loss or gradient is skipped; `TaskTrainConfig.max_nonfinite_steps`
+(default MAX_NONFINITE_STEPS) in a row stop the run (train/guard.py).
 
 Precision: `TaskTrainConfig.precision` "bf16" runs each training forward under bfloat16 autocast on
 the model's device (train/precision.py: CPU or CUDA, no gradient scaler); "fp16" under float16
@@ -69,7 +69,7 @@ from routeformer.train.precision import check_precision, gradient_scaler
 from routeformer.train.schedule import Schedule
 from routeformer.train.steps import StepResult
 
-MAX_NONFINITE_STEPS = 10  # a module constant, not a config field: checkpoints compare configs
+MAX_NONFINITE_STEPS = 10  # TaskTrainConfig.max_nonfinite_steps' default
 TASK_PRECISIONS = ("fp32", "bf16", "fp16")  # the precisions of a task run; the first is the default
 TASK_BETAS = (0.9, 0.999)  # AdamW's betas of a task run unless its config says otherwise
 
@@ -78,6 +78,13 @@ def check_task_precision(precision: Any, argument: str = "precision") -> None:
     """Raise ValueError naming `argument` unless `precision` is one of TASK_PRECISIONS."""
     if precision not in TASK_PRECISIONS:
         raise ValueError(f"{argument}: one of {list(TASK_PRECISIONS)}; got {precision!r}")
+
+
+def check_nonfinite_limit(steps: Any, argument: str = "max_nonfinite_steps") -> None:
+    """Raise ValueError naming `argument` unless `steps` is a positive integer."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"{argument}: a positive integer (non-finite steps in a row that stop the run); "
+                         f"got {steps!r}")
 
 
 def task_betas(betas: Any, argument: str = "betas") -> tuple[float, float]:
@@ -100,23 +107,28 @@ class TaskTrainConfig:
     decay, an evaluation every `eval_every` steps (and at the end), the seed of the weights and the
     batches, the `precision` of the training forward: "fp32" (default), "bf16" (bfloat16
     autocast) or "fp16" (float16 autocast with a gradient scaler, CUDA only; see the module
-    docstring), and AdamW's `betas` (default TASK_BETAS, (0.9, 0.999); a
-    list is stored as a tuple of floats). ValueError naming `precision` or `betas` for a bad value."""
+    docstring), AdamW's `betas` (default TASK_BETAS, (0.9, 0.999); a list is stored as a tuple of
+    floats) and `max_nonfinite_steps`, the non-finite steps in a row that stop the run (default
+    MAX_NONFINITE_STEPS). ValueError naming `precision`, `betas` or `max_nonfinite_steps` for a bad
+    value."""
     schedule: Schedule = Schedule(steps=1000, batch_size=32, lr=1e-3, warmup_steps=50)
     weight_decay: float = 0.1
     eval_every: int = 100
     seed: int = 0
     precision: str = TASK_PRECISIONS[0]
     betas: tuple[float, float] = TASK_BETAS
+    max_nonfinite_steps: int = MAX_NONFINITE_STEPS
 
     def __post_init__(self) -> None:
         check_task_precision(self.precision)
         self.betas = task_betas(self.betas)
+        check_nonfinite_limit(self.max_nonfinite_steps)
 
 
 # TaskTrainConfig fields added after checkpoints and records were first written, with their defaults:
 # a reader fills them in where a saved config lacks them (`with_defaults`)
-TRAIN_FIELD_DEFAULTS: dict[str, Any] = {"precision": TASK_PRECISIONS[0], "betas": TASK_BETAS}
+TRAIN_FIELD_DEFAULTS: dict[str, Any] = {"precision": TASK_PRECISIONS[0], "betas": TASK_BETAS,
+                                        "max_nonfinite_steps": MAX_NONFINITE_STEPS}
 
 
 def json_form(value: Any) -> Any:
@@ -137,9 +149,10 @@ def with_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> dict[str, A
 
 
 def train_config_dict(config: TaskTrainConfig) -> dict[str, Any]:
-    """`config` as a run's record holds it: its fields, `betas` only where it is not TASK_BETAS (so
-    the record of a run with the default betas reads as before the field existed)."""
-    return without_defaults(asdict(config), {"betas": TASK_BETAS})
+    """`config` as a run's record holds it: its fields, `betas` only where it is not TASK_BETAS and
+    `max_nonfinite_steps` only where it is not MAX_NONFINITE_STEPS (so the record of a run with the
+    defaults reads as before the fields existed)."""
+    return without_defaults(asdict(config), {"betas": TASK_BETAS, "max_nonfinite_steps": MAX_NONFINITE_STEPS})
 
 
 @dataclass
@@ -293,7 +306,7 @@ def train_task(
     forward = forward or (lambda m, inputs, labels, **extra: m(inputs, labels, **extra))
     check_precision(config.precision, device)
     driver = Driver(model, schedule=schedule, seed=config.seed, weight_decay=config.weight_decay,
-                    betas=config.betas, max_nonfinite=MAX_NONFINITE_STEPS, device=device,
+                    betas=config.betas, max_nonfinite=config.max_nonfinite_steps, device=device,
                     on_skip=lambda step, message: say(message), context=context,
                     scaler=gradient_scaler("fp16", device) if config.precision == "fp16" else None)
     history = TaskHistory()
