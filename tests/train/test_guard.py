@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -62,3 +63,20 @@ def test_a_run_that_keeps_producing_nan_stops_with_a_clear_error(tmp_path, monke
     saved = load_checkpoint(tmp_path / "run")  # the last checkpoint: before the trouble, finite
     assert saved["step"] == 5
     assert all(torch.isfinite(value).all() for value in saved["model"].values() if value.is_floating_point())
+
+
+def test_a_task_run_stops_after_its_own_limit_of_non_finite_steps():
+    from routeformer.train.task_loop import TaskTrainConfig, train_task
+
+    def forward(model, inputs, labels):
+        loss = (model(inputs) - labels).pow(2).mean() * float("nan")
+        return SimpleNamespace(total_loss=loss, loss=loss, aux_loss=torch.zeros(()))
+
+    def batch(size, generator):
+        return torch.zeros(size, 4), torch.zeros(size, 1)
+
+    config = TaskTrainConfig(max_nonfinite_steps=2)
+    with pytest.raises(TrainingDiverged, match=r"^training diverged: 2 consecutive steps with a non-finite"):
+        train_task(torch.nn.Linear(4, 1), batch, lambda model: {}, config, forward=forward)
+    with pytest.raises(ValueError, match=r"^max_nonfinite_steps: a positive integer"):
+        TaskTrainConfig(max_nonfinite_steps=0)
