@@ -139,11 +139,16 @@ def test_an_lm_run_converts_as_the_task_lm_run_it_equals(capsys, tmp_path):
     assert from_lm["test"] == from_task["test"]  # the same weights, task and conversion
 
 
-def test_an_lm_run_the_task_path_cannot_train_is_refused(capsys, tmp_path):
+def test_an_lm_run_whose_text_changed_since_is_refused(capsys, tmp_path):
+    from tests.tasks.test_lm_text_sources import text_file
+
+    text = text_file(tmp_path / "notes.txt")
     lm, out = tmp_path / "lm", tmp_path / "out"
-    assert main(["train", *LM_RUN, "--train.log_stats", "[kl]", "--out_dir", str(lm)]) == 0
+    assert main(["train", *LM_RUN, "--data.path", text, "--out_dir", str(lm)]) == 0
     capsys.readouterr()  # the training run's own lines
+    with open(text, "a") as handle:
+        handle.write("Zebras quoth: ~{}\n" * 50)  # characters the run's tokeniser never saw
     status, _, err = _run(capsys, ["sparsify", str(lm), *LM_CONVERT, "--out", str(out)])
     assert status == 2 and len(err.strip().splitlines()) == 1
-    assert "LM run that does not convert as task lm: train.log_stats" in err, err
+    assert "LM run that does not convert as task lm: the run's tokeniser is not task lm's" in err, err
     assert not out.exists()

@@ -16,7 +16,7 @@ import torch
 from routeformer.cli import main
 from routeformer.compare.budgets import QUICK
 from routeformer.runner.jobs import TASK_WEIGHT_DECAY, Job, job_config, staged_record
-from routeformer.runner.lm_config import lm_config_job, lm_run_as_task_run, refusals
+from routeformer.runner.lm_config import lm_config_job, lm_run_as_task_run
 from routeformer.runner.run_dir import run_in_directory
 from routeformer.tasks import build_task
 from routeformer.tasks.meta_tokens import real_tokens_per_window
@@ -141,17 +141,24 @@ def test_a_local_text_and_a_bpe_tokenizer_train_the_lm_runs_weights(tmp_path, ca
     assert capsys.readouterr().out.startswith("the quick")
 
 
-REFUSED = [
-    (["--train.log_stats", "[kl]"], "train.log_stats"),
-]
-
-
-@pytest.mark.parametrize(("overrides", "key"), REFUSED, ids=[" ".join(o) for o, _ in REFUSED])
-def test_each_setting_the_task_path_cannot_honour_is_refused_naming_its_key(overrides, key):
-    config = load_config(TINY, overrides)
-    assert [line.split(":")[0] for line in refusals(config)] == [key]
-    with pytest.raises(ValueError, match=rf"^{key}: "):
-        lm_config_job(config, "k")
+def test_log_stats_become_each_evaluations_training_step_statistics(tmp_path, capsys):
+    lm, task = tmp_path / "lm", tmp_path / "task"
+    stats = [*OVERRIDES, "--train.log_stats", "[flops]"]  # every layer's executed attention FLOPs
+    assert main(["train", "--config", TINY, "--out_dir", str(lm), *stats]) == 0
+    assert main(["train", "--task", "lm", "--config", TINY, *stats, "--out", str(task)]) == 0
+    capsys.readouterr()
+    assert json.loads((task / "config.json").read_text())["log_stats"] == ["flops"]
+    record = json.loads((task / "record.json").read_text())
+    assert record["validation"] and all(entry["attn_flops"] > 0 for entry in record["validation"])
+    lines = [json.loads(line) for line in (task / "metrics.jsonl").read_text().splitlines()]
+    assert [line["attn_flops"] for line in lines if "train_loss" in line] == [
+        entry["attn_flops"] for entry in record["validation"]]
+    expected, got = load_run_model(lm).model.state_dict(), load_run_model(task).model.state_dict()
+    assert [key for key in expected if not torch.equal(got[key], expected[key])] == []
+    assert "log_stats" not in job_config(lm_config_job(load_config(TINY), "k"))  # the default: none
+    for bad in ("flops", [3], [""]):
+        with pytest.raises(ValueError, match=r"^log_stats: a list of layer statistic names"):
+            TaskTrainConfig(log_stats=bad)
 
 
 def test_the_configs_logger_is_the_run_directorys(tmp_path, capsys, monkeypatch):

@@ -26,9 +26,8 @@ tensorboard` also writes them as TensorBoard event files to `DIR/tensorboard`.
 `routeformer train --config FILE [--key value ...]` trains (the same weights): the rest of the line
 is the LM run's config overrides (`train.load_config`: `--model.dim 64`, `--steps 40`, read as the
 LM run reads them), except `--out`, and the config becomes its task-lm job by
-`runner.lm_config.lm_config_job`, which refuses in one line, naming the key, each setting the task
-path cannot train exactly (`train.log_stats`); the config's `train.device`
-is where the task run trains, and its `train.logger` the run directory's (`--train.logger
+`runner.lm_config.lm_config_job`, which translates every config; the config's `train.device` is
+where the task run trains, and its `train.logger` the run directory's (`--train.logger
 tensorboard`: TensorBoard too). The task-run arguments that are not config keys (--mechanism,
 --option, --evals, --budget, --mechanism-option, --betas) are refused beside --config, each naming
 the key that states the same; so is --out_dir (the run directory is --out). The config file's
@@ -116,11 +115,10 @@ NOT_WITH_CONFIG = {"--mechanism": "--model.attention", "--mechanism-option": "--
 def config_run_job(task: str, config: str, extra: list[str]) -> tuple[Job, str | None, str, str]:
     """(job, --out or None, the config's `train.logger`, its `train.device`) of `train --task lm
     --config FILE [--key value ...] [--out DIR]`: the LM run config FILE (a path or a bundled name)
-    with the overrides applied as `routeformer train` applies them (`train.load_config`), as its task-lm job
-    (`runner.lm_config.lm_config_job`).
+    with the overrides applied as `routeformer train` applies them (`train.load_config`), as its
+    task-lm job (`runner.lm_config.lm_config_job`).
     ValueError naming --task unless the task is lm, naming a task-run argument that is not a config
-    key (NOT_WITH_CONFIG: it says which key states the same), or naming the config key the task path
-    cannot honour."""
+    key (NOT_WITH_CONFIG: it says which key states the same), or as `load_config` raises."""
     from routeformer.cli.config_files import resolve_config
     from routeformer.runner.lm_config import lm_config_job
     from routeformer.train import load_config

@@ -33,6 +33,7 @@ from routeformer.train.task_loop import (
     TaskTrainConfig,
     check_nonfinite_limit,
     check_task_precision,
+    stat_names,
     task_betas,
     without_defaults,
 )
@@ -88,7 +89,7 @@ class Job:
     (`TaskTrainConfig.betas`: two numbers in [0, 1), default TASK_BETAS; ValueError naming it
     otherwise) and AdamW weight decay (`TaskTrainConfig.weight_decay`, on matrices only: a finite
     number >= 0, default TASK_WEIGHT_DECAY; ValueError naming it otherwise); `max_nonfinite_steps`
-    is `TaskTrainConfig.max_nonfinite_steps` (default MAX_NONFINITE_STEPS). The backbone's
+    and `log_stats` are `TaskTrainConfig`'s (defaults MAX_NONFINITE_STEPS and none). The backbone's
     `spec.tie_embeddings` ties the output head to the embedding. `mechanism` is one registered name
     (every layer runs it with `options`) or a list of names, one per layer, with `options` keyed by
     name (`train.on_task.layer_attention`)."""
@@ -105,10 +106,12 @@ class Job:
     betas: tuple[float, float] = TASK_BETAS  # AdamW's, in every stage
     weight_decay: float = TASK_WEIGHT_DECAY  # AdamW's, in every stage
     max_nonfinite_steps: int = MAX_NONFINITE_STEPS  # non-finite steps in a row that stop a stage
+    log_stats: list[str] = field(default_factory=list)  # layer statistics each evaluation holds (attn_<key>)
 
     def __post_init__(self) -> None:
         check_task_precision(self.precision)
         check_nonfinite_limit(self.max_nonfinite_steps)
+        object.__setattr__(self, "log_stats", stat_names(self.log_stats))
         object.__setattr__(self, "betas", task_betas(self.betas))
         decay = self.weight_decay
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not math.isfinite(decay) \
@@ -147,7 +150,8 @@ def train_job(job: Job, log: Callable[[str], None] | None = None,
     total = sum(stage.schedule.steps for stage in setup.stages)
     configs = [TaskTrainConfig(stage.schedule, eval_every=setup.eval_every_in(stage.schedule.steps),
                                seed=job.seed, precision=job.precision, betas=job.betas,
-                               weight_decay=job.weight_decay, max_nonfinite_steps=job.max_nonfinite_steps)
+                               weight_decay=job.weight_decay, max_nonfinite_steps=job.max_nonfinite_steps,
+                               log_stats=job.log_stats)
                for stage in setup.stages]
     log = log or (lambda line: say(f"  {job.key}: {line}"))
     if not setup.staged:
@@ -383,8 +387,8 @@ def _stop_workers(pool) -> None:
 def job_config(job: Job) -> dict[str, Any]:
     """The job as JSON-ready data (what config.json holds; a one-stage setup as it read before setups
     had stages, `precision` only where it is not the default fp32, `betas` only where they are not
-    TASK_BETAS, `weight_decay` only where it is not TASK_WEIGHT_DECAY, `max_nonfinite_steps` only where
-    it is not MAX_NONFINITE_STEPS (JOB_FIELD_DEFAULTS), and the
+    TASK_BETAS, `weight_decay` only where it is not TASK_WEIGHT_DECAY, `max_nonfinite_steps` and
+    `log_stats` only where they are not their defaults (JOB_FIELD_DEFAULTS), and the
     backbone as `spec_dict` gives it, so earlier run directories resume)."""
     return without_defaults({**asdict(job), "setup": job.setup.as_dict(), "spec": spec_dict(job.spec)},
                             JOB_FIELD_DEFAULTS)

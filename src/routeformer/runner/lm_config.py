@@ -28,8 +28,9 @@ checkpoints at each evaluation and keeps its model as a run directory (runner/ru
 --config` passes it to `runner.run_dir.run_in_directory`). `model.vocab_size` follows the tokeniser on
 both paths; `model.num_classes` and `pooling` belong to the classification head, which neither builds.
 
-Everything else that would change the model or how it trains, where the task path has no such setting,
-is refused (the list is `refusals`)."""
+`train.log_stats` (the layer statistics the LM run logs every `log_every` steps) become the job's
+`log_stats`: each evaluation record holds the training step's statistics at that step.
+`lm_config_job` translates every RunConfig: nothing a config can say is refused."""
 
 from __future__ import annotations
 
@@ -39,24 +40,20 @@ from routeformer.runner.jobs import Job
 from routeformer.runner.setups import TaskSetup
 from routeformer.train.on_task import ModelSpec
 
-__all__ = ["lm_config_job", "lm_run_as_task_run", "refusals"]
+__all__ = ["lm_config_job", "lm_run_as_task_run"]
 
 
 def lm_config_job(config: Any, key: str) -> Job:
     """The one-stage task-lm `Job` named `key` that trains the model `routeformer train` trains from
     the RunConfig `config` (module docstring: what maps, what does not apply).
 
-    Raises TypeError unless `config` is a `train.config.RunConfig`, and ValueError naming the first
-    config key the task path cannot honour exactly, as "KEY: why" (`refusals` lists them all)."""
+    Every RunConfig translates; raises TypeError unless `config` is a `train.config.RunConfig`."""
     from routeformer.tasks.meta_tokens import real_tokens_per_window
     from routeformer.train.config import RunConfig
 
     if not isinstance(config, RunConfig):
         raise TypeError("config: a routeformer.train.config.RunConfig (load_config); "
                         f"got {type(config).__name__}")
-    refused = refusals(config)
-    if refused:
-        raise ValueError(refused[0])
     model, data, run = config.model, config.data, config.train
     layers = model.layer_attention()
     mechanism: str | list[str] = layers[0] if len(set(layers)) == 1 else layers
@@ -89,7 +86,8 @@ def lm_config_job(config: Any, key: str) -> Job:
                      zero_meta_positions_eval=model.zero_meta_positions_eval)
     return Job(key, "lm", dict(options), mechanism, options_of,
                run.seed, setup, spec, precision=run.precision, betas=(run.beta1, run.beta2),
-               weight_decay=run.weight_decay, max_nonfinite_steps=run.max_nonfinite_steps)
+               weight_decay=run.weight_decay, max_nonfinite_steps=run.max_nonfinite_steps,
+               log_stats=list(run.log_stats))
 
 
 def lm_run_as_task_run(run: Any) -> Any:
@@ -98,8 +96,8 @@ def lm_run_as_task_run(run: Any) -> Any:
     the config's corpus and length) and `config` (the job, as a task run's config.json holds it) —
     what `routeformer sparsify` reads from a task run. A task run is returned as it is.
 
-    Raises ValueError when the run's config is one the task path cannot train (`refusals`' line) or
-    its tokeniser is not the task's (the corpus changed since the run was trained)."""
+    Raises ValueError when its tokeniser is not the task's (the corpus changed since the run was
+    trained)."""
     from dataclasses import replace
 
     from routeformer.runner.jobs import built_task, job_config
@@ -114,17 +112,6 @@ def lm_run_as_task_run(run: Any) -> Any:
         raise ValueError(f"the run's tokeniser is not task lm's for {source!r} (the text or the tokenizer "
                          "changed since the run was trained)")
     return replace(run, task=task, config=job_config(job))
-
-
-def refusals(config: Any) -> list[str]:
-    """Every setting of the RunConfig `config` that the task path cannot train exactly, one "KEY: why"
-    line each, in the order of the config's sections (empty: `lm_config_job` translates it). Refused:
-    `train.log_stats` (a task run logs its evaluations' routing statistics, not per-step ones)."""
-    run = config.train
-    found = []
-    if run.log_stats:
-        found.append(f"train.log_stats: a task run logs no attention stats; got {run.log_stats!r}")
-    return found
 
 
 def _test_windows(options: dict[str, Any], real: int, tokens: int | None) -> int:

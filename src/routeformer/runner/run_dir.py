@@ -18,7 +18,8 @@ options: a refused option leaves the directory as it was.
 While it trains, the run keeps `metrics.jsonl` (train/logging.py's `RunLog`, the LM run's log), one
 JSON object a line: one per validation evaluation as it is made, `{"step": N, "train_loss": ...,
 "aux_loss": ..., "val_<metric>": ...}` (the validation metrics of the history's record, `val_`
-prefixed: val_loss, val_accuracy, val_bits_per_char, ...; a staged run's `step` counts over all its
+prefixed: val_loss, val_accuracy, val_bits_per_char, ...; the training step's `attn_<key>` layer
+statistics of `log_stats` as they are; a staged run's `step` counts over all its
 stages and the line names its `stage`, 0 for the first), then, once the record is made (before
 record.json is stored), `{"step": N, "final": true, "test_<metric>": ...}` with the test at T. A
 resumed run first drops the lines past the step it resumed after (RunLog's `resume_step`), so every
@@ -131,7 +132,7 @@ class _TaskMetrics:
             self.log = RunLog(self.out_dir, resume_step=step - 1, logger=self.logger)
         line = {"step": step, **({"stage": record["stage"]} if "stage" in record else {}),
                 "train_loss": record["train_loss"], "aux_loss": record["aux_loss"]}
-        line.update({f"val_{key}": value for key, value in record.items()
+        line.update({key if key.startswith("attn_") else f"val_{key}": value for key, value in record.items()
                      if key not in ("step", "stage", "train_loss", "aux_loss")})
         self.log.write(line)
 

@@ -87,6 +87,14 @@ def check_nonfinite_limit(steps: Any, argument: str = "max_nonfinite_steps") -> 
                          f"got {steps!r}")
 
 
+def stat_names(names: Any, argument: str = "log_stats") -> list[str]:
+    """`names` (a list or tuple of strings) as a list; ValueError naming `argument` otherwise."""
+    if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) and name for name in names):
+        raise ValueError(f"{argument}: a list of layer statistic names, e.g. ['routing_recall']; "
+                         f"got {names!r}")
+    return list(names)
+
+
 def task_betas(betas: Any, argument: str = "betas") -> tuple[float, float]:
     """`betas` as AdamW's (beta1, beta2) tuple of floats: two real numbers, each in [0, 1) (a list is
     accepted). ValueError naming `argument` for anything else."""
@@ -108,9 +116,11 @@ class TaskTrainConfig:
     batches, the `precision` of the training forward: "fp32" (default), "bf16" (bfloat16
     autocast) or "fp16" (float16 autocast with a gradient scaler, CUDA only; see the module
     docstring), AdamW's `betas` (default TASK_BETAS, (0.9, 0.999); a list is stored as a tuple of
-    floats) and `max_nonfinite_steps`, the non-finite steps in a row that stop the run (default
-    MAX_NONFINITE_STEPS). ValueError naming `precision`, `betas` or `max_nonfinite_steps` for a bad
-    value."""
+    floats), `max_nonfinite_steps`, the non-finite steps in a row that stop the run (default
+    MAX_NONFINITE_STEPS), and `log_stats`: per-layer statistics of the training step (keys of the
+    layers' `stats`, e.g. "routing_recall") each evaluation record holds as `attn_<key>`, the mean
+    over the layers that report it (default none). ValueError naming
+    `precision`, `betas`, `max_nonfinite_steps` or `log_stats` for a bad value."""
     schedule: Schedule = Schedule(steps=1000, batch_size=32, lr=1e-3, warmup_steps=50)
     weight_decay: float = 0.1
     eval_every: int = 100
@@ -118,17 +128,19 @@ class TaskTrainConfig:
     precision: str = TASK_PRECISIONS[0]
     betas: tuple[float, float] = TASK_BETAS
     max_nonfinite_steps: int = MAX_NONFINITE_STEPS
+    log_stats: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_task_precision(self.precision)
         self.betas = task_betas(self.betas)
         check_nonfinite_limit(self.max_nonfinite_steps)
+        self.log_stats = stat_names(self.log_stats)
 
 
 # TaskTrainConfig fields added after checkpoints and records were first written, with their defaults:
 # a reader fills them in where a saved config lacks them (`with_defaults`)
 TRAIN_FIELD_DEFAULTS: dict[str, Any] = {"precision": TASK_PRECISIONS[0], "betas": TASK_BETAS,
-                                        "max_nonfinite_steps": MAX_NONFINITE_STEPS}
+                                        "max_nonfinite_steps": MAX_NONFINITE_STEPS, "log_stats": []}
 
 
 def json_form(value: Any) -> Any:
@@ -149,10 +161,11 @@ def with_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> dict[str, A
 
 
 def train_config_dict(config: TaskTrainConfig) -> dict[str, Any]:
-    """`config` as a run's record holds it: its fields, `betas` only where it is not TASK_BETAS and
-    `max_nonfinite_steps` only where it is not MAX_NONFINITE_STEPS (so the record of a run with the
-    defaults reads as before the fields existed)."""
-    return without_defaults(asdict(config), {"betas": TASK_BETAS, "max_nonfinite_steps": MAX_NONFINITE_STEPS})
+    """`config` as a run's record holds it: its fields, but `betas`, `max_nonfinite_steps` and
+    `log_stats` only where they are not their defaults (so the record of a run with the defaults
+    reads as before the fields existed)."""
+    return without_defaults(asdict(config), {key: TRAIN_FIELD_DEFAULTS[key]
+                                             for key in ("betas", "max_nonfinite_steps", "log_stats")})
 
 
 @dataclass
@@ -348,6 +361,9 @@ def train_task(
         if context.is_main:
             model.eval()  # the step loop puts it back in train mode
             record = {"step": step, "train_loss": train_loss, "aux_loss": aux_loss, **evaluate(model)}
+            for key in config.log_stats:  # this process's training step, as the LM run logs them
+                if (value := layer_stat(output.stats, key)) is not None:
+                    record[f"attn_{key}"] = value
             history.evals.append(record)
             if (listener := _EVALUATIONS.get()) is not None:  # before the checkpoint: a resume redoes it
                 listener(dict(record))
