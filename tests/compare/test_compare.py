@@ -134,3 +134,21 @@ def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, monkeypatch):
     text = report.read_text()
     assert "local seed 0: RuntimeError: kernel exploded" in text and "| full |" in text.replace("★ ", "")
     assert not list((tmp_path / "runs").glob("toy-mqar-local-*.json"))  # not stored: a re-run retries
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("budget", [[], ["--long"]], ids=["quick", "long"])
+def test_compare_on_cuda_without_a_gpu_is_one_line_and_writes_nothing(tmp_path, capsys, budget):
+    out = tmp_path / "compare"
+    assert main(["compare", *budget, "--device", "cuda", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == ("routeformer: error: argument --device: 'cuda' but no CUDA device is "
+                                    "available; use cpu or auto")
+    assert captured.out == "" and not out.exists()
+
+
+def test_compare_refuses_a_device_torch_does_not_know_before_writing(tmp_path):
+    out = tmp_path / "compare"
+    with pytest.raises(ValueError, match=r"^device: a torch device such as 'cpu' or 'cuda:0'; got 'gpu0'$"):
+        run_compare(out, mechanisms=["full"], tasks=["mqar"], budget=toy_budget(), workers=1, device="gpu0")
+    assert not out.exists()

@@ -58,3 +58,38 @@ def test_every_job_trains_on_one_thread_whatever_the_number_of_workers(tmp_path,
         assert torch.get_num_threads() == 2  # the caller's count is left as it was
     finally:
         torch.set_num_threads(before)
+
+
+def _device_of(job):
+    """A job's record: the device its model would be built on (a module-level function: workers import it)."""
+    from routeformer.train.task_loop import training_device
+
+    return {"device": str(training_device()), "quality": float(job.seed)}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_every_job_trains_on_the_device_asked_for_in_a_worker_or_here(tmp_path, workers):
+    """torch's meta device stands in for a GPU: the name reaches the spawned workers' training_on."""
+    records = run_jobs(tmp_path, tiny_jobs(2), workers=workers, progress=lambda line: None,
+                       timeout_s=240, train=_device_of, device="meta")
+    assert [record["device"] for record in records.values()] == ["meta", "meta"]
+
+
+def test_a_stored_run_of_another_device_is_refused_and_kept(tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    stored = runs / "mqar-full-s0.json"
+    stored.write_text('{"quality": 0.5, "device": "cuda:0"}')
+    with pytest.raises(ValueError, match=r"^device: .*mqar-full-s0.json' was trained on cuda:0, this sweep "
+                                         r"trains on cpu; use another output directory$"):
+        run_jobs(tmp_path, tiny_jobs(1), workers=1, progress=lambda line: None, train=_device_of)
+    assert stored.read_text() == '{"quality": 0.5, "device": "cuda:0"}'
+    records = run_jobs(tmp_path, tiny_jobs(1), workers=1, progress=lambda line: None, train=_device_of,
+                       device="cuda")  # the same kind of device: read back, not trained
+    assert records["mqar-full-s0"] == {"quality": 0.5, "device": "cuda:0"}
+
+
+def test_a_device_torch_does_not_know_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"^device: a torch device such as 'cpu' or 'cuda:0'; got 'gpu0'$"):
+        run_jobs(tmp_path, tiny_jobs(1), workers=1, progress=lambda line: None, device="gpu0")
+    assert not (tmp_path / "runs").exists()

@@ -13,21 +13,24 @@ from routeformer.cli.exit_status import EXIT_INTERRUPTED
 
 
 def command_compare(args: argparse.Namespace) -> int:
+    from routeformer.cli.task_train import available_device
     from routeformer.compare.run import run_compare
 
+    args.device = available_device(args.device, "argument --device")
     try:
         if args.long:
             report = _compare_long(args)
         else:
             report = run_compare(args.out or "runs/compare", mechanisms=args.mechanisms, tasks=args.tasks,
                                  quick=args.quick, corpus=args.corpus or "pydoc", bench=not args.no_bench,
-                                 seeds=args.seeds, workers=args.workers)
+                                 seeds=args.seeds, workers=args.workers, device=args.device)
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume", file=sys.stderr)
         return 130
     print(report.read_text())
     print(f"wrote {report.parent}/ (report.md, result.json, PNGs)")
     return 0
+
 
 
 def _compare_long(args: argparse.Namespace):
@@ -46,10 +49,11 @@ def _compare_long(args: argparse.Namespace):
         f" --tasks {' '.join(args.tasks)}" if args.tasks else "",
         f" --mechanisms {' '.join(args.mechanisms)}" if args.mechanisms else "",
         f" --seeds {args.seeds}" if args.seeds is not None else "",
-        f" --corpus {args.corpus}" if args.corpus else ""])
+        f" --corpus {args.corpus}" if args.corpus else "",
+        f" --device {args.device}" if args.device != "cpu" else ""])
     out = args.out or "runs/compare-long"
     return run_compare(out, mechanisms=mechanisms, tasks=tasks, budget=LONG, seeds=args.seeds,
-                       workers=args.workers, corpus=args.corpus, command=command)
+                       workers=args.workers, corpus=args.corpus, command=command, device=args.device)
 
 
 def command_train(args: argparse.Namespace, overrides: list[str]) -> int:

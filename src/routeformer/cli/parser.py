@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--out", default=None,
                          help="output directory (default: runs/compare, with --long runs/compare-long)")
     compare.add_argument("--no-bench", action="store_true", help="skip the layer time/memory benchmark")
+    compare.add_argument("--device", choices=DEVICES, default="cpu",
+                         help="where every run trains and is evaluated: cpu (default), cuda or auto (cuda "
+                              "when available); the costs are measured on the CPU either way")
 
     train = commands.add_parser(
         "train", help="train a character-level language model, or a model on any task (--task)",

@@ -184,15 +184,22 @@ def spec_run_job(args: argparse.Namespace, extra: list[str]) -> tuple[Job, str |
 
 def run_device(name: str, context: Any, argument: str) -> Any:
     """The torch device a task run trains on for `name` (one of DEVICES; cuda: this process's
-    LOCAL_RANK under torchrun; auto: cuda when available). ValueError naming `argument` when it asks
-    for CUDA and none is available."""
-    import torch
-
+    LOCAL_RANK under torchrun; auto: cuda when available). ValueError as `available_device`."""
     from routeformer.train.distributed import resolve_device
 
+    return resolve_device(available_device(name, argument), context)
+
+
+def available_device(name: str, argument: str) -> str:
+    """"cpu" or "cuda" for `name` (one of DEVICES; auto: cuda when available). ValueError naming
+    `argument` when it asks for CUDA and none is available."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{argument}: 'cuda' but no CUDA device is available; use cpu or auto")
-    return resolve_device(name, context)
+    return name
 
 
 def check_global_batch(job: Job, processes: int) -> None:

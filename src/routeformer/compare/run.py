@@ -38,7 +38,7 @@ from routeformer.compare.budgets import (
 )
 from routeformer.compare.costs import task_costs
 from routeformer.compare.report import task_floor, write_compare_report
-from routeformer.runner.jobs import Job, cached_run, run_jobs, say
+from routeformer.runner.jobs import Job, cached_run, device_kind, run_jobs, say
 from routeformer.runner.seeds import seed_grid
 from routeformer.runner.setups import MIN_TEST_SEQUENCES
 
@@ -80,18 +80,24 @@ def run_compare(
     out_dir: str | Path = "runs/compare", *, mechanisms: Sequence[str] | None = None,
     tasks: Sequence[str] | None = None, quick: bool = False, corpus: str | None = None, bench: bool = True,
     budget: CompareBudget | None = None, seeds: int | None = None, workers: int = 2,
-    command: str | None = None,
+    command: str | None = None, device: str = "cpu",
 ) -> Path:
     """Run the comparison described in the module docstring; returns the report's path.
     `budget` overrides the QUICK / FULL presets (LONG, or a toy one in tests); `seeds` overrides its
     seeds; `corpus` the LM's (None: the budget's); `command`, the command the report names (None:
-    the `routeformer compare` these arguments make)."""
+    the `routeformer compare` these arguments make); `device`, the torch device every run trains on
+    (`runner.jobs.run_jobs`; default "cpu"; the costs are measured on the CPU either way), named in
+    the report's command (and so in result.json's invocations) when it is not the CPU.
+
+    Raises ValueError naming `device` as `run_jobs` does (before training: unknown to torch, or
+    `out_dir` holding runs trained on another kind of device)."""
     budget = budget or (QUICK if quick else FULL)
     if seeds is not None:
         if not isinstance(seeds, int) or seeds < 1:
             raise ValueError(f"seeds must be a positive integer; got {seeds!r}")
         budget = replace(budget, seeds=seeds)
     mechanisms, tasks = check_selection(mechanisms, tasks, budget)
+    device_kind(device)  # an unknown device is refused before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     corpus = corpus or budget.corpus or default_corpus()
@@ -102,7 +108,7 @@ def run_compare(
     say(f"compare ({budget.name}): {len(jobs)} runs = {len(tasks)} tasks x {len(mechanisms)} mechanisms x "
         f"{budget.seeds} seeds, {workers} worker process(es)"
         + (f"; lm's corpus {corpus}" if "lm" in tasks else ""))
-    records = run_jobs(out, jobs, workers, say, keep_models=budget.keep_models)
+    records = run_jobs(out, jobs, workers, say, keep_models=budget.keep_models, device=device)
     by_task: dict[str, dict[str, list[dict[str, Any]]]] = {task: {} for task in tasks}
     failed: dict[str, dict[str, str]] = {task: {} for task in tasks}
     for job in jobs:
@@ -134,7 +140,8 @@ def run_compare(
         f" --tasks {' '.join(tasks)}" if tasks != list(TASKS) else "",
         f" --mechanisms {' '.join(mechanisms)}" if mechanisms != default_mechanisms else "",
         f" --seeds {budget.seeds}" if seeds is not None else "",
-        f" --corpus {corpus}" if corpus != "pydoc" else "", "" if bench else " --no-bench"])
+        f" --corpus {corpus}" if corpus != "pydoc" else "", "" if bench else " --no-bench",
+        f" --device {device}" if device != "cpu" else ""])
     return write_compare_report(out, by_task, floors, costs, bench_rows, budget, command, setups=setups,
                                 elapsed=time.perf_counter() - began, workers=workers, failed=failed,
                                 bench_from_earlier=kept_bench)

@@ -273,11 +273,14 @@ def one_thread() -> Iterator[None]:
 
 def _run_one(out: Path, job: Any, threads: int | None,
              train: Callable[[Any], dict[str, Any]] | None = None,
-             keep_models: bool = False) -> tuple[str, dict[str, Any]]:
-    """The job's record; a job that raises gives {"error": ...} (not stored: a re-run retries it), so
-    one broken mechanism costs its own runs, not the whole sweep. `keep_models` (with `train` None):
-    the trained model is saved as the run directory `out/models/<key>` (`run_dir.keep_job_model`)."""
+             keep_models: bool = False, device: str = "cpu") -> tuple[str, dict[str, Any]]:
+    """The job's record, its model trained on `device`; a job that raises gives {"error": ...} (not
+    stored: a re-run retries it), so one broken mechanism costs its own runs, not the whole sweep.
+    `keep_models` (with `train` None): the trained model is saved as the run directory
+    `out/models/<key>` (`run_dir.keep_job_model`)."""
     import torch
+
+    from routeformer.train.task_loop import training_on
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -291,14 +294,15 @@ def _run_one(out: Path, job: Any, threads: int | None,
         return train_job(job, keep_model=lambda model: keep_job_model(folder, job, model))
 
     try:
-        return job.key, cached_run(out, job.key, compute)
+        with training_on(device):
+            return job.key, cached_run(out, job.key, compute)
     except Exception as error:  # noqa: BLE001 - reported per job, the others go on
         return job.key, {"error": f"{type(error).__name__}: {error}", "quality": float("nan")}
 
 
 def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str], None],
              timeout_s: float | None = None, train: Callable[[Any], dict[str, Any]] | None = None,
-             keep_models: bool = False) -> dict[str, dict]:
+             keep_models: bool = False, device: str = "cpu") -> dict[str, dict]:
     """Every job's record, by key. Finished jobs are read from `out/runs/`; the others run in
     `workers` spawned processes (or in this one when workers == 1), each job on one thread (so a
     record does not depend on `workers`).
@@ -310,9 +314,16 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
     stopping the workers instead of waiting for their runs. Finished runs are stored either way,
     and a re-run resumes after them. `train(job)` makes a job's record (a module-level function:
     worker processes import it); None: `train_job` (train once, test once), and with `keep_models`
-    each trained model is kept as the task run directory `out/models/<key>`."""
+    each trained model is kept as the task run directory `out/models/<key>`. `device` (a torch device
+    name, default "cpu") is where every job's model trains (`train.task_loop.training_on`, in each
+    worker); a record trained elsewhere says so (`"device"`).
+
+    Raises ValueError naming `device` unless torch knows it, and naming the stored record when a
+    finished run in `out/runs/` was trained on another kind of device (its numbers are not this
+    sweep's: use another `out`)."""
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer; got {workers!r}")
+    kind = device_kind(device)
     began = time.perf_counter()
     records: dict[str, dict[str, Any]] = {}
 
@@ -326,13 +337,17 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
     for job in jobs:  # finished runs are read here: no worker process is started for them
         stored = out / "runs" / f"{job.key}.json"
         if stored.exists():
-            note(job.key, json.loads(stored.read_text()))
+            record = json.loads(stored.read_text())
+            if "error" not in record and device_kind(record.get("device", "cpu")) != kind:
+                raise ValueError(f"device: {str(stored)!r} was trained on {record.get('device', 'cpu')}, "
+                                 f"this sweep trains on {device}; use another output directory")
+            note(job.key, record)
         else:
             pending.append(job)
     if workers == 1 or len(pending) <= 1:
         with one_thread():  # as in a worker process
             for job in pending:
-                note(*_run_one(out, job, None, train, keep_models))
+                note(*_run_one(out, job, None, train, keep_models, device))
         return records
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -342,7 +357,7 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
     context = multiprocessing.get_context("spawn")
     pool = ProcessPoolExecutor(min(workers, len(pending)), mp_context=context)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    futures = {pool.submit(_run_one, out, job, 1, train, keep_models): job.key for job in pending}
+    futures = {pool.submit(_run_one, out, job, 1, train, keep_models, device): job.key for job in pending}
     waiting = set(futures)
     try:
         while waiting:
@@ -365,6 +380,17 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     return records
+
+
+def device_kind(device: str) -> str:
+    """The kind of the torch device named `device` ("cpu", "cuda", ...); ValueError naming `device`
+    unless torch knows it."""
+    import torch
+
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: a torch device such as 'cpu' or 'cuda:0'; got {device!r}") from None
 
 
 def _stop_workers(pool) -> None:
