@@ -1,6 +1,7 @@
 """A task run directory keeps metrics.jsonl while it trains: a line per evaluation (the LM run's
-keys: step, train_loss, aux_loss, val_*; a staged run's stage) and a final line with the test, one
-line per step however often the run was interrupted; runs outside a run directory write none."""
+keys: step, train_loss, aux_loss, val_*; a staged run's stage), with log_every a training line every
+that many updates, and a final line with the test, one line per step however often the run was
+interrupted (checkpoint_every: also between evaluations); runs outside a run directory write none."""
 
 import json
 from dataclasses import replace
@@ -169,3 +170,74 @@ def test_a_logger_that_cannot_run_is_one_line_and_writes_nothing(tmp_path, capsy
     with pytest.raises(ValueError, match=r"logger: one of \['jsonl', 'tensorboard'\]; got 'wandb'"):
         run_in_directory(tmp_path / "run", _job(), logger="wandb")
     assert not (tmp_path / "run").exists()
+
+
+UNTIMED = ("tokens_per_s", "peak_mem_mib")  # what a training line measures rather than computes
+
+
+def _untimed(lines):
+    return [{key: value for key, value in line.items() if key not in UNTIMED} for line in lines]
+
+
+def test_log_every_adds_a_training_line_before_each_evaluation_and_leaves_the_weights(tmp_path, capsys):
+    plain, plain_record = _train(capsys, tmp_path / "plain")
+    lines, record = _train(capsys, tmp_path / "logged", "--log-every", "2")
+    training = [line for line in lines if "loss" in line and "train_loss" not in line]
+    assert [line["step"] for line in training] == [2, 4, 6]
+    for line, evaluation in zip(training, record["validation"], strict=True):
+        assert set(line) == {"step", "loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_mib"}
+        assert line["loss"] == evaluation["train_loss"] and line["tokens_per_s"] > 0
+    assert [line for line in lines if line not in training] == plain  # the evaluations' lines as before
+    assert record["validation"] == plain_record["validation"] and record["test"] == plain_record["test"]
+    assert record["train"]["log_every"] == 2 and "log_every" not in plain_record["train"]
+    assert json.loads((tmp_path / "logged" / "config.json").read_text())["log_every"] == 2
+    assert "log_every" not in json.loads((tmp_path / "plain" / "config.json").read_text())
+
+
+def test_checkpoint_every_resumes_between_evaluations_as_one_never_stopped(tmp_path, capsys, monkeypatch):
+    """Evaluated after steps 2, 4, 6 and checkpointed after every step: stopped inside step 4, the run
+    resumes after step 3 and ends with the lines and record of one never stopped."""
+    every = ("--log-every", "1", "--checkpoint-every", "1")
+    straight, straight_record = _train(capsys, tmp_path / "straight", *every)
+    out = tmp_path / "interrupted"
+    count_train_batches(monkeypatch, interrupt_at=4)
+    assert main([*MQAR_RUN, "--out", str(out), *every]) == 130
+    capsys.readouterr()
+    calls = count_train_batches(monkeypatch, interrupt_at=None)
+    resumed, record = _train(capsys, out, *every)
+    assert len(calls) == 3 and record["resumed"] == ["resumed from record.train0.pt after step 3"]
+    assert _untimed(resumed) == _untimed(straight)
+    assert record["validation"] == straight_record["validation"] and record["test"] == straight_record["test"]
+
+
+def test_the_watch_intervals_may_change_when_a_run_resumes(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    count_train_batches(monkeypatch, interrupt_at=5)
+    assert main([*MQAR_RUN, "--out", str(out), "--checkpoint-every", "3"]) == 130
+    capsys.readouterr()
+    count_train_batches(monkeypatch, interrupt_at=None)
+    lines, record = _train(capsys, out, "--log-every", "3")
+    assert record["resumed"] == ["resumed from record.train0.pt after step 4"]
+    assert [line["step"] for line in lines if "lr" in line] == [6]
+    assert json.loads((out / "config.json").read_text())["log_every"] == 3
+    assert main([*MQAR_RUN, "--out", str(out), "--seed", "2"]) == 2  # a change of what it trains is not
+    assert "seed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argument", ["--log-every", "--checkpoint-every"])
+def test_a_negative_interval_is_one_line_naming_it(tmp_path, capsys, argument):
+    assert main([*MQAR_RUN, "--out", str(tmp_path / "run"), argument, "-1"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert argument in error and "\n" not in error and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "2"])
+@pytest.mark.parametrize("name", ["log_every", "checkpoint_every"])
+def test_a_bad_interval_in_code_names_it(name, value):
+    from routeformer.train.task_loop import TaskTrainConfig
+
+    pattern = rf"^{name}: an integer >= 0 \(steps between two; 0: none\); got {value!r}$"
+    with pytest.raises(ValueError, match=pattern):
+        TaskTrainConfig(**{name: value})
+    with pytest.raises(ValueError, match=pattern):
+        replace(_job(), **{name: value})

@@ -1,8 +1,9 @@
 """`routeformer train --task` on 2 gloo processes (DistributedDataParallel, the global batch split
 over the ranks): both ranks end with the same weights, which match one process trained on the
-same global batch; rank 0 alone writes the run directory and prints, and `routeformer eval` reads
-it. A 2-process `meta` run (routing samples drawn per rank) interrupted after an evaluation resumes
-bit-identically to one that never stopped. A global batch the processes cannot split is refused."""
+same global batch (its logged losses: the mean over the ranks); rank 0 alone writes the run
+directory and prints, and `routeformer eval` reads it. A 2-process `meta` run (routing samples
+drawn per rank) interrupted after an evaluation resumes bit-identically to one that never stopped.
+A global batch the processes cannot split is refused."""
 
 import contextlib
 import io
@@ -18,15 +19,16 @@ from routeformer.cli import main
 from routeformer.cli.parser import build_task_train_parser
 from routeformer.cli.task_train import check_global_batch, task_run_job
 from routeformer.train.checkpoint import load_checkpoint
+from routeformer.train.progress import read_records
 from tests.bounded import rank_watchdog, spawn_ranks
 
 RANK_TIMEOUT_S = "60"  # a rank waits at most this long for the other (gloo then raises)
 SPAWN_TIMEOUT_S = 240
 RANK_WATCHDOG_S = 200
 
-# 3 steps, each evaluated; a global batch of 8 (4 per rank); a tiny backbone.
+# 3 steps, each evaluated and logged; a global batch of 8 (4 per rank); a tiny backbone.
 RUN = ["train", "--task", "mqar", "--steps", "3", "--evals", "3", "--batch-size", "8", "--seed", "2",
-       "--model.dim", "16", "--model.depth", "1", "--model.heads", "2"]
+       "--model.dim", "16", "--model.depth", "1", "--model.heads", "2", "--log-every", "1"]
 
 
 def free_ports(count: int) -> list[int]:
@@ -131,6 +133,12 @@ def test_two_ranks_train_one_model_that_rank_0_alone_writes(tmp_path, capsys):
         # the logged training loss is the mean over the ranks: the single process's on the same batch
         assert abs(ours["train_loss"] - theirs["train_loss"]) < 1e-4
         assert abs(ours["loss"] - theirs["loss"]) < 1e-4
+    # so is each training line's: every rank joins its mean, rank 0 writes it
+    lines = [[line for line in read_records(path / "metrics.jsonl") if "lr" in line]
+             for path in (run, single)]
+    assert [line["step"] for line in lines[0]] == [line["step"] for line in lines[1]] == [1, 2, 3]
+    for ours, theirs in zip(*lines, strict=True):
+        assert abs(ours["loss"] - theirs["loss"]) < 1e-4 and ours["lr"] == theirs["lr"]
 
     capsys.readouterr()
     assert main(["eval", str(run)]) == 0

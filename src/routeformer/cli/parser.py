@@ -131,6 +131,12 @@ def build_task_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--evals", type=positive_int, default=None,
                         help="validation evaluations (and checkpoints) during training")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the weights and batches")
+    parser.add_argument("--log-every", type=non_negative_int, default=0, metavar="N",
+                        help="a training line in metrics.jsonl every N updates (loss, lr, grad_norm, "
+                             "tokens_per_s; default 0: none)")
+    parser.add_argument("--checkpoint-every", type=non_negative_int, default=0, metavar="N",
+                        help="a checkpoint every N steps between the evaluations' (default 0: at "
+                             "evaluations only)")
     parser.add_argument("--budget", choices=("quick", "long"), default="quick",
                         help="whose setup and backbone: compare --quick's (default) or compare --long's "
                              "(its curriculum; tasks mqar, mqar_512, lm, code_lm): --budget long trains "

@@ -19,7 +19,10 @@ scaler (CUDA only) (train/task_loop.py; fp32 by default);
 sees the same tokens on either device; `--betas B1 B2` sets AdamW's betas (default 0.9 0.999),
 `--model.tie_embeddings true` ties the output head to the token embedding (default: a separate
 head) and `--model.dropout P` trains with dropout P (default 0). The run directory's
-`metrics.jsonl` holds a line per evaluation and a final one (runner/run_dir.py); `--logger
+`metrics.jsonl` holds a line per evaluation and a final one (runner/run_dir.py), and with
+`--log-every N` a training line every N updates (loss, learning rate, gradient norm, throughput);
+`--checkpoint-every N` also checkpoints every N steps between the evaluations (both may change when
+the run is resumed; default 0: neither); `--logger
 tensorboard` also writes them as TensorBoard event files to `DIR/tensorboard`.
 
 `train --task lm --config FILE [--key value ...] [--out DIR]` trains, as this task run, the model
@@ -29,7 +32,8 @@ LM run reads them), except `--out`, and the config becomes its task-lm job by
 `runner.lm_config.lm_config_job`, which translates every config; the config's `train.device` is
 where the task run trains, and its `train.logger` the run directory's (`--train.logger
 tensorboard`: TensorBoard too). The task-run arguments that are not config keys (--mechanism,
---option, --evals, --budget, --mechanism-option, --betas) are refused beside --config, each naming
+--option, --evals, --budget, --mechanism-option, --betas, --log-every, --checkpoint-every) are refused
+beside --config, each naming
 the key that states the same; so is --out_dir (the run directory is --out). The config file's
 out_dir does not apply.
 
@@ -109,7 +113,8 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
 # the task-run arguments that are not config keys, and what states the same with --config
 NOT_WITH_CONFIG = {"--mechanism": "--model.attention", "--mechanism-option": "--model.attention_options",
                    "--option": "--data.KEY", "--evals": "--train.eval_every", "--budget": None,
-                   "--betas": "--train.beta1 and --train.beta2", "--out_dir": "--out", "--out-dir": "--out"}
+                   "--betas": "--train.beta1 and --train.beta2", "--out_dir": "--out", "--out-dir": "--out",
+                   "--log-every": "--train.log_every", "--checkpoint-every": "--train.checkpoint_every"}
 
 
 def config_run_job(task: str, config: str, extra: list[str]) -> tuple[Job, str | None, str, str]:
@@ -273,7 +278,8 @@ def task_run_job(task: str, options: argparse.Namespace) -> Job:
     job = task_job(f"train-{task}-{mechanism}-seed{options.seed}", task, mechanism, options.seed, setup,
                    _model_spec(budget.spec, options))
     betas = {} if options.betas is None else {"betas": tuple(options.betas)}
-    return replace(job, precision=options.precision, **betas)
+    return replace(job, precision=options.precision, log_every=options.log_every,
+                   checkpoint_every=options.checkpoint_every, **betas)
 
 
 MODEL_KEYS = ("dim", "depth", "heads", "mlp_ratio", "positions", "tie_embeddings", "dropout")

@@ -31,6 +31,7 @@ from routeformer.train.task_loop import (
     TASK_PRECISIONS,
     TRAIN_FIELD_DEFAULTS,
     TaskTrainConfig,
+    check_interval,
     check_nonfinite_limit,
     check_task_precision,
     stat_names,
@@ -88,11 +89,12 @@ class Job:
     `TaskTrainConfig.precision` (ValueError naming it unless "fp32", "bf16" or "fp16"), AdamW betas
     (`TaskTrainConfig.betas`: two numbers in [0, 1), default TASK_BETAS; ValueError naming it
     otherwise) and AdamW weight decay (`TaskTrainConfig.weight_decay`, on matrices only: a finite
-    number >= 0, default TASK_WEIGHT_DECAY; ValueError naming it otherwise); `max_nonfinite_steps`
-    and `log_stats` are `TaskTrainConfig`'s (defaults MAX_NONFINITE_STEPS and none). The backbone's
-    `spec.tie_embeddings` ties the output head to the embedding. `mechanism` is one registered name
-    (every layer runs it with `options`) or a list of names, one per layer, with `options` keyed by
-    name (`train.on_task.layer_attention`)."""
+    number >= 0, default TASK_WEIGHT_DECAY; ValueError naming it otherwise); `max_nonfinite_steps`,
+    `log_stats`, `log_every` and `checkpoint_every` are `TaskTrainConfig`'s (defaults
+    MAX_NONFINITE_STEPS, none, 0 and 0; a run directory resumed with other `log_every` or
+    `checkpoint_every` takes them). The backbone's `spec.tie_embeddings` ties the output head to the
+    embedding. `mechanism` is one registered name (every layer runs it with `options`) or a list of
+    names, one per layer, with `options` keyed by name (`train.on_task.layer_attention`)."""
 
     key: str  # file-name-safe and unique within an output directory
     task: str
@@ -107,10 +109,14 @@ class Job:
     weight_decay: float = TASK_WEIGHT_DECAY  # AdamW's, in every stage
     max_nonfinite_steps: int = MAX_NONFINITE_STEPS  # non-finite steps in a row that stop a stage
     log_stats: list[str] = field(default_factory=list)  # layer statistics each evaluation holds (attn_<key>)
+    log_every: int = 0  # a training line every that many updates (0: none)
+    checkpoint_every: int = 0  # a checkpoint every that many steps between evaluations (0: none)
 
     def __post_init__(self) -> None:
         check_task_precision(self.precision)
         check_nonfinite_limit(self.max_nonfinite_steps)
+        check_interval(self.log_every, "log_every")
+        check_interval(self.checkpoint_every, "checkpoint_every")
         object.__setattr__(self, "log_stats", stat_names(self.log_stats))
         object.__setattr__(self, "betas", task_betas(self.betas))
         decay = self.weight_decay
@@ -151,7 +157,8 @@ def train_job(job: Job, log: Callable[[str], None] | None = None,
     configs = [TaskTrainConfig(stage.schedule, eval_every=setup.eval_every_in(stage.schedule.steps),
                                seed=job.seed, precision=job.precision, betas=job.betas,
                                weight_decay=job.weight_decay, max_nonfinite_steps=job.max_nonfinite_steps,
-                               log_stats=job.log_stats)
+                               log_stats=job.log_stats, log_every=job.log_every,
+                               checkpoint_every=job.checkpoint_every)
                for stage in setup.stages]
     log = log or (lambda line: say(f"  {job.key}: {line}"))
     if not setup.staged:
@@ -413,8 +420,9 @@ def _stop_workers(pool) -> None:
 def job_config(job: Job) -> dict[str, Any]:
     """The job as JSON-ready data (what config.json holds; a one-stage setup as it read before setups
     had stages, `precision` only where it is not the default fp32, `betas` only where they are not
-    TASK_BETAS, `weight_decay` only where it is not TASK_WEIGHT_DECAY, `max_nonfinite_steps` and
-    `log_stats` only where they are not their defaults (JOB_FIELD_DEFAULTS), and the
+    TASK_BETAS, `weight_decay` only where it is not TASK_WEIGHT_DECAY, `max_nonfinite_steps`,
+    `log_stats`, `log_every` and `checkpoint_every` only where they are not their defaults
+    (JOB_FIELD_DEFAULTS), and the
     backbone as `spec_dict` gives it, so earlier run directories resume)."""
     return without_defaults({**asdict(job), "setup": job.setup.as_dict(), "spec": spec_dict(job.spec)},
                             JOB_FIELD_DEFAULTS)

@@ -12,7 +12,8 @@ checkpoints `record.train<n>.pt` sit beside them (`cached_record`, train/task_lo
 is interrupted and started again resumes after its last evaluation (after the step Ctrl-C stopped
 it at) and ends with the same weights and record as one that never stopped; a finished run is read
 back, not trained again. A directory holding a run of another config is refused with the
-differences named (`fresh` starts over). Nothing is written before the job's task builds with its
+differences named (`fresh` starts over); the job's `log_every` and `checkpoint_every` may change
+(config.json then holds the new ones). Nothing is written before the job's task builds with its
 options: a refused option leaves the directory as it was.
 
 While it trains, the run keeps `metrics.jsonl` (train/logging.py's `RunLog`, the LM run's log), one
@@ -20,7 +21,9 @@ JSON object a line: one per validation evaluation as it is made, `{"step": N, "t
 "aux_loss": ..., "val_<metric>": ...}` (the validation metrics of the history's record, `val_`
 prefixed: val_loss, val_accuracy, val_bits_per_char, ...; the training step's `attn_<key>` layer
 statistics of `log_stats` as they are; a staged run's `step` counts over all its
-stages and the line names its `stage`, 0 for the first), then, once the record is made (before
+stages and the line names its `stage`, 0 for the first), with the job's `log_every` a training line
+every that many updates before them (`{"step": N, "loss": ..., "aux_loss": ..., "lr": ...,
+"grad_norm": ..., "tokens_per_s": ...}`, as the LM run logs them), then, once the record is made (before
 record.json is stored), `{"step": N, "final": true, "test_<metric>": ...}` with the test at T. A
 resumed run first drops the lines past the step it resumed after (RunLog's `resume_step`), so every
 evaluation has one line; a finished run is read back and its file left as it is. With `logger`
@@ -130,10 +133,14 @@ class _TaskMetrics:
         step = record["step"]
         if self.log is None:
             self.log = RunLog(self.out_dir, resume_step=step - 1, logger=self.logger)
-        line = {"step": step, **({"stage": record["stage"]} if "stage" in record else {}),
-                "train_loss": record["train_loss"], "aux_loss": record["aux_loss"]}
-        line.update({key if key.startswith("attn_") else f"val_{key}": value for key, value in record.items()
-                     if key not in ("step", "stage", "train_loss", "aux_loss")})
+        line = {"step": step, **({"stage": record["stage"]} if "stage" in record else {})}
+        if "train_loss" not in record:  # a training line (log_every): as the task loop made it
+            line.update({key: value for key, value in record.items() if key not in line})
+        else:
+            line.update({"train_loss": record["train_loss"], "aux_loss": record["aux_loss"]})
+            line.update({key if key.startswith("attn_") else f"val_{key}": value
+                         for key, value in record.items()
+                         if key not in ("step", "stage", "train_loss", "aux_loss")})
         self.log.write(line)
 
     def final(self, step: int, test: dict[str, Any]) -> None:
@@ -167,7 +174,7 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> None:
     from routeformer.train.checkpoint import checkpoint_files, remove_checkpoints
     from routeformer.train.progress import write_text_atomic
     from routeformer.train.resume import describe, flatten
-    from routeformer.train.task_loop import training_checkpoints
+    from routeformer.train.task_loop import WATCH_FIELDS, training_checkpoints
 
     record_path, config_path = out_dir / RECORD_FILE, out_dir / CONFIG_FILE
     config = job_config(job)
@@ -184,7 +191,7 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> None:
         saved = json.loads(config_path.read_text())
         before, after = flatten(_with_defaults(saved)), flatten(_with_defaults(config))
         changes = {key: (before.get(key), after.get(key)) for key in sorted(set(before) | set(after))
-                   if before.get(key) != after.get(key)}
+                   if before.get(key) != after.get(key) and key not in WATCH_FIELDS}
         if changes:
             raise ValueError(f"{str(out_dir)!r} holds a run of another config ({describe(changes)}); "
                              "use --fresh to start over, or another --out")

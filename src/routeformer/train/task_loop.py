@@ -3,11 +3,12 @@ and the paper experiments. It runs the training driver of train/driver.py (AdamW
 generator, the non-finite guard, the one loop of train/steps.py) with periodic evaluation.
 
 Resuming: inside `resumable_training(directory, key)` (which `runner.jobs.cached_run` opens around
-every run) each `train_task` call writes a checkpoint at every evaluation — the state of
+every run) each `train_task` call writes a checkpoint at every evaluation (and, with
+`TaskTrainConfig.checkpoint_every`, every that many steps between them) — the state of
 `steps.capture_state` (model, optimizer, step, the batch generator's and torch's RNG states) plus
 the config and history — to `<directory>/<key>.train<n>.pt`, n counting the calls in the block, and
 a later call with the same n resumes from it: an interrupted experiment re-runs nothing but the
-steps after its last evaluation (or after the step Ctrl-C stopped it at, below), and ends with the
+steps after its last checkpoint (or after the step Ctrl-C stopped it at, below), and ends with the
 same weights and history as an uninterrupted one. A finished call resumes as finished (its final
 weights loaded), so a run that trains several models in turn skips the finished ones. Outside such
 a block nothing is written. A corrupt checkpoint is reported, moved aside (`.corrupt`) and the call
@@ -66,6 +67,7 @@ from routeformer.train.distributed import (
 from routeformer.train.driver import Driver, warn
 from routeformer.train.interrupts import DeferredInterrupts, InterruptedMidStep
 from routeformer.train.precision import check_precision, gradient_scaler
+from routeformer.train.progress import peak_memory_mib
 from routeformer.train.schedule import Schedule
 from routeformer.train.steps import StepResult
 
@@ -85,6 +87,12 @@ def check_nonfinite_limit(steps: Any, argument: str = "max_nonfinite_steps") -> 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"{argument}: a positive integer (non-finite steps in a row that stop the run); "
                          f"got {steps!r}")
+
+
+def check_interval(steps: Any, argument: str) -> None:
+    """Raise ValueError naming `argument` unless `steps` is an integer >= 0 (0: never)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"{argument}: an integer >= 0 (steps between two; 0: none); got {steps!r}")
 
 
 def stat_names(names: Any, argument: str = "log_stats") -> list[str]:
@@ -119,8 +127,14 @@ class TaskTrainConfig:
     floats), `max_nonfinite_steps`, the non-finite steps in a row that stop the run (default
     MAX_NONFINITE_STEPS), and `log_stats`: per-layer statistics of the training step (keys of the
     layers' `stats`, e.g. "routing_recall") each evaluation record holds as `attn_<key>`, the mean
-    over the layers that report it (default none). ValueError naming
-    `precision`, `betas`, `max_nonfinite_steps` or `log_stats` for a bad value."""
+    over the layers that report it (default none). Two settings say how the run is watched, not what it
+    trains (a resumed run may change them): `log_every`, a training line every that many updates
+    and at the last (step, loss, aux_loss, lr, grad_norm, tokens_per_s, peak_mem_mib and the
+    `log_stats`, handed to the `evaluations_to` listener; default 0: none), and `checkpoint_every`,
+    a checkpoint every that many steps between the evaluations' (inside `resumable_training`;
+    default 0: at evaluations only).
+    ValueError naming `precision`, `betas`, `max_nonfinite_steps`, `log_stats`, `log_every` or
+    `checkpoint_every` for a bad value."""
     schedule: Schedule = Schedule(steps=1000, batch_size=32, lr=1e-3, warmup_steps=50)
     weight_decay: float = 0.1
     eval_every: int = 100
@@ -129,18 +143,25 @@ class TaskTrainConfig:
     betas: tuple[float, float] = TASK_BETAS
     max_nonfinite_steps: int = MAX_NONFINITE_STEPS
     log_stats: list[str] = field(default_factory=list)
+    log_every: int = 0
+    checkpoint_every: int = 0
 
     def __post_init__(self) -> None:
         check_task_precision(self.precision)
         self.betas = task_betas(self.betas)
         check_nonfinite_limit(self.max_nonfinite_steps)
         self.log_stats = stat_names(self.log_stats)
+        check_interval(self.log_every, "log_every")
+        check_interval(self.checkpoint_every, "checkpoint_every")
 
 
 # TaskTrainConfig fields added after checkpoints and records were first written, with their defaults:
 # a reader fills them in where a saved config lacks them (`with_defaults`)
 TRAIN_FIELD_DEFAULTS: dict[str, Any] = {"precision": TASK_PRECISIONS[0], "betas": TASK_BETAS,
-                                        "max_nonfinite_steps": MAX_NONFINITE_STEPS, "log_stats": []}
+                                        "max_nonfinite_steps": MAX_NONFINITE_STEPS, "log_stats": [],
+                                        "log_every": 0, "checkpoint_every": 0}
+# TaskTrainConfig fields that say how a run is watched, not what it trains: a resumed run may change them
+WATCH_FIELDS = ("log_every", "checkpoint_every")
 
 
 def json_form(value: Any) -> Any:
@@ -161,11 +182,11 @@ def with_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> dict[str, A
 
 
 def train_config_dict(config: TaskTrainConfig) -> dict[str, Any]:
-    """`config` as a run's record holds it: its fields, but `betas`, `max_nonfinite_steps` and
-    `log_stats` only where they are not their defaults (so the record of a run with the defaults
-    reads as before the fields existed)."""
-    return without_defaults(asdict(config), {key: TRAIN_FIELD_DEFAULTS[key]
-                                             for key in ("betas", "max_nonfinite_steps", "log_stats")})
+    """`config` as a run's record holds it: its fields, but `betas`, `max_nonfinite_steps`,
+    `log_stats`, `log_every` and `checkpoint_every` only where they are not their defaults (so the
+    record of a run with the defaults reads as before the fields existed)."""
+    return without_defaults(asdict(config), {key: value for key, value in TRAIN_FIELD_DEFAULTS.items()
+                                             if key != "precision"})
 
 
 @dataclass
@@ -256,8 +277,11 @@ def resumable_training(directory: str | Path, key: str) -> Iterator[None]:
 def evaluations_to(listener: Callable[[dict[str, Any]], None]) -> Iterator[None]:
     """Hand each evaluation of the `train_task` calls inside the block to `listener(record)` as it is
     made: a copy of the record its history gains (`step`, `train_loss`, `aux_loss` and the evaluation's
-    metrics), before that evaluation's checkpoint is saved. Evaluations a resumed call reads back from
-    its checkpoint are not handed over again; processes other than 0 hand over nothing."""
+    metrics), before that evaluation's checkpoint is saved; with `TaskTrainConfig.log_every`, each
+    training line too (`step`, `loss`, `aux_loss`, `lr`, `grad_norm`, `tokens_per_s`, `peak_mem_mib`,
+    `attn_<key>`: told from an evaluation by having no `train_loss`), before that step's evaluation.
+    Evaluations a resumed call reads back from its checkpoint are not handed over again; processes
+    other than 0 hand over nothing."""
     token = _EVALUATIONS.set(listener)
     try:
         yield
@@ -274,13 +298,18 @@ def _resume(path: Path, config: TaskTrainConfig, driver: Driver) -> TaskHistory:
     """The history so far from the checkpoint at `path`, its state restored into `driver`
     (ValueError when it was written with another training config)."""
     state = load_checkpoint(path)
-    if with_defaults(state["config"], TRAIN_FIELD_DEFAULTS) != json_form(asdict(config)):
+    if _trained(with_defaults(state["config"], TRAIN_FIELD_DEFAULTS)) != _trained(json_form(asdict(config))):
         raise ValueError(f"checkpoint {str(path)!r} was written with another training config "
                          f"({state['config']}, now {asdict(config)}); delete it to start this run afresh")
     reseeded = driver.restore(state)
     if reseeded and driver.context.is_main:
         warn(reseeded)
     return TaskHistory(**state["history"])
+
+
+def _trained(config: dict[str, Any]) -> dict[str, Any]:
+    """A training config's JSON form without WATCH_FIELDS: what a resumed run must train as before."""
+    return {key: value for key, value in config.items() if key not in WATCH_FIELDS}
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -344,10 +373,41 @@ def train_task(
             extra = {name: local_shard(value, context) for name, value in extra.items()}
         return inputs.to(device), labels.to(device), {name: value.to(device) for name, value in extra.items()}
 
+    watched = [time.perf_counter(), driver.step]  # when and at which step the last training line was
+
+    def log_training(result: StepResult) -> None:
+        """The training line of an update at a multiple of `log_every` or the last step (every process
+        joins the mean)."""
+        if not config.log_every or result.step % config.log_every and result.step != schedule.steps:
+            return
+        output = result.output
+        losses = mean_over_ranks(torch.stack([output.loss.detach().float(),
+                                              output.aux_loss.detach().float()]), context)
+        if not context.is_main:
+            return
+        now = time.perf_counter()
+        tokens = result.inputs.numel() * context.world_size * (result.step - watched[1])
+        line = {"step": result.step, "loss": losses[0].item(), "aux_loss": losses[1].item(),
+                "lr": result.rate, "grad_norm": float(result.grad_norm),
+                "tokens_per_s": tokens / max(now - watched[0], 1e-9), "peak_mem_mib": peak_memory_mib(device)}
+        watched[:] = [now, result.step]
+        for key in config.log_stats:
+            if (value := layer_stat(output.stats, key)) is not None:
+                line[f"attn_{key}"] = value
+        if (listener := _EVALUATIONS.get()) is not None:
+            listener(dict(line))
+        if log:
+            log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items()))
+
     def evaluate_now(result: StepResult) -> None:
         nonlocal began
         step = result.step
         if step % config.eval_every and step != schedule.steps:
+            if checkpoint is not None and config.checkpoint_every and step % config.checkpoint_every == 0:
+                history.train_seconds += time.perf_counter() - began
+                with interrupts.critical():
+                    save_now(step)
+                began = time.perf_counter()
             return
         history.train_seconds += time.perf_counter() - began
         output = result.output
@@ -378,17 +438,21 @@ def train_task(
                     save_checkpoint(checkpoint, saved)
         began = time.perf_counter()
 
-    def save_at_boundary() -> None:
-        """The checkpoint of a run stopped by Ctrl-C at a step boundary (every process joins)."""
-        history.train_seconds += time.perf_counter() - began
+    def save_now(step: int) -> None:
+        """The checkpoint at the step boundary after `step`, between evaluations (every process joins)."""
         rank_states = gather_rng_states(context, device)
         if context.is_main:
-            saved = driver.capture(driver.step, config=asdict(config), history=asdict(history))
+            saved = driver.capture(step, config=asdict(config), history=asdict(history))
             if rank_states is not None:
                 saved["rng"]["ranks"] = rank_states
             save_checkpoint(checkpoint, saved)
-            if log:
-                log(f"interrupted: saved {checkpoint.name} after step {driver.step}")
+
+    def save_at_boundary() -> None:
+        """The checkpoint of a run stopped by Ctrl-C at a step boundary (every process joins)."""
+        history.train_seconds += time.perf_counter() - began
+        save_now(driver.step)
+        if log:
+            log(f"interrupted: saved {checkpoint.name} after step {driver.step}")
 
     # Ctrl-C stops a resumable run at the next step boundary, saved there (train/interrupts.py)
     interrupts = DeferredInterrupts(agree=lambda flag: any_rank(flag, context))
@@ -397,7 +461,7 @@ def train_task(
     try:
         driver.train(next_batch,
                      lambda trained, inputs, labels, extra: forward(trained, inputs, labels, **extra),
-                     precision=config.precision, on_step_end=evaluate_now,
+                     precision=config.precision, on_update=log_training, on_step_end=evaluate_now,
                      interrupts=interrupts if checkpoint is not None else None)
     except KeyboardInterrupt as interrupt:
         if checkpoint is not None and driver.position.at_boundary \
