@@ -69,7 +69,7 @@ def test_an_interrupted_run_resumes_to_the_same_weights_and_history(tmp_path):
     with pytest.raises(_Interrupted):
         _train(tmp_path / "killed", "run", fail_at_call=6)  # dies in step 6, after the step-4 evaluation
     saved = training_checkpoints(tmp_path / "killed", "run")
-    assert [path.name for path in saved] == ["run.train0.pt"]
+    assert [path.name for path in saved] == ["run.train0.1.pt", "run.train0.pt"]  # after steps 2 and 4
     resumed, history, calls = _train(tmp_path / "killed", "run")
     assert len(calls) == STEPS - 4, "the resumed run must start after the last evaluation"
     for ours, theirs in zip(resumed.state_dict().values(), reference.state_dict().values(), strict=True):
@@ -107,7 +107,7 @@ def test_cached_run_resumes_its_training_and_then_deletes_the_checkpoints(tmp_pa
 
     with pytest.raises(_Interrupted):
         cached_run(tmp_path, "cell", lambda: compute(fail_at_call=5))
-    assert len(training_checkpoints(tmp_path / "runs", "cell")) == 1
+    assert len(training_checkpoints(tmp_path / "runs", "cell")) == 2  # the newest and the one before
     record = cached_run(tmp_path, "cell", compute)
     assert record["steps_run"] == STEPS - 4
     assert training_checkpoints(tmp_path / "runs", "cell") == []
@@ -115,16 +115,60 @@ def test_cached_run_resumes_its_training_and_then_deletes_the_checkpoints(tmp_pa
     assert straight["first"] == record["first"] and straight["second"] == record["second"]
 
 
-def test_a_corrupt_checkpoint_is_reported_and_the_call_starts_over(tmp_path, capsys):
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:-50])
+
+
+def test_a_corrupt_checkpoint_is_reported_and_the_one_before_resumed(tmp_path, capsys):
+    reference, reference_history, _ = _train(tmp_path / "straight", "run")
+    with pytest.raises(_Interrupted):
+        _train(tmp_path / "killed", "run", fail_at_call=6)  # checkpointed after steps 2 and 4
+    _truncate(tmp_path / "killed/run.train0.pt")
+    resumed, history, calls = _train(tmp_path / "killed", "run")
+    error = capsys.readouterr().err
+    assert "run.train0.pt' is corrupt or truncated" in error and "resuming from run.train0.1.pt" in error
+    assert len(calls) == STEPS - 2 and (tmp_path / "killed/run.train0.pt.corrupt").exists()
+    assert history.evals == reference_history.evals
+    for ours, theirs in zip(resumed.state_dict().values(), reference.state_dict().values(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_with_both_checkpoints_corrupt_the_call_starts_over(tmp_path, capsys):
     reference, reference_history, _ = _train(tmp_path / "straight", "run")
     with pytest.raises(_Interrupted):
         _train(tmp_path / "killed", "run", fail_at_call=6)
-    (saved,) = training_checkpoints(tmp_path / "killed", "run")
-    saved.write_bytes(saved.read_bytes()[:-50])  # truncated
+    for saved in training_checkpoints(tmp_path / "killed", "run"):
+        _truncate(saved)
     resumed, history, calls = _train(tmp_path / "killed", "run")
-    assert "run.train0.pt' is corrupt or truncated" in capsys.readouterr().err
-    assert len(calls) == STEPS and (tmp_path / "killed/run.train0.pt.corrupt").exists()
-    assert history.evals == reference_history.evals
+    assert "moved aside, this run starts over" in capsys.readouterr().err
+    assert len(calls) == STEPS and history.evals == reference_history.evals
+
+
+def test_a_crash_while_a_checkpoint_is_written_leaves_the_one_before(tmp_path, monkeypatch):
+    """The checkpoint after step 4 fails part-way (its file never appears): the one after step 2
+    is still there, and the run resumes from it to the weights of one never stopped."""
+    from routeformer.train import task_loop
+
+    reference, reference_history, _ = _train(tmp_path / "straight", "run")
+    written = []
+
+    def crashing(path, state):
+        written.append(state["step"])
+        if state["step"] == 4:
+            raise _Interrupted("killed while writing")
+        return save(path, state)
+
+    save = task_loop.save_checkpoint
+    monkeypatch.setattr(task_loop, "save_checkpoint", crashing)
+    with pytest.raises(_Interrupted):
+        _train(tmp_path / "killed", "run")
+    monkeypatch.setattr(task_loop, "save_checkpoint", save)
+    assert written == [2, 4]
+    assert [path.name for path in training_checkpoints(tmp_path / "killed", "run")] == ["run.train0.1.pt"]
+    resumed, history, calls = _train(tmp_path / "killed", "run")
+    assert len(calls) == STEPS - 2 and history.evals == reference_history.evals
+    for ours, theirs in zip(resumed.state_dict().values(), reference.state_dict().values(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
 def test_a_non_finite_step_is_skipped(tmp_path, capsys):

@@ -56,10 +56,10 @@ def cached_run(out_dir: Path, key: str, compute: Callable[[], dict[str, Any]]) -
 
 def cached_record(path: Path, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """`cached_run` for a record at `path` (`<stem>.json`): the stored record, or `compute()` run
-    inside `resumable_training(path.parent, stem)` (checkpoints `<stem>.train<n>.pt` beside it,
-    deleted once the record is stored atomically). Inside `train.task_loop.distributed_training`
-    only process 0 stores the record and deletes the checkpoints; the others return what
-    `compute()` returned."""
+    inside `resumable_training(path.parent, stem)` (checkpoints `<stem>.train<n>.pt` and the ones
+    before them, `<stem>.train<n>.1.pt`, beside it, deleted once the record is stored atomically).
+    Inside `train.task_loop.distributed_training` only process 0 stores the record and deletes the
+    checkpoints; the others return what `compute()` returned."""
     from routeformer.train.task_loop import is_main_process, resumable_training, training_checkpoints
 
     if path.exists():

@@ -11,8 +11,10 @@ a later call with the same n resumes from it: an interrupted experiment re-runs 
 steps after its last checkpoint (or after the step Ctrl-C stopped it at, below), and ends with the
 same weights and history as an uninterrupted one. A finished call resumes as finished (its final
 weights loaded), so a run that trains several models in turn skips the finished ones. Outside such
-a block nothing is written. A corrupt checkpoint is reported, moved aside (`.corrupt`) and the call
-starts over. Ctrl-C stops such a call at the next step boundary and saves its checkpoint there
+a block nothing is written. Each checkpoint keeps the one it replaces as `<key>.train<n>.1.pt`
+(`save_keeping_previous`), so a crash while one is written leaves the one before; a corrupt
+checkpoint is reported and moved aside (`.corrupt`) and the call resumes from the previous one, or
+starts over without one. Ctrl-C stops such a call at the next step boundary and saves its checkpoint there
 (train/interrupts.py: a second Ctrl-C stops at once, keeping the last one), so the resumed run
 repeats no step and still ends as one never interrupted; the KeyboardInterrupt propagates after the
 save.
@@ -294,6 +296,42 @@ def training_checkpoints(directory: str | Path, key: str) -> list[Path]:
     return sorted(Path(directory).glob(f"{glob.escape(key)}.train*.pt"))
 
 
+def previous_checkpoint(path: Path) -> Path:
+    """Where the checkpoint `path` (`<key>.train<n>.pt`) keeps the one it replaced: `<key>.train<n>.1.pt`."""
+    return path.with_name(f"{path.stem}.1{path.suffix}")
+
+
+def save_keeping_previous(path: Path, state: dict[str, Any]) -> None:
+    """Save `state` as the checkpoint `path` (atomically), the one there before kept as its
+    `previous_checkpoint`: a crash at any moment leaves an intact checkpoint to resume from."""
+    if path.exists():
+        os.replace(path, previous_checkpoint(path))
+    save_checkpoint(path, state)
+
+
+def _resume_intact(path: Path, config: TaskTrainConfig, driver: Driver, log: Callable[[str], None] | None,
+                   say: Callable[[str], None], is_main: bool) -> TaskHistory | None:
+    """The history of the newest intact checkpoint of `path` and its `previous_checkpoint`, its state
+    restored into `driver` (`_resume`); None when neither is there intact. A corrupt one is reported
+    and moved aside (`.corrupt`, by process 0) and the previous tried; without one the call starts
+    over."""
+    candidates = [candidate for candidate in (path, previous_checkpoint(path)) if candidate.exists()]
+    for index, candidate in enumerate(candidates):
+        try:
+            history = _resume(candidate, config, driver)
+        except CheckpointError as error:  # nothing was restored
+            if is_main:
+                os.replace(candidate, candidate.with_name(candidate.name + ".corrupt"))
+                then = (f"resuming from {candidates[index + 1].name}" if index + 1 < len(candidates)
+                        else "this run starts over")
+                say(f"{error}; moved aside, {then}")
+            continue
+        if log:
+            log(f"resumed from {candidate.name} after step {driver.step}")
+        return history
+    return None
+
+
 def _resume(path: Path, config: TaskTrainConfig, driver: Driver) -> TaskHistory:
     """The history so far from the checkpoint at `path`, its state restored into `driver`
     (ValueError when it was written with another training config)."""
@@ -354,15 +392,8 @@ def train_task(
     history = TaskHistory()
     resumable = _RESUMABLE.get()
     checkpoint = None if resumable is None else resumable.next_path()
-    if checkpoint is not None and checkpoint.exists():
-        try:
-            history = _resume(checkpoint, config, driver)
-            if log:
-                log(f"resumed from {checkpoint.name} after step {driver.step}")
-        except CheckpointError as error:  # nothing was restored: the call starts over
-            if context.is_main:
-                os.replace(checkpoint, checkpoint.with_name(checkpoint.name + ".corrupt"))
-                say(f"{error}; moved aside, this run starts over")
+    if checkpoint is not None:
+        history = _resume_intact(checkpoint, config, driver, log, say, context.is_main) or history
     began = time.perf_counter()
 
     def next_batch() -> tuple[Tensor, Tensor, dict[str, Tensor]]:
@@ -435,7 +466,7 @@ def train_task(
                 if rank_states is not None:  # process 0's own state as it stands after evaluating
                     saved["rng"]["ranks"] = [rank_rng_state(device), *rank_states[1:]]
                 with interrupts.critical():
-                    save_checkpoint(checkpoint, saved)
+                    save_keeping_previous(checkpoint, saved)
         began = time.perf_counter()
 
     def save_now(step: int) -> None:
@@ -445,7 +476,7 @@ def train_task(
             saved = driver.capture(step, config=asdict(config), history=asdict(history))
             if rank_states is not None:
                 saved["rng"]["ranks"] = rank_states
-            save_checkpoint(checkpoint, saved)
+            save_keeping_previous(checkpoint, saved)
 
     def save_at_boundary() -> None:
         """The checkpoint of a run stopped by Ctrl-C at a step boundary (every process joins)."""
