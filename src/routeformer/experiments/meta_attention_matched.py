@@ -22,13 +22,14 @@ The report is written by meta_attention_report.py.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from routeformer.experiments.registry import register_experiment
-from routeformer.runner.jobs import TaskSetup, cached_run, one_thread, say
+from routeformer.runner.jobs import Job, TaskSetup, run_jobs, say
 from routeformer.runner.seeds import seed_grid
 from routeformer.train.on_task import ModelSpec
 from routeformer.train.schedule import Schedule
@@ -153,31 +154,34 @@ def train_variant(budget: MatchedBudget, name: str, seed: int) -> dict[str, Any]
     return {**record, "variant": name, "floor": {"chance": task.chance, **task.baselines()}}
 
 
-def _cached_variant(job: tuple[Path, MatchedBudget, str, int]) -> dict[str, Any]:
-    """One (variant, seed) run on one thread (tiny models: a 2-core machine runs two), cached."""
-    out_dir, budget, name, seed = job
-    with one_thread():
-        key = f"{name}-seed{seed}"
-        say(f"meta-attention-matched: {key}")
-        return cached_run(out_dir, key, lambda: train_variant(budget, name, seed))
+def matched_jobs(budget: MatchedBudget) -> list[Job]:
+    """Every (variant, seed) run of `budget` as a job `<variant>-seed<n>`, seed-major (an interrupted
+    run leaves whole seeds done)."""
+    table = variants(budget)
+    return [Job(f"{name}-seed{seed}", "lm", dict(budget.setup.options), table[name][0], table[name][1], seed,
+                budget.setup, table[name][2])
+            for name, seed in seed_grid(table, range(budget.seeds), seed_major=True)]
+
+
+def train_matched(budget: MatchedBudget, job: Job) -> dict[str, Any]:
+    """`run_jobs`' train for a job of `matched_jobs(budget)`: `train_variant` of its variant."""
+    say(f"meta-attention-matched: {job.key}")
+    return train_variant(budget, job.key.rpartition("-seed")[0], job.seed)
 
 
 def run_matched(out_dir: Path, budget: MatchedBudget, command: str) -> Path:
-    """Every (variant, seed) run, cached under out_dir/runs/ (resumable), then the report."""
+    """Every (variant, seed) run through `run_jobs` (`budget.workers` processes, one thread each;
+    stored under out_dir/runs/, resumable), then the report. RuntimeError naming the runs that
+    failed."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    # seed-major: an interrupted run leaves whole seeds done
-    pairs = seed_grid(variants(budget), range(budget.seeds), seed_major=True)
-    if budget.workers > 1:
-        from concurrent.futures import ProcessPoolExecutor
-        from multiprocessing import get_context
-
-        with ProcessPoolExecutor(budget.workers, mp_context=get_context("spawn")) as pool:
-            records = list(pool.map(_cached_variant, [(out_dir, budget, name, seed) for name, seed in pairs]))
-    else:
-        records = [_cached_variant((out_dir, budget, name, seed)) for name, seed in pairs]
+    jobs = matched_jobs(budget)
+    records = run_jobs(out_dir, jobs, budget.workers, say, train=partial(train_matched, budget))
+    failed = {key: record["error"] for key, record in records.items() if "error" in record}
+    if failed:
+        raise RuntimeError(f"meta-attention-matched: runs failed (a re-run retries them): {failed}")
     runs: dict[str, list[dict[str, Any]]] = {}
-    for (name, _), record in zip(pairs, records, strict=True):
-        runs.setdefault(name, []).append(record)
+    for job in jobs:
+        runs.setdefault(job.key.rpartition("-seed")[0], []).append(records[job.key])
     from routeformer.experiments.meta_attention_report import write_matched_report
 
     return write_matched_report(out_dir, runs, budget, command)
