@@ -8,17 +8,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from routeformer.experiments.registry import register_experiment
-from routeformer.runner.jobs import cached_run, run_key, say
+from routeformer.runner.jobs import Job, run_jobs, run_key, say
 from routeformer.runner.report import line_plot, markdown_table, mean_sd, provenance, write_result
-from routeformer.runner.seeds import over_seeds
+from routeformer.runner.seeds import seed_grid
+from routeformer.runner.setups import TaskSetup
+from routeformer.train.on_task import ModelSpec
 from routeformer.train.schedule import Schedule
-from routeformer.train.task_loop import TaskTrainConfig
 
 
 @register_experiment("topk-speed", "topk op vs SDPA: forward and forward+backward time, peak memory")
@@ -67,27 +66,32 @@ PREVIOUS_TOKEN_VARIANTS = routing_position_variants(8)
 
 
 def _seeded_variants(
-    out_dir: Path, task, variants: dict[str, tuple[str, dict[str, Any]]], seeds: tuple[int, ...],
-    train_for: Callable[[int], TaskTrainConfig], spec, metric: str, test_sequences: int = 1024,
+    out_dir: Path, task: str, task_options: dict[str, Any], variants: dict[str, tuple[str, dict[str, Any]]],
+    seeds: tuple[int, ...], setup: TaskSetup, spec: ModelSpec, metric: str,
 ) -> tuple[dict[str, Any], list[list[str]]]:
-    """Train every variant on `task` with every seed (records cached per run); per variant the
-    test `metric` per seed, mean and sd, and Markdown rows."""
-    from routeformer.train.on_task import train_on_task
-
-    def value(name: str, mechanism: str, options: dict[str, Any], seed: int) -> float:
-        record = cached_run(out_dir, f"{run_key(name)}-seed{seed}", lambda: train_on_task(
-            task, mechanism, options, seed=seed, train=train_for(seed), spec=spec,
-            test_sequences=test_sequences))
-        say(f"{name} seed {seed}: test {metric} {record['test'][metric]:.4f}")
-        return record["test"][metric]
-
+    """Train every variant on `task` with every seed, as one `run_jobs` sweep (records stored per run
+    in `out_dir/runs/`, one thread each); per variant the test `metric` per seed, mean and sd, and
+    Markdown rows. Raises RuntimeError naming the runs that failed."""
+    names = {run_key(name): name for name in variants}
+    jobs = [Job(f"{key}-seed{seed}", task, dict(task_options), *variants[names[key]], seed, setup, spec)
+            for key, seed in seed_grid(list(names), seeds)]
+    records = run_jobs(out_dir, jobs, 1, say)
+    failed = {key: record["error"] for key, record in records.items() if "error" in record}
+    if failed:
+        raise RuntimeError(f"runs failed (re-run to retry them): {failed}")
     result, rows = {}, []
-    for name, (mechanism, options) in variants.items():
-        values = over_seeds(partial(value, name, mechanism, options), seeds)
+    for key, name in names.items():
+        values = [records[f"{key}-seed{seed}"]["test"][metric] for seed in seeds]
         mean, spread = mean_sd(values)
         result[name] = {metric: values, "mean": mean, "sd": spread}
         rows.append([name, f"{mean:.3f} ± {spread:.3f}", ", ".join(f"{v:.3f}" for v in values)])
     return result, rows
+
+
+def _setup(task_options: dict[str, Any], steps: int, batch_size: int, test_sequences: int) -> TaskSetup:
+    """One stage of `steps` at lr 3e-3 (a tenth of them warm-up), one evaluation at its end."""
+    schedule = Schedule(steps=steps, batch_size=batch_size, lr=3e-3, warmup_steps=steps // 10)
+    return TaskSetup(task_options, schedule, eval_every=steps, test_sequences=test_sequences)
 
 
 @register_experiment("topk-previous-token", "previous-token copying, 1-layer rotary model: topk K=8 with "
@@ -96,15 +100,13 @@ def previous_token(out_dir: Path, quick: bool) -> Path:
     """Can the router prefer nearby keys? K=8, local_window=0, global_tokens=0, so key i-1 is read
     only if the router ranks it among the top 8 of up to 64 keys; test accuracy, 3 seeds."""
     from routeformer.tasks import build_task
-    from routeformer.train.on_task import ModelSpec
 
     steps, seeds = (100, (0,)) if quick else (300, (0, 1, 2))
-    task = build_task("previous_token", seq_len=64, vocab_size=32)
+    options = {"seq_len": 64, "vocab_size": 32}
+    task = build_task("previous_token", **options)
     spec = ModelSpec(dim=64, depth=1, heads=2, positions="rotary")
-    variants, rows = _seeded_variants(
-        out_dir, task, PREVIOUS_TOKEN_VARIANTS, seeds,
-        lambda seed: TaskTrainConfig(Schedule(steps=steps, batch_size=64, lr=3e-3, warmup_steps=steps // 10),
-                                     eval_every=steps, seed=seed), spec, "accuracy")
+    variants, rows = _seeded_variants(out_dir, "previous_token", options, PREVIOUS_TOKEN_VARIANTS, seeds,
+                                      _setup(options, steps, 64, 1024), spec, "accuracy")
     result = {"task": task.describe(), "model": spec.__dict__, "steps": steps, "variants": variants}
     command = "routeformer reproduce topk-previous-token" + (" --quick" if quick else "")
     markdown = "\n\n".join([
@@ -128,15 +130,13 @@ def position_lm(out_dir: Path, quick: bool) -> Path:
     """The budget of `routeformer compare --quick`'s LM row (2 layers, D=64, 2 heads, rotary,
     300 steps of batch 32 at T=128, K = T/8); bits per character on 256 test sequences."""
     from routeformer.tasks import build_task
-    from routeformer.train.on_task import ModelSpec
 
     steps, seeds = (60, (0,)) if quick else (300, (0, 1, 2))
-    task = build_task("lm", corpus="pydoc", seq_len=128)
+    options = {"corpus": "pydoc", "seq_len": 128}
+    task = build_task("lm", **options)
     spec = ModelSpec(dim=64, depth=2, heads=2, mlp_ratio=2.0, positions="rotary")
-    variants, rows = _seeded_variants(
-        out_dir, task, POSITION_LM_VARIANTS, seeds,
-        lambda seed: TaskTrainConfig(Schedule(steps=steps, batch_size=32, lr=3e-3, warmup_steps=steps // 10),
-                                     eval_every=steps, seed=seed), spec, task.metric, test_sequences=256)
+    variants, rows = _seeded_variants(out_dir, "lm", options, POSITION_LM_VARIANTS, seeds,
+                                      _setup(options, steps, 32, 256), spec, task.metric)
     full = variants["full"]["mean"]
     for row, name in zip(rows, variants, strict=True):
         row.append(f"{variants[name]['mean'] - full:+.3f}")
