@@ -66,14 +66,14 @@ PREVIOUS_TOKEN_VARIANTS = routing_position_variants(8)
 
 
 def _seeded_variants(
-    out_dir: Path, task: str, task_options: dict[str, Any], variants: dict[str, tuple[str, dict[str, Any]]],
+    out_dir: Path, task: str, variants: dict[str, tuple[str, dict[str, Any]]],
     seeds: tuple[int, ...], setup: TaskSetup, spec: ModelSpec, metric: str,
 ) -> tuple[dict[str, Any], list[list[str]]]:
     """Train every variant on `task` with every seed, as one `run_jobs` sweep (records stored per run
     in `out_dir/runs/`, one thread each); per variant the test `metric` per seed, mean and sd, and
     Markdown rows. Raises RuntimeError naming the runs that failed."""
     names = {run_key(name): name for name in variants}
-    jobs = [Job(f"{key}-seed{seed}", task, dict(task_options), *variants[names[key]], seed, setup, spec)
+    jobs = [Job(f"{key}-seed{seed}", task, dict(setup.options), *variants[names[key]], seed, setup, spec)
             for key, seed in seed_grid(list(names), seeds)]
     records = run_jobs(out_dir, jobs, 1, say)
     failed = {key: record["error"] for key, record in records.items() if "error" in record}
@@ -105,7 +105,7 @@ def previous_token(out_dir: Path, quick: bool) -> Path:
     options = {"seq_len": 64, "vocab_size": 32}
     task = build_task("previous_token", **options)
     spec = ModelSpec(dim=64, depth=1, heads=2, positions="rotary")
-    variants, rows = _seeded_variants(out_dir, "previous_token", options, PREVIOUS_TOKEN_VARIANTS, seeds,
+    variants, rows = _seeded_variants(out_dir, "previous_token", PREVIOUS_TOKEN_VARIANTS, seeds,
                                       _setup(options, steps, 64, 1024), spec, "accuracy")
     result = {"task": task.describe(), "model": spec.__dict__, "steps": steps, "variants": variants}
     command = "routeformer reproduce topk-previous-token" + (" --quick" if quick else "")
@@ -135,7 +135,7 @@ def position_lm(out_dir: Path, quick: bool) -> Path:
     options = {"corpus": "pydoc", "seq_len": 128}
     task = build_task("lm", **options)
     spec = ModelSpec(dim=64, depth=2, heads=2, mlp_ratio=2.0, positions="rotary")
-    variants, rows = _seeded_variants(out_dir, "lm", options, POSITION_LM_VARIANTS, seeds,
+    variants, rows = _seeded_variants(out_dir, "lm", POSITION_LM_VARIANTS, seeds,
                                       _setup(options, steps, 32, 256), spec, task.metric)
     full = variants["full"]["mean"]
     for row, name in zip(rows, variants, strict=True):
