@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from routeformer.experiments.registry import register_experiment
-from routeformer.runner.jobs import Job, TaskSetup, run_jobs, say
+from routeformer.runner.jobs import Job, TaskSetup, finished_records, run_jobs, say
 from routeformer.runner.seeds import seed_grid
 from routeformer.train.on_task import ModelSpec
 from routeformer.train.schedule import Schedule
@@ -175,10 +175,8 @@ def run_matched(out_dir: Path, budget: MatchedBudget, command: str) -> Path:
     failed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = matched_jobs(budget)
-    records = run_jobs(out_dir, jobs, budget.workers, say, train=partial(train_matched, budget))
-    failed = {key: record["error"] for key, record in records.items() if "error" in record}
-    if failed:
-        raise RuntimeError(f"meta-attention-matched: runs failed (a re-run retries them): {failed}")
+    records = finished_records(run_jobs(out_dir, jobs, budget.workers, say,
+                                        train=partial(train_matched, budget)), "meta-attention-matched")
     runs: dict[str, list[dict[str, Any]]] = {}
     for job in jobs:
         runs.setdefault(job.key.rpartition("-seed")[0], []).append(records[job.key])

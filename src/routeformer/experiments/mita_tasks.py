@@ -12,7 +12,8 @@ during training, test once at the end.
   at those budgets; and Fig. 8: MiTA-trained weights evaluated with full attention and
   full-trained weights evaluated with MiTA (the two layers have the same parameters).
 
-Every trained model is one cached run (out/runs), so a killed run resumes after its finished runs.
+Every model trains through the one runner (`run_jobs`, records under out/runs): a killed run resumes
+after its finished runs.
 """
 
 from __future__ import annotations
@@ -25,12 +26,11 @@ import torch
 from routeformer.compare.report import task_floor
 from routeformer.compare.stats import separated
 from routeformer.experiments.registry import register_experiment
-from routeformer.runner.jobs import TaskSetup, cached_run, say
+from routeformer.runner.jobs import Job, TaskSetup, cached_run, finished_records, run_jobs, say, train_job
 from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result
-from routeformer.runner.seeds import over_seeds
-from routeformer.train.on_task import ModelSpec, build_task_model, evaluate_on_task, train_on_task
+from routeformer.runner.seeds import seed_grid
+from routeformer.train.on_task import ModelSpec, build_task_model, evaluate_on_task
 from routeformer.train.schedule import Schedule
-from routeformer.train.task_loop import TaskTrainConfig
 
 SEQ_LEN = 32
 # compare --quick's ListOps setup (chosen there on the validation accuracy of `full`, seeds 0-2): the
@@ -88,50 +88,58 @@ def _evaluate(model, task, setup: TaskSetup) -> dict[str, float]:
             "test": evaluate_on_task(model, task, "test", setup.test_sequences)["accuracy"]}
 
 
-def _after_training(task, setup: TaskSetup, mechanism: str, options: dict[str, Any]):
-    """Fig. 7 / Fig. 8 evaluations of a freshly trained model, stored in its record."""
-    def evaluate(model) -> dict[str, Any]:
-        extra: dict[str, Any] = {}
-        layers = _mita_layers(model)
-        if layers:  # Fig. 7: a MiTA model at other budgets
-            grid = {}
-            for m, k in budget_grid(task.seq_len):
-                for layer in layers:
-                    layer.set_budget(landmarks=m, topk=k)
-                grid[f"{m},{k}"] = _evaluate(model, task, setup)
-            for layer in layers:
-                layer.set_budget(landmarks=options["landmarks"], topk=options["topk"])
-            extra["budget_grid"] = grid
-        swapped = WEIGHT_SWAPS.get(mechanism)
-        if swapped is not None:
-            swap_options = mechanisms(task.seq_len)[swapped][1]
-            other = build_task_model(task, swapped, swap_options, SPEC)
-            other.load_state_dict(model.state_dict())  # strict: the two layers share parameter names
-            extra["swapped"] = {"evaluated_with": swapped, **_evaluate(other, task, setup)}
-        return extra
-    return evaluate
-
-
-def listops_run(out: Path, name: str, mechanism: str, options: dict[str, Any], seed: int, mode: str
-                ) -> dict[str, Any]:
-    """One trained model (cached under out/runs): test accuracy, validation history, parameters,
-    and for full / MiTA the swapped and budget evaluations."""
+def figure_evaluations(job: Job, model: torch.nn.Module) -> dict[str, Any]:
+    """The Fig. 7 / Fig. 8 evaluations of `job`'s trained `model`: `budget_grid` (a MiTA model at
+    each (m, k) of `budget_grid`, restored to the job's budget afterwards) and `swapped` (the weights
+    evaluated with the other mechanism of WEIGHT_SWAPS), each with validation and test accuracy."""
     from routeformer.tasks import build_task
 
-    setup, _ = _setup(mode)
-    key = f"{'quick-' if mode == 'quick' else ''}listops{setup.options['seq_len']}-{name}-seed{seed}"
+    task, setup, extra = build_task(job.task, **job.task_options), job.setup, {}
+    layers = _mita_layers(model)
+    if layers:  # Fig. 7: a MiTA model at other budgets
+        grid = {}
+        for m, k in budget_grid(task.seq_len):
+            for layer in layers:
+                layer.set_budget(landmarks=m, topk=k)
+            grid[f"{m},{k}"] = _evaluate(model, task, setup)
+        for layer in layers:
+            layer.set_budget(landmarks=job.options["landmarks"], topk=job.options["topk"])
+        extra["budget_grid"] = grid
+    swapped = WEIGHT_SWAPS.get(job.mechanism)
+    if swapped is not None:
+        other = build_task_model(task, swapped, mechanisms(task.seq_len)[swapped][1], job.spec)
+        other.load_state_dict(model.state_dict())  # strict: the two layers share parameter names
+        extra["swapped"] = {"evaluated_with": swapped, **_evaluate(other, task, setup)}
+    return extra
 
-    def compute() -> dict[str, Any]:
-        torch.set_num_threads(1)
-        task = build_task("listops", **setup.options)
-        train = TaskTrainConfig(setup.schedule, eval_every=setup.eval_every_in(setup.schedule.steps),
-                                seed=seed)
-        return train_on_task(task, mechanism, options, seed=seed, train=train, spec=SPEC,
-                             validation_sequences=setup.validation_sequences,
-                             test_sequences=setup.test_sequences,
-                             after_training=_after_training(task, setup, mechanism, options))
-    say(f"  {key}")
-    return cached_run(out, key, compute)
+
+def train_listops(job: Job) -> dict[str, Any]:
+    """`run_jobs`' train for a ListOps job: `train_job`'s record (test accuracy, validation history,
+    parameters) with the trained model's `figure_evaluations`."""
+    extra: dict[str, Any] = {}
+    record = train_job(job, keep_model=lambda model: extra.update(figure_evaluations(job, model)))
+    return {**record, **extra}
+
+
+def trained_variants(seq_len: int) -> dict[str, tuple[str, dict[str, Any]]]:
+    """The comparison's `mechanisms` and the MiTA models trained at m = k = T/16 and T/4."""
+    extra = {f"mita-m{v}k{v}": ("mita", {"landmarks": v, "topk": v})
+             for v in sorted({max(1, seq_len // 16), max(1, seq_len // 4)})}
+    return {**mechanisms(seq_len), **extra}
+
+
+def listops_runs(out_dir: Path, mode: str) -> dict[str, list[dict[str, Any]]]:
+    """Every trained model's record by variant (`trained_variants`), one per seed in seed order: one
+    `run_jobs` sweep (stored under out_dir/runs/, resumable; two worker processes of one thread each
+    but at --quick). Raises RuntimeError naming the runs that failed."""
+    setup, seeds = _setup(mode)
+    prefix = f"{'quick-' if mode == 'quick' else ''}listops{setup.options['seq_len']}"
+    variants = trained_variants(setup.options["seq_len"])
+    jobs = [Job(f"{prefix}-{name}-seed{seed}", "listops", dict(setup.options), *variants[name], seed, setup,
+                SPEC) for name, seed in seed_grid(list(variants), seeds, seed_major=False)]
+    records = finished_records(run_jobs(out_dir, jobs, 1 if mode == "quick" else 2, say, train=train_listops),
+                               f"mita-listops ({mode})")
+    return {name: [records[f"{prefix}-{name}-seed{seed}"] for seed in seeds] for name in variants}
 
 
 def _floor(out: Path, mode: str) -> dict[str, Any]:
@@ -157,13 +165,11 @@ def _setup_line(setup: TaskSetup, seeds: tuple[int, ...]) -> str:
             "sequences.")
 
 
-def listops_table(out_dir: Path, mode: str) -> tuple[list[str], dict[str, Any]]:
-    """The comparison's Markdown sections and JSON."""
+def listops_table(out_dir: Path, mode: str, trained: dict[str, list[dict[str, Any]]]
+                  ) -> tuple[list[str], dict[str, Any]]:
+    """The comparison's Markdown sections and JSON, from `listops_runs`' records."""
     setup, seeds = _setup(mode)
-    seq_len = setup.options["seq_len"]
-    runs = {name: over_seeds(lambda seed, name=name, mechanism=mechanism, options=options:
-                             listops_run(out_dir, name, mechanism, options, seed, mode), seeds)
-            for name, (mechanism, options) in mechanisms(seq_len).items()}
+    runs = {name: trained[name] for name in mechanisms(setup.options["seq_len"])}
     floor = _floor(out_dir, mode)
     best_rule = max(floor["baselines"].values())
     summary = {name: mean_sd([r["quality"] for r in records]) for name, records in runs.items()}
@@ -191,19 +197,14 @@ def _budget_cell(records: list[dict[str, Any]], grid_key: str, split: str) -> st
     return f"{mean:.3f} ± {sd:.3f}"
 
 
-def budget_tables(out_dir: Path, mode: str) -> tuple[list[str], dict[str, Any]]:
-    """Fig. 7 and Fig. 8 sections (Markdown) and JSON, from the comparison's MiTA and full runs plus
-    MiTA runs trained at T/16 and T/4."""
-    setup, seeds = _setup(mode)
+def budget_tables(mode: str, runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict[str, Any]]:
+    """Fig. 7 and Fig. 8 sections (Markdown) and JSON, from `listops_runs`' records: the comparison's
+    MiTA and full runs plus the MiTA runs trained at T/16 and T/4."""
+    setup, _ = _setup(mode)
     seq_len = setup.options["seq_len"]
-    variants = mechanisms(seq_len)
-    trained_mita = over_seeds(lambda seed: listops_run(out_dir, "mita", *variants["mita"], seed, mode), seeds)
-    trained_full = over_seeds(lambda seed: listops_run(out_dir, "full", *variants["full"], seed, mode), seeds)
-    trained_at = {}
-    for value in sorted({max(1, seq_len // 16), max(1, seq_len // 4)}):
-        options = {"landmarks": value, "topk": value}
-        trained_at[value] = over_seeds(lambda seed, value=value, options=options: listops_run(
-            out_dir, f"mita-m{value}k{value}", "mita", options, seed, mode), seeds)
+    trained_mita, trained_full = runs["mita"], runs["full"]
+    trained_at = {int(name.rpartition("k")[2]): records for name, records in runs.items()
+                  if name.startswith("mita-m")}
     trained = max(1, seq_len // 8)
     grid_rows = [[m, k, _budget_cell(trained_mita, f"{m},{k}", "validation"),
                   _budget_cell(trained_mita, f"{m},{k}", "test")] for m, k in budget_grid(seq_len)]
@@ -247,8 +248,9 @@ def listops_long(out_dir: Path, quick: bool) -> Path:
 
 
 def _report(out_dir: Path, mode: str, name: str, quick: bool) -> Path:
-    comparison, result = listops_table(out_dir, mode)
-    budgets, budget_result = budget_tables(out_dir, mode)
+    runs = listops_runs(out_dir, mode)
+    comparison, result = listops_table(out_dir, mode, runs)
+    budgets, budget_result = budget_tables(mode, runs)
     markdown = "\n\n".join([f"# {name}: MiTA on the shared ListOps task",
                              provenance(f"routeformer reproduce {name}{' --quick' if quick else ''}"),
                              *comparison, *budgets])

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from routeformer.experiments.registry import register_experiment
-from routeformer.runner.jobs import Job, run_jobs, run_key, say
+from routeformer.runner.jobs import Job, finished_records, run_jobs, run_key, say
 from routeformer.runner.report import line_plot, markdown_table, mean_sd, provenance, write_result
 from routeformer.runner.seeds import seed_grid
 from routeformer.runner.setups import TaskSetup
@@ -75,10 +75,7 @@ def _seeded_variants(
     names = {run_key(name): name for name in variants}
     jobs = [Job(f"{key}-seed{seed}", task, dict(setup.options), *variants[names[key]], seed, setup, spec)
             for key, seed in seed_grid(list(names), seeds)]
-    records = run_jobs(out_dir, jobs, 1, say)
-    failed = {key: record["error"] for key, record in records.items() if "error" in record}
-    if failed:
-        raise RuntimeError(f"runs failed (re-run to retry them): {failed}")
+    records = finished_records(run_jobs(out_dir, jobs, 1, say), f"topk on {task}")
     result, rows = {}, []
     for key, name in names.items():
         values = [records[f"{key}-seed{seed}"]["test"][metric] for seed in seeds]

@@ -28,7 +28,7 @@ from routeformer.compare.budgets import QUICK
 from routeformer.compare.report import task_floor
 from routeformer.compare.stats import separated
 from routeformer.experiments.registry import register_experiment
-from routeformer.runner.jobs import Job, TaskSetup, cached_run, run_jobs, say
+from routeformer.runner.jobs import Job, TaskSetup, cached_run, finished_records, run_jobs, say
 from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.runner.seeds import seed_sweep
 from routeformer.train.on_task import ModelSpec
@@ -142,10 +142,7 @@ def routing_learning(out_dir: Path, quick: bool, workers: int = 1) -> Path:
     setups, seeds, spec = plan(quick)
     jobs = jobs_for(setups, seeds, spec)
     say(f"topk-routing-learning: {len(jobs)} runs, {workers} worker(s)")
-    records = run_jobs(out_dir, jobs, workers, say)
-    failed = {key: r["error"] for key, r in records.items() if "error" in r}
-    if failed:
-        raise RuntimeError(f"runs failed (re-run to retry them): {failed}")
+    records = finished_records(run_jobs(out_dir, jobs, workers, say), "topk-routing-learning")
     result: dict[str, Any] = {"model": spec.__dict__, "seeds": {t: list(s) for t, s in seeds.items()},
                               "tasks": {}}
     sections = []

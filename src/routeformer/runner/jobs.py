@@ -389,6 +389,15 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
     return records
 
 
+def finished_records(records: dict[str, dict[str, Any]], experiment: str) -> dict[str, dict[str, Any]]:
+    """`run_jobs`' records, once none of them failed. Raises RuntimeError naming `experiment` and
+    each failed run's key with its error (a re-run of the experiment retries them)."""
+    failed = {key: record["error"] for key, record in records.items() if "error" in record}
+    if failed:
+        raise RuntimeError(f"{experiment}: runs failed (a re-run retries them): {failed}")
+    return records
+
+
 def device_kind(device: str) -> str:
     """The kind of the torch device named `device` ("cpu", "cuda", ...); ValueError naming `device`
     unless torch knows it."""
