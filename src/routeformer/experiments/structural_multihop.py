@@ -22,7 +22,7 @@ from typing import Any
 
 from routeformer.experiments.registry import register_experiment
 from routeformer.experiments.structural_runs import run_multihop_model
-from routeformer.runner.jobs import cached_run, run_key, say
+from routeformer.runner.jobs import Call, call, finished_records, run_jobs, run_key, say
 from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.runner.seeds import over_seeds, seed_grid
 from routeformer.tasks.structural import TEST_SEQUENCES, StructuralTask, chain_batch, zero_prediction_mse
@@ -43,20 +43,21 @@ def gap_closed(one_layer: float, two_layers: float, multihop: float) -> float:
 
 
 def chain_study(out_dir: Path, setup: str, task: StructuralTask, *, steps: int, seeds: list[int],
-                lrs: list[float] | dict[str, list[float]]) -> dict[str, Any]:
-    """Every (model, lr, seed) run of one setup (cached per run), the validation choice of lr per
-    model, and the test figures at the chosen rates."""
+                lrs: list[float] | dict[str, list[float]], workers: int = 1) -> dict[str, Any]:
+    """Every (model, lr, seed) run of one setup (one `run_jobs` sweep of `workers` processes, records
+    under out_dir/runs/), the validation choice of lr per model, and the test figures at the chosen
+    rates. Raises RuntimeError naming the runs that failed."""
     def rates(name: str) -> list[float]:  # one list for every model, or a list per model
         return lrs[name] if isinstance(lrs, dict) else lrs
 
-    runs: dict[tuple[str, float], list[dict]] = {}
     settings = [(model, lr) for model in MODELS for lr in rates(model)]
-    for (name, lr), seed in seed_grid(settings, seeds, seed_major=False):
-        key = run_key(f"{setup}-{name}-lr{lr:g}-steps{steps}-seed{seed}".replace(" ", ""))
-        say(f"structural-multihop: {key}")
-        runs.setdefault((name, lr), []).append(cached_run(
-            out_dir, key, lambda name=name, lr=lr, seed=seed: run_multihop_model(
-                name, task, steps, seed, lr=lr, evals=10)))
+    jobs = {(name, lr, seed): Call(
+        run_key(f"{setup}-{name}-lr{lr:g}-steps{steps}-seed{seed}".replace(" ", "")), run_multihop_model,
+        {"name": name, "task": task, "steps": steps, "seed": seed, "lr": lr, "evals": 10})
+        for (name, lr), seed in seed_grid(settings, seeds, seed_major=False)}
+    records = finished_records(run_jobs(out_dir, list(jobs.values()), workers, say, train=call),
+                               "structural-multihop")
+    runs = {(name, lr): [records[jobs[name, lr, seed].key] for seed in seeds] for name, lr in settings}
     chosen, models = {}, {}
     for name in MODELS:
         validation = {lr: statistics.fmean(r["final"]["val_loss"] for r in runs[(name, lr)])
@@ -138,7 +139,8 @@ def _multihop_report(out_dir: Path, quick: bool, setups: dict[str, StructuralTas
     tried = ("; ".join(f"{model}: {', '.join(f'{lr:g}' for lr in rates)}" for model, rates in lrs.items())
              if isinstance(lrs, dict) else ", ".join(f"{lr:g}" for lr in lrs))
     setups = dict(list(setups.items())[:1]) if quick else setups
-    studies = {setup: chain_study(out_dir, setup, task, steps=steps, seeds=seeds, lrs=lrs)
+    studies = {setup: chain_study(out_dir, setup, task, steps=steps, seeds=seeds, lrs=lrs,
+                                  workers=1 if quick else 2)
                for setup, task in setups.items()}
     markdown = "\n\n".join([
         f"# {name}: the two-hop chain task (paper Figure 2)",

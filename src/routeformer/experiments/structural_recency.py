@@ -26,9 +26,9 @@ from typing import Any
 
 from routeformer.experiments.registry import register_experiment
 from routeformer.experiments.structural_runs import EXPANDING_BLOCK, run_recency_model
-from routeformer.runner.jobs import cached_run, run_key, say
+from routeformer.runner.jobs import Call, call, finished_records, run_jobs, run_key, say
 from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result
-from routeformer.runner.seeds import over_seeds
+from routeformer.runner.seeds import over_seeds, seed_grid
 from routeformer.tasks.structural import StructuralTask, recency_batch, zero_prediction_mse
 
 # name -> (mechanism, layer options)
@@ -59,25 +59,28 @@ def position_only_floor(zero_mse: float, recency: float, length: int) -> float:
 
 
 def recency_study(out_dir: Path, *, length: int, dim: int, recencies: list[float], seeds: list[int],
-                  steps: int, test_sequences: int, models: list[str] | None = None) -> list[dict[str, Any]]:
-    """One row per (recency, model): test MSE per seed, and expanding's window statistics."""
+                  steps: int, test_sequences: int, models: list[str] | None = None, workers: int = 1
+                  ) -> list[dict[str, Any]]:
+    """One row per (recency, model): test MSE per seed, and expanding's window statistics. Every run
+    is one job of a `run_jobs` sweep (`workers` processes, records under out_dir/runs/). Raises
+    RuntimeError naming the runs that failed."""
+    tasks = {recency: StructuralTask(length=length, dim=dim, rank=dim, target_dim=4, noise=0.1,
+                                     recency=recency, keyed=True) for recency in recencies}
+    names = models or list(RECENCY_MODELS)
+    jobs = {(recency, name, seed): Call(
+        run_key(f"T{length}-d{dim}-recency{recency:g}-{name}-steps{steps}-seed{seed}").replace(" ", ""),
+        run_recency_model, {"mechanism": RECENCY_MODELS[name][0], "task": tasks[recency], "steps": steps,
+                            "seed": seed, "lr": LR, "options": RECENCY_MODELS[name][1],
+                            "test_sequences": test_sequences, "evals": 5})
+        for recency in recencies for name, seed in seed_grid(names, seeds, seed_major=False)}
+    records = finished_records(run_jobs(out_dir, list(jobs.values()), workers, say, train=call),
+                               "structural-recency")
     rows = []
-    for recency in recencies:
-        task = StructuralTask(length=length, dim=dim, rank=dim, target_dim=4, noise=0.1, recency=recency,
-                              keyed=True)
+    for recency, task in tasks.items():
         zero = statistics.fmean(over_seeds(
             lambda seed, task=task: zero_prediction_mse(task, recency_batch, seed, test_sequences), seeds))
-        for name in models or list(RECENCY_MODELS):
-            def trained(seed: int, recency: float = recency, name: str = name, task: StructuralTask = task
-                        ) -> dict[str, Any]:
-                mechanism, options = RECENCY_MODELS[name]
-                key = run_key(f"T{length}-d{dim}-recency{recency:g}-{name}-steps{steps}-seed{seed}")
-                key = key.replace(" ", "")
-                say(f"structural-recency: {key}")
-                return cached_run(out_dir, key, lambda: run_recency_model(
-                    mechanism, task, steps, seed, lr=LR, options=options, test_sequences=test_sequences,
-                    evals=5))
-            runs = over_seeds(trained, seeds)
+        for name in names:
+            runs = [records[jobs[recency, name, seed].key] for seed in seeds]
             row = {"recency": recency, "model": name, "parameters": runs[0]["parameters"],
                    "test": [r["final"]["test_loss"] for r in runs],
                    "validation": [r["final"]["val_loss"] for r in runs],
@@ -116,7 +119,8 @@ def recency(out_dir: Path, quick: bool) -> Path:
     recencies = [4.0] if quick else [2.0, 16.0]
     test_sequences = 64 if quick else 512
     tables = {steps: recency_study(out_dir, length=length, dim=dim, recencies=recencies, seeds=seeds,
-                                   steps=steps, test_sequences=test_sequences) for steps in budgets}
+                                   steps=steps, test_sequences=test_sequences, workers=1 if quick else 2)
+              for steps in budgets}
     markdown = "\n\n".join([
         "# structural-recency: a recency task where attention is necessary (paper Figure 3)",
         provenance(f"routeformer reproduce structural-recency{' --quick' if quick else ''}"),

@@ -1,5 +1,6 @@
 """The experiments' runner. `cached_run` stores each finished run as JSON (resume after a kill);
-`Job`/`run_jobs` train (task, mechanism, options, seed) runs in worker processes.
+`Job`/`run_jobs` train (task, mechanism, options, seed) runs in worker processes; a `Call` is a run
+of a model that is no task model (a regressor, a ViT), trained by `run_jobs` the same way.
 
 Training runs as independent jobs: one (task, mechanism, options, seed, budget, backbone) each,
 stored as JSON when finished (so an interrupted sweep resumes after its finished runs, and inside a
@@ -124,6 +125,24 @@ class Job:
                 or decay < 0:
             raise ValueError(f"weight_decay: a finite number >= 0; got {decay!r}")
         object.__setattr__(self, "weight_decay", float(decay))
+
+
+@dataclass(frozen=True)
+class Call:
+    """A run that is one call, `function(**arguments)` -> its JSON-ready record, stored under `key`
+    (file-name-safe, unique within an output directory): what `run_jobs(..., train=call)` trains for
+    a model outside the task layer. `function` is a module-level function and `arguments` picklable
+    values, so that worker processes can run it; it should train on one thread, as `run_jobs` gives
+    each job."""
+
+    key: str
+    function: Callable[..., dict[str, Any]]
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+
+def call(job: Call) -> dict[str, Any]:
+    """`run_jobs`' train for `Call` jobs: the record `job.function(**job.arguments)` returns."""
+    return job.function(**job.arguments)
 
 
 def train_job(job: Job, log: Callable[[str], None] | None = None,
@@ -307,7 +326,7 @@ def _run_one(out: Path, job: Any, threads: int | None,
         return job.key, {"error": f"{type(error).__name__}: {error}", "quality": float("nan")}
 
 
-def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str], None],
+def run_jobs(out: Path, jobs: list[Job] | list[Call], workers: int, progress: Callable[[str], None],
              timeout_s: float | None = None, train: Callable[[Any], dict[str, Any]] | None = None,
              keep_models: bool = False, device: str = "cpu") -> dict[str, dict]:
     """Every job's record, by key. Finished jobs are read from `out/runs/`; the others run in
@@ -320,10 +339,10 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
     sweep with a RuntimeError naming the runs it left; so does an interrupt (Ctrl-C), after
     stopping the workers instead of waiting for their runs. Finished runs are stored either way,
     and a re-run resumes after them. `train(job)` makes a job's record (a module-level function:
-    worker processes import it); None: `train_job` (train once, test once), and with `keep_models`
-    each trained model is kept as the task run directory `out/models/<key>`. `device` (a torch device
-    name, default "cpu") is where every job's model trains (`train.task_loop.training_on`, in each
-    worker); a record trained elsewhere says so (`"device"`).
+    worker processes import it; `call` for `Call` jobs); None: `train_job` (train once, test once),
+    and with `keep_models` each trained model is kept as the task run directory `out/models/<key>`.
+    `device` (a torch device name, default "cpu") is where every job's model trains
+    (`train.task_loop.training_on`, in each worker); a record trained elsewhere says so (`"device"`).
 
     Raises ValueError naming `device` unless torch knows it, and naming the stored record when a
     finished run in `out/runs/` was trained on another kind of device (its numbers are not this
@@ -336,7 +355,8 @@ def run_jobs(out: Path, jobs: list[Job], workers: int, progress: Callable[[str],
 
     def note(key: str, record: dict[str, Any]) -> None:
         records[key] = record
-        outcome = f"FAILED ({record['error']})" if "error" in record else f"{record['quality']:.4g}"
+        outcome = (f"FAILED ({record['error']})" if "error" in record
+                   else f"{record['quality']:.4g}" if "quality" in record else "done")
         elapsed = time.perf_counter() - began
         progress(f"  [{len(records)}/{len(jobs)}] {key}: {outcome} ({elapsed:.0f} s elapsed)")
 
