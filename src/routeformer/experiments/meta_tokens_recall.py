@@ -1,7 +1,8 @@
 """`routeformer reproduce meta-tokens-recall | meta-tokens-ablations | meta-tokens-finetune`:
 "Language Modeling with Learned Meta-Tokens" (arXiv 2509.16278) redone on the shared recall tasks.
-Each run is one `RecallRun` (experiments/recall_runs.py); runs are stored under
-`<out>/../meta-tokens-runs/` and shared by the three experiments (the same run is trained once).
+Each run is one `RecallRun` (experiments/recall_runs.py), trained as a `run_jobs` job; records are
+stored under `<out>/../meta-tokens-runs/runs/` and shared by the experiments (the same run is
+trained once).
 
 - meta-tokens-recall: list recall, segment counting, parity and copying; `plain` (no `_PAUSE_`,
   `full`), `pause` (`_PAUSE_` closing each segment, `full`: the tokens alone) and `meta` (the same
@@ -33,7 +34,7 @@ from routeformer.experiments.recall_runs import (
     train_recall,
 )
 from routeformer.experiments.registry import register_experiment
-from routeformer.runner.jobs import cached_run, say
+from routeformer.runner.jobs import Call, call, finished_records, run_jobs, say
 from routeformer.runner.report import (
     format_mean_sd,
     markdown_table,
@@ -94,10 +95,30 @@ def base_run(task: str, variant: str, seed: int, s: Settings, **changes) -> Reca
                      validation_sequences=s.validation_sequences, test_sequences=s.test_sequences, **changes)
 
 
-def train(out_dir: Path, run: RecallRun) -> dict[str, Any]:
+def train_logged(run: RecallRun) -> dict[str, Any]:
+    """`train_recall(run)`, its progress lines on stderr under the run's key."""
     key = run_key(run)
-    return cached_run(_runs_dir(out_dir), key,
-                      lambda: train_recall(run, log=lambda line: say(f"{key}: {line}")))
+    return train_recall(run, log=lambda line: say(f"{key}: {line}"))
+
+
+def train_all(out_dir: Path, runs: list[RecallRun], quick: bool) -> list[dict[str, Any]]:
+    """The record of every run, in order: one `run_jobs` sweep (records under `_runs_dir(out_dir)`,
+    shared by the experiments; two worker processes of one thread each but at --quick). Raises
+    RuntimeError naming the runs that failed."""
+    jobs = [Call(run_key(run), train_logged, {"run": run}) for run in runs]
+    records = finished_records(run_jobs(_runs_dir(out_dir), list({job.key: job for job in jobs}.values()),
+                                        1 if quick else 2, say, train=call), "meta-tokens")
+    return [records[job.key] for job in jobs]
+
+
+def pretrain_logged(path: Path, seed: int, steps: int, spec: Any) -> dict[str, Any]:
+    """`pretrain_body` of a fine-tuning run's body, its progress lines on stderr."""
+    return pretrain_body(path, seed, steps, spec, log=lambda line: say(f"pretrain {path.stem}: {line}"))
+
+
+def by_seed(records: list[dict[str, Any]], seeds: int) -> list[list[dict[str, Any]]]:
+    """`records` of runs listed variant by variant, `seeds` runs each, as one list per variant."""
+    return [records[start:start + seeds] for start in range(0, len(records), seeds)]
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -131,13 +152,19 @@ def _floor_line(run: RecallRun, seq_lens: dict[str, int]) -> tuple[str, dict[str
     return text, measured
 
 
-def _grid(out_dir: Path, s: Settings, task: str, variants: list[tuple[str, dict[str, Any]]]
+def _grid(out_dir: Path, s: Settings, task: str, variants: list[tuple[str, dict[str, Any]]], quick: bool
           ) -> tuple[list[list[Any]], dict[str, Any]]:
+    runs = [base_run(task, changes.get("variant", "meta"), seed, s,
+                     **{k: v for k, v in changes.items() if k != "variant"})
+            for (_, changes), seed in seed_grid(variants, s.seeds, seed_major=False)]
+    return _rows(zip([label for label, _ in variants], by_seed(train_all(out_dir, runs, quick), len(s.seeds)),
+                     strict=True))
+
+
+def _rows(labelled: Any) -> tuple[list[list[Any]], dict[str, Any]]:
+    """Markdown rows and results of (label, records over the seeds) pairs."""
     rows, results = [], {}
-    for label, changes in variants:
-        variant, rest = changes.get("variant", "meta"), {k: v for k, v in changes.items() if k != "variant"}
-        records = over_seeds(lambda seed, variant=variant, rest=rest: train(
-            out_dir, base_run(task, variant, seed, s, **rest)), s.seeds)
+    for label, records in labelled:
         results[label] = summary(records)
         results[label]["seq_len"] = {f"{f}x": records[0][f"seq_len_{f}x"] for f in LENGTH_FACTORS}
         rows.append(_row(label, results[label]))
@@ -168,7 +195,7 @@ def run_recall(out_dir: Path, quick: bool) -> Path:
     s = settings(quick)
     sections, results = [], {}
     for task in s.tasks:
-        rows, results[task] = _grid(out_dir, s, task, RECALL_VARIANTS)
+        rows, results[task] = _grid(out_dir, s, task, RECALL_VARIANTS, quick)
         seq_lens = next(iter(results[task].values()))["seq_len"]
         line, results[task]["floors"] = _floor_line(base_run(task, "plain", 0, s), seq_lens)
         sections += [f"## {task} {TASK_OPTIONS[task]}", "", line, "", markdown_table(HEADER, rows), ""]
@@ -192,7 +219,7 @@ ABLATION_VARIANTS = [
                      "copying: position scheme at meta-tokens; sequential vs parallel form")
 def run_ablations(out_dir: Path, quick: bool) -> Path:
     s = settings(quick)
-    rows, results = _grid(out_dir, s, ABLATION_TASK, ABLATION_VARIANTS)
+    rows, results = _grid(out_dir, s, ABLATION_TASK, ABLATION_VARIANTS, quick)
     seq_lens = next(iter(results.values()))["seq_len"]
     line, results["floors"] = _floor_line(base_run(ABLATION_TASK, "plain", 0, s), seq_lens)
     command = "routeformer reproduce meta-tokens-ablations" + (" --quick" if quick else "")
@@ -210,30 +237,26 @@ def run_finetune(out_dir: Path, quick: bool) -> Path:
     s = settings(quick)
     bodies = _runs_dir(out_dir) / "bodies"
     spec = RecallRun(ABLATION_TASK, {}).spec
-    pretrained: dict[str, dict[str, Any]] = {}
-    paths: dict[tuple[int, int], Path] = {}
-    for steps, seed in seed_grid(s.pretrain_steps, s.seeds, seed_major=False):
-        path = paths[steps, seed] = bodies / f"lm-full-s{seed}-{steps}.pt"
-        pretrained[path.stem] = cached_run(
-            _runs_dir(out_dir), f"pretrain-{path.stem}",
-            lambda seed=seed, path=path, steps=steps: pretrain_body(
-                path, seed, steps, spec, log=lambda line: say(f"pretrain {path.stem}: {line}")))
-        if not path.exists():  # the record was kept but the weights were removed: train again
-            pretrained[path.stem] = pretrain_body(path, seed, steps, spec)
-    rows, results = [], {}
+    paths = {(steps, seed): bodies / f"lm-full-s{seed}-{steps}.pt"
+             for steps, seed in seed_grid(s.pretrain_steps, s.seeds, seed_major=False)}
+    bodies_jobs = [Call(f"pretrain-{path.stem}", pretrain_logged,
+                        {"path": path, "seed": seed, "steps": steps, "spec": spec})
+                   for (steps, seed), path in paths.items()]
+    for job in bodies_jobs:  # a record kept without its weights: train the body again
+        if not job.arguments["path"].exists():
+            (_runs_dir(out_dir) / "runs" / f"{job.key}.json").unlink(missing_ok=True)
+    records = finished_records(run_jobs(_runs_dir(out_dir), bodies_jobs, 1 if quick else 2, say, train=call),
+                               "meta-tokens-finetune")
+    pretrained = {job.arguments["path"].stem: records[job.key] for job in bodies_jobs}
     starts = [("scratch", None)] + [(f"pre-trained {steps} steps", steps) for steps in s.pretrain_steps]
+    labels, runs = [], []
     for variant in ("plain", "meta"):
         for start, steps in starts:
-            def trained(seed: int, variant: str = variant, steps: int | None = steps) -> dict[str, Any]:
+            labels.append(f"{variant}, {start}")
+            for seed in s.seeds:
                 run = base_run(ABLATION_TASK, variant, seed, s)
-                if steps is not None:
-                    run = replace(run, init=str(paths[steps, seed]))
-                return train(out_dir, run)
-            records = over_seeds(trained, s.seeds)
-            label = f"{variant}, {start}"
-            results[label] = summary(records)
-            results[label]["seq_len"] = {f"{f}x": records[0][f"seq_len_{f}x"] for f in LENGTH_FACTORS}
-            rows.append(_row(label, results[label]))
+                runs.append(run if steps is None else replace(run, init=str(paths[steps, seed])))
+    rows, results = _rows(zip(labels, by_seed(train_all(out_dir, runs, quick), len(s.seeds)), strict=True))
     line, results["floors"] = _floor_line(base_run(ABLATION_TASK, "plain", 0, s),
                                           next(iter(results.values()))["seq_len"])
     bits = {steps: format_mean_sd(over_seeds(lambda seed, steps=steps: pretrained[f"lm-full-s{seed}-{steps}"]
@@ -284,13 +307,10 @@ def long_run(variant: str, seed: int, quick: bool) -> RecallRun:
                      "plain vs `_PAUSE_` vs meta-tokens, 3 seeds")
 def run_recall_long(out_dir: Path, quick: bool) -> Path:
     seeds = (0,) if quick else (0, 1, 2)
-    rows, results = [], {}
-    for label, changes in RECALL_VARIANTS:
-        records = over_seeds(lambda seed, variant=changes["variant"]: train(
-            out_dir, long_run(variant, seed, quick)), seeds)
-        results[label] = summary(records)
-        results[label]["seq_len"] = {f"{f}x": records[0][f"seq_len_{f}x"] for f in LENGTH_FACTORS}
-        rows.append(_row(label, results[label]))
+    runs = [long_run(changes["variant"], seed, quick)
+            for (_, changes), seed in seed_grid(RECALL_VARIANTS, seeds, seed_major=False)]
+    rows, results = _rows(zip([label for label, _ in RECALL_VARIANTS],
+                              by_seed(train_all(out_dir, runs, quick), len(seeds)), strict=True))
     example = long_run("plain", 0, quick)
     line, results["floors"] = _floor_line(example, next(iter(results.values()))["seq_len"])
     spec, schedule = example.spec, example.schedule
