@@ -20,7 +20,7 @@ from routeformer.data.digits import NUM_CLASSES, ImageSplit, load_digits
 from routeformer.experiments.registry import register_experiment
 from routeformer.models.config import ModelConfig
 from routeformer.models.vit import VisionConfig, ViT
-from routeformer.runner.jobs import cached_run, run_key, say
+from routeformer.runner.jobs import Call, call, finished_records, run_jobs, run_key, say
 from routeformer.runner.report import line_plot, markdown_table, mean_sd, provenance, write_result
 from routeformer.runner.seeds import seed_grid
 from routeformer.train.schedule import Schedule
@@ -78,21 +78,27 @@ def train_vit(mechanism: str, options: dict[str, Any], size: int, seed: int, ste
     return model, record
 
 
+def vit_record(mechanism: str, options: dict[str, Any], size: int, seed: int, steps: int) -> dict:
+    """The record of `train_vit` (a `Call` job's function: the model is not kept)."""
+    return train_vit(mechanism, options, size, seed, steps)[1]
+
+
 @register_experiment("mita-digits-vit", "ViT on 8x8 / 16x16 digits: full, linear, agent, route-only, "
                      "MiTA; accuracy and attention FLOPs, 3 seeds")
 def digits_vit(out_dir: Path, quick: bool) -> Path:
     sizes = [8] if quick else [8, 16]
     seeds = [0] if quick else [0, 1, 2]
     steps = {8: 150 if quick else 600, 16: 250}
-    records: dict[tuple[int, str], list[dict]] = {}
     grid = [(size, name, mechanism, options) for size in sizes
             for name, (mechanism, options) in vit_variants().items()]
-    for (size, name, mechanism, options), seed in seed_grid(grid, seeds, seed_major=False):
-        key = run_key(f"S{size}-{name}-seed{seed}")
-        say(f"mita-digits-vit: {key}")
-        record = cached_run(out_dir, key, lambda m=mechanism, o=options, s=size, sd=seed:
-                            train_vit(m, o, s, sd, steps[s])[1])
-        records.setdefault((size, name), []).append(record)
+    jobs = [Call(run_key(f"S{size}-{name}-seed{seed}"), vit_record,
+                 {"mechanism": mechanism, "options": options, "size": size, "seed": seed,
+                  "steps": steps[size]})
+            for (size, name, mechanism, options), seed in seed_grid(grid, seeds, seed_major=False)]
+    done = finished_records(run_jobs(out_dir, jobs, 1 if quick else 2, say, train=call), "mita-digits-vit")
+    records: dict[tuple[int, str], list[dict]] = {}
+    for job, ((size, name, _, _), _) in zip(jobs, seed_grid(grid, seeds, seed_major=False), strict=True):
+        records.setdefault((size, name), []).append(done[job.key])
     rows = []
     for (size, name), runs in records.items():
         accuracy, spread = mean_sd([100 * run["accuracy"] for run in runs])
