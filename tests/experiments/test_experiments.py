@@ -78,6 +78,27 @@ def test_mita_experiments_are_registered_and_train_at_toy_size(tmp_path):
     assert record["attention_flops_per_image"] > 0
 
 
+def test_a_digits_vit_run_is_a_call_job_whose_record_is_stored_and_read_back(tmp_path):
+    require("sklearn", "vision")
+    from routeformer.experiments.mita import train_vit, vit_record
+    from routeformer.runner.jobs import Call, call, one_thread, run_jobs
+
+    arguments = {"mechanism": "full", "options": {}, "size": 8, "seed": 0, "steps": 2}
+    job = Call("S8-full-seed0", vit_record, arguments)
+    record = run_jobs(tmp_path, [job], 1, lambda line: None, train=call)["S8-full-seed0"]
+    assert (tmp_path / "runs" / "S8-full-seed0.json").exists()
+    with one_thread():  # as run_jobs trains each job
+        _, direct = train_vit(**arguments)
+    assert record["accuracy"] == direct["accuracy"] and record["history"] == direct["history"]
+    # A second sweep reads the stored record instead of training again.
+    again = run_jobs(tmp_path, [Call("S8-full-seed0", _refuse, {})], 1, lambda line: None, train=call)
+    assert again["S8-full-seed0"] == record
+
+
+def _refuse() -> dict:
+    raise AssertionError("a stored run was trained again")
+
+
 def test_each_central_claim_at_length_is_a_reproduce_name_that_runs_its_compare_subset(tmp_path):
     from routeformer.experiments.central_claims import CLAIMS
 
