@@ -29,7 +29,7 @@ from routeformer.experiments.registry import register_experiment
 from routeformer.runner.jobs import Job, TaskSetup, cached_run, finished_records, run_jobs, say, train_job
 from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result
 from routeformer.runner.seeds import seed_grid
-from routeformer.train.on_task import ModelSpec, build_task_model, evaluate_on_task
+from routeformer.train.on_task import ModelSpec, build_task_model, evaluate_on_task, spec_dict
 from routeformer.train.schedule import Schedule
 
 SEQ_LEN = 32
@@ -158,7 +158,8 @@ def _setup_line(setup: TaskSetup, seeds: tuple[int, ...]) -> str:
     schedule = setup.schedule
     return (f"Task `listops` ({', '.join(f'{k}={v}' for k, v in setup.options.items())}), bidirectional, "
             f"the answer read at a `?` token; {schedule.steps} steps of batch {schedule.batch_size}, "
-            f"lr {schedule.lr} ({schedule.warmup_steps} warm-up), AdamW + cosine; backbone {SPEC}; "
+            f"lr {schedule.lr} ({schedule.warmup_steps} warm-up), AdamW + cosine; backbone "
+            f"ModelSpec({', '.join(f'{k}={v!r}' for k, v in spec_dict(SPEC).items())}); "
             f"seeds {list(seeds)}, every "
             "mechanism on the same batches per seed. The setup is `compare --quick`'s ListOps (chosen there "
             f"on full's validation accuracy{length_note}); test accuracy on {setup.test_sequences} held-out "
