@@ -28,7 +28,7 @@ from routeformer.compare.stats import separated
 from routeformer.experiments.registry import register_experiment
 from routeformer.runner.jobs import Job, TaskSetup, cached_run, finished_records, run_jobs, say, train_job
 from routeformer.runner.report import markdown_table, mean_sd, provenance, write_result
-from routeformer.runner.seeds import seed_grid
+from routeformer.runner.seeds import over_seeds, seed_grid
 from routeformer.train.on_task import ModelSpec, build_task_model, evaluate_on_task, spec_dict
 from routeformer.train.schedule import Schedule
 
@@ -139,7 +139,8 @@ def listops_runs(out_dir: Path, mode: str) -> dict[str, list[dict[str, Any]]]:
                 SPEC) for name, seed in seed_grid(list(variants), seeds, seed_major=False)]
     records = finished_records(run_jobs(out_dir, jobs, 1 if mode == "quick" else 2, say, train=train_listops),
                                f"mita-listops ({mode})")
-    return {name: [records[f"{prefix}-{name}-seed{seed}"] for seed in seeds] for name in variants}
+    return {name: over_seeds(lambda seed, name=name: records[f"{prefix}-{name}-seed{seed}"], seeds)
+            for name in variants}
 
 
 def _floor(out: Path, mode: str) -> dict[str, Any]:

@@ -57,7 +57,8 @@ def chain_study(out_dir: Path, setup: str, task: StructuralTask, *, steps: int, 
         for (name, lr), seed in seed_grid(settings, seeds, seed_major=False)}
     records = finished_records(run_jobs(out_dir, list(jobs.values()), workers, say, train=call),
                                "structural-multihop")
-    runs = {(name, lr): [records[jobs[name, lr, seed].key] for seed in seeds] for name, lr in settings}
+    runs = {(name, lr): over_seeds(lambda seed, name=name, lr=lr: records[jobs[name, lr, seed].key], seeds)
+            for name, lr in settings}
     chosen, models = {}, {}
     for name in MODELS:
         validation = {lr: statistics.fmean(r["final"]["val_loss"] for r in runs[(name, lr)])

@@ -80,7 +80,8 @@ def recency_study(out_dir: Path, *, length: int, dim: int, recencies: list[float
         zero = statistics.fmean(over_seeds(
             lambda seed, task=task: zero_prediction_mse(task, recency_batch, seed, test_sequences), seeds))
         for name in names:
-            runs = [records[jobs[recency, name, seed].key] for seed in seeds]
+            runs = over_seeds(lambda seed, recency=recency, name=name: records[jobs[recency, name, seed].key],
+                              seeds)
             row = {"recency": recency, "model": name, "parameters": runs[0]["parameters"],
                    "test": [r["final"]["test_loss"] for r in runs],
                    "validation": [r["final"]["val_loss"] for r in runs],

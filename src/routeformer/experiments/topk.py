@@ -14,7 +14,7 @@ from typing import Any
 from routeformer.experiments.registry import register_experiment
 from routeformer.runner.jobs import Job, finished_records, run_jobs, run_key, say
 from routeformer.runner.report import line_plot, markdown_table, mean_sd, provenance, write_result
-from routeformer.runner.seeds import seed_grid
+from routeformer.runner.seeds import over_seeds, seed_grid
 from routeformer.runner.setups import TaskSetup
 from routeformer.train.on_task import ModelSpec
 from routeformer.train.schedule import Schedule
@@ -78,7 +78,7 @@ def _seeded_variants(
     records = finished_records(run_jobs(out_dir, jobs, 1, say), f"topk on {task}")
     result, rows = {}, []
     for key, name in names.items():
-        values = [records[f"{key}-seed{seed}"]["test"][metric] for seed in seeds]
+        values = over_seeds(lambda seed, key=key: records[f"{key}-seed{seed}"]["test"][metric], seeds)
         mean, spread = mean_sd(values)
         result[name] = {metric: values, "mean": mean, "sd": spread}
         rows.append([name, f"{mean:.3f} ± {spread:.3f}", ", ".join(f"{v:.3f}" for v in values)])
