@@ -241,3 +241,32 @@ def test_a_bad_interval_in_code_names_it(name, value):
         TaskTrainConfig(**{name: value})
     with pytest.raises(ValueError, match=pattern):
         replace(_job(), **{name: value})
+
+
+def test_keep_checkpoints_keeps_that_many_while_the_run_trains_and_may_change_on_resume(
+        tmp_path, capsys, monkeypatch):
+    """Checkpointed after every step and stopped inside step 4: the newest three (after steps 3, 2
+    and 1) are kept; resumed with the default, the run ends as one never stopped."""
+    every = ("--checkpoint-every", "1")
+    _, straight = _train(capsys, tmp_path / "straight", *every)
+    out = tmp_path / "interrupted"
+    count_train_batches(monkeypatch, interrupt_at=4)
+    assert main([*MQAR_RUN, "--out", str(out), *every, "--keep-checkpoints", "3"]) == 130
+    capsys.readouterr()
+    assert [path.name for path in training_checkpoints(out, "record")] == [
+        "record.train0.1.pt", "record.train0.2.pt", "record.train0.pt"]
+    assert json.loads((out / "config.json").read_text())["keep_checkpoints"] == 3
+    count_train_batches(monkeypatch, interrupt_at=None)
+    _, record = _train(capsys, out, *every)
+    assert record["resumed"] == ["resumed from record.train0.pt after step 3"]
+    assert record["validation"] == straight["validation"] and record["test"] == straight["test"]
+    assert "keep_checkpoints" not in json.loads((out / "config.json").read_text())  # the default again
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "1.5"])
+def test_keep_checkpoints_below_one_is_one_line_naming_it(tmp_path, capsys, value):
+    assert main([*MQAR_RUN, "--out", str(tmp_path / "run"), "--keep-checkpoints", value]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "--keep-checkpoints" in error and "\n" not in error and not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="^keep_checkpoints: a positive integer"):
+        replace(_job(), keep_checkpoints=0)

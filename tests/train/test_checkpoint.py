@@ -100,6 +100,28 @@ def test_the_newest_k_checkpoints_are_kept(tmp_path, keep):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in files)
 
 
+def test_a_stem_names_a_rotation_of_its_own_beside_the_others(tmp_path):
+    """Task runs rotate `<key>.train<n>.pt` as run directories rotate checkpoint.pt; names that only
+    start alike (train1 / train10) or hold glob characters stay apart."""
+    for step in range(1, 5):
+        save_rotating(tmp_path, state(step), keep=3, stem="r[0].train1")
+        save_rotating(tmp_path, state(10 + step), keep=2, stem="r[0].train10")
+        save_rotating(tmp_path, state(20 + step), keep=2)
+    assert [p.name for p in checkpoint_files(tmp_path, "r[0].train1")] == [
+        "r[0].train1.pt", "r[0].train1.1.pt", "r[0].train1.2.pt"]
+    assert [load_checkpoint(p)["step"] for p in checkpoint_files(tmp_path, "r[0].train1")] == [4, 3, 2]
+    assert [load_checkpoint(p)["step"] for p in checkpoint_files(tmp_path, "r[0].train10")] == [14, 13]
+    assert [load_checkpoint(p)["step"] for p in checkpoint_files(tmp_path)] == [24, 23]
+    assert len(list(tmp_path.iterdir())) == 7  # no temporary file left
+
+
+@pytest.mark.parametrize("keep", [0, -1, True, 2.0])
+def test_keep_below_one_is_refused_before_anything_is_written(tmp_path, keep):
+    with pytest.raises(ValueError, match=f"keep must be an integer >= 1 .*got {keep!r}"):
+        save_rotating(tmp_path, state(1), keep=keep)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_newest_intact_checkpoint_is_found_and_the_corrupt_one_moved_aside(tmp_path):
     for step in (5, 10):
         save_rotating(tmp_path, state(step), keep=2)

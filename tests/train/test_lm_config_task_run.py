@@ -178,6 +178,7 @@ def test_what_the_task_path_honours_or_does_not_apply_is_accepted():
                                 "--data.meta_density", "0.2", "--train.precision", "bf16"])
     job = lm_config_job(config, "k")
     assert (job.mechanism, job.options, job.precision) == ("local", {"window": 8}, "bf16")
+    assert (job.checkpoint_every, job.keep_checkpoints, job.log_every) == (3, 1, 1)
     hybrid = lm_config_job(load_config(TINY, ["--model.attention", "[local, full]",
                                               "--model.attention_options", HYBRID_OPTIONS]), "k")
     assert (hybrid.mechanism, hybrid.options) == (["local", "full"], {"local": {"window": 8}})
@@ -198,6 +199,7 @@ CLI_REFUSED = [
     (["--task", "lm", "--evals", "2"], "argument --evals: not with --config"),
     (["--task", "lm", "--betas", "0.9", "0.95"], "use --train.beta1 and --train.beta2"),
     (["--task", "lm", "--budget=long"], "argument --budget: not with --config"),
+    (["--task", "lm", "--keep-checkpoints", "3"], "use --train.keep_checkpoints"),
     (["--task", "lm", "--out_dir", "x"], "argument --out_dir: not with --config"),
     (["--task", "lm", "--nokey", "3"], "unknown config key 'nokey'"),
 ]

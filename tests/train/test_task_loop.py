@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from routeformer.runner.jobs import cached_run
+from routeformer.train.checkpoint import load_checkpoint
 from routeformer.train.schedule import Schedule
 from routeformer.train.task_loop import (
     TaskTrainConfig,
@@ -146,8 +147,8 @@ def test_with_both_checkpoints_corrupt_the_call_starts_over(tmp_path, capsys):
 
 def test_a_crash_while_a_checkpoint_is_written_leaves_the_one_before(tmp_path, monkeypatch):
     """The checkpoint after step 4 fails part-way (its file never appears): the one after step 2
-    is still there, and the run resumes from it to the weights of one never stopped."""
-    from routeformer.train import task_loop
+    is still the newest, and the run resumes from it to the weights of one never stopped."""
+    from routeformer.train import checkpoint as checkpoints
 
     reference, reference_history, _ = _train(tmp_path / "straight", "run")
     written = []
@@ -158,17 +159,43 @@ def test_a_crash_while_a_checkpoint_is_written_leaves_the_one_before(tmp_path, m
             raise _Interrupted("killed while writing")
         return save(path, state)
 
-    save = task_loop.save_checkpoint
-    monkeypatch.setattr(task_loop, "save_checkpoint", crashing)
+    save = checkpoints.save_checkpoint
+    monkeypatch.setattr(checkpoints, "save_checkpoint", crashing)
     with pytest.raises(_Interrupted):
         _train(tmp_path / "killed", "run")
-    monkeypatch.setattr(task_loop, "save_checkpoint", save)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", save)
     assert written == [2, 4]
-    assert [path.name for path in training_checkpoints(tmp_path / "killed", "run")] == ["run.train0.1.pt"]
+    assert [path.name for path in training_checkpoints(tmp_path / "killed", "run")] == ["run.train0.pt"]
     resumed, history, calls = _train(tmp_path / "killed", "run")
     assert len(calls) == STEPS - 2 and history.evals == reference_history.evals
     for ours, theirs in zip(resumed.state_dict().values(), reference.state_dict().values(), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_keep_checkpoints_sets_how_many_rotate_and_a_resume_reaches_the_oldest(tmp_path, capsys):
+    reference, reference_history, _ = _train(tmp_path / "straight", "run")
+    three = replace(CONFIG, keep_checkpoints=3)
+    with pytest.raises(_Interrupted):
+        _train(tmp_path / "killed", "run", fail_at_call=7, config=three)  # checkpointed after 2, 4 and 6
+    saved = training_checkpoints(tmp_path / "killed", "run")
+    assert [path.name for path in saved] == ["run.train0.1.pt", "run.train0.2.pt", "run.train0.pt"]
+    assert [load_checkpoint(tmp_path / "killed" / name)["step"]
+            for name in ("run.train0.pt", "run.train0.1.pt", "run.train0.2.pt")] == [6, 4, 2]
+    _truncate(tmp_path / "killed/run.train0.pt")
+    _truncate(tmp_path / "killed/run.train0.1.pt")
+    # keep_checkpoints says how the run is kept, not what it trains: a resume may change it.
+    resumed, history, calls = _train(tmp_path / "killed", "run", config=replace(CONFIG, keep_checkpoints=1))
+    assert "resuming from run.train0.2.pt" in capsys.readouterr().err
+    assert len(calls) == STEPS - 2 and history.evals == reference_history.evals
+    for ours, theirs in zip(resumed.state_dict().values(), reference.state_dict().values(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert [path.name for path in training_checkpoints(tmp_path / "killed", "run")] == ["run.train0.pt"]
+
+
+@pytest.mark.parametrize("keep", [0, -1, True, 2.0, "2"])
+def test_keep_checkpoints_must_be_a_positive_integer(keep):
+    with pytest.raises(ValueError, match=f"keep_checkpoints: a positive integer .*got {keep!r}"):
+        replace(CONFIG, keep_checkpoints=keep)
 
 
 def test_a_non_finite_step_is_skipped(tmp_path, capsys):

@@ -137,6 +137,8 @@ def build_task_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-every", type=non_negative_int, default=0, metavar="N",
                         help="a checkpoint every N steps between the evaluations' (default 0: at "
                              "evaluations only)")
+    parser.add_argument("--keep-checkpoints", type=positive_int, default=2, metavar="K",
+                        help="the newest K training checkpoints kept while the run trains (default 2)")
     parser.add_argument("--budget", choices=("quick", "long"), default="quick",
                         help="whose setup and backbone: compare --quick's (default) or compare --long's "
                              "(its curriculum; tasks mqar, mqar_512, lm, code_lm): --budget long trains "

@@ -21,8 +21,9 @@ sees the same tokens on either device; `--betas B1 B2` sets AdamW's betas (defau
 head) and `--model.dropout P` trains with dropout P (default 0). The run directory's
 `metrics.jsonl` holds a line per evaluation and a final one (runner/run_dir.py), and with
 `--log-every N` a training line every N updates (loss, learning rate, gradient norm, throughput);
-`--checkpoint-every N` also checkpoints every N steps between the evaluations (both may change when
-the run is resumed; default 0: neither); `--logger
+`--checkpoint-every N` also checkpoints every N steps between the evaluations (default 0: neither)
+and `--keep-checkpoints K` keeps the newest K of them (default 2; all three may change when the run
+is resumed); `--logger
 tensorboard` also writes them as TensorBoard event files to `DIR/tensorboard`.
 
 `train --task lm --config FILE [--key value ...] [--out DIR]` trains, as this task run, the model
@@ -32,8 +33,8 @@ LM run reads them), except `--out`, and the config becomes its task-lm job by
 `runner.lm_config.lm_config_job`, which translates every config; the config's `train.device` is
 where the task run trains, and its `train.logger` the run directory's (`--train.logger
 tensorboard`: TensorBoard too). The task-run arguments that are not config keys (--mechanism,
---option, --evals, --budget, --mechanism-option, --betas, --log-every, --checkpoint-every) are refused
-beside --config, each naming
+--option, --evals, --budget, --mechanism-option, --betas, --log-every, --checkpoint-every,
+--keep-checkpoints) are refused beside --config, each naming
 the key that states the same; so is --out_dir (the run directory is --out). The config file's
 out_dir does not apply.
 
@@ -114,7 +115,8 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
 NOT_WITH_CONFIG = {"--mechanism": "--model.attention", "--mechanism-option": "--model.attention_options",
                    "--option": "--data.KEY", "--evals": "--train.eval_every", "--budget": None,
                    "--betas": "--train.beta1 and --train.beta2", "--out_dir": "--out", "--out-dir": "--out",
-                   "--log-every": "--train.log_every", "--checkpoint-every": "--train.checkpoint_every"}
+                   "--log-every": "--train.log_every", "--checkpoint-every": "--train.checkpoint_every",
+                   "--keep-checkpoints": "--train.keep_checkpoints"}
 
 
 def config_run_job(task: str, config: str, extra: list[str]) -> tuple[Job, str | None, str, str]:
@@ -279,7 +281,8 @@ def task_run_job(task: str, options: argparse.Namespace) -> Job:
                    _model_spec(budget.spec, options))
     betas = {} if options.betas is None else {"betas": tuple(options.betas)}
     return replace(job, precision=options.precision, log_every=options.log_every,
-                   checkpoint_every=options.checkpoint_every, **betas)
+                   checkpoint_every=options.checkpoint_every, keep_checkpoints=options.keep_checkpoints,
+                   **betas)
 
 
 MODEL_KEYS = ("dim", "depth", "heads", "mlp_ratio", "positions", "tie_embeddings", "dropout")

@@ -33,6 +33,7 @@ from routeformer.train.task_loop import (
     TRAIN_FIELD_DEFAULTS,
     TaskTrainConfig,
     check_interval,
+    check_keep,
     check_nonfinite_limit,
     check_task_precision,
     stat_names,
@@ -58,7 +59,7 @@ def cached_run(out_dir: Path, key: str, compute: Callable[[], dict[str, Any]]) -
 def cached_record(path: Path, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """`cached_run` for a record at `path` (`<stem>.json`): the stored record, or `compute()` run
     inside `resumable_training(path.parent, stem)` (checkpoints `<stem>.train<n>.pt` and the ones
-    before them, `<stem>.train<n>.1.pt`, beside it, deleted once the record is stored atomically).
+    before them, `<stem>.train<n>.1.pt`, ..., beside it, deleted once the record is stored atomically).
     Inside `train.task_loop.distributed_training` only process 0 stores the record and deletes the
     checkpoints; the others return what `compute()` returned."""
     from routeformer.train.task_loop import is_main_process, resumable_training, training_checkpoints
@@ -91,11 +92,12 @@ class Job:
     (`TaskTrainConfig.betas`: two numbers in [0, 1), default TASK_BETAS; ValueError naming it
     otherwise) and AdamW weight decay (`TaskTrainConfig.weight_decay`, on matrices only: a finite
     number >= 0, default TASK_WEIGHT_DECAY; ValueError naming it otherwise); `max_nonfinite_steps`,
-    `log_stats`, `log_every` and `checkpoint_every` are `TaskTrainConfig`'s (defaults
-    MAX_NONFINITE_STEPS, none, 0 and 0; a run directory resumed with other `log_every` or
-    `checkpoint_every` takes them). The backbone's `spec.tie_embeddings` ties the output head to the
-    embedding. `mechanism` is one registered name (every layer runs it with `options`) or a list of
-    names, one per layer, with `options` keyed by name (`train.on_task.layer_attention`)."""
+    `log_stats`, `log_every`, `checkpoint_every` and `keep_checkpoints` are `TaskTrainConfig`'s
+    (defaults MAX_NONFINITE_STEPS, none, 0, 0 and 2; a run directory resumed with other `log_every`,
+    `checkpoint_every` or `keep_checkpoints` takes them). The backbone's `spec.tie_embeddings` ties
+    the output head to the embedding. `mechanism` is one registered name (every layer runs it with
+    `options`) or a list of names, one per layer, with `options` keyed by name
+    (`train.on_task.layer_attention`)."""
 
     key: str  # file-name-safe and unique within an output directory
     task: str
@@ -112,12 +114,14 @@ class Job:
     log_stats: list[str] = field(default_factory=list)  # layer statistics each evaluation holds (attn_<key>)
     log_every: int = 0  # a training line every that many updates (0: none)
     checkpoint_every: int = 0  # a checkpoint every that many steps between evaluations (0: none)
+    keep_checkpoints: int = 2  # the newest training checkpoints kept (<key>.train<n>.pt, .1.pt, ...)
 
     def __post_init__(self) -> None:
         check_task_precision(self.precision)
         check_nonfinite_limit(self.max_nonfinite_steps)
         check_interval(self.log_every, "log_every")
         check_interval(self.checkpoint_every, "checkpoint_every")
+        check_keep(self.keep_checkpoints)
         object.__setattr__(self, "log_stats", stat_names(self.log_stats))
         object.__setattr__(self, "betas", task_betas(self.betas))
         decay = self.weight_decay
@@ -177,7 +181,7 @@ def train_job(job: Job, log: Callable[[str], None] | None = None,
                                seed=job.seed, precision=job.precision, betas=job.betas,
                                weight_decay=job.weight_decay, max_nonfinite_steps=job.max_nonfinite_steps,
                                log_stats=job.log_stats, log_every=job.log_every,
-                               checkpoint_every=job.checkpoint_every)
+                               checkpoint_every=job.checkpoint_every, keep_checkpoints=job.keep_checkpoints)
                for stage in setup.stages]
     log = log or (lambda line: say(f"  {job.key}: {line}"))
     if not setup.staged:
@@ -450,9 +454,9 @@ def job_config(job: Job) -> dict[str, Any]:
     """The job as JSON-ready data (what config.json holds; a one-stage setup as it read before setups
     had stages, `precision` only where it is not the default fp32, `betas` only where they are not
     TASK_BETAS, `weight_decay` only where it is not TASK_WEIGHT_DECAY, `max_nonfinite_steps`,
-    `log_stats`, `log_every` and `checkpoint_every` only where they are not their defaults
-    (JOB_FIELD_DEFAULTS), and the
-    backbone as `spec_dict` gives it, so earlier run directories resume)."""
+    `log_stats`, `log_every`, `checkpoint_every` and `keep_checkpoints` only where they are not
+    their defaults (JOB_FIELD_DEFAULTS), and the backbone as `spec_dict` gives it, so earlier run
+    directories resume)."""
     return without_defaults({**asdict(job), "setup": job.setup.as_dict(), "spec": spec_dict(job.spec)},
                             JOB_FIELD_DEFAULTS)
 

@@ -22,9 +22,10 @@ What is read differently, without changing the weights: a periodic evaluation re
 tokens of a window) and the test after training about `train.final_eval_tokens` tokens of its test
 split (None: every window of it), where the LM run reads its whole held-out text (the task's
 validation and test splits are the two halves of it, or a corpus's own two splits); the task run
-checkpoints at each evaluation and every `train.checkpoint_every` steps, writes a training line to
-metrics.jsonl every `train.log_every` updates, and keeps its model as a run directory
-(runner/run_dir.py), so `keep_checkpoints` and `out_dir` do not apply to it.
+checkpoints at each evaluation and every `train.checkpoint_every` steps (keeping the newest
+`train.keep_checkpoints` while it trains), writes a training line to metrics.jsonl every
+`train.log_every` updates, and keeps its model as a run directory (runner/run_dir.py), so `out_dir`
+does not apply to it.
 `train.logger` is the run directory's logger, not part of the job (`routeformer train --task lm
 --config` passes it to `runner.run_dir.run_in_directory`). `model.vocab_size` follows the tokeniser on
 both paths; `model.num_classes` and `pooling` belong to the classification head, which neither builds.
@@ -89,7 +90,7 @@ def lm_config_job(config: Any, key: str) -> Job:
                run.seed, setup, spec, precision=run.precision, betas=(run.beta1, run.beta2),
                weight_decay=run.weight_decay, max_nonfinite_steps=run.max_nonfinite_steps,
                log_stats=list(run.log_stats), log_every=run.log_every,
-               checkpoint_every=run.checkpoint_every)
+               checkpoint_every=run.checkpoint_every, keep_checkpoints=run.keep_checkpoints)
 
 
 def lm_run_as_task_run(run: Any) -> Any:

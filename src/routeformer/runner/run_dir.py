@@ -8,8 +8,8 @@ readers of `routeformer train`'s run directories, `train.checkpoint.save_task_mo
 model config, task name and options, the tokeniser of a text task; `eval`, `sample`, `export-hf`
 and `train.checkpoint.load_run_model` read it) and then `record.json` (train_on_task's record: the
 validation history, the test metrics, the parameter count). While it trains, the task loop's
-checkpoints `record.train<n>.pt` (and the one before each, `record.train<n>.1.pt`) sit beside them
-(`cached_record`, train/task_loop.py): a run that is interrupted and started again resumes after
+checkpoints `record.train<n>.pt` (and the job's `keep_checkpoints` - 1 before each, `.1.pt`, ...)
+sit beside them (`cached_record`, train/task_loop.py): a run that is interrupted and started again resumes after
 its newest intact checkpoint (its last evaluation, a `checkpoint_every` step, or the step Ctrl-C
 stopped it at) and ends with the same weights and record as one that never stopped; a finished run is read
 back, not trained again. A directory holding a run of another config is refused with the

@@ -33,6 +33,7 @@ it is unreadable.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import io
 import os
@@ -130,15 +131,16 @@ def _load_pickled(path: Path, payload: bytes) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({type(error).__name__})") from None
 
 
-def checkpoint_files(directory: str | Path) -> list[Path]:
-    """A run directory's checkpoints, newest first: checkpoint.pt, checkpoint.1.pt, ..."""
+def checkpoint_files(directory: str | Path, stem: str = "checkpoint") -> list[Path]:
+    """A run directory's checkpoints named `stem`, newest first: `<stem>.pt`, `<stem>.1.pt`, ...
+    (default: checkpoint.pt, checkpoint.1.pt, ...)."""
     directory = Path(directory)
     numbered = []
-    for path in directory.glob("checkpoint.*.pt"):
-        index = path.name[len("checkpoint."):-len(".pt")]
+    for path in directory.glob(f"{glob.escape(stem)}.*.pt"):
+        index = path.name[len(stem) + 1:-len(".pt")]
         if index.isdigit():
             numbered.append((int(index), path))
-    newest = [directory / CHECKPOINT_NAME] if (directory / CHECKPOINT_NAME).is_file() else []
+    newest = [directory / f"{stem}.pt"] if (directory / f"{stem}.pt").is_file() else []
     return newest + [path for _, path in sorted(numbered)]
 
 
@@ -173,23 +175,28 @@ def latest_checkpoint(directory: str | Path, *, report: Callable[[str], None] | 
                           f"{advice}")
 
 
-def save_rotating(directory: str | Path, state: dict[str, Any], *, keep: int) -> Path:
-    """Write `state` as the directory's newest checkpoint, keeping the `keep` newest in all.
+def save_rotating(directory: str | Path, state: dict[str, Any], *, keep: int,
+                  stem: str = "checkpoint") -> Path:
+    """Write `state` as the directory's newest checkpoint `<stem>.pt`, keeping the `keep` newest of
+    that name in all (`checkpoint_files`); returns its path.
 
     The older files shift one name down (checkpoint.pt -> checkpoint.1.pt -> ...), each by an atomic
-    rename, oldest first; a crash part-way leaves a gap in the names, never a damaged file."""
+    rename, oldest first; a crash part-way leaves a gap in the names, never a damaged file. Raises
+    ValueError unless `keep` is at least 1."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an integer >= 1 (the checkpoints kept); got {keep!r}")
     directory = Path(directory)
-    temporary = directory / "checkpoint.new.tmp"
+    temporary = directory / f"{stem}.new.tmp"
     save_checkpoint(temporary, state)  # written in full before anything older is renamed or deleted
-    existing = checkpoint_files(directory)
+    existing = checkpoint_files(directory, stem)
     kept, dropped = existing[:keep - 1], existing[keep - 1:]
     for path in dropped:
         path.unlink()
     for index in range(len(kept), 0, -1):  # from the back: no rename overwrites a kept file
-        target = directory / f"checkpoint.{index}.pt"
+        target = directory / f"{stem}.{index}.pt"
         if kept[index - 1] != target:
             os.replace(kept[index - 1], target)
-    newest = directory / CHECKPOINT_NAME
+    newest = directory / f"{stem}.pt"
     os.replace(temporary, newest)
     _sync_directory(directory)
     return newest

@@ -11,13 +11,15 @@ a later call with the same n resumes from it: an interrupted experiment re-runs 
 steps after its last checkpoint (or after the step Ctrl-C stopped it at, below), and ends with the
 same weights and history as an uninterrupted one. A finished call resumes as finished (its final
 weights loaded), so a run that trains several models in turn skips the finished ones. Outside such
-a block nothing is written. Each checkpoint keeps the one it replaces as `<key>.train<n>.1.pt`
-(`save_keeping_previous`), so a crash while one is written leaves the one before; a corrupt
-checkpoint is reported and moved aside (`.corrupt`) and the call resumes from the previous one, or
-starts over without one. Ctrl-C stops such a call at the next step boundary and saves its checkpoint there
-(train/interrupts.py: a second Ctrl-C stops at once, keeping the last one), so the resumed run
-repeats no step and still ends as one never interrupted; the KeyboardInterrupt propagates after the
-save.
+a block nothing is written. The checkpoints rotate as a run directory's do
+(`train.checkpoint.save_rotating`): the newest `TaskTrainConfig.keep_checkpoints` stay
+(`<key>.train<n>.pt`, then `.1.pt`, `.2.pt`, ...; default 2), and each is written in full before
+an older one is renamed or deleted, so a crash while one is written leaves the ones before; a
+corrupt checkpoint is reported and moved aside (`.corrupt`) and the call resumes from the next
+older one, or starts over without one. Ctrl-C stops such a call at the next step boundary and saves
+its checkpoint there (train/interrupts.py: a second Ctrl-C stops at once, keeping the last one), so
+the resumed run repeats no step and still ends as one never interrupted; the KeyboardInterrupt
+propagates after the save.
 
 A step with a non-finite loss or gradient is skipped; `TaskTrainConfig.max_nonfinite_steps`
 (default MAX_NONFINITE_STEPS) in a row stop the run (train/guard.py).
@@ -56,7 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from routeformer.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from routeformer.train.checkpoint import CheckpointError, checkpoint_files, load_checkpoint, save_rotating
 from routeformer.train.distributed import (
     DistributedContext,
     any_rank,
@@ -97,6 +99,13 @@ def check_interval(steps: Any, argument: str) -> None:
         raise ValueError(f"{argument}: an integer >= 0 (steps between two; 0: none); got {steps!r}")
 
 
+def check_keep(count: Any, argument: str = "keep_checkpoints") -> None:
+    """Raise ValueError naming `argument` unless `count` is a positive integer."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"{argument}: a positive integer (the newest checkpoints a run keeps); "
+                         f"got {count!r}")
+
+
 def stat_names(names: Any, argument: str = "log_stats") -> list[str]:
     """`names` (a list or tuple of strings) as a list; ValueError naming `argument` otherwise."""
     if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) and name for name in names):
@@ -129,14 +138,15 @@ class TaskTrainConfig:
     floats), `max_nonfinite_steps`, the non-finite steps in a row that stop the run (default
     MAX_NONFINITE_STEPS), and `log_stats`: per-layer statistics of the training step (keys of the
     layers' `stats`, e.g. "routing_recall") each evaluation record holds as `attn_<key>`, the mean
-    over the layers that report it (default none). Two settings say how the run is watched, not what it
-    trains (a resumed run may change them): `log_every`, a training line every that many updates
+    over the layers that report it (default none). Three settings say how the run is watched, not what
+    it trains (a resumed run may change them): `log_every`, a training line every that many updates
     and at the last (step, loss, aux_loss, lr, grad_norm, tokens_per_s, peak_mem_mib and the
-    `log_stats`, handed to the `evaluations_to` listener; default 0: none), and `checkpoint_every`,
+    `log_stats`, handed to the `evaluations_to` listener; default 0: none), `checkpoint_every`,
     a checkpoint every that many steps between the evaluations' (inside `resumable_training`;
-    default 0: at evaluations only).
-    ValueError naming `precision`, `betas`, `max_nonfinite_steps`, `log_stats`, `log_every` or
-    `checkpoint_every` for a bad value."""
+    default 0: at evaluations only), and `keep_checkpoints`, the newest checkpoints kept (default 2:
+    `<key>.train<n>.pt` and the one before, `.1.pt`).
+    ValueError naming `precision`, `betas`, `max_nonfinite_steps`, `log_stats`, `log_every`,
+    `checkpoint_every` or `keep_checkpoints` for a bad value."""
     schedule: Schedule = Schedule(steps=1000, batch_size=32, lr=1e-3, warmup_steps=50)
     weight_decay: float = 0.1
     eval_every: int = 100
@@ -147,6 +157,7 @@ class TaskTrainConfig:
     log_stats: list[str] = field(default_factory=list)
     log_every: int = 0
     checkpoint_every: int = 0
+    keep_checkpoints: int = 2
 
     def __post_init__(self) -> None:
         check_task_precision(self.precision)
@@ -155,15 +166,16 @@ class TaskTrainConfig:
         self.log_stats = stat_names(self.log_stats)
         check_interval(self.log_every, "log_every")
         check_interval(self.checkpoint_every, "checkpoint_every")
+        check_keep(self.keep_checkpoints)
 
 
 # TaskTrainConfig fields added after checkpoints and records were first written, with their defaults:
 # a reader fills them in where a saved config lacks them (`with_defaults`)
 TRAIN_FIELD_DEFAULTS: dict[str, Any] = {"precision": TASK_PRECISIONS[0], "betas": TASK_BETAS,
                                         "max_nonfinite_steps": MAX_NONFINITE_STEPS, "log_stats": [],
-                                        "log_every": 0, "checkpoint_every": 0}
+                                        "log_every": 0, "checkpoint_every": 0, "keep_checkpoints": 2}
 # TaskTrainConfig fields that say how a run is watched, not what it trains: a resumed run may change them
-WATCH_FIELDS = ("log_every", "checkpoint_every")
+WATCH_FIELDS = ("log_every", "checkpoint_every", "keep_checkpoints")
 
 
 def json_form(value: Any) -> Any:
@@ -185,8 +197,8 @@ def with_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> dict[str, A
 
 def train_config_dict(config: TaskTrainConfig) -> dict[str, Any]:
     """`config` as a run's record holds it: its fields, but `betas`, `max_nonfinite_steps`,
-    `log_stats`, `log_every` and `checkpoint_every` only where they are not their defaults (so the
-    record of a run with the defaults reads as before the fields existed)."""
+    `log_stats`, `log_every`, `checkpoint_every` and `keep_checkpoints` only where they are not their
+    defaults (so the record of a run with the defaults reads as before the fields existed)."""
     return without_defaults(asdict(config), {key: value for key, value in TRAIN_FIELD_DEFAULTS.items()
                                              if key != "precision"})
 
@@ -296,26 +308,19 @@ def training_checkpoints(directory: str | Path, key: str) -> list[Path]:
     return sorted(Path(directory).glob(f"{glob.escape(key)}.train*.pt"))
 
 
-def previous_checkpoint(path: Path) -> Path:
-    """Where the checkpoint `path` (`<key>.train<n>.pt`) keeps the one it replaced: `<key>.train<n>.1.pt`."""
-    return path.with_name(f"{path.stem}.1{path.suffix}")
-
-
-def save_keeping_previous(path: Path, state: dict[str, Any]) -> None:
-    """Save `state` as the checkpoint `path` (atomically), the one there before kept as its
-    `previous_checkpoint`: a crash at any moment leaves an intact checkpoint to resume from."""
-    if path.exists():
-        os.replace(path, previous_checkpoint(path))
-    save_checkpoint(path, state)
+def _save(path: Path, state: dict[str, Any], config: TaskTrainConfig) -> None:
+    """Save `state` as the checkpoint `path` (`<key>.train<n>.pt`), keeping `config.keep_checkpoints`."""
+    save_rotating(path.parent, state, keep=config.keep_checkpoints, stem=path.stem)
 
 
 def _resume_intact(path: Path, config: TaskTrainConfig, driver: Driver, log: Callable[[str], None] | None,
                    say: Callable[[str], None], is_main: bool) -> TaskHistory | None:
-    """The history of the newest intact checkpoint of `path` and its `previous_checkpoint`, its state
-    restored into `driver` (`_resume`); None when neither is there intact. A corrupt one is reported
-    and moved aside (`.corrupt`, by process 0) and the previous tried; without one the call starts
+    """The history of the newest intact checkpoint of `path` and the older ones kept beside it
+    (`checkpoint_files(path.parent, path.stem)`: `<key>.train<n>.pt`, `.1.pt`, ...), its state
+    restored into `driver` (`_resume`); None when none is there intact. A corrupt one is reported
+    and moved aside (`.corrupt`, by process 0) and the next older tried; without one the call starts
     over."""
-    candidates = [candidate for candidate in (path, previous_checkpoint(path)) if candidate.exists()]
+    candidates = checkpoint_files(path.parent, path.stem)
     for index, candidate in enumerate(candidates):
         try:
             history = _resume(candidate, config, driver)
@@ -466,7 +471,7 @@ def train_task(
                 if rank_states is not None:  # process 0's own state as it stands after evaluating
                     saved["rng"]["ranks"] = [rank_rng_state(device), *rank_states[1:]]
                 with interrupts.critical():
-                    save_keeping_previous(checkpoint, saved)
+                    _save(checkpoint, saved, config)
         began = time.perf_counter()
 
     def save_now(step: int) -> None:
@@ -476,7 +481,7 @@ def train_task(
             saved = driver.capture(step, config=asdict(config), history=asdict(history))
             if rank_states is not None:
                 saved["rng"]["ranks"] = rank_states
-            save_keeping_previous(checkpoint, saved)
+            _save(checkpoint, saved, config)
 
     def save_at_boundary() -> None:
         """The checkpoint of a run stopped by Ctrl-C at a step boundary (every process joins)."""
