@@ -307,7 +307,7 @@ def test_model_and_mechanism_overrides_reach_the_job():
 @pytest.mark.parametrize("arguments, message", [
     (["--mechanism", "topk", "--mechanism-option", "nope=3"], r"--mechanism-option: .*'topk'.*got 'nope=3'"),
     (["--mechanism-option", "window"], r"--mechanism-option: expected KEY=VALUE"),
-    (["--model.heads", "3"], r"--model.heads: must divide --model.dim 64; got 3"),
+    (["--model.heads", "3"], r"--model.heads: must divide model.dim 64; got 3"),
     (["--model.positions", "abs"], r"--model.positions: one of \['learned', 'rotary', 'none'\]; got 'abs'"),
     (["--model.dim", "0"], r"--model.dim: must be an integer >= 1"),
 ])

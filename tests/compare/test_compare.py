@@ -152,3 +152,43 @@ def test_compare_refuses_a_device_torch_does_not_know_before_writing(tmp_path):
     with pytest.raises(ValueError, match=r"^device: a torch device such as 'cpu' or 'cuda:0'; got 'gpu0'$"):
         run_compare(out, mechanisms=["full"], tasks=["mqar"], budget=toy_budget(), workers=1, device="gpu0")
     assert not out.exists()
+
+
+def test_model_overrides_train_their_own_runs_beside_the_budgets(tmp_path):
+    out = tmp_path / "compare"
+    plain = run_compare(out, mechanisms=["full"], tasks=["mqar"], budget=toy_budget(), workers=1, bench=False)
+    assert "--model" not in plain.read_text()
+    report = run_compare(out, mechanisms=["full"], tasks=["mqar"], budget=toy_budget(), workers=1,
+                         bench=False, model={"dim": 8, "depth": 2})
+    records = {path.stem: json.loads(path.read_text())
+               for path in (out / "runs").glob("toy*-mqar-full-seed*.json")}
+    assert sorted(records) == ["toy-depth2-dim8-mqar-full-seed0", "toy-depth2-dim8-mqar-full-seed1",
+                               "toy-mqar-full-seed0", "toy-mqar-full-seed1"]
+    assert records["toy-depth2-dim8-mqar-full-seed0"]["model"] == {"dim": 8, "depth": 2, "heads": 2,
+                                                                  "mlp_ratio": 2.0, "positions": "learned"}
+    assert records["toy-mqar-full-seed0"]["model"]["dim"] == 16
+    text = report.read_text()
+    assert "--model.dim 8 --model.depth 2" in text and "D=8" in text
+    # A change that leaves the backbone as it is names nothing new.
+    assert budgets.with_backbone(toy_budget(), {"dim": 16}).name == "toy"
+
+
+@pytest.mark.parametrize("model, message", [
+    ({"width": 8}, r"^model.width: not a backbone field; the fields are \['dim'"),
+    ({"heads": 3}, r"^model.heads: must divide model.dim 16; got 3$"),
+    ({"positions": "abs"}, r"^model.positions: one of \['learned', 'rotary', 'none'\]; got 'abs'$"),
+    ({"dropout": 1.5}, r"^dropout: a number in \[0, 1\); got 1.5$"),
+])
+def test_a_bad_model_override_is_refused_before_anything_is_written(tmp_path, model, message):
+    out = tmp_path / "compare"
+    with pytest.raises(ValueError, match=message):
+        run_compare(out, mechanisms=["full"], tasks=["mqar"], budget=toy_budget(), workers=1, model=model)
+    assert not out.exists()
+
+
+def test_compare_takes_model_overrides_on_its_command_line(tmp_path, capsys):
+    assert main(["compare", "--quick", "--model.heads", "3", "--out", str(tmp_path / "c")]) == 2
+    assert "model.heads: must divide model.dim 64; got 3" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+    assert main(["compare", "--model.dim", "0", "--out", str(tmp_path / "c")]) == 2
+    assert "--model.dim" in capsys.readouterr().err and not (tmp_path / "c").exists()

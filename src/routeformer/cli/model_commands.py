@@ -13,17 +13,19 @@ from routeformer.cli.exit_status import EXIT_INTERRUPTED
 
 
 def command_compare(args: argparse.Namespace) -> int:
-    from routeformer.cli.task_train import available_device
+    from routeformer.cli.task_train import available_device, model_changes
     from routeformer.compare.run import run_compare
 
     args.device = available_device(args.device, "argument --device")
+    args.model = model_changes(args)
     try:
         if args.long:
             report = _compare_long(args)
         else:
             report = run_compare(args.out or "runs/compare", mechanisms=args.mechanisms, tasks=args.tasks,
                                  quick=args.quick, corpus=args.corpus or "pydoc", bench=not args.no_bench,
-                                 seeds=args.seeds, workers=args.workers, device=args.device)
+                                 seeds=args.seeds, workers=args.workers, device=args.device,
+                                 model=args.model)
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume", file=sys.stderr)
         return 130
@@ -36,7 +38,7 @@ def command_compare(args: argparse.Namespace) -> int:
 def _compare_long(args: argparse.Namespace):
     """`compare --long`: compare's LONG budget (compare/budgets.py)."""
     from routeformer.compare.budgets import LONG, check_long_selection
-    from routeformer.compare.run import run_compare
+    from routeformer.compare.run import model_arguments, run_compare
 
     if args.quick:
         raise ValueError("--quick and --long: choose one budget")
@@ -50,10 +52,11 @@ def _compare_long(args: argparse.Namespace):
         f" --mechanisms {' '.join(args.mechanisms)}" if args.mechanisms else "",
         f" --seeds {args.seeds}" if args.seeds is not None else "",
         f" --corpus {args.corpus}" if args.corpus else "",
-        f" --device {args.device}" if args.device != "cpu" else ""])
+        f" --device {args.device}" if args.device != "cpu" else "", model_arguments(args.model)])
     out = args.out or "runs/compare-long"
     return run_compare(out, mechanisms=mechanisms, tasks=tasks, budget=LONG, seeds=args.seeds,
-                       workers=args.workers, corpus=args.corpus, command=command, device=args.device)
+                       workers=args.workers, corpus=args.corpus, command=command, device=args.device,
+                       model=args.model)
 
 
 def command_train(args: argparse.Namespace, overrides: list[str]) -> int:

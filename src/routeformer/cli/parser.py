@@ -111,6 +111,26 @@ def key_values(items: list[str], argument: str, accepted: Iterable[str] | None =
     return chosen
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The backbone overrides `--model.KEY VALUE` (KEY: a field of `train.on_task.ModelSpec`; each
+    lands in `model_KEY`, None when not given) of every command that trains on a budget's backbone:
+    `train --task` and `compare`."""
+    parser.add_argument("--model.dim", dest="model_dim", type=positive_int, default=None,
+                        help="backbone width (default: the budget's backbone)")
+    parser.add_argument("--model.depth", dest="model_depth", type=positive_int, default=None)
+    parser.add_argument("--model.heads", dest="model_heads", type=positive_int, default=None)
+    parser.add_argument("--model.mlp_ratio", dest="model_mlp_ratio", type=positive_float, default=None)
+    parser.add_argument("--model.positions", dest="model_positions", default=None,
+                        help="learned, rotary or none")
+    parser.add_argument("--model.tie_embeddings", dest="model_tie_embeddings", type=boolean, default=None,
+                        metavar="true|false",
+                        help="true: the output head shares the token embedding's weight (default: the "
+                             "budget's backbone, a separate head)")
+    parser.add_argument("--model.dropout", dest="model_dropout", type=unit_float, default=None,
+                        help="dropout after each block and on the embeddings while training, in [0, 1) "
+                             "(default: the budget's backbone, none)")
+
+
 DEVICES = ("cpu", "cuda", "auto")  # where a task run trains: --device, --spec's --device, train.device
 
 
@@ -146,20 +166,7 @@ def build_task_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mechanism-option", action="append", default=[], metavar="KEY=VALUE",
                         help="an option of the attention layer (repeatable; routeformer list names them), "
                              "over the budget's options for the mechanism")
-    parser.add_argument("--model.dim", dest="model_dim", type=positive_int, default=None,
-                        help="backbone width (default: the budget's backbone)")
-    parser.add_argument("--model.depth", dest="model_depth", type=positive_int, default=None)
-    parser.add_argument("--model.heads", dest="model_heads", type=positive_int, default=None)
-    parser.add_argument("--model.mlp_ratio", dest="model_mlp_ratio", type=positive_float, default=None)
-    parser.add_argument("--model.positions", dest="model_positions", default=None,
-                        help="learned, rotary or none")
-    parser.add_argument("--model.tie_embeddings", dest="model_tie_embeddings", type=boolean, default=None,
-                        metavar="true|false",
-                        help="true: the output head shares the token embedding's weight (default: the "
-                             "budget's backbone, a separate head)")
-    parser.add_argument("--model.dropout", dest="model_dropout", type=unit_float, default=None,
-                        help="dropout after each block and on the embeddings while training, in [0, 1) "
-                             "(default: the budget's backbone, none)")
+    add_model_arguments(parser)
     parser.add_argument("--betas", type=unit_float, nargs=2, default=None, metavar=("B1", "B2"),
                         help="AdamW's betas, each in [0, 1) (default: 0.9 0.999)")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
@@ -225,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--device", choices=DEVICES, default="cpu",
                          help="where every run trains and is evaluated: cpu (default), cuda or auto (cuda "
                               "when available); the costs are measured on the CPU either way")
+    add_model_arguments(compare)
 
     train = commands.add_parser(
         "train", help="train a character-level language model, or a model on any task (--task)",

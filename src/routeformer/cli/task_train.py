@@ -288,19 +288,20 @@ def task_run_job(task: str, options: argparse.Namespace) -> Job:
 MODEL_KEYS = ("dim", "depth", "heads", "mlp_ratio", "positions", "tie_embeddings", "dropout")
 
 
+def model_changes(options: argparse.Namespace) -> dict[str, Any]:
+    """The backbone fields the line's --model.KEY arguments set (`parser.add_model_arguments`)."""
+    return {key: getattr(options, f"model_{key}") for key in MODEL_KEYS
+            if getattr(options, f"model_{key}") is not None}
+
+
 def _model_spec(spec, options: argparse.Namespace):
     """The budget's backbone with the --model.KEY overrides (ValueError naming a bad one)."""
-    from routeformer.models.config import POSITION_KINDS
+    from routeformer.train.on_task import spec_with
 
-    changes = {key: getattr(options, f"model_{key}") for key in MODEL_KEYS
-               if getattr(options, f"model_{key}") is not None}
-    if changes.get("positions", POSITION_KINDS[0]) not in POSITION_KINDS:
-        raise ValueError(f"argument --model.positions: one of {list(POSITION_KINDS)}; "
-                         f"got {changes['positions']!r}")
-    spec = replace(spec, **changes)
-    if spec.dim % spec.heads:
-        raise ValueError(f"argument --model.heads: must divide --model.dim {spec.dim}; got {spec.heads}")
-    return spec
+    try:
+        return spec_with(spec, model_changes(options))
+    except ValueError as error:
+        raise ValueError(f"argument --{error}") from None
 
 
 def _mechanism_options(mechanism: str, items: list[str]) -> dict[str, Any]:

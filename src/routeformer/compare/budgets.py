@@ -26,12 +26,12 @@ local window covers the whole sequence.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from routeformer.runner.jobs import Job
 from routeformer.runner.setups import Stage, TaskSetup
-from routeformer.train.on_task import ModelSpec, spec_dict
+from routeformer.train.on_task import ModelSpec, spec_dict, spec_with
 from routeformer.train.schedule import Schedule
 
 TASKS = ("lm", "mqar", "listops")
@@ -313,6 +313,17 @@ def check_selection(
     if not mechanisms or not tasks:
         raise ValueError("mechanisms and tasks must each name at least one")
     return mechanisms, tasks
+
+
+def with_backbone(budget: CompareBudget, changes: dict[str, Any]) -> CompareBudget:
+    """`budget` with the backbone fields `changes` names set (`train.on_task.spec_with`: `{"dim": 32}`)
+    and, where that changes the backbone, a name that says how (`quick-dim32-depth1`: its runs,
+    floors and costs are stored under keys of their own, beside those of the budget's backbone).
+    Raises ValueError as `spec_with` does."""
+    spec = spec_with(budget.spec, changes)
+    tag = "-".join(f"{key}{getattr(spec, key)}" for key in sorted(changes)
+                   if getattr(spec, key) != getattr(budget.spec, key))
+    return replace(budget, spec=spec, name=f"{budget.name}-{tag}") if tag else budget
 
 
 def default_corpus() -> str:

@@ -35,6 +35,7 @@ from routeformer.compare.budgets import (
     default_corpus,
     lm_only,
     task_job,
+    with_backbone,
 )
 from routeformer.compare.costs import task_costs
 from routeformer.compare.report import task_floor, write_compare_report
@@ -63,6 +64,12 @@ def compare_jobs(tasks: list[str], mechanisms: list[str], budget: CompareBudget,
     return jobs
 
 
+def model_arguments(model: dict[str, Any]) -> str:
+    """The `--model.KEY VALUE` arguments that state `model` on compare's command line ("" for none)."""
+    return "".join(f" --model.{key} {str(value).lower() if isinstance(value, bool) else value}"
+                   for key, value in model.items())
+
+
 def task_floors(out: Path, budget: CompareBudget, task: str, setup: Any) -> dict[int, dict[str, Any]]:
     """The task's chance level and shortcut rules (`task_floor`), by length: at T (key
     `{budget}-{task}-floor`); a staged setup at T and every evaluation multiple (`...-floor-{length}`,
@@ -80,18 +87,21 @@ def run_compare(
     out_dir: str | Path = "runs/compare", *, mechanisms: Sequence[str] | None = None,
     tasks: Sequence[str] | None = None, quick: bool = False, corpus: str | None = None, bench: bool = True,
     budget: CompareBudget | None = None, seeds: int | None = None, workers: int = 2,
-    command: str | None = None, device: str = "cpu",
+    command: str | None = None, device: str = "cpu", model: dict[str, Any] | None = None,
 ) -> Path:
     """Run the comparison described in the module docstring; returns the report's path.
     `budget` overrides the QUICK / FULL presets (LONG, or a toy one in tests); `seeds` overrides its
     seeds; `corpus` the LM's (None: the budget's); `command`, the command the report names (None:
     the `routeformer compare` these arguments make); `device`, the torch device every run trains on
     (`runner.jobs.run_jobs`; default "cpu"; the costs are measured on the CPU either way), named in
-    the report's command (and so in result.json's invocations) when it is not the CPU.
+    the report's command (and so in result.json's invocations) when it is not the CPU; `model`, the
+    backbone fields to change (`{"dim": 32}`: `budgets.with_backbone`, whose runs are stored under
+    keys of their own), named in the report's command as `--model.KEY VALUE`.
 
     Raises ValueError naming `device` as `run_jobs` does (before training: unknown to torch, or
-    `out_dir` holding runs trained on another kind of device)."""
-    budget = budget or (QUICK if quick else FULL)
+    `out_dir` holding runs trained on another kind of device), and naming a bad `model` field as
+    `train.on_task.spec_with` does (before anything is written)."""
+    budget = with_backbone(budget or (QUICK if quick else FULL), model or {})
     if seeds is not None:
         if not isinstance(seeds, int) or seeds < 1:
             raise ValueError(f"seeds must be a positive integer; got {seeds!r}")
@@ -141,7 +151,8 @@ def run_compare(
         f" --mechanisms {' '.join(mechanisms)}" if mechanisms != default_mechanisms else "",
         f" --seeds {budget.seeds}" if seeds is not None else "",
         f" --corpus {corpus}" if corpus != "pydoc" else "", "" if bench else " --no-bench",
-        f" --device {device}" if device != "cpu" else ""])
+        f" --device {device}" if device != "cpu" else "",
+        model_arguments(model or {})])
     return write_compare_report(out, by_task, floors, costs, bench_rows, budget, command, setups=setups,
                                 elapsed=time.perf_counter() - began, workers=workers, failed=failed,
                                 bench_from_earlier=kept_bench)

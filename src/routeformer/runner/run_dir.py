@@ -9,13 +9,14 @@ model config, task name and options, the tokeniser of a text task; `eval`, `samp
 and `train.checkpoint.load_run_model` read it) and then `record.json` (train_on_task's record: the
 validation history, the test metrics, the parameter count). While it trains, the task loop's
 checkpoints `record.train<n>.pt` (and the job's `keep_checkpoints` - 1 before each, `.1.pt`, ...)
-sit beside them (`cached_record`, train/task_loop.py): a run that is interrupted and started again resumes after
-its newest intact checkpoint (its last evaluation, a `checkpoint_every` step, or the step Ctrl-C
-stopped it at) and ends with the same weights and record as one that never stopped; a finished run is read
-back, not trained again. A directory holding a run of another config is refused with the
-differences named (`fresh` starts over); the job's `log_every` and `checkpoint_every` may change
-(config.json then holds the new ones). Nothing is written before the job's task builds with its
-options: a refused option leaves the directory as it was.
+sit beside them (`cached_record`, train/task_loop.py): a run that is interrupted and started again
+resumes after its newest intact checkpoint (its last evaluation, a `checkpoint_every` step, or the
+step Ctrl-C stopped it at) and ends with the same weights and record as one that never stopped; a
+finished run is read back, not trained again. A directory holding a run of another config is
+refused with the differences named (`fresh` starts over); the job's `log_every`,
+`checkpoint_every` and `keep_checkpoints` may change (config.json then holds the new ones).
+Nothing is written before the job's task builds with its options: a refused option leaves the
+directory as it was.
 
 While it trains, the run keeps `metrics.jsonl` (train/logging.py's `RunLog`, the LM run's log), one
 JSON object a line: one per validation evaluation as it is made, `{"step": N, "train_loss": ...,

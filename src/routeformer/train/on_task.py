@@ -71,6 +71,28 @@ class ModelSpec:
             raise ValueError(f"max_seq_len: an integer >= 0 (0: the task's seq_len); got {rows!r}")
 
 
+def spec_with(spec: ModelSpec, changes: dict[str, Any]) -> ModelSpec:
+    """`spec` with the fields `changes` names set to their values (`{"dim": 32, "depth": 1}`).
+
+    Raises ValueError naming `model.KEY` for a key that is no ModelSpec field, a `positions` outside
+    models.config.POSITION_KINDS, `heads` that do not divide `dim`; otherwise as ModelSpec refuses a
+    value."""
+    from dataclasses import fields, replace
+
+    from routeformer.models.config import POSITION_KINDS
+
+    names = [field.name for field in fields(ModelSpec)]
+    for key in changes:
+        if key not in names:
+            raise ValueError(f"model.{key}: not a backbone field; the fields are {names}")
+    if changes.get("positions", POSITION_KINDS[0]) not in POSITION_KINDS:
+        raise ValueError(f"model.positions: one of {list(POSITION_KINDS)}; got {changes['positions']!r}")
+    changed = replace(spec, **changes)
+    if changed.dim % changed.heads:
+        raise ValueError(f"model.heads: must divide model.dim {changed.dim}; got {changed.heads}")
+    return changed
+
+
 # ModelSpec fields added after records were first written, with their defaults: `spec_dict` leaves a
 # field out while it has its default, so the saved form of a spec that does not use it is unchanged
 SPEC_DEFAULTS: dict[str, Any] = {"tie_embeddings": False, "dropout": 0.0, "max_seq_len": 0,
