@@ -4,12 +4,15 @@ trains on one thread, in a worker or in the calling process, so its record does 
 number of workers."""
 
 import multiprocessing
+import re
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from routeformer.runner.jobs import Job, TaskSetup, run_jobs
+from routeformer.train.on_task import ModelSpec
 from routeformer.train.schedule import Schedule
 
 
@@ -93,3 +96,19 @@ def test_a_device_torch_does_not_know_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"^device: a torch device such as 'cpu' or 'cuda:0'; got 'gpu0'$"):
         run_jobs(tmp_path, tiny_jobs(1), workers=1, progress=lambda line: None, device="gpu0")
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"mechanism": "local", "options": {"window": 4}}, "mechanism 'full', this job 'local'"),
+    ({"spec": ModelSpec(dim=32)}, "model {'dim': 64"),
+    ({"options": {"block": 8}}, "options {}, this job {'block': 8}"),
+])
+def test_a_stored_record_of_another_run_under_the_same_key_is_refused(tmp_path, change, named):
+    """A record is read back only as the run of its job: another mechanism, layer options or backbone
+    under the same key (another budget in the same directory) is refused, never reported as this."""
+    job, = tiny_jobs(1)
+    first = run_jobs(tmp_path, [job], workers=1, progress=lambda line: None)
+    assert run_jobs(tmp_path, [job], workers=1, progress=lambda line: None) == first  # read back
+    with pytest.raises(ValueError, match=r"mqar-full-s0.json' holds another run under this job's key \(.*"
+                       + re.escape(named)):
+        run_jobs(tmp_path, [replace(job, **change)], workers=1, progress=lambda line: None)

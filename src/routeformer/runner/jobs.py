@@ -36,6 +36,7 @@ from routeformer.train.task_loop import (
     check_keep,
     check_nonfinite_limit,
     check_task_precision,
+    json_form,
     stat_names,
     task_betas,
     without_defaults,
@@ -333,7 +334,8 @@ def _run_one(out: Path, job: Any, threads: int | None,
 def run_jobs(out: Path, jobs: list[Job] | list[Call], workers: int, progress: Callable[[str], None],
              timeout_s: float | None = None, train: Callable[[Any], dict[str, Any]] | None = None,
              keep_models: bool = False, device: str = "cpu") -> dict[str, dict]:
-    """Every job's record, by key. Finished jobs are read from `out/runs/`; the others run in
+    """Every job's record, by key. Finished jobs are read from `out/runs/` (a `Job`'s only when the
+    record is a run of it: `check_stored`, ValueError otherwise); the others run in
     `workers` spawned processes (or in this one when workers == 1), each job on one thread (so a
     record does not depend on `workers`).
 
@@ -372,6 +374,8 @@ def run_jobs(out: Path, jobs: list[Job] | list[Call], workers: int, progress: Ca
             if "error" not in record and device_kind(record.get("device", "cpu")) != kind:
                 raise ValueError(f"device: {str(stored)!r} was trained on {record.get('device', 'cpu')}, "
                                  f"this sweep trains on {device}; use another output directory")
+            if isinstance(job, Job):
+                check_stored(stored, record, job)
             note(job.key, record)
         else:
             pending.append(job)
@@ -411,6 +415,19 @@ def run_jobs(out: Path, jobs: list[Job] | list[Call], workers: int, progress: Ca
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     return records
+
+
+def check_stored(path: Path, record: dict[str, Any], job: Job) -> None:
+    """ValueError naming `path` and what differs unless the stored `record` is a run of `job`: the same
+    mechanism, layer options, seed and backbone (`spec_dict`), those of them the record holds (a
+    record of the same key from another budget or backbone must not stand in for this job's run)."""
+    expected = json_form({"mechanism": job.mechanism, "options": job.options, "seed": job.seed,
+                          "model": spec_dict(job.spec)})
+    differs = [f"{name} {record[name]!r}, this job {value!r}" for name, value in expected.items()
+               if name in record and json_form(record[name]) != value]
+    if differs:
+        raise ValueError(f"{str(path)!r} holds another run under this job's key ({'; '.join(differs)}); "
+                         "delete it or use another output directory")
 
 
 def finished_records(records: dict[str, dict[str, Any]], experiment: str) -> dict[str, dict[str, Any]]:
