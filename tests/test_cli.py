@@ -230,3 +230,15 @@ def test_a_bad_override_in_a_subprocess_gives_no_traceback():
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == ("routeformer: error: model.attention_options must be a mapping like "
                              "{local: {window: 64}}; got 5\n")
+
+
+def test_an_lm_run_takes_out_as_every_training_command_does(tmp_path, capsys):
+    for argument in (["--out", str(tmp_path / "a")], [f"--out={tmp_path / 'b'}"]):
+        assert main(["train", "--config", "tiny", *argument, "--steps", "2"]) == 0
+    assert (tmp_path / "a" / "checkpoint.pt").is_file() and (tmp_path / "b" / "checkpoint.pt").is_file()
+    capsys.readouterr()
+    assert main(["train", "--config", "tiny", "--out", str(tmp_path / "c"), "--out_dir", str(tmp_path / "d"),
+                 "--steps", "2"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.endswith("argument --out: the run directory, the same as --out_dir; give one of them")
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()

@@ -68,7 +68,7 @@ def command_train(args: argparse.Namespace, overrides: list[str]) -> int:
         from routeformer.cli.task_train import command_train_task
 
         return command_train_task(args, overrides)
-    config = load_config(resolve_config(args.config or DEFAULT_CONFIG), overrides)
+    config = load_config(resolve_config(args.config or DEFAULT_CONFIG), out_as_out_dir(overrides))
     try:
         result = train(config, resume=not args.fresh)
     except RunInterrupted as interrupted:  # one line saying what was saved (rank 0 of torchrun only)
@@ -84,6 +84,16 @@ def command_train(args: argparse.Namespace, overrides: list[str]) -> int:
         print(json.dumps({"out_dir": str(result.out_dir), "steps": result.step,
                           "train_seconds": round(result.train_seconds, 1), **skipped, **result.final_eval}))
     return 0
+
+
+def out_as_out_dir(overrides: list[str]) -> list[str]:
+    """An LM run's overrides with `--out DIR` (`--out=DIR`), the run directory of every other command
+    that trains, read as the config key `--out_dir DIR`. ValueError when both are given."""
+    names = [argument.partition("=")[0] for argument in overrides]
+    if "--out" in names and "--out_dir" in names:
+        raise ValueError("argument --out: the run directory, the same as --out_dir; give one of them")
+    return [f"--out_dir{argument[len('--out'):]}" if argument.partition("=")[0] == "--out" else argument
+            for argument in overrides]
 
 
 def usable_checkpoint(target: str):

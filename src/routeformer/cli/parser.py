@@ -238,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train a character-level language model, or a model on any task (--task)",
         description="Train a char-level LM. Extra --key value pairs override the config "
                     "(dotted, e.g. --model.attention local, or bare when unambiguous, e.g. --steps 100). "
-                    "A run whose out_dir holds a checkpoint resumes from it. With --task NAME: train on a "
+                    "The run directory is --out DIR (the config's out_dir); one that holds a checkpoint "
+                    "resumes from it. With --task NAME: train on a "
                     "registered task through compare's run path (below). With --task lm --config FILE: "
                     "that config's model (the same weights as without --task), as a task run in --out; "
                     "the line's --key value pairs are the config's overrides, not the options below.")
