@@ -11,7 +11,8 @@ import routeformer
 PUBLIC = {"build_attention", "list_attentions", "register_attention", "AttentionLayer", "AttentionOutput",
           "ModelConfig", "CausalLM", "SequenceClassifier", "TokenPredictor", "ViT", "build_task",
           "list_tasks", "Task", "train", "load_config", "RunConfig", "load_checkpoint", "load_trained_model",
-          "sparsify", "convert_on_task"}
+          "sparsify", "convert_on_task", "Job", "TaskSetup", "ModelSpec", "Schedule", "run_in_directory",
+          "load_spec", "load_run_model"}
 
 
 def test_the_public_names_are_exported_and_documented():
@@ -47,3 +48,17 @@ def test_importing_routeformer_prints_nothing():
     finished = subprocess.run([sys.executable, "-c", "import routeformer"], capture_output=True, text=True,
                               timeout=120)
     assert finished.returncode == 0 and finished.stdout == "" and finished.stderr == "", finished.stderr
+
+
+def test_a_task_run_trains_resumes_and_loads_through_the_public_names(tmp_path):
+    rf = routeformer
+    setup = rf.TaskSetup({}, rf.Schedule(steps=2, batch_size=4, lr=1e-3, warmup_steps=1), evals=1,
+                         validation_sequences=8, test_sequences=8)
+    job = rf.Job("mqar-topk", "mqar", {"seq_len": 16, "pairs": 2, "vocab_size": 16}, "topk", {"topk": 4},
+                 seed=0, setup=setup, spec=rf.ModelSpec(dim=16, depth=1, heads=2))
+    record = rf.run_in_directory(tmp_path / "run", job)
+    assert record["mechanism"] == "topk" and record["resumed"] == []
+    assert rf.load_spec(tmp_path / "run") == job  # the run directory states its job
+    assert rf.run_in_directory(tmp_path / "run", job)["test"] == record["test"]  # read back, not retrained
+    run = rf.load_run_model(tmp_path / "run")
+    assert run.step == 2 and run.task.describe() == record["task"]

@@ -11,6 +11,12 @@ What a user imports, from one place (each name's docstring says what it does):
     rf.train(rf.load_config(None, ["--steps", "100"]))                         # the training loop
     model, tokenizer, config = rf.load_trained_model("runs/default")           # a trained run
     routed = rf.sparsify(dense_model, "topk", options={"topk": 64})             # dense -> routed
+    job = rf.Job("mqar-topk", "mqar", {"seq_len": 64}, "topk", {}, seed=0,          # a task run's spec
+                 setup=rf.TaskSetup({}, rf.Schedule(steps=600, batch_size=32, lr=3e-3, warmup_steps=60)),
+                 spec=rf.ModelSpec(dim=64, depth=2))
+    record = rf.run_in_directory("runs/mqar-topk", job)      # trained (or resumed) in a run directory
+    job = rf.load_spec("runs/mqar-topk")                     # a run directory's spec, or a JSON/YAML file
+    run = rf.load_run_model("runs/mqar-topk")                # its model, task, config and tokeniser
 
 Everything else lives in the subpackages (routeformer.attention, .models, .tasks, .train, ...).
 """
@@ -27,9 +33,14 @@ with interrupt_as_one_line():  # Ctrl-C while the command starts: one line, not 
     )
     from routeformer.models import CausalLM, ModelConfig, SequenceClassifier, TokenPredictor
     from routeformer.models.vit import ViT
+    from routeformer.runner.jobs import Job, TaskSetup
+    from routeformer.runner.run_dir import run_in_directory
+    from routeformer.runner.spec import load_spec
     from routeformer.tasks import Task, build_task, list_tasks
     from routeformer.train import RunConfig, load_config, train
-    from routeformer.train.checkpoint import load_checkpoint, load_trained_model
+    from routeformer.train.checkpoint import load_checkpoint, load_run_model, load_trained_model
+    from routeformer.train.on_task import ModelSpec
+    from routeformer.train.schedule import Schedule
     from routeformer.train.sparsify import convert_on_task, sparsify
 
 del interrupt_as_one_line
@@ -40,10 +51,14 @@ __all__ = [
     "AttentionLayer",
     "AttentionOutput",
     "CausalLM",
+    "Job",
     "ModelConfig",
+    "ModelSpec",
     "RunConfig",
+    "Schedule",
     "SequenceClassifier",
     "Task",
+    "TaskSetup",
     "TokenPredictor",
     "ViT",
     "__version__",
@@ -54,8 +69,11 @@ __all__ = [
     "list_tasks",
     "load_checkpoint",
     "load_config",
+    "load_run_model",
+    "load_spec",
     "load_trained_model",
     "register_attention",
+    "run_in_directory",
     "sparsify",
     "train",
 ]
