@@ -6,7 +6,7 @@ fewer MQAR pairs), then `schedule` on the task itself, each stage restarting Ada
 cosine decay. A setup without a curriculum trains in one stage (compare --quick, --full). It is
 tested at its length T and, forward only, at each of `eval_multiples` times T. A setup with a
 curriculum or evaluation multiples is *staged*: its runs' records name each evaluation's stage and
-hold the tests per length (runner/training.py), and the report gives it a section per length.
+hold the tests per length (runner/jobs.py: `staged_record`), and the report gives it a section per length.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ so a step reads O(horizon·d) keys and values, not the whole cache.
 It is the parallel pass's function computed in another order (fp32 arithmetic on the same inputs);
 a horizon is an integer ceil(log(tol) / log(1 - q_t)), so a q_t within rounding of a boundary could
 put one key in or out where the C kernels decided otherwise. Tests compare the rows with the
-parallel layer (tests/models/test_cache.py, tests/attention/test_decode_steps.py).
+parallel layer (tests/models/test_cache.py, tests/models/test_generate_cache.py).
 """
 
 from __future__ import annotations

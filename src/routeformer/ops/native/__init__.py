@@ -65,7 +65,7 @@ _INT = ctypes.c_int64
 class NativeKernels:
     """What the ops need to know of the loaded library: its size limits, as plain ints (read once,
     so torch.compile traces them as constants). The kernels themselves are reached through the
-    custom ops of ops/native/custom_ops.py."""
+    custom ops `NativeOp` registers (below)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.library = library

@@ -1,4 +1,4 @@
-/* Fused CPU kernels for causal expanding attention (ops/expanding.py), one query at a time.
+/* Fused CPU kernels for causal expanding attention (ops/expanding/op.py), one query at a time.
  *
  * Why: the PyTorch fast path runs each mean-field step as ~ten elementwise passes over a band of
  * block rows, rounded up to 64-key rings and to the block's largest horizon. Per query, the work

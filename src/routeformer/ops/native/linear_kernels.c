@@ -1,4 +1,4 @@
-/* Causal linear attention (ops/linear.py: linear_attention, causal=True), forward and backward, one
+/* Causal linear attention (ops/linear/op.py: linear_attention, causal=True), forward and backward, one
  * sweep over chunks of `block` tokens per (batch, head) row with the d×e state as a running sum.
  *
  * Semantics, phi(x) = elu(x) + 1 (x + 1 for x > 0, else exp x), padded keys' phi_k and v zeroed:

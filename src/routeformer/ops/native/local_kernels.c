@@ -1,5 +1,5 @@
 /* Sliding-window (local) attention, flash-style: forward and backward, float32 or bfloat16 storage,
- * float32 arithmetic (wrapped by ops/native/local.py; the PyTorch twin is ops/local.py).
+ * float32 arithmetic (wrapped by ops/native/local.py; the PyTorch twin is ops/local/op.py).
  *
  * Query i of (batch, head) row bh reads the keys j with i − before <= j <= i + after (causal:
  * before = window − 1, after = 0; non-causal: both = window), clipped to [0, T), and not masked

@@ -1,5 +1,5 @@
 /* Fused CPU kernel for bidirectional MiTA with one routed expert per query (R = 1), forward only
- * (ops/native/mita.py wraps it; ops/mita_experts.py: fused_single_route is its PyTorch twin).
+ * (ops/native/mita.py wraps it; ops/mita/experts.py: fused_single_route is its PyTorch twin).
  *
  * Why: the PyTorch path sorts the queries by expert, gathers them into runs, runs one SDPA call per
  * (group, expert) over [shared pairs; expert keys] and scatters the outputs back: about 10 passes
@@ -136,7 +136,7 @@ static void mita_tile_64(const float *q, const int64_t *rows, int count, const f
 #undef T_
 #undef EXP_
 
-/* Streaming top-K of the landmark scores (ops/mita_landmarks.py: _every_key_forward), so that the
+/* Streaming top-K of the landmark scores (ops/mita/landmarks.py: _every_key_forward), so that the
  * [E, N] score matrix never has to exist for a row-wise top-K.
  *
  * Why: the landmark stage computes its scores a block of keys at a time, transposed ([S, E]: the

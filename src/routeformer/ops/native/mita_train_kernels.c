@@ -1,5 +1,5 @@
 /* Causal MiTA's query side for training, forward and backward, float32/float64
- * (ops/native/mita_train.py wraps them; the PyTorch twin is ops/mita.py's `_causal` parts:
+ * (ops/native/mita_train.py wraps them; the PyTorch twin is ops/mita/op.py's `_causal` parts:
  * local_causal_part + the shared window + routed_parts, merged by merge_partials).
  *
  * Why: the PyTorch path computes three partial softmaxes (own block, shared window, routed

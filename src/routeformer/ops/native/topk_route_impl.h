@@ -43,7 +43,7 @@ static void RF_CAT(NAME, _block)(const T_ *rq, const T_ *rkt, const uint8_t *mas
         threshold[a] = a < nq && cap[a] > 0 ? -INFINITY : INFINITY;
     int64_t tiles = (end + V - 1) / V;
     /* Software prefetch, ROUTE_PREFETCH_TILES tiles ahead in scan order, when the row's keys exceed
-     * ROUTE_PREFETCH_ABOVE bytes: a decoding step (ops/topk_decode.py) scans every cached routing
+     * ROUTE_PREFETCH_ABOVE bytes: a decoding step (ops/topk/decode.py) scans every cached routing
      * key once for one query, and at 32k-64k keys they are not in the cache: there the prefetch
      * roughly halved a step's scan on a 2-core CPU (one query, 4 routing rows x 17 dims). Rows of at most 1 MB (16k keys x 16 dims: every
      * block of the parallel pass at T <= 16k) are scanned as before. */
