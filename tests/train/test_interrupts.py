@@ -182,3 +182,23 @@ def test_a_sigint_while_the_command_starts_is_one_line_and_changes_nothing(whole
     assert child.returncode in (130, -signal.SIGINT) and out == "", err
     assert len(err.strip().splitlines()) == 1 and err.startswith("routeformer: interrupted"), err
     assert {path.name: path.read_bytes() for path in run.iterdir()} == before
+
+
+@pytest.mark.parametrize("module", ["routeformer.cli.model_commands", "routeformer.cli.sparsify_command"])
+def test_a_ctrl_c_while_the_commands_modules_import_is_one_line(tmp_path, module):
+    """Ctrl-C can land in any import of the command's start, after the package's own (guarded by
+    routeformer/_startup.py) as well; a finder that raises KeyboardInterrupt when `module` is
+    imported stands in for it, deterministically."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name == {module!r}:\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Interrupt())\n")
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    finished = subprocess.run([sys.executable, "-m", "routeformer.cli", "list"], capture_output=True,
+                              text=True, timeout=120, env=environment)
+    assert finished.returncode == 130 and finished.stdout == "", finished.stderr
+    assert finished.stderr == "routeformer: interrupted\n"

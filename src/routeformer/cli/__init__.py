@@ -24,27 +24,31 @@ from __future__ import annotations
 
 import sys
 
-from routeformer.cli.bench_command import command_bench
-from routeformer.cli.catalogue_commands import command_doctor, command_list, command_reproduce
-from routeformer.cli.config_files import CONFIG_DIR, resolve_config
-from routeformer.cli.exit_status import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED
-from routeformer.cli.model_commands import (
-    command_compare,
-    command_eval,
-    command_export_hf,
-    command_sample,
-    command_train,
-    load_for_use,
-)
-from routeformer.cli.parser import (
-    DEFAULT_CONFIG,
-    UsageError,
-    build_parser,
-    non_negative_float,
-    non_negative_int,
-    positive_int,
-)
-from routeformer.cli.sparsify_command import command_sparsify
+from routeformer._startup import interrupt_as_one_line
+
+with interrupt_as_one_line():  # Ctrl-C while the commands' modules import: one line, exit 130
+    from routeformer.cli.bench_command import command_bench
+    from routeformer.cli.catalogue_commands import command_doctor, command_list, command_reproduce
+    from routeformer.cli.config_files import CONFIG_DIR, resolve_config
+    from routeformer.cli.exit_status import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED
+    from routeformer.cli.model_commands import (
+        command_compare,
+        command_eval,
+        command_export_hf,
+        command_sample,
+        command_train,
+        load_for_use,
+    )
+    from routeformer.cli.parser import (
+        DEFAULT_CONFIG,
+        UsageError,
+        build_parser,
+        non_negative_float,
+        non_negative_int,
+        positive_int,
+    )
+    from routeformer.cli.sparsify_command import command_sparsify
+del interrupt_as_one_line
 
 __all__ = [
     "CONFIG_DIR",
