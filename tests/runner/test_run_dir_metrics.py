@@ -270,3 +270,46 @@ def test_keep_checkpoints_below_one_is_one_line_naming_it(tmp_path, capsys, valu
     assert "--keep-checkpoints" in error and "\n" not in error and not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match="^keep_checkpoints: a positive integer"):
         replace(_job(), keep_checkpoints=0)
+
+
+def test_an_interrupted_run_resumed_with_more_steps_continues_on_the_new_schedule(tmp_path, capsys,
+                                                                                  monkeypatch):
+    """Stopped in step 5 of 6 (checkpointed after step 4), resumed with --steps 9: it continues from
+    step 4 to 9 on the new schedule (eval points and learning rate of 9 steps), keeping its first
+    evaluations, and config.json says the new schedule; the config it replaced is kept."""
+    out = tmp_path / "run"
+    count_train_batches(monkeypatch, interrupt_at=5)
+    assert main([*MQAR_RUN, "--out", str(out)]) == 130
+    capsys.readouterr()
+    before = json.loads((out / "config.json").read_text())
+    calls = count_train_batches(monkeypatch, interrupt_at=None)
+    assert main([*MQAR_RUN, "--out", str(out), "--steps", "9"]) == 0
+    err = capsys.readouterr().err
+    assert "the run continues on a changed schedule: setup.schedule.steps 6 -> 9" in err
+    record = json.loads((out / "record.json").read_text())
+    assert len(calls) == 5 and record["resumed"] == ["resumed from record.train0.pt after step 4"]
+    assert [entry["step"] for entry in record["validation"]] == [2, 4, 6, 9]  # 3 evaluations of 9 steps
+    assert record["train"]["schedule"]["steps"] == 9
+    assert json.loads((out / "config.json").read_text())["setup"]["schedule"]["steps"] == 9
+    assert json.loads((out / "config.before-step4.json").read_text()) == before
+    steps = [line["step"] for line in read_records(out / METRICS_FILE) if "final" not in line]
+    assert steps == [2, 4, 6, 9]  # each evaluation once
+    assert main(["eval", str(out)]) == 0 and json.loads(capsys.readouterr().out)["step"] == 9
+
+
+def test_a_schedule_change_is_refused_for_a_finished_run_and_past_the_checkpoint(tmp_path, capsys,
+                                                                                monkeypatch):
+    out = tmp_path / "run"
+    _train(capsys, out)
+    assert main([*MQAR_RUN, "--out", str(out), "--steps", "9"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a finished run (setup.schedule.steps 6 -> 9" in err and "not the training state" in err
+    stopped = tmp_path / "stopped"
+    count_train_batches(monkeypatch, interrupt_at=5)
+    assert main([*MQAR_RUN, "--out", str(stopped)]) == 130
+    capsys.readouterr()
+    count_train_batches(monkeypatch, interrupt_at=None)
+    assert main([*MQAR_RUN, "--out", str(stopped), "--steps", "3"]) == 2
+    assert "is at step 4, past the 3 steps the run now has" in capsys.readouterr().err
+    assert main([*MQAR_RUN, "--out", str(stopped), "--seed", "2"]) == 2  # not a schedule change
+    assert "holds a run of another config" in capsys.readouterr().err

@@ -270,3 +270,20 @@ def test_a_second_ctrl_c_stops_inside_the_step_keeping_the_last_evaluation(tmp_p
     make_batch, calls = _batches()
     _train_with(tmp_path, make_batch)
     assert len(calls) == STEPS - 4, "nothing saved in step 5: the run resumes after the step-4 evaluation"
+
+
+def test_inside_schedule_may_change_a_resume_continues_on_the_new_schedule(tmp_path):
+    from routeformer.train.task_loop import schedule_may_change
+
+    with pytest.raises(_Interrupted):
+        _train(tmp_path, "run", fail_at_call=6)  # checkpointed after steps 2 and 4
+    longer = replace(CONFIG, schedule=replace(CONFIG.schedule, steps=9, lr=5e-3))
+    with pytest.raises(ValueError, match="another training config"):
+        _train(tmp_path, "run", config=longer)  # outside the block: refused
+    with schedule_may_change():
+        _, history, calls = _train(tmp_path, "run", config=longer)
+        assert len(calls) == 9 - 4
+        assert [record["step"] for record in history.evals] == [2, 4, 6, 8, 9]
+        seeded = replace(longer, seed=CONFIG.seed + 1)  # not a schedule change: still refused
+        with pytest.raises(ValueError, match="another training config"):
+            _train(tmp_path, "run", config=seeded)

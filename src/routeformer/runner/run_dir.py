@@ -14,7 +14,12 @@ resumes after its newest intact checkpoint (its last evaluation, a `checkpoint_e
 step Ctrl-C stopped it at) and ends with the same weights and record as one that never stopped; a
 finished run is read back, not trained again. A directory holding a run of another config is
 refused with the differences named (`fresh` starts over); the job's `log_every`,
-`checkpoint_every` and `keep_checkpoints` may change (config.json then holds the new ones).
+`checkpoint_every` and `keep_checkpoints` may change (config.json then holds the new ones), and so
+may the schedule of an unfinished one-stage run (RESCHEDULE_KEYS: steps, learning rate, warm-up,
+batch size, evaluations): it continues from its newest checkpoint on the new schedule
+(`train.task_loop.schedule_may_change`), the config it replaces kept as
+`config.before-step<N>.json`. A finished run keeps its weights but not its training state, so its
+schedule cannot change; nor can a staged run's.
 Nothing is written before the job's task builds with its options: a refused option leaves the
 directory as it was.
 
@@ -44,6 +49,7 @@ from routeformer.runner.jobs import Job, built_task, cached_record, job_config, 
 from routeformer.train.config import LOGGERS
 from routeformer.train.logging import RunLog
 from routeformer.train.progress import read_records
+from routeformer.train.task_loop import schedule_may_change
 
 CONFIG_FILE, RECORD_FILE, METRICS_FILE = "config.json", "record.json", "metrics.jsonl"
 RESUME_LINE = "resumed from "  # how the task loop's log says it resumed (train/task_loop.py)
@@ -76,9 +82,10 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
     task = built_task(job)
     record_path = out_dir / RECORD_FILE
     refused: Exception | None = None
+    rescheduled: dict[str, tuple[Any, Any]] = {}
     if context.is_main:
         try:
-            _prepare(out_dir, job, fresh)
+            rescheduled = _prepare(out_dir, job, fresh)
         except (ValueError, OSError) as error:
             refused = error
     if any_rank(refused is not None, context):  # every process waits here for the directory
@@ -87,6 +94,10 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
         raise ValueError(f"{str(out_dir)!r}: process 0 refused the run directory (its error says why)")
     log = log if context.is_main else None
     resumed: list[str] = []
+    if rescheduled and log is not None:
+        from routeformer.train.resume import describe
+
+        log(f"the run continues on a changed schedule: {describe(rescheduled)}")
 
     def hear(line: str) -> None:
         if _says_resumed(line):
@@ -111,7 +122,8 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
                 metrics.close()
         return {**record, "resumed": resumed} if record else record
 
-    return cached_record(record_path, train)
+    with schedule_may_change():  # _prepare let through only the schedule changes it accepts
+        return cached_record(record_path, train)
 
 
 def _says_resumed(line: str) -> bool:
@@ -170,9 +182,16 @@ def _check_logger(logger: Any) -> None:
                              "pip install 'routeformer[tensorboard]'") from None
 
 
-def _prepare(out_dir: Path, job: Job, fresh: bool) -> None:
+# config.json keys (flattened) a resume of an unfinished one-stage run may change: its schedule
+RESCHEDULE_KEYS = ("setup.schedule.", "setup.evals")
+
+
+def _prepare(out_dir: Path, job: Job, fresh: bool) -> dict[str, tuple[Any, Any]]:
     """Start over (`fresh`) or check that `out_dir` holds no run of another config, then write the
-    job's config.json (ValueError naming the differences, before anything is written)."""
+    job's config.json (ValueError naming the differences, before anything is written). Returns the
+    schedule changes it accepted (`RESCHEDULE_KEYS`, {key: (before, now)}): only for an unfinished
+    one-stage run, the config it replaces kept as `config.before-step<N>.json` (N: the step of the
+    run's newest training checkpoint, 0 without one)."""
     from routeformer.train.checkpoint import checkpoint_files, remove_checkpoints
     from routeformer.train.progress import write_text_atomic
     from routeformer.train.resume import describe, flatten
@@ -194,11 +213,38 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> None:
         before, after = flatten(_with_defaults(saved)), flatten(_with_defaults(config))
         changes = {key: (before.get(key), after.get(key)) for key in sorted(set(before) | set(after))
                    if before.get(key) != after.get(key) and key not in WATCH_FIELDS}
-        if changes:
+        rescheduled = changes and all(key.startswith(RESCHEDULE_KEYS) for key in changes)
+        if rescheduled and (job.setup.staged or "stages" in saved.get("setup", {})):
+            raise ValueError(f"{str(out_dir)!r} holds a staged run ({describe(changes)}): its schedule "
+                             "cannot change when it resumes; use --fresh to start over, or another --out")
+        if rescheduled and record_path.is_file():
+            raise ValueError(f"{str(out_dir)!r} holds a finished run ({describe(changes)}): it keeps its "
+                             "weights, not the training state a longer run continues from; use --fresh "
+                             "to start over, or another --out")
+        if changes and not rescheduled:
             raise ValueError(f"{str(out_dir)!r} holds a run of another config ({describe(changes)}); "
                              "use --fresh to start over, or another --out")
+        if rescheduled:
+            step = _newest_step(out_dir, record_path.stem)
+            write_text_atomic(out_dir / f"config.before-step{step}.json", json.dumps(saved, indent=1) + "\n")
+            write_text_atomic(config_path, json.dumps(config, indent=1) + "\n")
+            return changes
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(config_path, json.dumps(config, indent=1) + "\n")
+    return {}
+
+
+def _newest_step(out_dir: Path, stem: str) -> int:
+    """The step of the newest intact training checkpoint `<stem>.train0.pt` (or one kept before it)
+    in `out_dir`; 0 without one."""
+    from routeformer.train.checkpoint import CheckpointError, checkpoint_files, load_checkpoint
+
+    for path in checkpoint_files(out_dir, f"{stem}.train0"):
+        try:
+            return int(load_checkpoint(path)["step"])
+        except CheckpointError:
+            continue
+    return 0
 
 
 def _with_defaults(config: dict[str, Any]) -> dict[str, Any]:

@@ -176,6 +176,8 @@ TRAIN_FIELD_DEFAULTS: dict[str, Any] = {"precision": TASK_PRECISIONS[0], "betas"
                                         "log_every": 0, "checkpoint_every": 0, "keep_checkpoints": 2}
 # TaskTrainConfig fields that say how a run is watched, not what it trains: a resumed run may change them
 WATCH_FIELDS = ("log_every", "checkpoint_every", "keep_checkpoints")
+# TaskTrainConfig fields a resume inside `schedule_may_change` may change
+SCHEDULE_FIELDS = ("schedule", "eval_every")
 
 
 def json_form(value: Any) -> Any:
@@ -228,6 +230,7 @@ _DISTRIBUTED: ContextVar[DistributedContext | None] = ContextVar("routeformer_di
 _EVALUATIONS: ContextVar[Callable[[dict[str, Any]], None] | None] = ContextVar(
     "routeformer_evaluation_listener", default=None)
 _DEVICE: ContextVar[torch.device | None] = ContextVar("routeformer_training_device", default=None)
+_SCHEDULE_MAY_CHANGE: ContextVar[bool] = ContextVar("routeformer_schedule_may_change", default=False)
 _SINGLE_PROCESS = DistributedContext()
 
 
@@ -288,6 +291,21 @@ def resumable_training(directory: str | Path, key: str) -> Iterator[None]:
 
 
 @contextmanager
+def schedule_may_change() -> Iterator[None]:
+    """Inside the block a `train_task` call resumes from a checkpoint written with another schedule
+    (SCHEDULE_FIELDS: more steps, another learning rate or batch size, other evaluation steps): it
+    continues from the checkpoint's step, with its weights, optimizer and generator states, on the
+    new schedule. A checkpoint past the new schedule's last step is a ValueError. Outside the block
+    any change is refused (a sweep never resumes a run as another); `runner.run_dir` opens it for a
+    run directory whose schedule the user changed."""
+    token = _SCHEDULE_MAY_CHANGE.set(True)
+    try:
+        yield
+    finally:
+        _SCHEDULE_MAY_CHANGE.reset(token)
+
+
+@contextmanager
 def evaluations_to(listener: Callable[[dict[str, Any]], None]) -> Iterator[None]:
     """Hand each evaluation of the `train_task` calls inside the block to `listener(record)` as it is
     made: a copy of the record its history gains (`step`, `train_loss`, `aux_loss` and the evaluation's
@@ -339,20 +357,28 @@ def _resume_intact(path: Path, config: TaskTrainConfig, driver: Driver, log: Cal
 
 def _resume(path: Path, config: TaskTrainConfig, driver: Driver) -> TaskHistory:
     """The history so far from the checkpoint at `path`, its state restored into `driver`
-    (ValueError when it was written with another training config)."""
+    (ValueError when it was written with another training config: inside `schedule_may_change`,
+    one that differs in more than its schedule and evaluation interval, or whose step is past the
+    new schedule's end)."""
     state = load_checkpoint(path)
-    if _trained(with_defaults(state["config"], TRAIN_FIELD_DEFAULTS)) != _trained(json_form(asdict(config))):
+    ignored = SCHEDULE_FIELDS if _SCHEDULE_MAY_CHANGE.get() else ()
+    if _trained(with_defaults(state["config"], TRAIN_FIELD_DEFAULTS), ignored) \
+            != _trained(json_form(asdict(config)), ignored):
         raise ValueError(f"checkpoint {str(path)!r} was written with another training config "
                          f"({state['config']}, now {asdict(config)}); delete it to start this run afresh")
+    if state["step"] > config.schedule.steps:
+        raise ValueError(f"checkpoint {str(path)!r} is at step {state['step']}, past the "
+                         f"{config.schedule.steps} steps the run now has; give at least {state['step']}")
     reseeded = driver.restore(state)
     if reseeded and driver.context.is_main:
         warn(reseeded)
     return TaskHistory(**state["history"])
 
 
-def _trained(config: dict[str, Any]) -> dict[str, Any]:
-    """A training config's JSON form without WATCH_FIELDS: what a resumed run must train as before."""
-    return {key: value for key, value in config.items() if key not in WATCH_FIELDS}
+def _trained(config: dict[str, Any], ignored: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A training config's JSON form without WATCH_FIELDS (and `ignored`): what a resumed run must
+    train as before."""
+    return {key: value for key, value in config.items() if key not in WATCH_FIELDS + ignored}
 
 
 def _device_of(model: nn.Module) -> torch.device:
