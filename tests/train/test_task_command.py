@@ -109,7 +109,9 @@ def test_a_directory_of_another_run_is_refused_with_the_differences(tmp_path, ca
     _train(capsys, tmp_path / "run")
     assert main([*MQAR_RUN, "--out", str(tmp_path / "run"), "--lr", "0.01"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "holds a run of another config (setup.schedule.lr 0.003 -> 0.01)" in err and "\n" not in err
+    assert "holds a finished run (setup.schedule.lr 0.003 -> 0.01)" in err and "\n" not in err
+    assert main([*MQAR_RUN, "--out", str(tmp_path / "run"), "--seed", "5"]) == 2
+    assert "holds a run of another config (key " in capsys.readouterr().err
     _, fresh = _train(capsys, tmp_path / "run", "--lr", "0.01", "--fresh")  # --fresh: starts over
     assert fresh["train"]["schedule"]["lr"] == 0.01 and fresh["resumed"] == []
 
