@@ -183,7 +183,7 @@ def _check_logger(logger: Any) -> None:
 
 
 # config.json keys (flattened) a resume of an unfinished one-stage run may change: its schedule
-RESCHEDULE_KEYS = ("setup.schedule.", "setup.evals")
+RESCHEDULE_KEYS = ("setup.schedule.", "setup.evals", "setup.eval_every")
 
 
 def _prepare(out_dir: Path, job: Job, fresh: bool) -> dict[str, tuple[Any, Any]]:
