@@ -251,8 +251,8 @@ def run_finetune(out_dir: Path, quick: bool) -> Path:
     starts = [("scratch", None)] + [(f"pre-trained {steps} steps", steps) for steps in s.pretrain_steps]
     variants = [(variant, start, steps) for variant in ("plain", "meta") for start, steps in starts]
     labels = [f"{variant}, {start}" for variant, start, _ in variants]
-    runs = [base_run(ABLATION_TASK, variant, seed, s) if steps is None
-            else replace(base_run(ABLATION_TASK, variant, seed, s), init=str(paths[steps, seed]))
+    runs = [replace(base_run(ABLATION_TASK, variant, seed, s),
+                    init=None if steps is None else str(paths[steps, seed]))
             for (variant, _, steps), seed in seed_grid(variants, s.seeds, seed_major=False)]
     rows, results = _rows(zip(labels, by_seed(train_all(out_dir, runs, quick), len(s.seeds)), strict=True))
     line, results["floors"] = _floor_line(base_run(ABLATION_TASK, "plain", 0, s),

@@ -91,14 +91,15 @@ def digits_vit(out_dir: Path, quick: bool) -> Path:
     steps = {8: 150 if quick else 600, 16: 250}
     grid = [(size, name, mechanism, options) for size in sizes
             for name, (mechanism, options) in vit_variants().items()]
-    jobs = [Call(run_key(f"S{size}-{name}-seed{seed}"), vit_record,
-                 {"mechanism": mechanism, "options": options, "size": size, "seed": seed,
-                  "steps": steps[size]})
-            for (size, name, mechanism, options), seed in seed_grid(grid, seeds, seed_major=False)]
-    done = finished_records(run_jobs(out_dir, jobs, 1 if quick else 2, say, train=call), "mita-digits-vit")
+    cells = [((size, name), Call(run_key(f"S{size}-{name}-seed{seed}"), vit_record,
+                                 {"mechanism": mechanism, "options": options, "size": size, "seed": seed,
+                                  "steps": steps[size]}))
+             for (size, name, mechanism, options), seed in seed_grid(grid, seeds, seed_major=False)]
+    done = finished_records(run_jobs(out_dir, [job for _, job in cells], 1 if quick else 2, say, train=call),
+                            "mita-digits-vit")
     records: dict[tuple[int, str], list[dict]] = {}
-    for job, ((size, name, _, _), _) in zip(jobs, seed_grid(grid, seeds, seed_major=False), strict=True):
-        records.setdefault((size, name), []).append(done[job.key])
+    for cell, job in cells:
+        records.setdefault(cell, []).append(done[job.key])
     rows = []
     for (size, name), runs in records.items():
         accuracy, spread = mean_sd([100 * run["accuracy"] for run in runs])

@@ -208,13 +208,14 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> dict[str, tuple[Any, Any]]
     if not config_path.is_file() and checkpoint_files(out_dir):
         raise ValueError(f"{str(out_dir)!r} holds checkpoints but no {CONFIG_FILE} of a task run (another "
                          "kind of run); use --fresh to start over, or another --out")
+    rescheduled: dict[str, tuple[Any, Any]] = {}
     if config_path.is_file():
         saved = json.loads(config_path.read_text())
         before, after = flatten(_with_defaults(saved)), flatten(_with_defaults(config))
         changes = {key: (before.get(key), after.get(key)) for key in sorted(set(before) | set(after))
                    if before.get(key) != after.get(key) and key not in WATCH_FIELDS}
-        rescheduled = changes and all(key.startswith(RESCHEDULE_KEYS) for key in changes)
-        if rescheduled and (job.setup.staged or "stages" in saved.get("setup", {})):
+        rescheduled = changes if all(key.startswith(RESCHEDULE_KEYS) for key in changes) else {}
+        if rescheduled and job.setup.staged:
             raise ValueError(f"{str(out_dir)!r} holds a staged run ({describe(changes)}): its schedule "
                              "cannot change when it resumes; use --fresh to start over, or another --out")
         if rescheduled and record_path.is_file():
@@ -227,11 +228,9 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> dict[str, tuple[Any, Any]]
         if rescheduled:
             step = _newest_step(out_dir, record_path.stem)
             write_text_atomic(out_dir / f"config.before-step{step}.json", json.dumps(saved, indent=1) + "\n")
-            write_text_atomic(config_path, json.dumps(config, indent=1) + "\n")
-            return changes
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(config_path, json.dumps(config, indent=1) + "\n")
-    return {}
+    return rescheduled
 
 
 def _newest_step(out_dir: Path, stem: str) -> int:

@@ -86,11 +86,15 @@ def check_task_precision(precision: Any, argument: str = "precision") -> None:
         raise ValueError(f"{argument}: one of {list(TASK_PRECISIONS)}; got {precision!r}")
 
 
+def _check_positive(value: Any, argument: str, what: str) -> None:
+    """Raise ValueError "`argument`: a positive integer (`what`); got ..." unless `value` is one."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{argument}: a positive integer ({what}); got {value!r}")
+
+
 def check_nonfinite_limit(steps: Any, argument: str = "max_nonfinite_steps") -> None:
     """Raise ValueError naming `argument` unless `steps` is a positive integer."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"{argument}: a positive integer (non-finite steps in a row that stop the run); "
-                         f"got {steps!r}")
+    _check_positive(steps, argument, "non-finite steps in a row that stop the run")
 
 
 def check_interval(steps: Any, argument: str) -> None:
@@ -101,9 +105,7 @@ def check_interval(steps: Any, argument: str) -> None:
 
 def check_keep(count: Any, argument: str = "keep_checkpoints") -> None:
     """Raise ValueError naming `argument` unless `count` is a positive integer."""
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"{argument}: a positive integer (the newest checkpoints a run keeps); "
-                         f"got {count!r}")
+    _check_positive(count, argument, "the newest checkpoints a run keeps")
 
 
 def stat_names(names: Any, argument: str = "log_stats") -> list[str]:
