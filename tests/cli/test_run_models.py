@@ -59,7 +59,9 @@ def lm_run(tmp_path_factory):
 def test_a_task_run_keeps_its_model_in_the_lm_layout(mqar_run):
     record = json.loads((mqar_run / "record.json").read_text())
     assert checkpoint_files(mqar_run) == [mqar_run / "checkpoint.pt"]
-    assert training_checkpoints(mqar_run, "record") == []  # the loop's resume files are gone
+    # the loop's training state, kept beside the model so that the run may train on
+    assert [path.name for path in training_checkpoints(mqar_run, "record")] == ["record.train0.1.pt",
+                                                                                "record.train0.pt"]
     state = load_checkpoint(mqar_run)
     assert is_task_model(state) and state["step"] == 4
     assert state["task"] == {"name": "mqar", "options": record["task_options"]}

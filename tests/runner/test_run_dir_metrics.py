@@ -297,19 +297,60 @@ def test_an_interrupted_run_resumed_with_more_steps_continues_on_the_new_schedul
     assert main(["eval", str(out)]) == 0 and json.loads(capsys.readouterr().out)["step"] == 9
 
 
-def test_a_schedule_change_is_refused_for_a_finished_run_and_past_the_checkpoint(tmp_path, capsys,
-                                                                                monkeypatch):
+def _untimed_record(record):
+    return {key: value for key, value in record.items() if key != "train_seconds"}
+
+
+def test_a_finished_run_trains_on_with_more_steps(tmp_path, capsys, monkeypatch):
+    """A finished 6-step run keeps its training checkpoints; run with --steps 9 it continues from step
+    6 on the 9-step schedule, as a run stopped after its last step's checkpoint (before its record)
+    does, keeping its earlier record and config; eval then reads the model at step 9."""
+    out = tmp_path / "run"
+    _, finished = _train(capsys, out)
+    assert [path.name for path in training_checkpoints(out, "record")] == ["record.train0.1.pt",
+                                                                            "record.train0.pt"]
+    before = json.loads((out / "config.json").read_text())
+    calls = count_train_batches(monkeypatch, interrupt_at=None)
+    assert main([*MQAR_RUN, "--out", str(out), "--steps", "9"]) == 0
+    assert "the run continues on a changed schedule: setup.schedule.steps 6 -> 9" in capsys.readouterr().err
+    record = json.loads((out / "record.json").read_text())
+    assert len(calls) == 3 and record["resumed"] == ["resumed from record.train0.pt after step 6"]
+    assert record["validation"][:3] == finished["validation"]
+    assert [entry["step"] for entry in record["validation"]] == [2, 4, 6, 9]
+    assert json.loads((out / "record.before-step6.json").read_text()) == finished
+    assert json.loads((out / "config.before-step6.json").read_text()) == before
+    lines = read_records(out / METRICS_FILE)
+    assert [(line["step"], bool(line.get("final"))) for line in lines] == [
+        (2, False), (4, False), (6, False), (6, True), (9, False), (9, True)]
+    assert main(["eval", str(out)]) == 0 and json.loads(capsys.readouterr().out)["step"] == 9
+    stopped = tmp_path / "stopped"  # the same 6 steps, stopped before its record was stored
+    _train(capsys, stopped)
+    (stopped / "record.json").unlink()
+    _, resumed = _train(capsys, stopped, "--steps", "9")
+    assert _untimed_record(resumed) == _untimed_record(record)
+
+
+def test_a_schedule_change_is_refused_without_steps_to_train_or_past_the_checkpoint(tmp_path, capsys,
+                                                                                      monkeypatch):
     out = tmp_path / "run"
     _train(capsys, out)
-    assert main([*MQAR_RUN, "--out", str(out), "--steps", "9"]) == 2
+    assert main([*MQAR_RUN, "--out", str(out), "--lr", "0.01"]) == 2
     err = capsys.readouterr().err
-    assert "holds a finished run (setup.schedule.steps 6 -> 9" in err and "not the training state" in err
+    assert "holds a finished run (setup.schedule.lr 0.003 -> 0.01)" in err
+    assert "only with more steps than the 6 it has" in err and "\n" not in err.strip()
+    for path in training_checkpoints(out, "record"):
+        path.unlink()
+    assert main([*MQAR_RUN, "--out", str(out), "--steps", "9"]) == 2
+    assert "without its training state" in capsys.readouterr().err
+    assert not list(out.glob("*.before-step*"))
     stopped = tmp_path / "stopped"
     count_train_batches(monkeypatch, interrupt_at=5)
     assert main([*MQAR_RUN, "--out", str(stopped)]) == 130
     capsys.readouterr()
+    config = (stopped / "config.json").read_text()
     count_train_batches(monkeypatch, interrupt_at=None)
     assert main([*MQAR_RUN, "--out", str(stopped), "--steps", "3"]) == 2
     assert "is at step 4, past the 3 steps the run now has" in capsys.readouterr().err
+    assert (stopped / "config.json").read_text() == config and not list(stopped.glob("*.before-step*"))
     assert main([*MQAR_RUN, "--out", str(stopped), "--seed", "2"]) == 2  # not a schedule change
     assert "holds a run of another config" in capsys.readouterr().err

@@ -33,7 +33,9 @@ def test_mqar_run_writes_a_record_with_test_metrics(tmp_path, capsys):
     assert record["parameters"] == parameter_count(build_task_model(task, "full", {}, QUICK.spec))
     assert 0.0 <= record["test"]["accuracy"] <= 1.0 and record["quality"] == record["test"]["accuracy"]
     assert record["test"]["loss"] > 0 and record["validation"][-1]["loss"] > 0
-    assert record["resumed"] == [] and training_checkpoints(tmp_path / "run", "record") == []
+    assert record["resumed"] == []  # the training state is kept, so that the run may train on
+    assert [path.name for path in training_checkpoints(tmp_path / "run", "record")] == [
+        "record.train0.1.pt", "record.train0.pt"]
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["setup"]["schedule"]["steps"] == 6 and config["task_options"] == QUICK.tasks["mqar"].options
     assert summary["quality"] == record["quality"] and summary["steps"] == 6
@@ -53,7 +55,8 @@ def test_an_interrupted_run_resumes_to_the_record_of_one_that_never_stopped(tmp_
     assert resumed["resumed"] == ["resumed from record.train0.pt after step 4"]
     assert resumed["validation"] == straight["validation"]
     assert resumed["test"] == straight["test"] and resumed["quality"] == straight["quality"]
-    assert training_checkpoints(out, "record") == []
+    assert [path.name for path in training_checkpoints(out, "record")] == [
+        path.name for path in training_checkpoints(tmp_path / "straight", "record")]
 
     calls = count_train_batches(monkeypatch)
     _, again = _train(capsys, out)  # finished: read back, not trained again

@@ -111,8 +111,9 @@ def test_two_ranks_train_one_model_that_rank_0_alone_writes(tmp_path, capsys):
 
     # Rank 0 wrote the run directory; rank 1 wrote nothing in it and printed nothing.
     run = tmp_path / "run"
-    assert sorted(path.name for path in run.iterdir()) == ["checkpoint.pt", "config.json", "metrics.jsonl",
-                                                            "record.json"]
+    assert sorted(path.name for path in run.iterdir()) == [
+        "checkpoint.pt", "config.json", "metrics.jsonl", "record.json", "record.train0.1.pt",
+        "record.train0.pt"]
     written = {line.split()[-1] for line in reports[0]["writes"]}
     assert {"config.json", "record.json", "checkpoint.pt", "record.train0.pt"} <= written
     assert reports[1]["writes"] == [] and reports[1]["stdout"] == "" and reports[1]["stderr"] == ""

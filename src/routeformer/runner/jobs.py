@@ -57,10 +57,12 @@ def cached_run(out_dir: Path, key: str, compute: Callable[[], dict[str, Any]]) -
     return cached_record(out_dir / "runs" / f"{key}.json", compute)
 
 
-def cached_record(path: Path, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def cached_record(path: Path, compute: Callable[[], dict[str, Any]], *,
+                  keep_training_state: bool = False) -> dict[str, Any]:
     """`cached_run` for a record at `path` (`<stem>.json`): the stored record, or `compute()` run
     inside `resumable_training(path.parent, stem)` (checkpoints `<stem>.train<n>.pt` and the ones
-    before them, `<stem>.train<n>.1.pt`, ..., beside it, deleted once the record is stored atomically).
+    before them, `<stem>.train<n>.1.pt`, ..., beside it, deleted once the record is stored atomically,
+    unless `keep_training_state`: a run directory keeps them, so that a finished run can train on).
     Inside `train.task_loop.distributed_training` only process 0 stores the record and deletes the
     checkpoints; the others return what `compute()` returned."""
     from routeformer.train.task_loop import is_main_process, resumable_training, training_checkpoints
@@ -76,7 +78,7 @@ def cached_record(path: Path, compute: Callable[[], dict[str, Any]]) -> dict[str
     partial = path.with_suffix(".json.partial")
     partial.write_text(json.dumps(record, indent=1))
     os.replace(partial, path)
-    for checkpoint in training_checkpoints(path.parent, key):
+    for checkpoint in [] if keep_training_state else training_checkpoints(path.parent, key):
         checkpoint.unlink()
     return record
 

@@ -23,7 +23,7 @@ tokens of a window) and the test after training about `train.final_eval_tokens` 
 split (None: every window of it), where the LM run reads its whole held-out text (the task's
 validation and test splits are the two halves of it, or a corpus's own two splits); the task run
 checkpoints at each evaluation and every `train.checkpoint_every` steps (keeping the newest
-`train.keep_checkpoints` while it trains), writes a training line to metrics.jsonl every
+`train.keep_checkpoints`, as the LM run does), writes a training line to metrics.jsonl every
 `train.log_every` updates, and keeps its model as a run directory (runner/run_dir.py), so `out_dir`
 does not apply to it.
 `train.logger` is the run directory's logger, not part of the job (`routeformer train --task lm

@@ -7,19 +7,22 @@ defaults) and, once the run has finished, its trained model as `checkpoint.pt` (
 readers of `routeformer train`'s run directories, `train.checkpoint.save_task_model`: weights,
 model config, task name and options, the tokeniser of a text task; `eval`, `sample`, `export-hf`
 and `train.checkpoint.load_run_model` read it) and then `record.json` (train_on_task's record: the
-validation history, the test metrics, the parameter count). While it trains, the task loop's
-checkpoints `record.train<n>.pt` (and the job's `keep_checkpoints` - 1 before each, `.1.pt`, ...)
-sit beside them (`cached_record`, train/task_loop.py): a run that is interrupted and started again
-resumes after its newest intact checkpoint (its last evaluation, a `checkpoint_every` step, or the
-step Ctrl-C stopped it at) and ends with the same weights and record as one that never stopped; a
-finished run is read back, not trained again. A directory holding a run of another config is
-refused with the differences named (`fresh` starts over); the job's `log_every`,
-`checkpoint_every` and `keep_checkpoints` may change (config.json then holds the new ones), and so
-may the schedule of an unfinished one-stage run (RESCHEDULE_KEYS: steps, learning rate, warm-up,
-batch size, evaluations): it continues from its newest checkpoint on the new schedule
+validation history, the test metrics, the parameter count). The task loop's training checkpoints
+`record.train<n>.pt` (and the job's `keep_checkpoints` - 1 before each, `.1.pt`, ...) sit beside
+them, kept when the run finishes as an LM run keeps its own (`cached_record`, train/task_loop.py):
+a run that is interrupted and started again resumes after its newest intact checkpoint (its last
+evaluation, a `checkpoint_every` step, or the step Ctrl-C stopped it at) and ends with the same
+weights and record as one that never stopped; a finished run is read back, not trained again. A
+directory holding a run of another config is refused with the differences named (`fresh` starts
+over); the job's `log_every`, `checkpoint_every` and `keep_checkpoints` may change (config.json then
+holds the new ones), and so may the schedule of a one-stage run (RESCHEDULE_KEYS: steps, learning
+rate, warm-up, batch size, evaluations): it continues from its newest checkpoint on the new schedule
 (`train.task_loop.schedule_may_change`), the config it replaces kept as
-`config.before-step<N>.json`. A finished run keeps its weights but not its training state, so its
-schedule cannot change; nor can a staged run's.
+`config.before-step<N>.json`. A finished run continues so only with more steps than it has (its
+record.json then kept as `record.before-step<N>.json`, its final line in metrics.jsonl left in
+place, its checkpoint.pt replaced when the longer run ends), and only from a training checkpoint; a
+checkpoint past the new schedule's end is refused before anything is written, and a staged run's
+schedule cannot change.
 Nothing is written before the job's task builds with its options: a refused option leaves the
 directory as it was.
 
@@ -41,6 +44,7 @@ Runs outside a run directory (compare's `run_jobs`, the experiments) write no me
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -123,7 +127,7 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
         return {**record, "resumed": resumed} if record else record
 
     with schedule_may_change():  # _prepare let through only the schedule changes it accepts
-        return cached_record(record_path, train)
+        return cached_record(record_path, train, keep_training_state=True)
 
 
 def _says_resumed(line: str) -> bool:
@@ -160,7 +164,7 @@ class _TaskMetrics:
     def final(self, step: int, test: dict[str, Any]) -> None:
         if self.log is None:  # resumed as finished: the evaluations' lines are all there
             self.log = RunLog(self.out_dir, resume_step=step, logger=self.logger)
-            if any(line.get("final") for line in read_records(self.log.path)):
+            if any(line.get("final") and line["step"] == step for line in read_records(self.log.path)):
                 return  # stopped between its final line and record.json: written once
         self.log.write({"step": step, "final": True, **{f"test_{key}": value for key, value in test.items()}})
 
@@ -218,24 +222,44 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> dict[str, tuple[Any, Any]]
         if rescheduled and job.setup.staged:
             raise ValueError(f"{str(out_dir)!r} holds a staged run ({describe(changes)}): its schedule "
                              "cannot change when it resumes; use --fresh to start over, or another --out")
-        if rescheduled and record_path.is_file():
-            raise ValueError(f"{str(out_dir)!r} holds a finished run ({describe(changes)}): it keeps its "
-                             "weights, not the training state a longer run continues from; use --fresh "
-                             "to start over, or another --out")
         if changes and not rescheduled:
             raise ValueError(f"{str(out_dir)!r} holds a run of another config ({describe(changes)}); "
                              "use --fresh to start over, or another --out")
         if rescheduled:
-            step = _newest_step(out_dir, record_path.stem)
+            step = _checked_reschedule(out_dir, job, record_path, describe(changes))
             write_text_atomic(out_dir / f"config.before-step{step}.json", json.dumps(saved, indent=1) + "\n")
+            if record_path.is_file():  # a finished run trains on: its record is kept beside the config
+                os.replace(record_path, out_dir / f"{record_path.stem}.before-step{step}.json")
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(config_path, json.dumps(config, indent=1) + "\n")
     return rescheduled
 
 
-def _newest_step(out_dir: Path, stem: str) -> int:
+def _checked_reschedule(out_dir: Path, job: Job, record_path: Path, changes: str) -> int:
+    """The step the run in `out_dir` continues from on `job`'s changed schedule (`changes`, described):
+    its newest intact training checkpoint's, 0 without one. Raises ValueError, before anything is
+    written, when that step is past the job's steps, or when the run finished (`record_path` is
+    there) and has no training checkpoint or no steps left to train."""
+    step = _newest_step(out_dir, record_path.stem)
+    steps = sum(stage.schedule.steps for stage in job.setup.stages)
+    if step is not None and step > steps:
+        raise ValueError(f"{str(out_dir)!r}: its newest checkpoint is at step {step}, past the {steps} "
+                         f"steps the run now has; give at least {step}")
+    if not record_path.is_file():
+        return step or 0
+    if step is None:
+        raise ValueError(f"{str(out_dir)!r} holds a finished run ({changes}) without its training state "
+                         "(no training checkpoint), which a longer run continues from; use --fresh to "
+                         "start over, or another --out")
+    if step == steps:
+        raise ValueError(f"{str(out_dir)!r} holds a finished run ({changes}): it trains on only with more "
+                         f"steps than the {step} it has; use --fresh to start over, or another --out")
+    return step
+
+
+def _newest_step(out_dir: Path, stem: str) -> int | None:
     """The step of the newest intact training checkpoint `<stem>.train0.pt` (or one kept before it)
-    in `out_dir`; 0 without one."""
+    in `out_dir`; None without one."""
     from routeformer.train.checkpoint import CheckpointError, checkpoint_files, load_checkpoint
 
     for path in checkpoint_files(out_dir, f"{stem}.train0"):
@@ -243,7 +267,7 @@ def _newest_step(out_dir: Path, stem: str) -> int:
             return int(load_checkpoint(path)["step"])
         except CheckpointError:
             continue
-    return 0
+    return None
 
 
 def _with_defaults(config: dict[str, Any]) -> dict[str, Any]:
