@@ -292,8 +292,11 @@ def test_an_interrupted_run_resumed_with_more_steps_continues_on_the_new_schedul
     assert record["train"]["schedule"]["steps"] == 9
     assert json.loads((out / "config.json").read_text())["setup"]["schedule"]["steps"] == 9
     assert json.loads((out / "config.before-step4.json").read_text()) == before
-    steps = [line["step"] for line in read_records(out / METRICS_FILE) if "final" not in line]
-    assert steps == [2, 4, 6, 9]  # each evaluation once
+    lines = read_records(out / METRICS_FILE)
+    assert [line["step"] for line in lines if "val_loss" in line] == [2, 4, 6, 9]  # each evaluation once
+    changes = {"setup.schedule.steps": [6, 9], "setup.schedule.warmup_steps": [2, 3]}
+    assert [line for line in lines if "config_changes" in line] == [  # after step 4, as the LM run says it
+        {"step": 4, "config_changes": changes}]
     assert main(["eval", str(out)]) == 0 and json.loads(capsys.readouterr().out)["step"] == 9
 
 
@@ -320,8 +323,8 @@ def test_a_finished_run_trains_on_with_more_steps(tmp_path, capsys, monkeypatch)
     assert json.loads((out / "record.before-step6.json").read_text()) == finished
     assert json.loads((out / "config.before-step6.json").read_text()) == before
     lines = read_records(out / METRICS_FILE)
-    assert [(line["step"], bool(line.get("final"))) for line in lines] == [
-        (2, False), (4, False), (6, False), (6, True), (9, False), (9, True)]
+    assert [(line["step"], sorted(set(line) & {"final", "config_changes"})) for line in lines] == [
+        (2, []), (4, []), (6, []), (6, ["final"]), (6, ["config_changes"]), (9, []), (9, ["final"])]
     assert main(["eval", str(out)]) == 0 and json.loads(capsys.readouterr().out)["step"] == 9
     stopped = tmp_path / "stopped"  # the same 6 steps, stopped before its record was stored
     _train(capsys, stopped)

@@ -12,6 +12,7 @@ from routeformer.train.checkpoint import load_checkpoint
 from routeformer.train.schedule import Schedule
 from routeformer.train.task_loop import (
     TaskTrainConfig,
+    evaluations_to,
     resumable_training,
     train_task,
     training_checkpoints,
@@ -210,8 +211,13 @@ def test_a_non_finite_step_is_skipped(tmp_path, capsys):
 
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]
-    history = train_task(model, _batches()[0], _evaluate, CONFIG, forward=forward)
+    heard = []
+    with evaluations_to(heard.append):
+        history = train_task(model, _batches()[0], _evaluate, CONFIG, forward=forward)
     assert "step 3: non-finite loss nan" in capsys.readouterr().err
+    skipped = [record for record in heard if "skipped" in record]  # as the LM run logs it
+    assert [record["step"] for record in skipped] == [3] and "update skipped" in skipped[0]["skipped"]
+    assert set(skipped[0]) == {"step", "skipped"}
     assert len(history.evals) == 4 and all(torch.isfinite(p).all() for p in model.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 

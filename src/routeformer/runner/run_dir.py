@@ -33,8 +33,11 @@ prefixed: val_loss, val_accuracy, val_bits_per_char, ...; the training step's `a
 statistics of `log_stats` as they are; a staged run's `step` counts over all its
 stages and the line names its `stage`, 0 for the first), with the job's `log_every` a training line
 every that many updates before them (`{"step": N, "loss": ..., "aux_loss": ..., "lr": ...,
-"grad_norm": ..., "tokens_per_s": ...}`, as the LM run logs them), then, once the record is made (before
-record.json is stored), `{"step": N, "final": true, "test_<metric>": ...}` with the test at T. A
+"grad_norm": ..., "tokens_per_s": ...}`, as the LM run logs them), `{"step": N, "skipped": message}` for
+an update the non-finite guard skipped and, for a run resumed on a changed schedule, `{"step": N,
+"config_changes": {key: [before, now]}}` at the step it continues from (both as the LM run writes
+them), then, once the record is made (before record.json is stored), `{"step": N, "final": true,
+"test_<metric>": ...}` with the test at T. A
 resumed run first drops the lines past the step it resumed after (RunLog's `resume_step`), so every
 evaluation has one line; a finished run is read back and its file left as it is. With `logger`
 "tensorboard" the same values also go to TensorBoard event files in `tensorboard/` (`.[tensorboard]`).
@@ -87,9 +90,10 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
     record_path = out_dir / RECORD_FILE
     refused: Exception | None = None
     rescheduled: dict[str, tuple[Any, Any]] = {}
+    step = 0
     if context.is_main:
         try:
-            rescheduled = _prepare(out_dir, job, fresh)
+            rescheduled, step = _prepare(out_dir, job, fresh)
         except (ValueError, OSError) as error:
             refused = error
     if any_rank(refused is not None, context):  # every process waits here for the directory
@@ -113,7 +117,7 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
         metrics = None
         if context.is_main:
             resuming = bool(training_checkpoints(out_dir, record_path.stem))
-            metrics = _TaskMetrics(out_dir, logger, resuming=resuming)
+            metrics = _TaskMetrics(out_dir, logger, resuming=resuming, changes=rescheduled, step=step)
         try:
             record = train_job(job, log=hear,
                                keep_model=lambda model: keep_job_model(out_dir, job, model, task),
@@ -141,18 +145,27 @@ class _TaskMetrics:
     """A task run directory's metrics.jsonl (module docstring) through `RunLog`. A fresh run (no
     training checkpoint in the directory) starts the file at once; a resumed one opens it at its first
     new evaluation, dropping the lines from that step on (the lines past the step it resumed after:
-    none lie between), or, resumed as finished, at the final line, keeping every line."""
+    none lie between), or, resumed as finished, at the final line, keeping every line. A run resumed
+    on a changed schedule (`changes` {key: (before, now)}, continuing after `step`) opens it at once,
+    dropping the lines past `step`, and writes `{"step": step, "config_changes": {key: [before, now]}}`
+    as the LM run does."""
 
-    def __init__(self, out_dir: Path, logger: str, *, resuming: bool) -> None:
+    def __init__(self, out_dir: Path, logger: str, *, resuming: bool,
+                 changes: dict[str, tuple[Any, Any]], step: int) -> None:
         self.out_dir, self.logger = out_dir, logger
-        self.log: RunLog | None = None if resuming else RunLog(out_dir, resume_step=None, logger=logger)
+        self.log: RunLog | None = None
+        if changes or not resuming:
+            self.log = RunLog(out_dir, resume_step=step if resuming else None, logger=logger)
+        if changes:
+            self.log.write({"step": step,
+                            "config_changes": {key: list(pair) for key, pair in changes.items()}})
 
     def evaluation(self, record: dict[str, Any]) -> None:
         step = record["step"]
         if self.log is None:
             self.log = RunLog(self.out_dir, resume_step=step - 1, logger=self.logger)
         line = {"step": step, **({"stage": record["stage"]} if "stage" in record else {})}
-        if "train_loss" not in record:  # a training line (log_every): as the task loop made it
+        if "train_loss" not in record:  # a training or skipped-step line: as the task loop made it
             line.update({key: value for key, value in record.items() if key not in line})
         else:
             line.update({"train_loss": record["train_loss"], "aux_loss": record["aux_loss"]})
@@ -186,16 +199,17 @@ def _check_logger(logger: Any) -> None:
                              "pip install 'routeformer[tensorboard]'") from None
 
 
-# config.json keys (flattened) a resume of an unfinished one-stage run may change: its schedule
+# config.json keys (flattened) a resume of a one-stage run may change: its schedule
 RESCHEDULE_KEYS = ("setup.schedule.", "setup.evals", "setup.eval_every")
 
 
-def _prepare(out_dir: Path, job: Job, fresh: bool) -> dict[str, tuple[Any, Any]]:
+def _prepare(out_dir: Path, job: Job, fresh: bool) -> tuple[dict[str, tuple[Any, Any]], int]:
     """Start over (`fresh`) or check that `out_dir` holds no run of another config, then write the
     job's config.json (ValueError naming the differences, before anything is written). Returns the
-    schedule changes it accepted (`RESCHEDULE_KEYS`, {key: (before, now)}): only for an unfinished
-    one-stage run, the config it replaces kept as `config.before-step<N>.json` (N: the step of the
-    run's newest training checkpoint, 0 without one)."""
+    schedule changes it accepted (`RESCHEDULE_KEYS`, {key: (before, now)}; only for a one-stage run,
+    and for a finished one only with more steps: `_checked_reschedule`) and N, the step the run
+    continues from (its newest training checkpoint's, 0 without one or without changes), the config
+    it replaces kept as `config.before-step<N>.json`."""
     from routeformer.train.checkpoint import checkpoint_files, remove_checkpoints
     from routeformer.train.progress import write_text_atomic
     from routeformer.train.resume import describe, flatten
@@ -213,6 +227,7 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> dict[str, tuple[Any, Any]]
         raise ValueError(f"{str(out_dir)!r} holds checkpoints but no {CONFIG_FILE} of a task run (another "
                          "kind of run); use --fresh to start over, or another --out")
     rescheduled: dict[str, tuple[Any, Any]] = {}
+    step = 0
     if config_path.is_file():
         saved = json.loads(config_path.read_text())
         before, after = flatten(_with_defaults(saved)), flatten(_with_defaults(config))
@@ -232,7 +247,7 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> dict[str, tuple[Any, Any]]
                 os.replace(record_path, out_dir / f"{record_path.stem}.before-step{step}.json")
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(config_path, json.dumps(config, indent=1) + "\n")
-    return rescheduled
+    return rescheduled, step
 
 
 def _checked_reschedule(out_dir: Path, job: Job, record_path: Path, changes: str) -> int:

@@ -313,7 +313,8 @@ def evaluations_to(listener: Callable[[dict[str, Any]], None]) -> Iterator[None]
     made: a copy of the record its history gains (`step`, `train_loss`, `aux_loss` and the evaluation's
     metrics), before that evaluation's checkpoint is saved; with `TaskTrainConfig.log_every`, each
     training line too (`step`, `loss`, `aux_loss`, `lr`, `grad_norm`, `tokens_per_s`, `peak_mem_mib`,
-    `attn_<key>`: told from an evaluation by having no `train_loss`), before that step's evaluation.
+    `attn_<key>`: told from an evaluation by having no `train_loss`), before that step's evaluation,
+    and `{"step": N, "skipped": message}` for an update the non-finite guard skipped.
     Evaluations a resumed call reads back from its checkpoint are not handed over again; processes
     other than 0 hand over nothing."""
     token = _EVALUATIONS.set(listener)
@@ -377,6 +378,14 @@ def _resume(path: Path, config: TaskTrainConfig, driver: Driver) -> TaskHistory:
     return TaskHistory(**state["history"])
 
 
+def _skipped(step: int, message: str, say: Callable[[str], None], is_main: bool) -> None:
+    """Tell of the update the non-finite guard skipped at `step` (process 0 also hands
+    `{"step": step, "skipped": message}` to the `evaluations_to` listener, as the LM run logs it)."""
+    say(message)
+    if is_main and (listener := _EVALUATIONS.get()) is not None:
+        listener({"step": step, "skipped": message})
+
+
 def _trained(config: dict[str, Any], ignored: tuple[str, ...] = ()) -> dict[str, Any]:
     """A training config's JSON form without WATCH_FIELDS (and `ignored`): what a resumed run must
     train as before."""
@@ -420,7 +429,8 @@ def train_task(
     check_precision(config.precision, device)
     driver = Driver(model, schedule=schedule, seed=config.seed, weight_decay=config.weight_decay,
                     betas=config.betas, max_nonfinite=config.max_nonfinite_steps, device=device,
-                    on_skip=lambda step, message: say(message), context=context,
+                    on_skip=lambda step, message: _skipped(step, message, say, context.is_main),
+                    context=context,
                     scaler=gradient_scaler("fp16", device) if config.precision == "fp16" else None)
     history = TaskHistory()
     resumable = _RESUMABLE.get()
