@@ -357,3 +357,31 @@ def test_a_schedule_change_is_refused_without_steps_to_train_or_past_the_checkpo
     assert (stopped / "config.json").read_text() == config and not list(stopped.glob("*.before-step*"))
     assert main([*MQAR_RUN, "--out", str(stopped), "--seed", "2"]) == 2  # not a schedule change
     assert "holds a run of another config" in capsys.readouterr().err
+
+
+def test_a_run_whose_checkpoints_are_all_corrupt_refuses_to_start_over_and_keeps_its_metrics(
+        tmp_path, capsys, monkeypatch):
+    """Stopped in step 5 (checkpoints after steps 4 and 2), both checkpoints damaged: a rerun is one
+    line naming what it would replace, and changes nothing; --fresh starts over."""
+    _, straight = _train(capsys, tmp_path / "straight")
+    out = tmp_path / "run"
+    count_train_batches(monkeypatch, interrupt_at=5)
+    assert main([*MQAR_RUN, "--out", str(out)]) == 130
+    capsys.readouterr()
+    for path in training_checkpoints(out, "record"):
+        path.write_bytes(path.read_bytes()[:100])
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    count_train_batches(monkeypatch, interrupt_at=None)
+    assert main([*MQAR_RUN, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert ("holds metrics.jsonl of an earlier run (up to step 4) and 2 training checkpoint(s), none "
+            "intact") in err
+    assert "use --fresh" in err and "\n" not in err
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    for path in training_checkpoints(out, "record"):  # a resume that moved them aside left metrics alone
+        path.rename(path.with_name(path.name + ".corrupt"))
+    assert main([*MQAR_RUN, "--out", str(out)]) == 2
+    assert "record.train0.pt.corrupt" in capsys.readouterr().err
+    _, fresh = _train(capsys, out, "--fresh")
+    assert fresh["validation"] == straight["validation"] and fresh["test"] == straight["test"]
+    assert not list(out.glob("*.corrupt"))

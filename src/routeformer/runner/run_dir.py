@@ -12,7 +12,9 @@ validation history, the test metrics, the parameter count). The task loop's trai
 them, kept when the run finishes as an LM run keeps its own (`cached_record`, train/task_loop.py):
 a run that is interrupted and started again resumes after its newest intact checkpoint (its last
 evaluation, a `checkpoint_every` step, or the step Ctrl-C stopped it at) and ends with the same
-weights and record as one that never stopped; a finished run is read back, not trained again. A
+weights and record as one that never stopped; with none intact, a directory where an earlier run
+left metrics.jsonl lines or checkpoints moved aside as corrupt is refused rather than started over
+(`fresh` starts over), as an LM run directory is; a finished run is read back, not trained again. A
 directory holding a run of another config is refused with the differences named (`fresh` starts
 over); the job's `log_every`, `checkpoint_every` and `keep_checkpoints` may change (config.json then
 holds the new ones), and so may the schedule of a one-stage run (RESCHEDULE_KEYS: steps, learning
@@ -46,6 +48,7 @@ Runs outside a run directory (compare's `run_jobs`, the experiments) write no me
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from collections.abc import Callable
@@ -219,7 +222,8 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> tuple[dict[str, tuple[Any,
     config = job_config(job)
     if fresh:
         for path in (record_path, config_path, out_dir / METRICS_FILE,
-                     *training_checkpoints(out_dir, record_path.stem)):
+                     *training_checkpoints(out_dir, record_path.stem),
+                     *out_dir.glob(f"{glob.escape(record_path.stem)}.train*.corrupt")):
             path.unlink(missing_ok=True)
         if out_dir.is_dir():
             remove_checkpoints(out_dir)
@@ -245,6 +249,8 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> tuple[dict[str, tuple[Any,
             write_text_atomic(out_dir / f"config.before-step{step}.json", json.dumps(saved, indent=1) + "\n")
             if record_path.is_file():  # a finished run trains on: its record is kept beside the config
                 os.replace(record_path, out_dir / f"{record_path.stem}.before-step{step}.json")
+    if not fresh and not record_path.is_file():
+        _check_nothing_lost(out_dir, record_path.stem)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(config_path, json.dumps(config, indent=1) + "\n")
     return rescheduled, step
@@ -270,6 +276,31 @@ def _checked_reschedule(out_dir: Path, job: Job, record_path: Path, changes: str
         raise ValueError(f"{str(out_dir)!r} holds a finished run ({changes}): it trains on only with more "
                          f"steps than the {step} it has; use --fresh to start over, or another --out")
     return step
+
+
+def _check_nothing_lost(out_dir: Path, stem: str) -> None:
+    """ValueError when an earlier run in `out_dir` left metrics.jsonl lines or training checkpoints
+    moved aside as corrupt but no intact training checkpoint: starting over would replace them (as
+    an LM run directory refuses: `train.resume.find_resume_state`)."""
+    from routeformer.train.checkpoint import CheckpointError, load_checkpoint
+    from routeformer.train.resume import earlier_run
+    from routeformer.train.task_loop import training_checkpoints
+
+    left = earlier_run(out_dir, f"{stem}.train")
+    checkpoints = training_checkpoints(out_dir, stem)
+    if not (left or checkpoints):
+        return
+    for path in checkpoints:
+        try:
+            load_checkpoint(path)
+            return
+        except CheckpointError:
+            continue
+    what = " and ".join(part for part in (left, checkpoints and f"{len(checkpoints)} training checkpoint(s), "
+                                          "none intact") if part)
+    raise ValueError(f"{str(out_dir)!r} holds {what} but no intact checkpoint to resume from; not starting "
+                     "over in it: use --fresh to start over (its metrics.jsonl is then replaced), or "
+                     "another --out")
 
 
 def _newest_step(out_dir: Path, stem: str) -> int | None:

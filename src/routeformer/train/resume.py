@@ -16,6 +16,7 @@ from metrics.jsonl, nothing is written).
 
 from __future__ import annotations
 
+import glob
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,13 +69,15 @@ def find_resume_state(out_dir: Path, *, resume: bool, is_main: bool,
     return state
 
 
-def earlier_run(out_dir: Path) -> str:
-    """What an earlier run left in `out_dir` that a fresh start would replace ('' when nothing)."""
+def earlier_run(out_dir: Path, stem: str = "checkpoint") -> str:
+    """What an earlier run left in `out_dir` that a fresh start would replace ('' when nothing): the
+    lines of its metrics.jsonl, and checkpoints `<stem>*.corrupt` a resume moved aside (a task run
+    directory's: `record.train`)."""
     found = []
     records = [record for record in read_records(out_dir / "metrics.jsonl") if "step" in record]
     if records:
         found.append(f"metrics.jsonl of an earlier run (up to step {max(r['step'] for r in records)})")
-    corrupt = sorted(path.name for path in out_dir.glob("checkpoint*.corrupt"))
+    corrupt = sorted(path.name for path in out_dir.glob(f"{glob.escape(stem)}*.corrupt"))
     if corrupt:
         found.append(f"corrupt checkpoint(s) {', '.join(corrupt)}")
     return " and ".join(found)
