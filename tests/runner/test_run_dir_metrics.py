@@ -385,3 +385,20 @@ def test_a_run_whose_checkpoints_are_all_corrupt_refuses_to_start_over_and_keeps
     _, fresh = _train(capsys, out, "--fresh")
     assert fresh["validation"] == straight["validation"] and fresh["test"] == straight["test"]
     assert not list(out.glob("*.corrupt"))
+
+
+def test_a_finished_lm_config_run_trains_on_with_more_steps_and_another_evaluation_size(tmp_path, capsys):
+    out = tmp_path / "run"
+    run = ["train", "--task", "lm", "--config", "tiny", "--train.eval_every", "2", "--train.eval_tokens",
+           "128", "--train.final_eval_tokens", "256", "--out", str(out)]
+    assert main([*run, "--train.steps", "4"]) == 0
+    capsys.readouterr()
+    assert main([*run, "--train.steps", "4"]) == 0  # read back
+    assert "already finished at step 4 (record.json read back); nothing to train" in capsys.readouterr().err
+    assert main([*run, "--train.steps", "6", "--train.eval_tokens", "256"]) == 0
+    err = capsys.readouterr().err
+    assert "changed schedule: setup.evals 2 -> 3, setup.schedule.steps 4 -> 6" in err
+    assert "setup.validation_sequences" in err
+    record = json.loads((out / "record.json").read_text())
+    assert [entry["step"] for entry in record["validation"]] == [2, 4, 6]
+    assert record["resumed"] == ["resumed from record.train0.pt after step 4"]

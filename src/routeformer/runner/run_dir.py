@@ -14,17 +14,17 @@ a run that is interrupted and started again resumes after its newest intact chec
 evaluation, a `checkpoint_every` step, or the step Ctrl-C stopped it at) and ends with the same
 weights and record as one that never stopped; with none intact, a directory where an earlier run
 left metrics.jsonl lines or checkpoints moved aside as corrupt is refused rather than started over
-(`fresh` starts over), as an LM run directory is; a finished run is read back, not trained again. A
-directory holding a run of another config is refused with the differences named (`fresh` starts
-over); the job's `log_every`, `checkpoint_every` and `keep_checkpoints` may change (config.json then
-holds the new ones), and so may the schedule of a one-stage run (RESCHEDULE_KEYS: steps, learning
-rate, warm-up, batch size, evaluations): it continues from its newest checkpoint on the new schedule
-(`train.task_loop.schedule_may_change`), the config it replaces kept as
-`config.before-step<N>.json`. A finished run continues so only with more steps than it has (its
-record.json then kept as `record.before-step<N>.json`, its final line in metrics.jsonl left in
-place, its checkpoint.pt replaced when the longer run ends), and only from a training checkpoint; a
-checkpoint past the new schedule's end is refused before anything is written, and a staged run's
-schedule cannot change.
+(`fresh` starts over), as an LM run directory is; a finished run is read back, not trained again
+(`log` hears so). A directory holding a run of another config is refused with the differences named
+(`fresh` starts over); the job's `log_every`, `checkpoint_every` and `keep_checkpoints` may change
+(config.json then holds the new ones), and so may the schedule of a one-stage run (RESCHEDULE_KEYS:
+steps, learning rate, warm-up, batch size, evaluations, validation and test sizes): it continues
+from its newest checkpoint on the new schedule (`train.task_loop.schedule_may_change`), the config
+it replaces kept as `config.before-step<N>.json`. A finished run continues so only with more steps
+than it has (its record.json then kept as `record.before-step<N>.json`, its final line in
+metrics.jsonl left in place, its checkpoint.pt replaced when the longer run ends), and only from a
+training checkpoint; a checkpoint past the new schedule's end is refused before anything is
+written, and a staged run's schedule cannot change.
 Nothing is written before the job's task builds with its options: a refused option leaves the
 directory as it was.
 
@@ -133,6 +133,10 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
                 metrics.close()
         return {**record, "resumed": resumed} if record else record
 
+    if record_path.is_file() and log is not None:  # as the LM run says it
+        steps = sum(stage.schedule.steps for stage in job.setup.stages)
+        log(f"already finished at step {steps} ({RECORD_FILE} read back); nothing to train (more steps "
+            "train on)")
     with schedule_may_change():  # _prepare let through only the schedule changes it accepts
         return cached_record(record_path, train, keep_training_state=True)
 
@@ -203,7 +207,8 @@ def _check_logger(logger: Any) -> None:
 
 
 # config.json keys (flattened) a resume of a one-stage run may change: its schedule
-RESCHEDULE_KEYS = ("setup.schedule.", "setup.evals", "setup.eval_every")
+RESCHEDULE_KEYS = ("setup.schedule.", "setup.evals", "setup.eval_every", "setup.validation_sequences",
+                   "setup.test_sequences")
 
 
 def _prepare(out_dir: Path, job: Job, fresh: bool) -> tuple[dict[str, tuple[Any, Any]], int]:
