@@ -24,9 +24,10 @@ def test_train_eval_sample_round_trip(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", "--config", "tiny", "--out_dir", str(run), "--steps", "6"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["steps"] == 6 and summary["bpc"] > 0
-    assert main(["eval", str(run), "--max-tokens", "2048"]) == 0
-    assert json.loads(capsys.readouterr().out)["tokens"] == 2048
+    assert summary["steps"] == 6 and summary["test"]["bits_per_char"] > 0
+    assert summary["checkpoint"] == str(run / "checkpoint.pt")
+    assert main(["eval", str(run), "--sequences", "8"]) == 0
+    assert json.loads(capsys.readouterr().out)["sequences"] == 8
     assert main(["sample", str(run), "--prompt", "def", "--tokens", "20"]) == 0
     assert capsys.readouterr().out.startswith("def")
 
@@ -35,10 +36,10 @@ def test_meta_token_run_trains_and_evaluates_on_real_characters(tmp_path, capsys
     run = tmp_path / "meta"
     assert main(["train", "--config", "tiny", "--out_dir", str(run), "--steps", "4",
                  "--model.attention", "meta_tokens", "--data.meta_density", "0.1"]) == 0
-    trained = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert main(["eval", str(run)]) == 0
+    trained = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["test"]
+    assert main(["eval", str(run), "--split", "test"]) == 0
     evaluated = json.loads(capsys.readouterr().out)
-    assert evaluated["bpc"] == trained["bpc"] and evaluated["tokens"] == trained["tokens"]
+    assert {key: evaluated[key] for key in trained} == trained
 
 
 def test_bad_values_give_a_clear_error_and_exit_2(tmp_path, capsys):
@@ -181,13 +182,13 @@ BAD_INPUTS = [
     (["train", "steps", "3"], "expected an override like --key value; got 'steps'"),
     (["train", "--config", "MISSING"], "is neither a file nor a bundled config"),
     (["train", "--config", "JUNK"], "must hold a mapping"),
-    (["train", "--precision", "fp16", "--out_dir", "MISSING"], "train.precision='fp16' needs a CUDA device"),
-    (["train", "--out_dir", "RUN", "--model.dim", "64"], "cannot resume"),
+    (["train", "--precision", "fp16", "--out_dir", "MISSING"], "train.precision: 'fp16' needs a CUDA device"),
+    (["train", "--out_dir", "RUN", "--model.dim", "64"], "holds a run of another config"),
     (["eval", "MISSING"], "does not exist"),
     (["eval", "EMPTY"], "no checkpoint in"),
     (["eval", "JUNK"], "is not a routeformer checkpoint"),
     (["eval", "RUN", "--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1; got '0'"),
-    (["eval", "RUN", "--corpus", "nope"], "unknown corpus 'nope'"),
+    (["eval", "RUN", "--corpus", "nope"], "argument --corpus/--max-tokens: apply to LM run directories of"),
     (["sample", "RUN", "--tokens", "-1"], "argument --tokens: must be an integer >= 0; got '-1'"),
     (["sample", "RUN", "--temperature", "-1"], "argument --temperature: must be a finite number >= 0"),
     (["sample", "RUN", "--top-k", "0"], "argument --top-k: must be an integer >= 1"),

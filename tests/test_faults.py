@@ -2,10 +2,9 @@
 
 | fault                                               | what the rerun must do                          |
 |-----------------------------------------------------|-------------------------------------------------|
-| every checkpoint corrupt (and moved aside)          | refuse without --fresh (exit 2), keep metrics   |
+| every training checkpoint corrupt (or moved aside)  | refuse without --fresh (exit 2), keep metrics   |
 | metrics.jsonl but no checkpoint (killed early)      | refuse without --fresh (exit 2), keep metrics   |
-| the newest checkpoint corrupt: eval / sample        | refuse, naming the older checkpoint and step    |
-| ... a corrupt newest moved aside by a resume        | eval still refuses (the older is not newest)    |
+| the model's checkpoint corrupt: eval / sample       | refuse in one line, saying how to train it again |
 | eval / sample of an intact run                      | name the checkpoint file and step they used     |
 | a finished run run again                            | no second "final" line, nothing rewritten       |
 | a killed process left half a line in metrics.jsonl  | the resume drops it, the other records stay     |
@@ -23,13 +22,15 @@ from routeformer.train.checkpoint import checkpoint_files, load_checkpoint
 from tests.extras import require
 from tests.train.test_checkpoint import damage
 
+TRAINING = "record.train0"  # the stem of an LM run directory's training checkpoints
 TRAIN = ["train", "--config", "tiny", "--steps", "12", "--checkpoint_every", "5", "--eval_every", "6",
          "--log_every", "2", "--eval_tokens", "512", "--final_eval_tokens", "1024"]
 
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
-    """A finished 12-step run: checkpoint.pt (step 12) and checkpoint.1.pt (step 10)."""
+    """A finished 12-step LM run: its model checkpoint.pt (step 12), record.json, and the training
+    checkpoints record.train0.pt (step 12) and record.train0.1.pt (step 10)."""
     run = tmp_path_factory.mktemp("faults") / "run"
     assert main([*TRAIN, "--out_dir", str(run)]) == 0
     return run
@@ -40,27 +41,42 @@ def run(finished, tmp_path):
     return shutil.copytree(finished, tmp_path / "run")
 
 
+@pytest.fixture
+def stopped(run):
+    """The run as a process killed after its last training checkpoint, before its model and record."""
+    (run / "record.json").unlink()
+    (run / "checkpoint.pt").unlink()
+    return run
+
+
 def one_error_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err and err[-1].startswith("routeformer: error: ") and "Traceback" not in "\n".join(err)
     return err[-1]
 
 
-def test_every_checkpoint_corrupt_refuses_to_start_over_and_keeps_the_metrics(run, capsys):
+def test_every_checkpoint_corrupt_refuses_to_start_over_and_keeps_the_metrics(stopped, capsys):
+    run = stopped
     metrics = (run / "metrics.jsonl").read_bytes()
-    for path in checkpoint_files(run):
+    for path in checkpoint_files(run, TRAINING):
         damage(path, "overwritten")
-    for attempt in ("first rerun (moves them aside)", "second rerun (none left to read)"):
+    for attempt in ("first rerun", "second rerun"):
         assert main([*TRAIN, "--out_dir", str(run)]) == 2, attempt
         line = one_error_line(capsys)
-        assert "--fresh" in line, attempt
+        assert "--fresh" in line and "2 training checkpoint(s), none intact" in line, attempt
         assert (run / "metrics.jsonl").read_bytes() == metrics, attempt
-    assert "metrics.jsonl of an earlier run (up to step 12)" in line and "checkpoint.pt.corrupt" in line
+    assert "metrics.jsonl of an earlier run (up to step 12)" in line
+    for path in checkpoint_files(run, TRAINING):  # as a resume that moved them aside leaves them
+        path.rename(path.with_name(path.name + ".corrupt"))
+    assert main([*TRAIN, "--out_dir", str(run)]) == 2
+    assert "record.train0.pt.corrupt" in one_error_line(capsys)
+    assert (run / "metrics.jsonl").read_bytes() == metrics
     assert main([*TRAIN, "--out_dir", str(run), "--fresh"]) == 0  # the explicit start-over still works
 
 
-def test_metrics_without_any_checkpoint_refuse_to_start_over(run, capsys):
-    for path in checkpoint_files(run):
+def test_metrics_without_any_checkpoint_refuse_to_start_over(stopped, capsys):
+    run = stopped
+    for path in checkpoint_files(run, TRAINING):
         path.unlink()  # killed before the first checkpoint
     metrics = (run / "metrics.jsonl").read_bytes()
     assert main([*TRAIN, "--out_dir", str(run)]) == 2
@@ -68,29 +84,16 @@ def test_metrics_without_any_checkpoint_refuse_to_start_over(run, capsys):
     assert (run / "metrics.jsonl").read_bytes() == metrics
 
 
-@pytest.mark.parametrize("command", [["eval", "--max-tokens", "256"], ["sample", "--tokens", "4"]])
-def test_eval_and_sample_refuse_an_older_checkpoint_and_name_it(run, capsys, command):
+@pytest.mark.parametrize("command", [["eval", "--sequences", "8"], ["sample", "--tokens", "4"]])
+def test_eval_and_sample_refuse_a_corrupt_model_checkpoint(run, capsys, command):
     damage(run / "checkpoint.pt", "overwritten")
     assert main([command[0], str(run), *command[1:]]) == 2
     line = one_error_line(capsys)
-    assert "checkpoint.pt' is corrupt" in line and "checkpoint.1.pt' (step 10), an older state" in line
-    assert main([command[0], str(run / "checkpoint.1.pt"), *command[1:]]) == 0  # named: used, and said
-    captured = capsys.readouterr()
-    if command[0] == "eval":
-        assert json.loads(captured.out)["step"] == 10
-    else:
-        assert "checkpoint.1.pt' (step 10)" in captured.err
-
-
-def test_eval_refuses_after_a_resume_moved_the_corrupt_newest_aside(run, capsys):
-    damage(run / "checkpoint.pt", "overwritten")
-    (run / "checkpoint.pt").rename(run / "checkpoint.pt.corrupt")  # as a resume that failed later leaves it
-    assert main(["eval", str(run), "--max-tokens", "256"]) == 2
-    assert "checkpoint.pt.corrupt (moved aside as corrupt)" in one_error_line(capsys)
+    assert "no intact checkpoint" in line and "--fresh" in line
 
 
 def test_eval_and_sample_name_the_checkpoint_and_step(run, capsys):
-    assert main(["eval", str(run), "--max-tokens", "256"]) == 0
+    assert main(["eval", str(run), "--sequences", "8"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["step"] == 12 and result["checkpoint"] == str(run / "checkpoint.pt")
     assert main(["sample", str(run), "--tokens", "4"]) == 0
@@ -103,12 +106,13 @@ def test_a_finished_run_is_not_finished_again(run, capsys):
     assert main([*TRAIN, "--out_dir", str(run)]) == 0
     captured = capsys.readouterr()
     assert "already finished at step 12" in captured.err
-    assert json.loads(captured.out)["bpc"] == final["val_bpc"]
+    assert json.loads(captured.out)["test"]["bits_per_char"] == final["test_bits_per_char"]
     assert {path.name: path.read_bytes() for path in run.iterdir()} == before  # no second "final" line
 
 
-def test_half_a_metrics_line_is_dropped_on_resume(run):
-    checkpoint_files(run)[0].unlink()  # resumes from step 10
+def test_half_a_metrics_line_is_dropped_on_resume(stopped):
+    run = stopped
+    checkpoint_files(run, TRAINING)[0].unlink()  # resumes from step 10
     with (run / "metrics.jsonl").open("a") as handle:
         handle.write('{"step": 13, "loss": 2.')  # a process killed mid-write
     assert main([*TRAIN, "--out_dir", str(run)]) == 0

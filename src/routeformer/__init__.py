@@ -8,8 +8,8 @@ What a user imports, from one place (each name's docstring says what it does):
     rf.list_attentions()                     # {mechanism name: its options and defaults}
     model = rf.CausalLM(rf.ModelConfig(vocab_size=256, attention=["local", "meta"], depth=2))
     task = rf.build_task("mqar", seq_len=64, pairs=4, vocab_size=64)              # rf.list_tasks()
-    rf.train(rf.load_config(None, ["--steps", "100"]))                         # the training loop
-    model, tokenizer, config = rf.load_trained_model("runs/default")           # a trained run
+    result = rf.train(rf.load_config(None, ["--steps", "100"]))     # an LM run, in its out_dir
+    run = rf.load_run_model("runs/default")              # its model, task, config and tokeniser
     routed = rf.sparsify(dense_model, "topk", options={"topk": 64})             # dense -> routed
     job = rf.Job("mqar-topk", "mqar", {"seq_len": 64}, "topk", {}, seed=0,          # a task run's spec
                  setup=rf.TaskSetup({}, rf.Schedule(steps=600, batch_size=32, lr=3e-3, warmup_steps=60)),

@@ -25,6 +25,7 @@ from routeformer.train.checkpoint import (
 )
 from routeformer.train.task_loop import training_checkpoints
 from tests.extras import require
+from tests.train.earlier_layout import earlier_lm_run
 
 # a few steps each, evaluated (and checkpointed by the task loop) twice
 MQAR_RUN = ["train", "--task", "mqar", "--steps", "4", "--evals", "2", "--batch-size", "16", "--seed", "1"]
@@ -89,7 +90,7 @@ def test_eval_of_a_task_run_gives_the_metrics_training_recorded(mqar_run, capsys
     assert status == 0 and tested["sequences"] == 1024
     assert {key: tested[key] for key in record["test"]} == record["test"]
     status, out, err = _run(capsys, ["eval", str(mqar_run), "--max-tokens", "64"])
-    assert status == 2 and out == "" and "argument --corpus/--max-tokens: apply to `routeformer train`" in err
+    assert status == 2 and out == "" and "argument --corpus/--max-tokens: apply to LM run directories" in err
 
 
 def test_export_hf_of_a_causal_task_run_gives_the_same_logits(mqar_run, tmp_path, capsys):
@@ -178,10 +179,7 @@ def test_a_refused_option_writes_nothing_and_the_corrected_command_runs(tmp_path
 
 
 def test_eval_and_export_hf_name_the_same_step_when_the_newest_checkpoint_is_truncated(tmp_path, capsys):
-    run = tmp_path / "run"
-    assert main(["train", "--config", "tiny", "--out_dir", str(run), "--steps", "4",
-                 "--checkpoint_every", "2", "--eval_every", "2", "--final_eval_tokens", "512"]) == 0
-    capsys.readouterr()
+    run = earlier_lm_run(tmp_path / "run")  # the earlier LM layout: rotating checkpoints at steps 2, 4
     newest = run / "checkpoint.pt"
     newest.write_bytes(newest.read_bytes()[:-100])
     refusal = f"its newest intact one is {str(run / 'checkpoint.1.pt')!r} (step 2)"
@@ -223,10 +221,7 @@ def test_a_task_run_without_a_checkpoint_says_what_to_run(mqar_run, tmp_path, ca
 
 
 def test_a_task_run_refuses_a_directory_of_another_kind_of_run(tmp_path, capsys):
-    run = tmp_path / "run"
-    assert main(["train", "--config", "tiny", "--out_dir", str(run), "--steps", "2",
-                 "--final_eval_tokens", "512"]) == 0
-    capsys.readouterr()
+    run = earlier_lm_run(tmp_path / "run")
     before = sorted(path.name for path in run.iterdir())
     status, _, err = _run(capsys, [*MQAR_RUN, "--out", str(run)])
     assert status == 2 and "holds checkpoints but no config.json of a task run" in err

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from routeformer.data.corpora import Corpus
-from routeformer.data.token_cache import cache_dir, encode_cached, tokenise_corpus
+from routeformer.data.token_cache import cache_dir, encode_cached
 from routeformer.data.tokenizers import BPETokenizer, build_tokenizer, tokenizer_from_dict
 from routeformer.data.vocab import PAUSE, CharVocab
 
@@ -86,9 +86,9 @@ def test_tokenised_corpora_are_cached_and_memory_mapped(tmp_path, monkeypatch):
 
     monkeypatch.setattr(CharVocab, "encode", counting)
     corpus = Corpus("t", TEXT[:3000], TEXT[3000:])
-    first = tokenise_corpus(corpus, vocab)
+    first = [encode_cached(vocab, text) for text in (corpus.train, corpus.val)]
     assert len(calls) == 2 and len(list((tmp_path / "cache" / "tokens").glob("*.i64"))) == 2
-    second = tokenise_corpus(corpus, vocab)
+    second = [encode_cached(vocab, text) for text in (corpus.train, corpus.val)]
     assert len(calls) == 2  # read back, not encoded again
     for text, a, b in zip((corpus.train, corpus.val), first, second, strict=True):
         assert b.dtype == torch.long and torch.equal(a, b) and torch.equal(b, original(vocab, text))

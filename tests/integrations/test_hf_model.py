@@ -17,7 +17,7 @@ from routeformer.integrations.hf.export import VOCAB_NAME  # noqa: E402
 from routeformer.models.config import ModelConfig  # noqa: E402
 from routeformer.models.heads import CausalLM  # noqa: E402
 from routeformer.train import load_config, train  # noqa: E402
-from routeformer.train.checkpoint import load_trained_model  # noqa: E402
+from routeformer.train.checkpoint import load_run_model  # noqa: E402
 
 VOCAB = 64
 CACHED = {"full": {}, "gated": {}, "local": {"window": 3}, "linear": {"chunk": 4},
@@ -182,7 +182,8 @@ def test_export_hf_converts_a_training_run(tmp_path, capsys):
     out_dir = tmp_path / "hf"
     assert main(["export-hf", str(run_dir), str(out_dir)]) == 0
     assert "wrote" in capsys.readouterr().out
-    original, vocab, _ = load_trained_model(run_dir)
+    run = load_run_model(run_dir)
+    original, vocab = run.model, run.tokenizer
     exported = transformers.AutoModelForCausalLM.from_pretrained(out_dir).eval()
     assert CharVocab.from_dict(json.loads((out_dir / VOCAB_NAME).read_text())).tokens == vocab.tokens
     ids = vocab.encode("def main():")[None]

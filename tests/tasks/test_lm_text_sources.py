@@ -1,8 +1,8 @@
 """Task lm on a local text file or folder (`path`, as a training config's `data.path`) and with a BPE
-tokeniser (`tokenizer`, as `data.tokenizer`): the task reads the training ids `routeformer train`
-reads (the same loader, tokeniser and token cache) and draws its training windows as that loop does;
-its held-out ids are the LM run's validation ids, halved. The default options leave the task as it
-was: its description, ids, batches and baselines are pinned below."""
+tokeniser (`tokenizer`, as `data.tokenizer`): the task reads the ids of the corpus loader
+(`data.corpora.load_data`), tokeniser and token cache, and draws its training windows with
+`lm_windows`; its held-out ids are the corpus's held-out text, halved. The default options leave
+the task as it was: its description, ids, batches and baselines are pinned below."""
 
 import random
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from routeformer.data.corpora import load_data
-from routeformer.data.token_cache import tokenise_corpus
+from routeformer.data.token_cache import encode_cached
 from routeformer.data.tokenizers import BPETokenizer, build_tokenizer, tokenizer_from_dict
 from routeformer.tasks import build_task
 from routeformer.tasks.lm import lm_windows
@@ -30,10 +30,10 @@ def text_file(path, words: int = 1200, seed: int = 0):
 
 
 def loader_ids(path, tokenizer="char"):
-    """(tokeniser, training ids, validation ids) as `routeformer train` (train/loop.py) reads them."""
+    """(tokeniser, training ids, held-out ids) of the text at `path`, read by the loader."""
     corpus = load_data("pydoc", path)
     vocab = build_tokenizer(tokenizer, corpus.train)
-    return (vocab, *tokenise_corpus(corpus, vocab))
+    return vocab, encode_cached(vocab, corpus.train), encode_cached(vocab, corpus.val)
 
 
 def assert_reads_the_loaders_ids(task, path, tokenizer="char"):

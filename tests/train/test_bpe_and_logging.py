@@ -25,13 +25,13 @@ def test_bpe_training_on_a_local_file_runs_from_the_cli(tmp_path, monkeypatch, c
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["steps"] == 4
     state = load_checkpoint(run)
-    assert state["config"]["model"]["vocab_size"] == reference.get_vocab_size() + 1  # + _PAUSE_
-    assert state["config"]["data"]["path"] == str(tmp_path / "corpus.txt")
+    assert state["model_config"]["vocab_size"] == reference.get_vocab_size() + 1  # + _PAUSE_
+    assert state["task"]["options"]["path"] == str(tmp_path / "corpus.txt")
     assert state["vocab"]["kind"] == "tokenizers"
-    (tmp_path / "tokenizer.json").unlink()  # eval and sample use the tokeniser the checkpoint holds
-    assert main(["eval", str(run)]) == 0
+    assert main(["eval", str(run), "--split", "test"]) == 0  # the task again: its text and tokeniser
     evaluated = json.loads(capsys.readouterr().out)
-    assert evaluated["corpus"].startswith("path:") and evaluated["tokens"] > 0
+    assert {key: evaluated[key] for key in result["test"]} == result["test"]
+    (tmp_path / "tokenizer.json").unlink()  # sample uses the tokeniser the checkpoint holds
     assert main(["sample", str(run), "--prompt", "The quick", "--tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("The quick")
 
@@ -47,9 +47,12 @@ def test_tensorboard_receives_what_metrics_jsonl_holds(tmp_path, capsys):
     events.Reload()
     losses = {event.step: event.value for event in events.Scalars("train/loss")}
     assert losses == pytest.approx({r["step"]: r["loss"] for r in records if "loss" in r}, rel=1e-6)
-    bpc = {event.step: event.value for event in events.Scalars("val/bpc")}
-    assert bpc == pytest.approx({r["step"]: r["val_bpc"] for r in records if "val_bpc" in r}, rel=1e-6)
-    assert 4 in bpc  # the final evaluation too
+    bits = {event.step: event.value for event in events.Scalars("val/bits_per_char")}
+    assert bits == pytest.approx({r["step"]: r["val_bits_per_char"] for r in records
+                                  if "val_bits_per_char" in r}, rel=1e-6)
+    assert sorted(bits) == [2, 4]
+    tested = {event.step: event.value for event in events.Scalars("test/bits_per_char")}
+    assert tested == pytest.approx({4: records[-1]["test_bits_per_char"]}, rel=1e-6)  # the final line
 
 
 def test_an_unknown_logger_is_refused_in_one_line(tmp_path, capsys):

@@ -1,6 +1,7 @@
-"""DistributedDataParallel on CPU (gloo): 2 processes match 1 with the same global batch, a run
-interrupted on 2 processes resumes on 1, a 2-process `meta` run (routing samples and dropout drawn
-per rank) resumes bit-identically, and the unused-parameter search is on only where needed."""
+"""DistributedDataParallel on CPU (gloo) for an LM run (`routeformer train`, its task-lm run): 2
+processes match 1 with the same global batch, a run interrupted on 2 processes resumes on 1, a
+2-process `meta` run (routing samples and dropout drawn per rank) resumes bit-identically, and the
+unused-parameter search is on only where needed."""
 
 import json
 import os
@@ -32,6 +33,24 @@ TINY = ["--model.dim", "32", "--model.depth", "2", "--model.heads", "2", "--seq_
         "--batch_size", "8", "--steps", "6", "--warmup_steps", "2", "--eval_every", "3",
         "--eval_tokens", "1024", "--log_every", "1", "--checkpoint_every", "3", "--model.dropout", "0",
         "--final_eval_tokens", "4096"]
+
+
+TRAINING = "record.train0.pt"  # an LM run directory's newest training checkpoint
+
+
+def stop_in_batch(call: int) -> None:
+    """Raise KeyboardInterrupt while the LM task draws its `call`-th training batch (in this process)."""
+    from routeformer.tasks.lm import CharLM
+
+    calls, draw = [], CharLM.training_batch
+
+    def counted(self, batch_size, generator):
+        calls.append(batch_size)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return draw(self, batch_size, generator)
+
+    CharLM.training_batch = counted
 
 
 def free_port() -> int:
@@ -67,12 +86,13 @@ def test_torchrun_two_processes_match_one(tmp_path):
                "-m", "routeformer.cli", "train", *TINY, "--out_dir", str(pair)]
     finished = run_bounded(command, env=environment, timeout=SPAWN_TIMEOUT_S, what="torchrun with 2 ranks")
     assert finished.returncode == 0, finished.stderr[-3000:]
-    assert "2 processes" in finished.stderr
+    assert len(finished.stdout.strip().splitlines()) == 1  # rank 0 alone printed the summary
     assert_close_models(load_checkpoint(pair)["model"], load_checkpoint(single)["model"])
     single_lines, single_final = final_record(single)
     pair_lines, pair_final = final_record(pair)
     assert len(pair_lines) == len(single_lines)  # rank 0 alone logged
-    assert pair_final["val_bpc"] == pytest.approx(single_final["val_bpc"], abs=1e-4)
+    bits = "test_bits_per_char"
+    assert pair_final[bits] == pytest.approx(single_final[bits], abs=1e-4)
     # The logged loss is the mean over both ranks, i.e. the single process's loss on the same batch.
     assert pair_lines[0]["loss"] == pytest.approx(single_lines[0]["loss"], abs=1e-5)
 
@@ -82,23 +102,19 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, stop_step: int)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), ROUTEFORMER_DIST_TIMEOUT_S=RANK_TIMEOUT_S)
     torch.set_num_threads(1)
-
-    def stop(step):
-        if step == stop_step:
-            raise KeyboardInterrupt  # the interrupt path: rank 0 checkpoints the last step
-
+    stop_in_batch(stop_step)  # the interrupt path: every rank stops, rank 0's checkpoints stay
     try:
-        train(load_config(None, TINY + ["--out_dir", out_dir]), after_step=stop, quiet=True)
+        train(load_config(None, TINY + ["--out_dir", out_dir]), quiet=True)
     except KeyboardInterrupt:
         pass
 
 
 def test_run_interrupted_on_two_processes_resumes_on_one(tmp_path):
     split = tmp_path / "split"
-    spawn_ranks(_worker, (2, free_port(), str(split), 4), 2, timeout=SPAWN_TIMEOUT_S,
-                what="2 ranks training until the interrupt at step 4")
-    assert load_checkpoint(split)["step"] == 4
-    train(load_config(None, TINY + ["--out_dir", str(split)]), quiet=True)  # one process: steps 5-6
+    spawn_ranks(_worker, (2, free_port(), str(split), 5), 2, timeout=SPAWN_TIMEOUT_S,
+                what="2 ranks training until the interrupt in step 5")
+    assert load_checkpoint(split / TRAINING)["step"] == 3  # the evaluation after step 3
+    train(load_config(None, TINY + ["--out_dir", str(split)]), quiet=True)  # one process: steps 4-6
     whole = tmp_path / "whole"
     train(load_config(None, TINY + ["--out_dir", str(whole)]), quiet=True)
     assert load_checkpoint(split)["step"] == 6
@@ -111,8 +127,8 @@ META = TINY + ["--model.attention", "meta", "--model.attention_options", "{meta:
 
 
 def _resume_worker(rank: int, world_size: int, ports: list[int], root: str) -> None:
-    """On each of 2 ranks: an uninterrupted run, then the same run interrupted after step 4 (its
-    checkpoint holds step 4) and resumed in the same processes (each run on a fresh port: a process
+    """On each of 2 ranks: an uninterrupted run, then the same run interrupted in step 5 (its newest
+    checkpoint holds step 3) and resumed in the same processes (each run on a fresh port: a process
     group set up again on the port of a destroyed one can wait forever)."""
     rank_watchdog(RANK_WATCHDOG_S)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank),
@@ -121,15 +137,15 @@ def _resume_worker(rank: int, world_size: int, ports: list[int], root: str) -> N
     torch.set_num_threads(1)
     train(load_config(None, META + ["--out_dir", f"{root}/whole"]), quiet=True)
     os.environ["MASTER_PORT"] = str(ports[1])
+    from routeformer.tasks.lm import CharLM
 
-    def stop(step):
-        if step == 4:
-            raise KeyboardInterrupt
-
+    draw = CharLM.training_batch
+    stop_in_batch(5)
     try:
-        train(load_config(None, META + ["--out_dir", f"{root}/split"]), after_step=stop, quiet=True)
+        train(load_config(None, META + ["--out_dir", f"{root}/split"]), quiet=True)
     except KeyboardInterrupt:
         pass
+    CharLM.training_batch = draw
     os.environ["MASTER_PORT"] = str(ports[2])
     train(load_config(None, META + ["--out_dir", f"{root}/split"]), quiet=True)
 
@@ -141,7 +157,7 @@ def test_a_two_process_meta_run_resumes_bit_identically(tmp_path):
         ports = [sock.getsockname()[1] for sock in (a, b, c)]
     spawn_ranks(_resume_worker, (2, ports, str(tmp_path)), 2, timeout=SPAWN_TIMEOUT_S,
                 what="2 ranks running a meta run whole, interrupted and resumed")
-    split, whole = load_checkpoint(tmp_path / "split"), load_checkpoint(tmp_path / "whole")
+    split, whole = (load_checkpoint(tmp_path / run / TRAINING) for run in ("split", "whole"))
     assert split["step"] == whole["step"] == 6 and len(whole["rng"]["ranks"]) == 2
     assert not torch.equal(*whole["rng"]["ranks"])  # the ranks' generators differ
     for name, value in whole["model"].items():
@@ -152,8 +168,8 @@ def test_a_two_process_meta_run_resumes_bit_identically(tmp_path):
 
     def losses(run):  # timings differ between runs; the values must not
         records = final_record(tmp_path / run)[0]
-        return [(r["step"], r.get("loss"), r.get("val_bpc")) for r in records
-                if "loss" in r or "val_bpc" in r]
+        return [(r["step"], r.get("loss"), r.get("val_bits_per_char")) for r in records
+                if "loss" in r or "val_bits_per_char" in r]
 
     assert losses("split") == losses("whole")
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from routeformer.models.heads import CausalLM
+from routeformer.models.heads import TokenPredictor
 from routeformer.train import train
 from routeformer.train.checkpoint import load_checkpoint
 from routeformer.train.guard import NonFiniteGuard, TrainingDiverged
@@ -29,7 +29,7 @@ def test_the_guard_skips_non_finite_steps_and_stops_after_the_limit():
 
 def inject_nan_loss(monkeypatch, bad_calls):
     """Make the training forward calls numbered in `bad_calls` (1-based) return a NaN loss."""
-    forward, calls = CausalLM.forward, [0]
+    forward, calls = TokenPredictor.forward, [0]
 
     def poisoned(self, *args, **kwargs):
         output = forward(self, *args, **kwargs)
@@ -39,7 +39,7 @@ def inject_nan_loss(monkeypatch, bad_calls):
                 return dataclasses.replace(output, loss=output.loss * float("nan"))
         return output
 
-    monkeypatch.setattr(CausalLM, "forward", poisoned)
+    monkeypatch.setattr(TokenPredictor, "forward", poisoned)
 
 
 def test_a_nan_step_is_skipped_and_the_run_finishes(tmp_path, monkeypatch, capsys):
@@ -60,8 +60,8 @@ def test_a_run_that_keeps_producing_nan_stops_with_a_clear_error(tmp_path, monke
     config = quick_config(tmp_path / "run", "--max_nonfinite_steps", "3")
     with pytest.raises(TrainingDiverged, match=r"3 consecutive steps .*\(step 9: loss nan"):
         train(config, quiet=True)
-    saved = load_checkpoint(tmp_path / "run")  # the last checkpoint: before the trouble, finite
-    assert saved["step"] == 5
+    saved = load_checkpoint(tmp_path / "run/record.train0.pt")  # the last: before the trouble, finite
+    assert saved["step"] == 6
     assert all(torch.isfinite(value).all() for value in saved["model"].values() if value.is_floating_point())
 
 

@@ -6,7 +6,6 @@ while a batch is drawn, between backward and the update (gradients accumulated, 
 after an evaluation, while a checkpoint is written, and a second Ctrl-C inside a step. One test
 sends a SIGINT to a real `routeformer train` subprocess, one while it starts up."""
 
-import importlib
 import json
 import os
 import queue
@@ -19,13 +18,13 @@ import time
 import pytest
 import torch
 
-from routeformer.train import train
+from routeformer.tasks.lm import CharLM
+from routeformer.train import on_task, task_loop, train
 from routeformer.train.checkpoint import load_checkpoint
-from routeformer.train.interrupts import RunInterrupted
 from tests.train.runs import quick_config
 from tests.train.test_training import assert_same_parameters
 
-loop = importlib.import_module("routeformer.train.loop")
+TRAINING = "record.train0.pt"  # an LM run directory's newest training checkpoint
 SPEED = ("tokens_per_s", "peak_mem_mib")  # measurements of the machine, not of the run
 
 
@@ -46,7 +45,8 @@ def records(run):
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory):
-    """The 12-step run (dropout 0.1, evaluations at 6 and 12, checkpoints at 5, 10, 12), never stopped."""
+    """The 12-step run (dropout 0.1, evaluations at 6 and 12, checkpoints at 5, 6, 10, 12), never
+    stopped."""
     run = tmp_path_factory.mktemp("whole") / "run"
     return run, train(quick_config(run), quiet=True)
 
@@ -71,36 +71,32 @@ def sigint_on_call(target, call, *, before=False, times=1):
     return wrapped
 
 
-# where: (what is patched, on which call, SIGINT before the call, SIGINTs, step the checkpoint holds)
+# where: (owner, what is patched, on which call, SIGINT before the call, SIGINTs, step the checkpoint holds)
 WHERE = {
-    "drawing the first batch": ("training_batch", 1, False, 1, 1),
-    "drawing batch 4": ("training_batch", 4, False, 1, 4),
-    "after backward, before the update": ("clip_grad_norm_", 3, False, 1, 3),
-    "right after the evaluation at step 6": ("evaluate_lm", 1, False, 1, 6),
-    "writing the checkpoint at step 5": ("save_rotating", 1, True, 1, 5),
-    "drawing the last batch (before the final evaluation)": ("training_batch", 12, False, 1, 12),
-    "twice inside step 8": ("training_batch", 8, False, 2, 5),  # stops at once: step 5's checkpoint
+    "drawing the first batch": (CharLM, "training_batch", 1, False, 1, 1),
+    "drawing batch 4": (CharLM, "training_batch", 4, False, 1, 4),
+    "after backward, before the update": (torch.nn.utils, "clip_grad_norm_", 3, False, 1, 3),
+    "right after the evaluation at step 6": (on_task, "evaluate_on_task", 1, False, 1, 6),
+    "writing the checkpoint at step 5": (task_loop, "save_rotating", 1, True, 1, 5),
+    "drawing the last batch (before the test)": (CharLM, "training_batch", 12, False, 1, 12),
+    "twice inside step 8": (CharLM, "training_batch", 8, False, 2, 6),  # stops at once: step 6's checkpoint
 }
 
 
 @pytest.mark.parametrize("where", list(WHERE))
 def test_a_sigint_anywhere_resumes_bit_exactly(whole, tmp_path, monkeypatch, where):
-    name, call, before, times, saved_step = WHERE[where]
+    owner, name, call, before, times, saved_step = WHERE[where]
     whole_run, uninterrupted = whole
-    owner = torch.nn.utils if name == "clip_grad_norm_" else loop
     monkeypatch.setattr(owner, name, sigint_on_call(getattr(owner, name), call, before=before, times=times))
     run = tmp_path / "run"
     handler = signal.getsignal(signal.SIGINT)
-    with pytest.raises(RunInterrupted) as caught:
+    with pytest.raises(KeyboardInterrupt):
         train(quick_config(run), quiet=True)
     monkeypatch.undo()
     assert signal.getsignal(signal.SIGINT) is handler  # the run put the handler back
-    if times == 2:
-        assert str(caught.value) == "interrupted inside a step, not saved; run again to resume from step 5"
-    else:
-        assert str(caught.value) == f"interrupted: checkpoint saved at step {saved_step}; run again to resume"
-    assert load_checkpoint(run)["step"] == saved_step
+    assert load_checkpoint(run / TRAINING)["step"] == saved_step and not (run / "record.json").exists()
     resumed = train(quick_config(run), quiet=True)
+    assert resumed.record["resumed"] == [f"resumed from {TRAINING} after step {saved_step}"]
     assert_same_parameters(uninterrupted.model, resumed.model)
     assert resumed.final_eval == uninterrupted.final_eval
     assert records(run) == records(whole_run)
@@ -130,8 +126,8 @@ def test_a_real_sigint_to_the_command_resumes_bit_exactly(tmp_path):
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_lines, args=(child.stderr, lines), daemon=True).start()
     seen, deadline = [], time.monotonic() + 180
-    try:  # wait for the progress line of step 3 (training under way), then Ctrl-C
-        while not any(line.startswith("step 3/") for line in seen):
+    try:  # wait for the training line of step 3 (training under way), then Ctrl-C
+        while not any(" step=3/40 " in line for line in seen):
             line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
             assert line is not None, f"the run ended before reaching step 3: {''.join(seen)}"
             seen.append(line)
@@ -145,8 +141,8 @@ def test_a_real_sigint_to_the_command_resumes_bit_exactly(tmp_path):
         rest.append(line)
     assert status == 130, "".join(seen + rest)
     assert "Traceback" not in "".join(rest)
-    assert rest[-1].startswith("routeformer: interrupted: checkpoint saved at step "), rest
-    stopped = load_checkpoint(run)["step"]
+    assert rest[-1].startswith("routeformer: interrupted; run the same command again to resume"), rest
+    stopped = load_checkpoint(run / TRAINING)["step"]
     assert 3 <= stopped < 40
     for out, what in ((run, "the resumed run"), (tmp_path / "whole", "the uninterrupted run")):
         try:

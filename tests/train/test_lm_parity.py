@@ -1,9 +1,9 @@
-"""`routeformer train --config tiny.yaml` (the LM loop) and the task path (`runner.jobs.train_job` on
-task lm) train the same weights when the task job is the run config's
-(`runner.lm_config.lm_config_job`): every entry of the two state dicts is equal, for the bundled
-config and for one that sets what else the translation carries (meta-tokens, bf16, learned
-positions, one mechanism listed per layer, weight decay, the cosine floor, clipping, betas, seed), and
-for a local text file (`data.path`)."""
+"""`routeformer train --config tiny.yaml` (`routeformer.train.train`: the config's task-lm job in its
+run directory) and the same job trained as a sweep trains it (`runner.jobs.train_job`, no run
+directory, no checkpoints) train the same weights (`runner.lm_config.lm_config_job`): every entry of
+the two state dicts is equal, for the bundled config and for one that sets what else the
+translation carries (meta-tokens, bf16, learned positions, one mechanism listed per layer, weight
+decay, the cosine floor, clipping, betas, seed), and for a local text file (`data.path`)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import torch
 from routeformer.data.batches import random_batch
 from routeformer.data.documents import document_starts, packed_random_batch
 from routeformer.data.vocab import CharVocab
-from routeformer.models import CausalLM
+from routeformer.models.heads import TokenPredictor
 from routeformer.train import load_config, train
 from tests.train.runs import quick_config
 
@@ -39,13 +39,13 @@ def test_packed_batches_are_the_plain_windows_with_document_ids():
 
 def test_training_run_with_packed_documents(tmp_path, monkeypatch):
     seen = []
-    forward = CausalLM.forward
+    forward = TokenPredictor.forward
 
     def spy(self, tokens, labels=None, **kwargs):
         seen.append(kwargs.get("documents"))
         return forward(self, tokens, labels, **kwargs)
 
-    monkeypatch.setattr(CausalLM, "forward", spy)
+    monkeypatch.setattr(TokenPredictor, "forward", spy)
     config = quick_config(tmp_path / "packed", "--steps", "4", "--eval_every", "100", "--eval_tokens", "256",
                           "--final_eval_tokens", "256", "--data.pack_documents", "true",
                           "--model.attention", "[local, full]")

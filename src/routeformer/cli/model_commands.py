@@ -8,9 +8,6 @@ import json
 import sys
 from pathlib import Path
 
-from routeformer.cli.config_files import resolve_config
-from routeformer.cli.exit_status import EXIT_INTERRUPTED
-
 
 def command_compare(args: argparse.Namespace) -> int:
     from routeformer.cli.task_train import available_device, model_changes
@@ -60,30 +57,16 @@ def _compare_long(args: argparse.Namespace):
 
 
 def command_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    """`routeformer train`: a task run (--task, --spec; cli/task_train.py), or without them the LM run
+    of a config (default DEFAULT_CONFIG), the task-lm run of `train --task lm --config` in the
+    config's out_dir (--out, --out_dir)."""
     from routeformer.cli.parser import DEFAULT_CONFIG
-    from routeformer.train import load_config, train
-    from routeformer.train.interrupts import RunInterrupted
+    from routeformer.cli.task_train import command_train_task
 
-    if args.task is not None or args.spec is not None:  # a task run, through compare's run path
-        from routeformer.cli.task_train import command_train_task
-
-        return command_train_task(args, overrides)
-    config = load_config(resolve_config(args.config or DEFAULT_CONFIG), out_as_out_dir(overrides))
-    try:
-        result = train(config, resume=not args.fresh)
-    except RunInterrupted as interrupted:  # one line saying what was saved (rank 0 of torchrun only)
-        if str(interrupted):
-            print(f"routeformer: {interrupted}", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
-    except KeyboardInterrupt:
-        print("routeformer: interrupted before training began; run again to resume or start",
-              file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
-    if result.final_eval is not None:  # under torchrun, rank 0 alone evaluates and reports
-        skipped = {"skipped_steps": result.skipped_steps} if result.skipped_steps else {}
-        print(json.dumps({"out_dir": str(result.out_dir), "steps": result.step,
-                          "train_seconds": round(result.train_seconds, 1), **skipped, **result.final_eval}))
-    return 0
+    if args.task is None and args.spec is None:
+        args.task, args.config = "lm", args.config or DEFAULT_CONFIG
+        return command_train_task(args, out_as_out_dir(overrides), lm_run=True)
+    return command_train_task(args, overrides)
 
 
 def out_as_out_dir(overrides: list[str]) -> list[str]:
@@ -119,9 +102,9 @@ def with_run_hint(target: str, error: Exception) -> str:
         return str(error)
     if (directory / RECORD_FILE).is_file():
         return (f"{target!r} holds a task run's {RECORD_FILE} but no checkpoint of its model; train it again "
-                "with its `routeformer train --task` command and --fresh to keep one")
+                "with its `routeformer train` command and --fresh to keep one")
     return (f"{target!r} holds a task run that has not finished (no checkpoint of its model yet); run its "
-            "`routeformer train --task` command again to finish it")
+            "`routeformer train` command again to finish it")
 
 
 def load_for_use(target: str):
@@ -143,8 +126,9 @@ def command_eval(args: argparse.Namespace) -> int:
     if is_task_model(state):
         return _eval_task_run(args, path, state)
     if args.split is not None or args.sequences is not None:
-        raise ValueError("argument --split/--sequences: apply to task runs (routeformer train --task); an LM "
-                         "run is evaluated on its corpus's validation text (--corpus, --max-tokens)")
+        raise ValueError("argument --split/--sequences: apply to task runs (routeformer train); an LM run "
+                         "of the earlier layout is evaluated on its corpus's validation text (--corpus, "
+                         "--max-tokens)")
     model, vocab, config = trained_model(state)
     corpus = load_corpus(args.corpus) if args.corpus else load_data(config.data.corpus, config.data.path)
     ids = vocab.encode(corpus.val)
@@ -159,15 +143,15 @@ def command_eval(args: argparse.Namespace) -> int:
 def _eval_task_run(args: argparse.Namespace, path: Path, state: dict) -> int:
     """`eval` of a task run: the task's metric (and loss, accuracy, attention FLOPs) on the fixed
     sample of its validation split (or --split test) that training evaluated on (evaluate_on_task)."""
-    from routeformer.tasks import build_task
-    from routeformer.train.checkpoint import task_model
+    from routeformer.train.checkpoint import task_model, task_of_run
     from routeformer.train.on_task import evaluate_on_task
 
     if args.corpus is not None or args.max_tokens is not None:
-        raise ValueError("argument --corpus/--max-tokens: apply to `routeformer train` LM runs; a task run "
-                         "is evaluated on its task's fixed sample (--split, --sequences)")
+        raise ValueError("argument --corpus/--max-tokens: apply to LM run directories of the earlier "
+                         "layout (config.yaml beside checkpoint.pt); a task run, `routeformer train`'s among "
+                         "them, is evaluated on its task's fixed sample (--split, --sequences)")
     model, _ = task_model(state)
-    task = build_task(state["task"]["name"], **state["task"]["options"])
+    task = task_of_run(state, path)
     split = args.split or "validation"
     setup = state["run"]["setup"]
     sequences = args.sequences or setup["test_sequences" if split == "test" else "validation_sequences"]

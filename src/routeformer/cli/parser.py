@@ -236,16 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train", help="train a character-level language model, or a model on any task (--task)",
-        description="Train a char-level LM. Extra --key value pairs override the config "
-                    "(dotted, e.g. --model.attention local, or bare when unambiguous, e.g. --steps 100). "
-                    "The run directory is --out DIR (the config's out_dir); one that holds a checkpoint "
-                    "resumes from it. With --task NAME: train on a "
-                    "registered task through compare's run path (below). With --task lm --config FILE: "
-                    "that config's model (the same weights as without --task), as a task run in --out; "
-                    "the line's --key value pairs are the config's overrides, not the options below.")
+        description="Train a char-level LM: the task-lm run of the config. Extra --key value pairs "
+                    "override the config (dotted, e.g. --model.attention local, or bare when unambiguous, "
+                    "e.g. --steps 100). The run directory is --out DIR (the config's out_dir); one that "
+                    "holds a checkpoint resumes from it, a finished one trains on with more steps. With "
+                    "--task NAME: train on a registered task through compare's run path (below). With "
+                    "--task lm --config FILE: the same run, in --out (default runs/train-lm-...); the "
+                    "line's --key value pairs are the config's overrides, not the options below.")
     train.add_argument("--config", default=None,
                        help=f"YAML file or bundled config name (default: {DEFAULT_CONFIG}); with --task lm: "
-                            "train that config's model as a task run (--key value overrides, --out DIR)")
+                            "the same (--key value overrides, --out DIR)")
     train.add_argument("--task", default=None, help="a registered task (mqar, lm, listops, ...)")
     train.add_argument("--spec", default=None, metavar="FILE",
                        help="a run spec: JSON or YAML of a task run's config.json form, or a task run "
@@ -256,8 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = commands.add_parser("eval", help="evaluate a checkpoint on its validation split")
     evaluate.add_argument("checkpoint", help="run directory or checkpoint file")
-    evaluate.add_argument("--corpus", help="LM run: evaluate on another corpus spec's validation split")
-    evaluate.add_argument("--max-tokens", type=positive_int, default=None, help="LM run: tokens evaluated")
+    evaluate.add_argument("--corpus", help="LM run of the earlier layout (config.yaml): evaluate on "
+                          "another corpus spec's validation split")
+    evaluate.add_argument("--max-tokens", type=positive_int, default=None,
+                          help="LM run of the earlier layout (config.yaml): tokens evaluated")
     evaluate.add_argument("--split", choices=("validation", "test"), default=None,
                           help="task run: the split of its task's fixed sample (default: validation)")
     evaluate.add_argument("--sequences", type=positive_int, default=None,

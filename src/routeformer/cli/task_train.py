@@ -26,17 +26,16 @@ and `--keep-checkpoints K` keeps the newest K of them (default 2; all three may 
 is resumed); `--logger
 tensorboard` also writes them as TensorBoard event files to `DIR/tensorboard`.
 
-`train --task lm --config FILE [--key value ...] [--out DIR]` trains, as this task run, the model
-`routeformer train --config FILE [--key value ...]` trains (the same weights): the rest of the line
-is the LM run's config overrides (`train.load_config`: `--model.dim 64`, `--steps 40`, read as the
-LM run reads them), except `--out`, and the config becomes its task-lm job by
-`runner.lm_config.lm_config_job`, which translates every config; the config's `train.device` is
-where the task run trains, and its `train.logger` the run directory's (`--train.logger
+`train --task lm --config FILE [--key value ...] [--out DIR]` trains the task-lm run of the LM run
+config FILE (a path or a bundled name): the rest of the line is the config's overrides
+(`train.load_config`: `--model.dim 64`, `--steps 40`), except `--out`, and the config becomes its
+task-lm job by `runner.lm_config.lm_config_job`, which translates every config; the config's
+`train.device` is where the run trains, and its `train.logger` the run directory's (`--train.logger
 tensorboard`: TensorBoard too). The task-run arguments that are not config keys (--mechanism,
 --option, --evals, --budget, --mechanism-option, --betas, --log-every, --checkpoint-every,
---keep-checkpoints) are refused beside --config, each naming
-the key that states the same; so is --out_dir (the run directory is --out). The config file's
-out_dir does not apply.
+--keep-checkpoints) are refused beside --config, each naming the key that states the same; so is
+--out_dir (the run directory is --out). `routeformer train [--config FILE] [--key value ...]`
+without --task is the same run in the config's out_dir (`--out` or `--out_dir` replace it).
 
 Under torchrun (or RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in the environment)
 the run trains DistributedDataParallel, as `routeformer train` does (gloo on the CPU, nccl on CUDA):
@@ -61,7 +60,7 @@ from routeformer.runner.jobs import Job, TaskSetup
 from routeformer.train.on_task import mechanism_label
 
 
-def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
+def command_train_task(args: argparse.Namespace, extra: list[str], *, lm_run: bool = False) -> int:
     from routeformer.runner.jobs import say
     from routeformer.runner.run_dir import RECORD_FILE, run_in_directory
     from routeformer.train.checkpoint import CHECKPOINT_NAME
@@ -73,7 +72,7 @@ def command_train_task(args: argparse.Namespace, extra: list[str]) -> int:
         job, out, device = spec_run_job(args, extra)
         names = ("argument --device", "precision")
     elif args.config is not None:
-        job, out, logger, device = config_run_job(args.task, args.config, extra)
+        job, out, logger, device = config_run_job(args.task, args.config, extra, lm_run=lm_run)
         names = ("train.device", "train.precision")
     else:
         options = build_task_train_parser().parse_args(extra)
@@ -119,7 +118,8 @@ NOT_WITH_CONFIG = {"--mechanism": "--model.attention", "--mechanism-option": "--
                    "--keep-checkpoints": "--train.keep_checkpoints"}
 
 
-def config_run_job(task: str, config: str, extra: list[str]) -> tuple[Job, str | None, str, str]:
+def config_run_job(task: str, config: str, extra: list[str], *,
+                   lm_run: bool = False) -> tuple[Job, str | None, str, str]:
     """(job, --out or None, the config's `train.logger`, its `train.device`) of `train --task lm
     --config FILE [--key value ...] [--out DIR]`: the LM run config FILE (a path or a bundled name)
     with the overrides applied as `routeformer train` applies them (`train.load_config`), as its
@@ -127,7 +127,7 @@ def config_run_job(task: str, config: str, extra: list[str]) -> tuple[Job, str |
     ValueError naming --task unless the task is lm, naming a task-run argument that is not a config
     key (NOT_WITH_CONFIG: it says which key states the same), or as `load_config` raises."""
     from routeformer.cli.config_files import resolve_config
-    from routeformer.runner.lm_config import lm_config_job
+    from routeformer.runner.lm_config import LM_RUN_KEY, lm_config_job, lm_run_key
     from routeformer.train import load_config
 
     if task != "lm":
@@ -138,7 +138,7 @@ def config_run_job(task: str, config: str, extra: list[str]) -> tuple[Job, str |
     while index < len(extra):
         argument = extra[index]
         name, equals, value = argument.partition("=")
-        if name in NOT_WITH_CONFIG:
+        if name in NOT_WITH_CONFIG and not (lm_run and name == "--out_dir"):
             instead = NOT_WITH_CONFIG[name]
             raise ValueError(f"argument {name}: not with --config (the rest of the line is the config's "
                              "--key value overrides" + (f"; use {instead}" if instead else "") + ")")
@@ -151,9 +151,9 @@ def config_run_job(task: str, config: str, extra: list[str]) -> tuple[Job, str |
         overrides.append(argument)
         index += 1
     loaded = load_config(resolve_config(config), overrides)
-    job = lm_config_job(loaded, "train-lm")
-    key = f"train-lm-{mechanism_label(job.mechanism)}-seed{job.seed}"
-    return replace(job, key=key), out, loaded.train.logger, loaded.train.device
+    job = lm_config_job(loaded, LM_RUN_KEY)
+    out = loaded.out_dir if lm_run else out
+    return replace(job, key=lm_run_key(job)), out, loaded.train.logger, loaded.train.device
 
 
 def spec_run_job(args: argparse.Namespace, extra: list[str]) -> tuple[Job, str | None, str]:

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from routeformer.data.corpora import Corpus
 from routeformer.data.tokenizers import Tokenizer
 
 _ITEM = 8  # bytes per id (int64: what embeddings and losses take without a copy)
@@ -64,8 +63,3 @@ def encode_cached(tokenizer: Tokenizer, text: str, directory: Path | None = None
         print(f"routeformer: warning: tokenised corpus not cached in {str(directory)!r} ({error})",
               file=sys.stderr, flush=True)
     return ids
-
-
-def tokenise_corpus(corpus: Corpus, tokenizer: Tokenizer) -> tuple[Tensor, Tensor]:
-    """(training ids, validation ids) of `corpus`, through the cache."""
-    return encode_cached(tokenizer, corpus.train), encode_cached(tokenizer, corpus.val)

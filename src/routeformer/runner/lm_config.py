@@ -1,38 +1,33 @@
-"""The task job of an LM run config: `lm_config_job(config, key)` states what `routeformer train --config
-FILE` (train/loop.py) trains as a one-stage job on task lm (`runner.jobs.train_job`, the path of
-compare and `routeformer train --task`), so that both train the same weights.
+"""The LM run of a config: `lm_config_job(config, key)` states what `routeformer train --config FILE`
+trains, a one-stage job on task lm (`runner.jobs.train_job`, the path of compare and every task
+run), and `train_lm_config(config)` (`routeformer.train.train`) trains it in `config.out_dir`.
 
 What carries over: the backbone (`model.dim`, `depth`, `heads`, `mlp_ratio`, `positions`,
-`tie_embeddings`, `dropout`: both paths seed torch's RNG after building the model, so they draw the
-same masks; `max_seq_len` where learned positions need a table longer than `data.seq_len`;
+`tie_embeddings`, `dropout`: torch's RNG is seeded after the model is built, so the masks follow
+from the seed; `max_seq_len` where learned positions need a table longer than `data.seq_len`;
 `zero_meta_positions_train` / `_eval`), the mechanism (`model.attention`: one name, or a list with a
 name per layer, which becomes the job's list of layer mechanisms) and its `model.attention_options`
 (of the one mechanism, or keyed by the layers' mechanisms), the text and `data.seq_len` (task
 options `corpus`, `seq_len`, and `meta_density` when above 0, `path` for a `data.path`, `tokenizer`
-for a `data.tokenizer` other than "char" and `pack_documents` when set: the task then reads, and
-packs, the training ids the LM run reads), the whole schedule (`train.steps`, `batch_size`, `lr`,
-`warmup_steps`, `min_lr_ratio`, `grad_clip`), `train.weight_decay`, `train.beta1`/`beta2`,
-`train.seed`, `train.max_nonfinite_steps`, `train.precision` (fp32, bf16, or fp16 on CUDA),
-`train.device` (where the task run trains: the caller's `train.task_loop.training_on`) and the
-evaluation steps (`train.eval_every`: `steps // eval_every` evaluations where it divides the steps,
-else the setup's `eval_every`).
+for a `data.tokenizer` other than "char" and `pack_documents` when set), the whole schedule
+(`train.steps`, `batch_size`, `lr`, `warmup_steps`, `min_lr_ratio`, `grad_clip`),
+`train.weight_decay`, `train.beta1`/`beta2`, `train.seed`, `train.max_nonfinite_steps`,
+`train.precision` (fp32, bf16, or fp16 on CUDA), `train.device` (where the run trains: the caller's
+`train.task_loop.training_on`) and the evaluation steps (`train.eval_every`: `steps // eval_every`
+evaluations where it divides the steps, else the setup's `eval_every`).
 
-What is read differently, without changing the weights: a periodic evaluation reads about
-`train.eval_tokens` tokens of the task's validation split (`eval_tokens // T'` windows, T' the real
-tokens of a window) and the test after training about `train.final_eval_tokens` tokens of its test
-split (None: every window of it), where the LM run reads its whole held-out text (the task's
-validation and test splits are the two halves of it, or a corpus's own two splits); the task run
-checkpoints at each evaluation and every `train.checkpoint_every` steps (keeping the newest
-`train.keep_checkpoints`, as the LM run does), writes a training line to metrics.jsonl every
-`train.log_every` updates, and keeps its model as a run directory (runner/run_dir.py), so `out_dir`
-does not apply to it.
-`train.logger` is the run directory's logger, not part of the job (`routeformer train --task lm
---config` passes it to `runner.run_dir.run_in_directory`). `model.vocab_size` follows the tokeniser on
-both paths; `model.num_classes` and `pooling` belong to the classification head, which neither builds.
+The evaluations: a periodic one reads about `train.eval_tokens` tokens of task lm's validation
+split (`eval_tokens // T'` windows, T' the real tokens of a window), the test after training about
+`train.final_eval_tokens` tokens of its test split (None: every window of it); the two splits are
+the halves of the corpus's held-out text, or a corpus's own two splits. The run checkpoints at each
+evaluation and every `train.checkpoint_every` steps (keeping the newest `train.keep_checkpoints`),
+writes a training line to metrics.jsonl every `train.log_every` updates, and logs to `train.logger`
+(the run directory's logger, not part of the job). `model.vocab_size` follows the tokeniser;
+`model.num_classes` and `pooling` belong to the classification head, which an LM does not build.
 
-`train.log_stats` (the layer statistics the LM run logs every `log_every` steps) become the job's
-`log_stats`: each evaluation record holds the training step's statistics at that step.
-`lm_config_job` translates every RunConfig: nothing a config can say is refused."""
+`train.log_stats` (layer statistics) become the job's `log_stats`: each evaluation record holds the
+training step's statistics at that step. `lm_config_job` translates every RunConfig: nothing a
+config can say is refused."""
 
 from __future__ import annotations
 
@@ -42,7 +37,7 @@ from routeformer.runner.jobs import Job
 from routeformer.runner.setups import TaskSetup
 from routeformer.train.on_task import ModelSpec
 
-__all__ = ["lm_config_job", "lm_run_as_task_run"]
+__all__ = ["LM_RUN_KEY", "lm_config_job", "lm_run_as_task_run", "train_lm_config"]
 
 
 def lm_config_job(config: Any, key: str) -> Job:
@@ -93,11 +88,72 @@ def lm_config_job(config: Any, key: str) -> Job:
                checkpoint_every=run.checkpoint_every, keep_checkpoints=run.keep_checkpoints)
 
 
+LM_RUN_KEY = "train-lm"  # the job key of an LM run directory, before the mechanism and seed
+
+
+def lm_run_key(job: Job) -> str:
+    """The key of an LM run's job in its run directory: `train-lm-<mechanism>-seed<seed>`."""
+    from routeformer.train.on_task import mechanism_label
+
+    return f"{LM_RUN_KEY}-{mechanism_label(job.mechanism)}-seed{job.seed}"
+
+
+def train_lm_config(config: Any, *, resume: bool = True, quiet: bool = False) -> Any:
+    """Train the LM run `config` (a RunConfig) in `config.out_dir` as the one-stage task-lm job
+    `lm_config_job` makes of it (`runner.run_dir.run_in_directory`: resumes an interrupted run,
+    reads back a finished one, trains a finished one on when `train.steps` grew), on
+    `config.train.device`, under torchrun DistributedDataParallel when launched so (the batch the
+    global batch); progress lines go to stderr unless `quiet`. `resume=False` starts over
+    (`--fresh`). Returns a `train.result.TrainResult`.
+
+    Raises TypeError unless `config` is a RunConfig; ValueError as `run_in_directory` does, when the
+    batch does not divide over the processes, or when the device or precision is not available."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from routeformer.runner.jobs import say
+    from routeformer.runner.run_dir import METRICS_FILE, run_in_directory
+    from routeformer.train.checkpoint import load_run_model
+    from routeformer.train.distributed import (
+        check_shardable,
+        finish_distributed,
+        init_distributed,
+        resolve_device,
+    )
+    from routeformer.train.precision import check_precision
+    from routeformer.train.progress import read_records
+    from routeformer.train.result import TrainResult
+    from routeformer.train.task_loop import distributed_training, training_on
+
+    job = lm_config_job(config, LM_RUN_KEY)
+    job = replace(job, key=lm_run_key(job))
+    out_dir = Path(config.out_dir)
+    context = init_distributed(config.train.device)
+    try:
+        check_shardable(config.train.schedule.batch_size, context)
+        device = resolve_device(config.train.device, context)
+        check_precision(config.train.precision, device)
+        log = None if quiet else (lambda line: say(f"  {job.key}: {line}"))
+        with distributed_training(context), training_on(device):
+            record = run_in_directory(out_dir, job, fresh=not resume, logger=config.train.logger, log=log)
+    finally:
+        finish_distributed(context)
+    steps = config.train.schedule.steps
+    if not record:  # a process other than 0 under torchrun
+        return TrainResult(steps, None, None, None, out_dir, 0.0)
+    run = load_run_model(out_dir, build_task=False)
+    test = {key: value for key, value in record["test"].items() if not isinstance(value, dict)}
+    skipped = sum("skipped" in line for line in read_records(out_dir / METRICS_FILE))
+    return TrainResult(steps, test, run.model, run.tokenizer, out_dir, record["train_seconds"], skipped,
+                       record)
+
+
 def lm_run_as_task_run(run: Any) -> Any:
-    """A `routeformer train` LM run (`train.checkpoint.load_run_model`'s RunModel with `task` None)
-    as the task run of its `lm_config_job`: the same model and weights, with `task` (task lm with
-    the config's corpus and length) and `config` (the job, as a task run's config.json holds it) —
-    what `routeformer sparsify` reads from a task run. A task run is returned as it is.
+    """An LM run directory of the earlier layout (`train.checkpoint.load_run_model`'s RunModel with
+    `task` None and a RunConfig's dict as `config`) as the task run of its `lm_config_job`: the same
+    model and weights, with `task` (task lm with the config's corpus and length) and `config` (the
+    job, as a task run's config.json holds it) — what `routeformer sparsify` reads from a task run.
+    A run with a task is returned as it is.
 
     Raises ValueError when its tokeniser is not the task's (the corpus changed since the run was
     trained)."""

@@ -75,7 +75,8 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
 
     Raises ValueError, before anything is written, when `logger` is neither "jsonl" nor "tensorboard"
     (or is "tensorboard" without the tensorboard package), the job's task cannot be built with its
-    options (at T and at every stage) or `out_dir` holds a run of another config.
+    options (at T and at every stage), its mechanisms with their options (TypeError for an option
+    of the wrong type) or `out_dir` holds a run of another config.
 
     Inside `train.task_loop.distributed_training` with several processes every process calls it:
     process 0 alone prepares the directory (`fresh`, config.json), hears `log`, writes checkpoints,
@@ -90,6 +91,7 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
     _check_logger(logger)
     check_out_dir(out_dir)
     task = built_task(job)
+    _check_layers(job, task.causal)
     record_path = out_dir / RECORD_FILE
     refused: Exception | None = None
     rescheduled: dict[str, tuple[Any, Any]] = {}
@@ -139,6 +141,18 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
             "train on)")
     with schedule_may_change():  # _prepare let through only the schedule changes it accepts
         return cached_record(record_path, train, keep_training_state=True)
+
+
+def _check_layers(job: Job, causal: bool) -> None:
+    """Build one attention layer of each mechanism of `job` with its options, on the job's backbone,
+    so that an unknown mechanism or option is refused before anything is written (ValueError or
+    TypeError as `attention.registry.build_attention` and `train.on_task.layer_attention` raise)."""
+    from routeformer.attention.registry import build_attention
+    from routeformer.train.on_task import layer_attention
+
+    attention, options = layer_attention(job.mechanism, job.options)
+    for name in dict.fromkeys([attention] if isinstance(attention, str) else attention):
+        build_attention(name, dim=job.spec.dim, heads=job.spec.heads, causal=causal, **options.get(name, {}))
 
 
 def _says_resumed(line: str) -> bool:
@@ -285,8 +299,7 @@ def _checked_reschedule(out_dir: Path, job: Job, record_path: Path, changes: str
 
 def _check_nothing_lost(out_dir: Path, stem: str) -> None:
     """ValueError when an earlier run in `out_dir` left metrics.jsonl lines or training checkpoints
-    moved aside as corrupt but no intact training checkpoint: starting over would replace them (as
-    an LM run directory refuses: `train.resume.find_resume_state`)."""
+    moved aside as corrupt but no intact training checkpoint: starting over would replace them."""
     from routeformer.train.checkpoint import CheckpointError, load_checkpoint
     from routeformer.train.resume import earlier_run
     from routeformer.train.task_loop import training_checkpoints

@@ -54,9 +54,8 @@ document is a paragraph (text up to a blank line), `training_batch` adds documen
 (`{"documents": ...}`, so that no attention crosses a paragraph boundary) and takes no loss across
 one; `batch` and evaluation stay on plain windows.
 
-`lm_windows` draws the training windows of every language model in routeformer: this task's and
-those of `routeformer train` (train/loop.py, on its own corpus and tokenizer), so both train on the
-same kind of batch from the same generator calls.
+`lm_windows` draws the training windows of every language model in routeformer (`routeformer train`
+trains this task).
 
 `chance` is the input-blind uniform guess, log2(V) bits; the baselines are n-gram models fitted on
 the training text (add-one smoothing), which ignore everything but the last n-1 characters: what

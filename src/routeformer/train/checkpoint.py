@@ -13,18 +13,19 @@ pickle; they are read with `torch.load(weights_only=True)`, PyTorch's restricted
 builds only tensors and plain containers. One that needs anything else gets a one-line
 CheckpointError instead of being unpickled.
 
-A run directory keeps its last `keep` checkpoints: `checkpoint.pt` (newest), `checkpoint.1.pt`,
-`checkpoint.2.pt`, ... `latest_checkpoint` returns the newest intact one, reporting (and moving
-aside, as `<name>.corrupt`) any corrupt file it passes.
-
-A task run directory (`routeformer train --task NAME`) keeps its trained model in the same files
-(`save_task_model`): the state holds the weights, the model config, the task's name and options,
-the run's config and, for text tasks, the tokeniser, instead of an LM run's `RunConfig`.
+Checkpoints rotate (`save_rotating`): the newest is `<stem>.pt`, the ones before it `<stem>.1.pt`,
+`<stem>.2.pt`, ... (the last `keep`); `latest_checkpoint` returns the newest intact one, reporting
+(and moving aside, as `<name>.corrupt`) any corrupt file it passes. A run directory (`routeformer
+train`) keeps its trained model as `checkpoint.pt` (`save_task_model`: the weights, the model
+config, the task's name and options, the run's config and, for text tasks, the tokeniser) beside
+its training checkpoints (`record.train0.pt`, ...: train/task_loop.py). An LM run directory of the
+earlier layout holds rotating training states as `checkpoint.pt`, `checkpoint.1.pt`, ... with the
+run's `RunConfig` and tokeniser; the readers below still read it.
 
 The public readers, for code outside training (an exporter, an evaluation script, a conversion):
-`load_checkpoint(path) -> dict` (the state), `load_trained_model(path) -> (model, vocab, config)`
-(LM runs) and `load_run_model(path) -> RunModel` (model, task, config, tokeniser, file, step: task
-runs and LM runs alike); all take a run directory or a checkpoint file. `choose_checkpoint(path)`
+`load_checkpoint(path) -> dict` (the state), `load_run_model(path) -> RunModel` (model, task,
+config, tokeniser, file, step: every run) and `load_trained_model(path) -> (model, vocab, config)`
+(an LM run of the earlier layout); all take a run directory or a checkpoint file. `choose_checkpoint(path)`
 also says which file (and so which step) a run directory gave, and whether a newer one was
 unreadable; `checkpoint_for_use(path)` is the rule eval, sample, export-hf and `load_run_model`
 share: a directory's newest checkpoint, refused (naming the newest intact one and its step) when
@@ -251,8 +252,9 @@ def checkpoint_for_use(path: str | Path) -> tuple[Path, dict[str, Any]]:
 
 
 def load_trained_model(path: str | Path):
-    """(CausalLM in eval mode, tokeniser, RunConfig) from a `routeformer train` run directory or
-    checkpoint file. The tokeniser is the run's own (CharVocab or BPETokenizer, data/tokenizers.py),
+    """(CausalLM in eval mode, tokeniser, RunConfig) from an LM run directory of the earlier layout
+    (config.yaml beside checkpoint.pt) or one of its checkpoint files (`load_run_model` reads every
+    run). The tokeniser is the run's own (CharVocab or BPETokenizer, data/tokenizers.py),
     rebuilt from the checkpoint: `tokeniser.encode(text)` gives the model's input ids."""
     return trained_model(load_checkpoint(path))
 
@@ -314,9 +316,10 @@ class RunModel:
     """A trained run's model with what it was trained as (`load_run_model`).
 
     `model`: in eval mode; a CausalLM for causal tasks and LM runs, a TokenPredictor otherwise.
-    `task`: the task rebuilt from its name and options (None for a `routeformer train` LM run, whose
-    text is `config["data"]`). `config`: the run's config as data (a task run's job: task, mechanism
-    and its options, seed, setup, backbone; an LM run's `RunConfig.to_dict()`). `tokenizer`: the
+    `task`: the task rebuilt from its name and options (None for an LM run directory of the earlier
+    layout, whose text is `config["data"]`, and with `build_task=False`). `config`: the run's config
+    as data (a task run's job: task, mechanism and its options, seed, setup, backbone; an
+    earlier-layout LM run's `RunConfig.to_dict()`). `tokenizer`: the
     run's tokeniser (None for a task of abstract tokens). `checkpoint`, `step`: the file read and
     the training steps it holds."""
 
@@ -329,24 +332,35 @@ class RunModel:
 
 
 def load_run_model(path: str | Path, *, build_task: bool = True) -> RunModel:
-    """The trained model of a run directory or checkpoint file, from either kind of run
-    (`routeformer train --task NAME` or `routeformer train`), read by the rule eval and export-hf
-    apply (`checkpoint_for_use`: the newest checkpoint, when intact).
+    """The trained model of a run directory or checkpoint file (a `routeformer train` run, or an LM
+    run directory of the earlier layout), read by the rule eval and export-hf apply
+    (`checkpoint_for_use`: the newest checkpoint, when intact).
 
     `build_task=False` leaves `task` None (building it may load a corpus). Raises CheckpointError
-    when no usable checkpoint is found; the task's own ValueError when it cannot be rebuilt here
-    (a corpus that is not on this machine)."""
+    when no usable checkpoint is found; ValueError as `task_of_run` does (the text or tokenizer
+    changed since the run was trained), or the task's own when it cannot be rebuilt here (a corpus
+    that is not on this machine)."""
     file, state = checkpoint_for_use(path)
     if is_task_model(state):
         model, vocab = task_model(state)
-        task = None
-        if build_task:
-            from routeformer.tasks import build_task as build
-
-            task = build(state["task"]["name"], **state["task"]["options"])
+        task = task_of_run(state, file) if build_task else None
         return RunModel(model, task, state["run"], vocab, file, state["step"])
     model, vocab, config = trained_model(state)
     return RunModel(model, None, config.to_dict(), vocab, file, state["step"])
+
+
+def task_of_run(state: dict[str, Any], file: str | Path) -> Any:
+    """The task a task model's checkpoint `state` (read from `file`) was trained on, built again from
+    its name and options. Raises ValueError when the task's tokeniser is not the one the run saved
+    (the text or the tokenizer changed since the run was trained), or as the task's build raises."""
+    from routeformer.tasks import build_task
+
+    task = build_task(state["task"]["name"], **state["task"]["options"])
+    saved = state.get("vocab")
+    if saved is not None and getattr(task, "vocab", None) is not None and task.vocab.to_dict() != saved:
+        raise ValueError(f"{str(file)!r}: the run's tokeniser is not its task's now ({task.describe()}): the "
+                         "text or the tokenizer changed since the run was trained")
+    return task
 
 
 def _print_warning(message: str) -> None:

@@ -3,7 +3,8 @@
 A file and the overrides spell every section flat (`train.warmup_steps`, `--lr 3e-4`); in memory the
 `train` section keeps its steps, batch size, learning rate, warm-up, cosine floor and clipping in one
 `Schedule` (train/schedule.py), the type every training loop reads. `RunConfig.to_dict` and
-`from_dict` convert between the two (checkpoints and config.yaml hold the flat layout)."""
+`from_dict` convert between the two (config files hold the flat layout). `routeformer train`
+trains a RunConfig as the task-lm run of it (runner/lm_config.py)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ class TrainConfig:
     log_stats: list[str] = field(default_factory=list)
     # A step whose loss or gradient is NaN/inf is skipped; this many in a row stop the run (guard.py).
     max_nonfinite_steps: int = 10
-    keep_checkpoints: int = 2  # the newest K checkpoints stay in out_dir (checkpoint.pt, checkpoint.1.pt)
+    keep_checkpoints: int = 2  # the newest K training checkpoints stay in out_dir (record.train0.pt, .1.pt)
     # "bf16": forward under torch.autocast in bfloat16 (CPU or CUDA); "fp16": float16 autocast with a
     # gradient scaler (CUDA only). Weights, optimizer and evaluation stay fp32.
     precision: str = "fp32"

@@ -1,6 +1,6 @@
-"""The training driver every run goes through: `routeformer train` (train/loop.py, a language model
-in a run directory) and every task run (train/task_loop.py: `routeformer train --task`, compare, the
-experiments) build a `Driver` around their model and call `Driver.train` with their batches.
+"""The training driver every run goes through: the task loop (train/task_loop.py: `routeformer
+train`, compare, the experiments, sparsify's stages) builds a `Driver` around its model and calls
+`Driver.train` with its batches.
 
 A driver owns what a run's steps need beside the model: AdamW (train/optim.py: weight decay on
 matrices only), the batch generator (a `torch.Generator` seeded by the run's seed, so runs with
@@ -106,7 +106,6 @@ class Driver:
               forward: Callable[[nn.Module, Tensor, Tensor, dict[str, Tensor]], Any], *,
               precision: str = "fp32", on_update: Callable[[StepResult], None] | None = None,
               on_step_end: Callable[[StepResult], None] | None = None,
-              after_step: Callable[[int], None] | None = None,
               interrupts: DeferredInterrupts | None = None) -> None:
         """Train from the current step to `schedule.steps` (`train.steps.run_steps`; its hooks as
         there). `forward(trained, inputs, labels, extra)` gets the model as trained: the
@@ -124,4 +123,4 @@ class Driver:
         run_steps(self.model, self.optimizer, self.schedule, self.guard, self.position, next_batch,
                   lambda inputs, labels, extra: forward(trained, inputs, labels, extra), scaler=self.scaler,
                   autocast=lambda: autocast(precision, self.device), on_update=on_update,
-                  on_step_end=on_step_end, after_step=after_step, interrupts=interrupts)
+                  on_step_end=on_step_end, interrupts=interrupts)

@@ -27,11 +27,6 @@ from contextlib import contextmanager
 from typing import Any
 
 
-class RunInterrupted(KeyboardInterrupt):
-    """A training run stopped by Ctrl-C; str() is the one line that says what was saved ('' on the
-    ranks of a multi-process run that do not report)."""
-
-
 class InterruptedMidStep(KeyboardInterrupt):
     """A second Ctrl-C: the run stops where it is, without saving (its last checkpoint stays)."""
 
@@ -95,12 +90,3 @@ class DeferredInterrupts:
             self._critical -= 1
         if raise_after and self.immediate and not self._critical:
             raise InterruptedMidStep
-
-
-def interrupted_message(step: int, last_saved: int | None) -> str:
-    """The line a run stopped by Ctrl-C ends with: what it saved and how to go on."""
-    if last_saved == step:
-        return f"interrupted: checkpoint saved at step {step}; run again to resume"
-    return "interrupted inside a step, not saved; " + (  # a second Ctrl-C inside a step
-        f"run again to resume from step {last_saved}" if last_saved is not None
-        else "no checkpoint was written yet: start over with --fresh")

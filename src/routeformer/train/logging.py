@@ -3,9 +3,10 @@
 `RunLog.write(record)` takes the records the loop writes (`{"step": 50, "loss": 1.83, ...}`). Every
 record goes to metrics.jsonl (progress.MetricsLog: on resume, records past the checkpoint's step
 are dropped first). With `train.logger: tensorboard`, each numeric value of a record is also a
-TensorBoard scalar at its step, under `out_dir/tensorboard` (tag `train/loss`, `val/bpc`, ...: the
-`val_` prefix becomes a `val/` group); non-numeric values (config changes, skipped-step messages)
-are logged as text. TensorBoard is an optional extra: `pip install 'routeformer[tensorboard]'`.
+TensorBoard scalar at its step, under `out_dir/tensorboard` (tag `train/loss`, `val/bits_per_char`,
+`test/loss`, ...: the `val_` and `test_` prefixes become `val/` and `test/` groups); non-numeric
+values (config changes, skipped-step messages) are logged as text. TensorBoard is an optional
+extra: `pip install 'routeformer[tensorboard]'`.
 """
 
 from __future__ import annotations
@@ -55,8 +56,12 @@ class RunLog:
 
 
 def tag(key: str) -> str:
-    """The TensorBoard tag of a metrics.jsonl key: val_bpc -> val/bpc, loss -> train/loss."""
-    return f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
+    """The TensorBoard tag of a metrics.jsonl key: val_loss -> val/loss, test_loss -> test/loss,
+    loss -> train/loss."""
+    for group in ("val", "test"):
+        if key.startswith(f"{group}_"):
+            return f"{group}/{key[len(group) + 1:]}"
+    return f"train/{key}"
 
 
 def _summary_writer(directory: Path, purge_step: int | None):

@@ -1,46 +1,13 @@
-"""A dependency-free progress line with throughput, and the JSONL metrics log."""
+"""Peak memory, and the JSONL metrics log of a run directory."""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
-import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
-
-
-class Progress:
-    """Prints `step 120/1200 [##----] loss 1.83 | 41.2k tok/s | eta 2m05s` to stderr."""
-
-    def __init__(self, total: int, start: int = 0, stream: TextIO | None = None) -> None:
-        self.total, self.start_step = total, start
-        self.stream = stream or sys.stderr
-        self.started = time.perf_counter()
-        self.tokens = 0
-        self.interactive = self.stream.isatty()
-
-    def tokens_per_second(self, tokens: int) -> float:
-        """Count `tokens` more processed; return the rate since this process's run began."""
-        self.tokens += tokens
-        return self.tokens / max(time.perf_counter() - self.started, 1e-9)
-
-    def show(self, step: int, values: dict[str, float]) -> None:
-        elapsed = time.perf_counter() - self.started
-        rate = self.tokens / max(elapsed, 1e-9)
-        eta = elapsed / max(step - self.start_step, 1) * (self.total - step)
-        filled = int(20 * step / self.total)
-        shown = " ".join(f"{key} {value:.4g}" for key, value in values.items())
-        line = (f"step {step}/{self.total} [{'#' * filled}{'-' * (20 - filled)}] {shown} | "
-                f"{rate / 1000:.1f}k tok/s | eta {int(eta // 60)}m{int(eta % 60):02d}s")
-        self.stream.write(("\r" + line) if self.interactive else line + "\n")
-        self.stream.flush()
-
-    def message(self, text: str) -> None:
-        self.stream.write(("\n" if self.interactive else "") + text + "\n")
-        self.stream.flush()
 
 
 def peak_memory_mib(device: torch.device) -> float:

@@ -1,19 +1,16 @@
 """The one training loop of routeformer: `run_steps` is the only function that steps an optimizer.
 
-`routeformer train` (train/loop.py: a language model in a run directory, under torchrun if asked)
-and every task run (train/task_loop.py: compare, the paper experiments) differ in where batches
-come from, what they log and evaluate, and where checkpoints go; they share the driver that calls
-this loop (train/driver.py), its optimizer (train/optim.py), schedule (train/schedule.py),
-non-finite guard (train/guard.py) and checkpoint state (`capture_state` / `restore_state`), so a
-fix to any of them reaches every run.
+Every training run (train/task_loop.py: `routeformer train`, compare, the paper experiments) goes
+through the driver that calls this loop (train/driver.py), its optimizer (train/optim.py), schedule
+(train/schedule.py), non-finite guard (train/guard.py) and checkpoint state (`capture_state` /
+`restore_state`), so a fix to any of them reaches every run.
 
 One step, in this order (the order is part of the contract: a resumed or re-run training repeats
 it bit for bit): set the scheduled learning rate, put the model in train mode (an evaluation may
 have left it in eval mode), draw the batch, forward (under the precision's autocast), zero the
 gradients, backward (through the gradient scaler, a pass-through unless fp16), unscale, clip,
 count the step, ask the guard, then apply the update (`on_update` hears of it) or skip it. Every
-step ends with `on_step_end`, where callers evaluate and checkpoint, then `after_step` at the
-step's boundary.
+step ends with `on_step_end`, where callers evaluate and checkpoint.
 """
 
 from __future__ import annotations
@@ -57,7 +54,6 @@ def run_steps(
     autocast: Callable[[], AbstractContextManager] = nullcontext,
     on_update: Callable[[StepResult], None] | None = None,
     on_step_end: Callable[[StepResult], None] | None = None,
-    after_step: Callable[[int], None] | None = None,
     interrupts: DeferredInterrupts | None = None,
 ) -> None:
     """Train from `state.step` to `schedule.steps` (see the module docstring for one step).
@@ -97,8 +93,6 @@ def run_steps(
         if on_step_end is not None:  # evaluations and checkpoints
             on_step_end(result)
         state.at_boundary = True
-        if after_step is not None:  # at the boundary: an interrupt raised here may be checkpointed
-            after_step(state.step)
     if interrupts is not None:
         interrupts.check()  # a Ctrl-C in the last step stops before what follows training
 
