@@ -21,6 +21,7 @@ from routeformer.train.distributed import (
     needs_unused_parameter_search,
 )
 from tests.bounded import rank_watchdog, run_bounded, spawn_ranks
+from tests.train.test_training import stopping_batches
 
 # Every wait here is bounded: a rank waits at most RANK_TIMEOUT_S for the others (gloo
 # then raises, naming the collective), and a test at most SPAWN_TIMEOUT_S for its ranks.
@@ -39,18 +40,11 @@ TRAINING = "record.train0.pt"  # an LM run directory's newest training checkpoin
 
 
 def stop_in_batch(call: int) -> None:
-    """Raise KeyboardInterrupt while the LM task draws its `call`-th training batch (in this process)."""
+    """Raise KeyboardInterrupt while the LM task draws its `call`-th training batch (in this process,
+    a spawned rank: no monkeypatch to undo)."""
     from routeformer.tasks.lm import CharLM
 
-    calls, draw = [], CharLM.training_batch
-
-    def counted(self, batch_size, generator):
-        calls.append(batch_size)
-        if len(calls) == call:
-            raise KeyboardInterrupt
-        return draw(self, batch_size, generator)
-
-    CharLM.training_batch = counted
+    CharLM.training_batch = stopping_batches(call, KeyboardInterrupt())
 
 
 def free_port() -> int:

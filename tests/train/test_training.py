@@ -23,8 +23,9 @@ class Crash(Exception):
     pass
 
 
-def stop_at_batch(monkeypatch, call, error):
-    """Raise `error` while the LM task draws its `call`-th training batch (the batch of step `call`)."""
+def stopping_batches(call, error):
+    """The LM task's `training_batch`, raising `error` while it draws its `call`-th training batch
+    (the batch of step `call`)."""
     from routeformer.tasks.lm import CharLM
 
     calls, draw = [], CharLM.training_batch
@@ -35,7 +36,14 @@ def stop_at_batch(monkeypatch, call, error):
             raise error
         return draw(self, batch_size, generator)
 
-    monkeypatch.setattr(CharLM, "training_batch", counted)
+    return counted
+
+
+def stop_at_batch(monkeypatch, call, error):
+    """Raise `error` while the LM task draws its `call`-th training batch, for this test."""
+    from routeformer.tasks.lm import CharLM
+
+    monkeypatch.setattr(CharLM, "training_batch", stopping_batches(call, error))
 
 
 def assert_same_parameters(a, b):
