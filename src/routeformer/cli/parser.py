@@ -136,7 +136,7 @@ DEVICES = ("cpu", "cuda", "auto")  # where a task run trains: --device, --spec's
 
 def build_task_train_parser() -> argparse.ArgumentParser:
     """The arguments of `routeformer train --task NAME` (parsed after `train`'s own: without --task
-    the rest of the line is config overrides of the LM run)."""
+    the rest of the line is the config's overrides)."""
     parser = _Parser(prog="routeformer train --task NAME", add_help=False)
     parser.add_argument("--mechanism", default=None,
                         help="registered attention (routeformer list; default: the baseline, full)")
@@ -285,9 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Copy a dense task run's weights into a routed model and train its routing parameters: "
                     "stage 1 (--steps) with the dense model frozen (topk: by the KL to dense attention over "
                     "every key; meta: its controller by the task loss; mita has nothing to warm up); stage 2 "
-                    "(--sparse-steps) everything, on the task loss. A `routeformer train` LM run converts "
-                    "as the task-lm run its config translates to. Writes a task run directory "
-                    "that eval, sample and export-hf read (docs/sparsify.md).")
+                    "(--sparse-steps) everything, on the task loss. An LM run directory of the earlier "
+                    "layout converts as the task-lm run its config translates to. Writes a task run "
+                    "directory that eval, sample and export-hf read (docs/sparsify.md).")
     sparsify.add_argument("source", metavar="SRC", help="a run directory of routeformer train --task "
                                                         "or routeformer train, or its checkpoint file")
     sparsify.add_argument("--mechanism", required=True,

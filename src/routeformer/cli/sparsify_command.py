@@ -1,6 +1,6 @@
 """`routeformer sparsify SRC --mechanism NAME --out DIR`: a trained dense task run converted into a
-routed one by train/sparsify.py's two stages (a `routeformer train` LM run converts as the task-lm
-run its config translates to: `runner.lm_config.lm_run_as_task_run`), written as a task run
+routed one by train/sparsify.py's two stages (an LM run directory of the earlier layout converts as
+the task-lm run its config translates to: `runner.lm_config.lm_run_as_task_run`), written as a task run
 directory (`checkpoint.pt` through `save_task_model`, and `record.json`) that `eval`, `sample`,
 `export-hf` and `load_run_model` read. Everything is checked and trained before DIR is created: a refused
 command writes nothing."""
@@ -60,14 +60,14 @@ def command_sparsify(args: argparse.Namespace) -> int:
         raise ValueError(f"SRC {str(source)!r} is a transformers model directory, which converts in Python "
                          f"(routeformer.integrations.hf.sparsify_pretrained), not here; {SOURCE_KINDS}")
     run = load_run_model(source)
-    if run.task is None:  # a `routeformer train` LM run: converted as the task-lm run it equals
+    if run.task is None:  # an LM run of the earlier layout: converted as the task-lm run it equals
         from routeformer.runner.lm_config import lm_run_as_task_run
 
         try:
             run = lm_run_as_task_run(run)
         except ValueError as error:
-            raise ValueError(f"SRC {str(source)!r} is a `routeformer train` LM run that does not convert as "
-                             f"task lm: {error}") from None
+            raise ValueError(f"SRC {str(source)!r} is an LM run of the earlier layout that does not convert "
+                             f"as task lm: {error}") from None
     check_source(run.model)
     schedule = run.config.get("setup", {}).get("schedule", {})
     steps = args.steps if args.steps is not None else default_steps(run.step, args.mechanism)

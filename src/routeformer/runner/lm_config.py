@@ -56,7 +56,7 @@ def lm_config_job(config: Any, key: str) -> Job:
     mechanism: str | list[str] = layers[0] if len(set(layers)) == 1 else layers
     if isinstance(mechanism, str):
         options_of = dict(model.attention_options.get(mechanism, {}))
-    else:  # keyed by the layers' mechanisms, as the LM run's attention_options are
+    else:  # keyed by the layers' mechanisms, as the config's attention_options are
         options_of = {name: dict(values) for name, values in model.attention_options.items()
                       if name in layers and values}
     options: dict[str, Any] = {"corpus": data.corpus, "seq_len": data.seq_len}

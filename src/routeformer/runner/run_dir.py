@@ -9,12 +9,12 @@ model config, task name and options, the tokeniser of a text task; `eval`, `samp
 and `train.checkpoint.load_run_model` read it) and then `record.json` (train_on_task's record: the
 validation history, the test metrics, the parameter count). The task loop's training checkpoints
 `record.train<n>.pt` (and the job's `keep_checkpoints` - 1 before each, `.1.pt`, ...) sit beside
-them, kept when the run finishes as an LM run keeps its own (`cached_record`, train/task_loop.py):
+them, kept when the run finishes (`cached_record`, train/task_loop.py):
 a run that is interrupted and started again resumes after its newest intact checkpoint (its last
 evaluation, a `checkpoint_every` step, or the step Ctrl-C stopped it at) and ends with the same
 weights and record as one that never stopped; with none intact, a directory where an earlier run
 left metrics.jsonl lines or checkpoints moved aside as corrupt is refused rather than started over
-(`fresh` starts over), as an LM run directory is; a finished run is read back, not trained again
+(`fresh` starts over); a finished run is read back, not trained again
 (`log` hears so). A directory holding a run of another config is refused with the differences named
 (`fresh` starts over); the job's `log_every`, `checkpoint_every` and `keep_checkpoints` may change
 (config.json then holds the new ones), and so may the schedule of a one-stage run (RESCHEDULE_KEYS:
@@ -28,18 +28,17 @@ written, and a staged run's schedule cannot change.
 Nothing is written before the job's task builds with its options: a refused option leaves the
 directory as it was.
 
-While it trains, the run keeps `metrics.jsonl` (train/logging.py's `RunLog`, the LM run's log), one
-JSON object a line: one per validation evaluation as it is made, `{"step": N, "train_loss": ...,
-"aux_loss": ..., "val_<metric>": ...}` (the validation metrics of the history's record, `val_`
-prefixed: val_loss, val_accuracy, val_bits_per_char, ...; the training step's `attn_<key>` layer
-statistics of `log_stats` as they are; a staged run's `step` counts over all its
-stages and the line names its `stage`, 0 for the first), with the job's `log_every` a training line
-every that many updates before them (`{"step": N, "loss": ..., "aux_loss": ..., "lr": ...,
-"grad_norm": ..., "tokens_per_s": ...}`, as the LM run logs them), `{"step": N, "skipped": message}` for
-an update the non-finite guard skipped and, for a run resumed on a changed schedule, `{"step": N,
-"config_changes": {key: [before, now]}}` at the step it continues from (both as the LM run writes
-them), then, once the record is made (before record.json is stored), `{"step": N, "final": true,
-"test_<metric>": ...}` with the test at T. A
+While it trains, the run keeps `metrics.jsonl` (train/logging.py's `RunLog`), one JSON object a
+line: one per validation evaluation as it is made, `{"step": N, "train_loss": ..., "aux_loss": ...,
+"val_<metric>": ...}` (the validation metrics of the history's record, `val_` prefixed: val_loss,
+val_accuracy, val_bits_per_char, ...; the training step's `attn_<key>` layer statistics of
+`log_stats` as they are; a staged run's `step` counts over all its stages and the line names its
+`stage`, 0 for the first), with the job's `log_every` a training line every that many updates
+before them (`{"step": N, "loss": ..., "aux_loss": ..., "lr": ..., "grad_norm": ...,
+"tokens_per_s": ...}`), `{"step": N, "skipped": message}` for an update the non-finite guard
+skipped and, for a run resumed on a changed schedule, `{"step": N, "config_changes": {key: [before,
+now]}}` at the step it continues from, then, once the record is made (before record.json is
+stored), `{"step": N, "final": true, "test_<metric>": ...}` with the test at T. A
 resumed run first drops the lines past the step it resumed after (RunLog's `resume_step`), so every
 evaluation has one line; a finished run is read back and its file left as it is. With `logger`
 "tensorboard" the same values also go to TensorBoard event files in `tensorboard/` (`.[tensorboard]`).
@@ -135,7 +134,7 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
                 metrics.close()
         return {**record, "resumed": resumed} if record else record
 
-    if record_path.is_file() and log is not None:  # as the LM run says it
+    if record_path.is_file() and log is not None:
         steps = sum(stage.schedule.steps for stage in job.setup.stages)
         log(f"already finished at step {steps} ({RECORD_FILE} read back); nothing to train (more steps "
             "train on)")
@@ -168,8 +167,8 @@ class _TaskMetrics:
     new evaluation, dropping the lines from that step on (the lines past the step it resumed after:
     none lie between), or, resumed as finished, at the final line, keeping every line. A run resumed
     on a changed schedule (`changes` {key: (before, now)}, continuing after `step`) opens it at once,
-    dropping the lines past `step`, and writes `{"step": step, "config_changes": {key: [before, now]}}`
-    as the LM run does."""
+    dropping the lines past `step`, and writes `{"step": step, "config_changes": {key: [before,
+    now]}}`."""
 
     def __init__(self, out_dir: Path, logger: str, *, resuming: bool,
                  changes: dict[str, tuple[Any, Any]], step: int) -> None:

@@ -291,8 +291,8 @@ def save_task_model(directory: str | Path, model: Any, *, step: int, task: str, 
 
 
 def is_task_model(state: dict[str, Any]) -> bool:
-    """Whether a checkpoint's state is a task run's model (`save_task_model`) rather than a
-    `routeformer train` LM run's."""
+    """Whether a checkpoint's state is a task run's model (`save_task_model`) rather than the
+    training state of an LM run of the earlier layout."""
     return "task" in state and "model_config" in state
 
 

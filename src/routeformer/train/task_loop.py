@@ -380,7 +380,7 @@ def _resume(path: Path, config: TaskTrainConfig, driver: Driver) -> TaskHistory:
 
 def _skipped(step: int, message: str, say: Callable[[str], None], is_main: bool) -> None:
     """Tell of the update the non-finite guard skipped at `step` (process 0 also hands
-    `{"step": step, "skipped": message}` to the `evaluations_to` listener, as the LM run logs it)."""
+    `{"step": step, "skipped": message}` to the `evaluations_to` listener)."""
     say(message)
     if is_main and (listener := _EVALUATIONS.get()) is not None:
         listener({"step": step, "skipped": message})
@@ -495,7 +495,7 @@ def train_task(
         if context.is_main:
             model.eval()  # the step loop puts it back in train mode
             record = {"step": step, "train_loss": train_loss, "aux_loss": aux_loss, **evaluate(model)}
-            for key in config.log_stats:  # this process's training step, as the LM run logs them
+            for key in config.log_stats:  # this process's training step
                 if (value := layer_stat(output.stats, key)) is not None:
                     record[f"attn_{key}"] = value
             history.evals.append(record)

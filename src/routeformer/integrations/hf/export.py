@@ -1,9 +1,9 @@
 """`routeformer export-hf RUN_DIR OUT_DIR`: a trained run's checkpoint as a transformers
 `RouteformerForCausalLM` directory (config.json, model.safetensors) that
 `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads once `routeformer.integrations.hf` is
-imported. Either kind of run converts: a `routeformer train` LM run, and a `routeformer train
---task NAME` run whose model is causal (lm, code_lm, mqar, ...; a bidirectional task's model, such
-as listops', is not a causal LM and is refused). A run's tokeniser goes beside it as
+imported. A `routeformer train` run converts when its model is causal (lm, code_lm, mqar, ...; a
+bidirectional task's model, such as listops', is not a causal LM and is refused), and so does an LM
+run directory of the earlier layout. A run's tokeniser goes beside it as
 `routeformer_vocab.json` (`tokenizer_from_dict(json.load(...))` encodes and decodes text for the
 model; a task of abstract tokens has none), and `routeformer_run.json` says where the weights came
 from: the checkpoint file, its step and, for a task run, the task's name and options."""
