@@ -247,7 +247,8 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> tuple[dict[str, tuple[Any,
             remove_checkpoints(out_dir)
     if not config_path.is_file() and checkpoint_files(out_dir):
         raise ValueError(f"{str(out_dir)!r} holds checkpoints but no {CONFIG_FILE} of a task run (another "
-                         "kind of run); use --fresh to start over, or another --out")
+                         "kind of run, such as an LM run of the earlier layout, which does not resume); use "
+                         "--fresh to start over, or another --out")
     rescheduled: dict[str, tuple[Any, Any]] = {}
     step = 0
     if config_path.is_file():
