@@ -232,7 +232,7 @@ def test_a_jobs_weight_decay_reaches_adamw_and_is_saved(tmp_path, monkeypatch):
     record = run_in_directory(run, _small_job(weight_decay=0.25), log=lambda line: None)
     assert seen == [0.25] and record["train"]["weight_decay"] == 0.25
     assert json.loads((run / "config.json").read_text())["weight_decay"] == 0.25
-    with pytest.raises(ValueError, match=r"another config \(weight_decay 0.25 -> 0.1\)"):
+    with pytest.raises(ValueError, match=r"a finished run \(weight_decay 0.25 -> 0.1\): it trains on only"):
         run_in_directory(run, _small_job(), log=lambda line: None)
 
 

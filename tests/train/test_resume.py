@@ -81,20 +81,33 @@ def test_a_changed_model_is_refused_and_config_json_kept(finished_run, tmp_path)
 def test_a_longer_schedule_is_accepted_and_recorded(finished_run, tmp_path, capsys):
     run = copy_of(finished_run, tmp_path)
     capsys.readouterr()
-    result = train(quick_config(run, "--steps", "16", "--lr", "1e-3"))
+    result = train(quick_config(run, "--steps", "16", "--lr", "1e-3", "--beta2", "0.95"))
     assert result.step == 16 and [entry["step"] for entry in result.record["validation"]] == [6, 12, 16]
-    changes = {"setup.eval_every": [None, 6], "setup.schedule.lr": [0.003, 0.001],
-               "setup.schedule.steps": [12, 16]}
-    assert ("the run continues on a changed schedule: setup.eval_every None -> 6, setup.schedule.lr 0.003 -> "
-            "0.001, setup.schedule.steps 12 -> 16") in capsys.readouterr().err
+    changes = {"betas": [[0.9, 0.99], [0.9, 0.95]], "setup.eval_every": [None, 6],
+               "setup.schedule.lr": [0.003, 0.001], "setup.schedule.steps": [12, 16]}
+    assert ("the run continues on a changed schedule: betas [0.9, 0.99] -> [0.9, 0.95], setup.eval_every "
+            "None -> 6, setup.schedule.lr 0.003 -> 0.001, setup.schedule.steps 12 -> 16"
+            ) in capsys.readouterr().err
     assert next(record for record in records(run) if "config_changes" in record) == {
         "step": 12, "config_changes": changes}
     assert json.loads((run / "config.json").read_text())["setup"]["schedule"]["steps"] == 16
     assert json.loads((run / "config.before-step12.json").read_text())["setup"]["schedule"]["steps"] == 12
     assert json.loads((run / "record.before-step12.json").read_text())["validation"][-1]["step"] == 12
-    assert load_checkpoint(run / f"{TRAINING}.pt")["step"] == 16 and load_checkpoint(run)["step"] == 16
-    with pytest.raises(ValueError, match="holds a run of another config .*betas"):  # not the schedule
-        train(quick_config(run, "--steps", "16", "--lr", "1e-3", "--beta2", "0.95"), quiet=True)
+    saved = load_checkpoint(run / f"{TRAINING}.pt")
+    assert saved["step"] == 16 and load_checkpoint(run)["step"] == 16
+    assert saved["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.95)  # the optimizer took them
+    with pytest.raises(ValueError, match="holds a run of another config .*seed"):  # not the schedule
+        train(quick_config(run, "--steps", "16", "--lr", "1e-3", "--beta2", "0.95", "--seed", "1"),
+              quiet=True)
+
+
+def test_an_interrupted_run_may_resume_under_another_precision_and_weight_decay(tmp_path, monkeypatch):
+    split = _stopped_in_step_11(tmp_path, monkeypatch)
+    result = train(quick_config(split, "--precision", "bf16", "--weight_decay", "0.01"), quiet=True)
+    assert result.record["resumed"] == [f"resumed from {TRAINING}.pt after step 10"]
+    assert result.record["train"]["precision"] == "bf16" and result.record["train"]["weight_decay"] == 0.01
+    decay = load_checkpoint(split / f"{TRAINING}.pt")["optimizer"]["param_groups"][0]["weight_decay"]
+    assert decay == 0.01
 
 
 def test_fresh_starts_over(finished_run, tmp_path):

@@ -47,7 +47,7 @@ def test_betas_and_tying_train_and_are_recorded(tmp_path, capsys):
     capsys.readouterr()
     assert main([*RUN, "--betas", "0.9", "0.95", "--model.tie_embeddings", "true", "--out", str(run)]) == 2
     error = capsys.readouterr().err
-    assert "holds a run of another config" in error and "betas" in error
+    assert "holds a finished run (betas" in error and "only with more steps" in error
 
 
 @pytest.mark.parametrize(("arguments", "named"), [

@@ -50,10 +50,10 @@ def test_bf16_trains_under_autocast_evaluates_in_fp32_and_is_recorded(tmp_path, 
     assert main(["eval", str(run)]) == 0
     assert json.loads(capsys.readouterr().out)["accuracy"] == record["validation"][-1]["accuracy"]
 
-    # The same directory asked for at fp32 is another run: refused, naming the difference.
+    # The finished run asked for at fp32 with no more steps: refused, naming the difference.
     assert main([*RUN, "--out", str(run)]) == 2
     error = capsys.readouterr().err
-    assert "holds a run of another config" in error and "precision" in error
+    assert "holds a finished run (precision 'bf16' -> 'fp32')" in error and "only with more steps" in error
 
 
 def test_fp32_is_the_default_and_config_json_leaves_it_out(tmp_path):

@@ -18,7 +18,8 @@ left metrics.jsonl lines or checkpoints moved aside as corrupt is refused rather
 (`log` hears so). A directory holding a run of another config is refused with the differences named
 (`fresh` starts over); the job's `log_every`, `checkpoint_every` and `keep_checkpoints` may change
 (config.json then holds the new ones), and so may the schedule of a one-stage run (RESCHEDULE_KEYS:
-steps, learning rate, warm-up, batch size, evaluations, validation and test sizes): it continues
+steps, learning rate, warm-up, batch size, evaluations, validation and test sizes, AdamW's betas and
+weight decay, the precision, the non-finite limit, the logged statistics): it continues
 from its newest checkpoint on the new schedule (`train.task_loop.schedule_may_change`), the config
 it replaces kept as `config.before-step<N>.json`. A finished run continues so only with more steps
 than it has (its record.json then kept as `record.before-step<N>.json`, its final line in
@@ -219,9 +220,11 @@ def _check_logger(logger: Any) -> None:
                              "pip install 'routeformer[tensorboard]'") from None
 
 
-# config.json keys (flattened) a resume of a one-stage run may change: its schedule
+# config.json keys (flattened) a resume of a one-stage run may change: its schedule, its evaluations
+# and the settings of the steps still to come (train.task_loop.SCHEDULE_FIELDS)
 RESCHEDULE_KEYS = ("setup.schedule.", "setup.evals", "setup.eval_every", "setup.validation_sequences",
-                   "setup.test_sequences")
+                   "setup.test_sequences", "precision", "betas", "weight_decay", "max_nonfinite_steps",
+                   "log_stats")
 
 
 def _prepare(out_dir: Path, job: Job, fresh: bool) -> tuple[dict[str, tuple[Any, Any]], int]:

@@ -178,8 +178,10 @@ TRAIN_FIELD_DEFAULTS: dict[str, Any] = {"precision": TASK_PRECISIONS[0], "betas"
                                         "log_every": 0, "checkpoint_every": 0, "keep_checkpoints": 2}
 # TaskTrainConfig fields that say how a run is watched, not what it trains: a resumed run may change them
 WATCH_FIELDS = ("log_every", "checkpoint_every", "keep_checkpoints")
-# TaskTrainConfig fields a resume inside `schedule_may_change` may change
-SCHEDULE_FIELDS = ("schedule", "eval_every")
+# TaskTrainConfig fields a resume inside `schedule_may_change` may change: the schedule and how the
+# optimizer, the forward's precision and the guard treat the steps still to come
+SCHEDULE_FIELDS = ("schedule", "eval_every", "precision", "betas", "weight_decay", "max_nonfinite_steps",
+                   "log_stats")
 
 
 def json_form(value: Any) -> Any:
@@ -295,11 +297,13 @@ def resumable_training(directory: str | Path, key: str) -> Iterator[None]:
 @contextmanager
 def schedule_may_change() -> Iterator[None]:
     """Inside the block a `train_task` call resumes from a checkpoint written with another schedule
-    (SCHEDULE_FIELDS: more steps, another learning rate or batch size, other evaluation steps): it
+    (SCHEDULE_FIELDS: more steps, another learning rate or batch size, other evaluation steps, and
+    AdamW's betas and weight decay, the precision, the non-finite limit, the logged statistics): it
     continues from the checkpoint's step, with its weights, optimizer and generator states, on the
-    new schedule. A checkpoint past the new schedule's last step is a ValueError. Outside the block
-    any change is refused (a sweep never resumes a run as another); `runner.run_dir` opens it for a
-    run directory whose schedule the user changed."""
+    new schedule and settings (the optimizer takes the new betas and weight decay). A checkpoint
+    past the new schedule's last step is a ValueError. Outside the block any change is refused (a
+    sweep never resumes a run as another); `runner.run_dir` opens it for a run directory whose
+    schedule the user changed."""
     token = _SCHEDULE_MAY_CHANGE.set(True)
     try:
         yield
