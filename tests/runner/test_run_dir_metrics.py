@@ -13,6 +13,7 @@ from routeformer.compare.budgets import Stage, curriculum_setup
 from routeformer.runner import run_dir
 from routeformer.runner.jobs import Job, TaskSetup, run_jobs, train_job
 from routeformer.runner.run_dir import METRICS_FILE, run_in_directory
+from routeformer.train.checkpoint import load_checkpoint
 from routeformer.train.on_task import ModelSpec
 from routeformer.train.progress import read_records
 from routeformer.train.schedule import Schedule
@@ -326,6 +327,7 @@ def test_a_finished_run_trains_on_with_more_steps(tmp_path, capsys, monkeypatch)
     assert [(line["step"], sorted(set(line) & {"final", "config_changes"})) for line in lines] == [
         (2, []), (4, []), (6, []), (6, ["final"]), (6, ["config_changes"]), (9, []), (9, ["final"])]
     assert main(["eval", str(out)]) == 0 and json.loads(capsys.readouterr().out)["step"] == 9
+    assert load_checkpoint(out / "checkpoint.1.pt")["step"] == 6  # the earlier model, kept
     stopped = tmp_path / "stopped"  # the same 6 steps, stopped before its record was stored
     _train(capsys, stopped)
     (stopped / "record.json").unlink()

@@ -23,7 +23,8 @@ weight decay, the precision, the non-finite limit, the logged statistics): it co
 from its newest checkpoint on the new schedule (`train.task_loop.schedule_may_change`), the config
 it replaces kept as `config.before-step<N>.json`. A finished run continues so only with more steps
 than it has (its record.json then kept as `record.before-step<N>.json`, its final line in
-metrics.jsonl left in place, its checkpoint.pt replaced when the longer run ends), and only from a
+metrics.jsonl left in place; when the longer run ends its model is checkpoint.pt and the earlier one
+checkpoint.1.pt), and only from a
 training checkpoint; a checkpoint past the new schedule's end is refused before anything is
 written, and a staged run's schedule cannot change.
 Nothing is written before the job's task builds with its options: a refused option leaves the
