@@ -159,14 +159,28 @@ def test_a_real_sigint_to_the_command_resumes_bit_exactly(tmp_path):
 
 
 def test_a_sigint_while_the_command_starts_is_one_line_and_changes_nothing(whole, tmp_path):
+    """A real SIGINT while the package imports torch: a finder that holds the import of torch for a
+    few seconds (sitecustomize.py) keeps the command in its start-up when the signal arrives, on a
+    fast machine or a loaded one."""
     import shutil
 
     run = shutil.copytree(whole[0], tmp_path / "run")
     before = {path.name: path.read_bytes() for path in run.iterdir()}
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(
+        "import sys, time\n"
+        "class HoldTorch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            sys.meta_path.remove(self)\n"
+        "            time.sleep(8)\n"
+        "sys.meta_path.insert(0, HoldTorch())\n")
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path / "site"), *filter(None, [os.environ.get("PYTHONPATH")])])}
     child = subprocess.Popen([sys.executable, "-m", "routeformer.cli", "train", *["--config", "tiny"],
                               "--out_dir", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, preexec_fn=_default_sigint)
-    time.sleep(1.0)  # importing torch and routeformer
+                             text=True, preexec_fn=_default_sigint, env=environment)
+    time.sleep(2.0)  # past Python's own start, inside the held import of torch
     child.send_signal(signal.SIGINT)
     try:
         out, err = child.communicate(timeout=120)
