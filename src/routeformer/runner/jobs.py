@@ -179,7 +179,7 @@ def train_job(job: Job, log: Callable[[str], None] | None = None,
     setup = job.setup
     name = setup.task_name(job.task)
     task = build_task(name, **job.task_options)
-    total = sum(stage.schedule.steps for stage in setup.stages)
+    total = setup.total_steps
     configs = [TaskTrainConfig(stage.schedule, eval_every=setup.eval_every_in(stage.schedule.steps),
                                seed=job.seed, precision=job.precision, betas=job.betas,
                                weight_decay=job.weight_decay, max_nonfinite_steps=job.max_nonfinite_steps,
@@ -495,7 +495,7 @@ def keep_job_model(out_dir: str | Path, job: Job, model: Any, task: Any = None) 
     if not (out_dir / "config.json").is_file():
         write_text_atomic(out_dir / "config.json", json.dumps(config, indent=1) + "\n")
     vocab = getattr(task, "vocab", None)  # the text tasks' tokeniser (lm, code_lm)
-    return save_task_model(out_dir, model, step=sum(stage.schedule.steps for stage in job.setup.stages),
+    return save_task_model(out_dir, model, step=job.setup.total_steps,
                            task=job.setup.task_name(job.task), task_options=job.task_options, run=config,
                            vocab=None if vocab is None else vocab.to_dict())
 

@@ -60,7 +60,7 @@ from routeformer.runner.jobs import Job, built_task, cached_record, job_config, 
 from routeformer.train.config import LOGGERS
 from routeformer.train.logging import RunLog
 from routeformer.train.progress import read_records
-from routeformer.train.task_loop import schedule_may_change
+from routeformer.train.task_loop import SCHEDULE_FIELDS, schedule_may_change
 
 CONFIG_FILE, RECORD_FILE, METRICS_FILE = "config.json", "record.json", "metrics.jsonl"
 RESUME_LINE = "resumed from "  # how the task loop's log says it resumed (train/task_loop.py)
@@ -129,7 +129,7 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
                                keep_model=lambda model: keep_job_model(out_dir, job, model, task),
                                on_eval=None if metrics is None else metrics.evaluation)
             if metrics is not None and record:
-                metrics.final(sum(stage.schedule.steps for stage in job.setup.stages),
+                metrics.final(job.setup.total_steps,
                               record["test"] if "test" in record else record["tests"][str(task.seq_len)])
         finally:
             if metrics is not None:
@@ -137,9 +137,8 @@ def run_in_directory(out_dir: str | Path, job: Job, *, fresh: bool = False,
         return {**record, "resumed": resumed} if record else record
 
     if record_path.is_file() and log is not None:
-        steps = sum(stage.schedule.steps for stage in job.setup.stages)
-        log(f"already finished at step {steps} ({RECORD_FILE} read back); nothing to train (more steps "
-            "train on)")
+        log(f"already finished at step {job.setup.total_steps} ({RECORD_FILE} read back); nothing to "
+            "train (more steps train on)")
     with schedule_may_change():  # _prepare let through only the schedule changes it accepts
         return cached_record(record_path, train, keep_training_state=True)
 
@@ -222,10 +221,10 @@ def _check_logger(logger: Any) -> None:
 
 
 # config.json keys (flattened) a resume of a one-stage run may change: its schedule, its evaluations
-# and the settings of the steps still to come (train.task_loop.SCHEDULE_FIELDS)
+# and the job fields of the training settings train.task_loop.SCHEDULE_FIELDS lets change
 RESCHEDULE_KEYS = ("setup.schedule.", "setup.evals", "setup.eval_every", "setup.validation_sequences",
-                   "setup.test_sequences", "precision", "betas", "weight_decay", "max_nonfinite_steps",
-                   "log_stats")
+                   "setup.test_sequences",
+                   *(name for name in SCHEDULE_FIELDS if name not in ("schedule", "eval_every")))
 
 
 def _prepare(out_dir: Path, job: Job, fresh: bool) -> tuple[dict[str, tuple[Any, Any]], int]:
@@ -272,7 +271,7 @@ def _prepare(out_dir: Path, job: Job, fresh: bool) -> tuple[dict[str, tuple[Any,
             write_text_atomic(out_dir / f"config.before-step{step}.json", json.dumps(saved, indent=1) + "\n")
             if record_path.is_file():  # a finished run trains on: its record is kept beside the config
                 os.replace(record_path, out_dir / f"{record_path.stem}.before-step{step}.json")
-    if not fresh and not record_path.is_file():
+    if not fresh and not record_path.is_file() and not step:  # step: a rescheduled run found one intact
         _check_nothing_lost(out_dir, record_path.stem)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(config_path, json.dumps(config, indent=1) + "\n")
@@ -284,8 +283,10 @@ def _checked_reschedule(out_dir: Path, job: Job, record_path: Path, changes: str
     its newest intact training checkpoint's, 0 without one. Raises ValueError, before anything is
     written, when that step is past the job's steps, or when the run finished (`record_path` is
     there) and has no training checkpoint or no steps left to train."""
-    step = _newest_step(out_dir, record_path.stem)
-    steps = sum(stage.schedule.steps for stage in job.setup.stages)
+    from routeformer.train.checkpoint import checkpoint_files
+
+    step = _intact_step(checkpoint_files(out_dir, f"{record_path.stem}.train0"))
+    steps = job.setup.total_steps
     if step is not None and step > steps:
         raise ValueError(f"{str(out_dir)!r}: its newest checkpoint is at step {step}, past the {steps} "
                          f"steps the run now has; give at least {step}")
@@ -304,20 +305,13 @@ def _checked_reschedule(out_dir: Path, job: Job, record_path: Path, changes: str
 def _check_nothing_lost(out_dir: Path, stem: str) -> None:
     """ValueError when an earlier run in `out_dir` left metrics.jsonl lines or training checkpoints
     moved aside as corrupt but no intact training checkpoint: starting over would replace them."""
-    from routeformer.train.checkpoint import CheckpointError, load_checkpoint
     from routeformer.train.resume import earlier_run
     from routeformer.train.task_loop import training_checkpoints
 
     left = earlier_run(out_dir, f"{stem}.train")
     checkpoints = training_checkpoints(out_dir, stem)
-    if not (left or checkpoints):
+    if not (left or checkpoints) or _intact_step(checkpoints) is not None:
         return
-    for path in checkpoints:
-        try:
-            load_checkpoint(path)
-            return
-        except CheckpointError:
-            continue
     what = " and ".join(part for part in (left, checkpoints and f"{len(checkpoints)} training checkpoint(s), "
                                           "none intact") if part)
     raise ValueError(f"{str(out_dir)!r} holds {what} but no intact checkpoint to resume from; not starting "
@@ -325,12 +319,11 @@ def _check_nothing_lost(out_dir: Path, stem: str) -> None:
                      "another --out")
 
 
-def _newest_step(out_dir: Path, stem: str) -> int | None:
-    """The step of the newest intact training checkpoint `<stem>.train0.pt` (or one kept before it)
-    in `out_dir`; None without one."""
-    from routeformer.train.checkpoint import CheckpointError, checkpoint_files, load_checkpoint
+def _intact_step(paths: list[Path]) -> int | None:
+    """The step of the first of the checkpoints `paths` that loads intact; None when none does."""
+    from routeformer.train.checkpoint import CheckpointError, load_checkpoint
 
-    for path in checkpoint_files(out_dir, f"{stem}.train0"):
+    for path in paths:
         try:
             return int(load_checkpoint(path)["step"])
         except CheckpointError:

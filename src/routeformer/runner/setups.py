@@ -77,6 +77,11 @@ class TaskSetup:
         return (*self.curriculum, Stage({}, self.schedule))
 
     @property
+    def total_steps(self) -> int:
+        """The training steps of every stage together."""
+        return sum(stage.schedule.steps for stage in self.stages)
+
+    @property
     def staged(self) -> bool:
         """Whether runs of this setup go through stages or lengths beyond T (see the module docstring)."""
         return bool(self.curriculum or self.eval_multiples)

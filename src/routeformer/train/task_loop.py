@@ -365,8 +365,7 @@ def _resume_intact(path: Path, config: TaskTrainConfig, driver: Driver, log: Cal
 def _resume(path: Path, config: TaskTrainConfig, driver: Driver) -> TaskHistory:
     """The history so far from the checkpoint at `path`, its state restored into `driver`
     (ValueError when it was written with another training config: inside `schedule_may_change`,
-    one that differs in more than its schedule and evaluation interval, or whose step is past the
-    new schedule's end)."""
+    one that differs in more than SCHEDULE_FIELDS, or whose step is past the new schedule's end)."""
     state = load_checkpoint(path)
     ignored = SCHEDULE_FIELDS if _SCHEDULE_MAY_CHANGE.get() else ()
     if _trained(with_defaults(state["config"], TRAIN_FIELD_DEFAULTS), ignored) \
